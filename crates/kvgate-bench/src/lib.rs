@@ -1,0 +1,4 @@
+//! kvgate-bench (see ../shared/ARCHITECTURE.md).
+#![forbid(unsafe_code)]
+
+pub mod cli;

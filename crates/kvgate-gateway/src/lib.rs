@@ -1,0 +1,4 @@
+//! kvgate-gateway (see ../shared/ARCHITECTURE.md).
+#![forbid(unsafe_code)]
+
+pub mod cli;

@@ -1,0 +1,16 @@
+//! kvgate-protocol: wire formats without I/O.
+//!
+//! - `openai`: borrowed views of the routing fields of OpenAI requests (the body is never re-serialized).
+//! - `sse`: incremental scanner for `text/event-stream` responses (token timing, usage, errors).
+//! - `error`: the OpenAI error JSON shape.
+//! - `kv_events`: vLLM / SGLang KV-event decoding (ZMQ multipart + msgpack, both encodings).
+//! - `trtllm`: TensorRT-LLM `/kv_cache_events` JSON and iteration stats.
+//! - `prom_text`: a tolerant Prometheus text-format parser for scraping workers.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod kv_events;
+pub mod openai;
+pub mod prom_text;
+pub mod sse;
+pub mod trtllm;
