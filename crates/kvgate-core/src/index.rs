@@ -1,0 +1,523 @@
+//! [`KvIndex`]: which worker holds which KV block, from two sources behind one interface.
+//!
+//! - **Exact** workers are fed by the engine's KV events ([`KvIndex::apply_stored`],
+//!   [`KvIndex::apply_removed`], [`KvIndex::clear_worker`]). The engine's block hash is opaque: we keep a
+//!   per-worker map engine hash → router hash, and recompute router hashes from the event's token ids,
+//!   chained from the parent's router hash.
+//! - **Approximate** workers publish no events; [`KvIndex::record_routed`] inserts the blocks of every
+//!   request we route there, alive for a TTL after last use and bounded by an LRU capacity.
+//!
+//! Storage is one flat map router hash → [`WorkerSet`] (chained hashes identify the whole prefix, so
+//! no tree is needed) plus the per-worker state above. A query walks the request's hashes once and
+//! extends each worker's run only if it is still unbroken: O(blocks + matching (block, worker) pairs),
+//! stopping at the first block no unbroken worker holds.
+//!
+//! Not internally synchronised: writes take `&mut self`, queries `&self`. Wrap it in an `RwLock` (or
+//! shard it) in the caller.
+
+mod approx;
+mod overlap;
+mod worker_set;
+
+pub use overlap::OverlapScores;
+
+use crate::hash::next_hash;
+use crate::nohash::{table_bytes, HashKeyed, MixKeyed};
+use crate::{BlockHash, WorkerId};
+use approx::ApproxWorker;
+use std::time::{Duration, Instant};
+use worker_set::WorkerSet;
+
+/// Settings of an approximate worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApproxConfig {
+    /// Lifetime of a block after its last routed use (default 120 s, as Dynamo's `--router-ttl-secs`).
+    pub ttl: Duration,
+    /// Most blocks remembered for the worker; least recently used go first (default 2^18). Set it to
+    /// the worker's `num_gpu_blocks` when known ([`KvIndex::set_capacity`]).
+    pub capacity_blocks: usize,
+}
+
+impl Default for ApproxConfig {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(120),
+            capacity_blocks: 1 << 18,
+        }
+    }
+}
+
+/// How a worker's blocks are learned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IndexMode {
+    /// From the engine's KV events.
+    #[default]
+    Exact,
+    /// From our own routing decisions.
+    Approximate(ApproxConfig),
+}
+
+/// Why an event could not be applied. Nothing is applied when an error is returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IndexError {
+    /// The event's parent block is not known for this worker (missed event, or evicted): the caller
+    /// should count it and may re-sync the worker.
+    UnknownParent {
+        /// The worker.
+        worker: WorkerId,
+        /// The engine's parent hash.
+        parent: u64,
+    },
+    /// `token_ids.len() != engine_hashes.len() * block_size` (block-size mismatch, or partial block).
+    TokenCount {
+        /// The worker.
+        worker: WorkerId,
+        /// Blocks in the event.
+        blocks: usize,
+        /// Tokens in the event.
+        tokens: usize,
+        /// The block size the router expects.
+        block_size: usize,
+    },
+    /// Block size 0.
+    ZeroBlockSize,
+    /// Events for a worker configured as approximate (call [`KvIndex::set_mode`] first).
+    NotExact {
+        /// The worker.
+        worker: WorkerId,
+    },
+}
+
+impl std::fmt::Display for IndexError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IndexError::UnknownParent { worker, parent } => {
+                write!(f, "worker {worker}: stored event's parent block {parent} is unknown")
+            }
+            IndexError::TokenCount {
+                worker,
+                blocks,
+                tokens,
+                block_size,
+            } => write!(
+                f,
+                "worker {worker}: {blocks} blocks with {tokens} tokens do not match block size {block_size}"
+            ),
+            IndexError::ZeroBlockSize => write!(f, "block size must be at least 1"),
+            IndexError::NotExact { worker } => {
+                write!(f, "worker {worker} is in approximate mode; KV events are not applied")
+            }
+        }
+    }
+}
+
+impl std::error::Error for IndexError {}
+
+#[derive(Debug, Default)]
+struct ExactWorker {
+    engine_to_router: MixKeyed<BlockHash>,
+    /// Router hashes held through more than one engine hash: extra references beyond the first.
+    /// Empty in practice (engines hash content too), but it keeps removal correct if they differ.
+    extra_refs: HashKeyed<u32>,
+}
+
+impl ExactWorker {
+    fn distinct(&self) -> usize {
+        self.engine_to_router.len() - self.extra_refs.values().map(|&n| n as usize).sum::<usize>()
+    }
+}
+
+#[derive(Debug)]
+enum WorkerIndex {
+    Exact(ExactWorker),
+    Approx(ApproxWorker),
+}
+
+/// The KV block index. See the module docs.
+#[derive(Debug, Default)]
+pub struct KvIndex {
+    blocks: HashKeyed<WorkerSet>,
+    workers: Vec<Option<WorkerIndex>>,
+    /// (block, worker) pairs.
+    entries: usize,
+    /// Time origin for approximate timestamps (set by the first approximate insert).
+    epoch: Option<Instant>,
+}
+
+fn link(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
+    blocks.entry(h).or_default().insert(w)
+}
+
+fn unlink(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
+    let Some(set) = blocks.get_mut(&h) else {
+        return false;
+    };
+    let removed = set.remove(w);
+    if set.is_empty() {
+        blocks.remove(&h);
+    }
+    removed
+}
+
+impl KvIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn slot(&self, w: WorkerId) -> Option<&WorkerIndex> {
+        self.workers.get(w.index()).and_then(|s| s.as_ref())
+    }
+
+    fn ns(&self, now: Instant) -> u64 {
+        self.epoch.map_or(0, |e| {
+            now.saturating_duration_since(e)
+                .as_nanos()
+                .min(u64::MAX as u128) as u64
+        })
+    }
+
+    /// Sets a worker's mode (registering it). Changing between exact and approximate drops the
+    /// worker's blocks; changing only the approximate settings keeps them (evicting down to the new
+    /// capacity).
+    pub fn set_mode(&mut self, worker: WorkerId, mode: IndexMode) {
+        let i = worker.index();
+        if i >= self.workers.len() {
+            self.workers.resize_with(i + 1, || None);
+        }
+        match (&mut self.workers[i], mode) {
+            (Some(WorkerIndex::Exact(_)), IndexMode::Exact) => {}
+            (Some(WorkerIndex::Approx(a)), IndexMode::Approximate(cfg)) => {
+                a.ttl_ns = duration_ns(cfg.ttl);
+                a.capacity = cfg.capacity_blocks;
+                let blocks = &mut self.blocks;
+                let n = a.enforce_capacity(|h| {
+                    unlink(blocks, h, worker);
+                });
+                self.entries -= n;
+            }
+            _ => {
+                self.remove_worker(worker);
+                self.workers[i] = Some(match mode {
+                    IndexMode::Exact => WorkerIndex::Exact(ExactWorker::default()),
+                    IndexMode::Approximate(cfg) => WorkerIndex::Approx(ApproxWorker::new(
+                        duration_ns(cfg.ttl),
+                        cfg.capacity_blocks,
+                    )),
+                });
+            }
+        }
+    }
+
+    /// The worker's mode, `None` if unknown.
+    pub fn mode(&self, worker: WorkerId) -> Option<IndexMode> {
+        self.slot(worker).map(|s| match s {
+            WorkerIndex::Exact(_) => IndexMode::Exact,
+            WorkerIndex::Approx(a) => IndexMode::Approximate(ApproxConfig {
+                ttl: Duration::from_nanos(a.ttl_ns),
+                capacity_blocks: a.capacity,
+            }),
+        })
+    }
+
+    /// Applies a `BlockStored` event: `engine_hashes[i]` holds tokens
+    /// `token_ids[i*block_size..(i+1)*block_size]`, chained after `parent_engine_hash` (`None` = the
+    /// sequence's first block). Router hashes are recomputed from the tokens with `seed` (see
+    /// [`crate::hash_seed`]). Idempotent. An unknown worker is registered as exact. Returns the number
+    /// of (block, worker) entries newly added.
+    pub fn apply_stored(
+        &mut self,
+        worker: WorkerId,
+        parent_engine_hash: Option<u64>,
+        engine_hashes: &[u64],
+        token_ids: &[u32],
+        block_size: usize,
+        seed: u64,
+    ) -> Result<usize, IndexError> {
+        if block_size == 0 {
+            return Err(IndexError::ZeroBlockSize);
+        }
+        if token_ids.len() != engine_hashes.len().saturating_mul(block_size) {
+            return Err(IndexError::TokenCount {
+                worker,
+                blocks: engine_hashes.len(),
+                tokens: token_ids.len(),
+                block_size,
+            });
+        }
+        if self.slot(worker).is_none() {
+            self.set_mode(worker, IndexMode::Exact);
+        }
+        let Some(WorkerIndex::Exact(ex)) = self.workers[worker.index()].as_mut() else {
+            return Err(IndexError::NotExact { worker });
+        };
+        let mut parent = match parent_engine_hash {
+            None => None,
+            Some(p) => match ex.engine_to_router.get(&p) {
+                Some(&r) => Some(r),
+                None => return Err(IndexError::UnknownParent { worker, parent: p }),
+            },
+        };
+        let mut added = 0;
+        for (&e, block) in engine_hashes.iter().zip(token_ids.chunks_exact(block_size)) {
+            let r = next_hash(parent, block, seed);
+            parent = Some(r);
+            match ex.engine_to_router.insert(e, r) {
+                Some(old) if old == r => continue,
+                Some(old) => {
+                    // The engine reused a hash for other content: forget the old mapping first.
+                    if release(ex, &mut self.blocks, old, worker) {
+                        self.entries -= 1;
+                    }
+                }
+                None => {}
+            }
+            if link(&mut self.blocks, r, worker) {
+                added += 1;
+            } else {
+                *ex.extra_refs.entry(r).or_insert(0) += 1;
+            }
+        }
+        self.entries += added;
+        Ok(added)
+    }
+
+    /// Applies a `BlockRemoved` event. Unknown hashes are ignored (already removed, or never seen).
+    /// Returns the number of engine hashes that were known.
+    pub fn apply_removed(&mut self, worker: WorkerId, engine_hashes: &[u64]) -> usize {
+        let Some(Some(WorkerIndex::Exact(ex))) = self.workers.get_mut(worker.index()) else {
+            return 0;
+        };
+        let mut known = 0;
+        for e in engine_hashes {
+            if let Some(r) = ex.engine_to_router.remove(e) {
+                known += 1;
+                if release(ex, &mut self.blocks, r, worker) {
+                    self.entries -= 1;
+                }
+            }
+        }
+        known
+    }
+
+    /// Drops every block of the worker (`AllBlocksCleared`, engine restart) but keeps its mode.
+    pub fn clear_worker(&mut self, worker: WorkerId) {
+        let Some(Some(slot)) = self.workers.get_mut(worker.index()) else {
+            return;
+        };
+        let blocks = &mut self.blocks;
+        let mut n = 0;
+        match slot {
+            WorkerIndex::Exact(ex) => {
+                for (_, r) in ex.engine_to_router.drain() {
+                    if unlink(blocks, r, worker) {
+                        n += 1;
+                    }
+                }
+                ex.extra_refs.clear();
+            }
+            WorkerIndex::Approx(a) => a.drain(|h| {
+                if unlink(blocks, h, worker) {
+                    n += 1;
+                }
+            }),
+        }
+        self.entries -= n;
+    }
+
+    /// Forgets the worker entirely (blocks and mode).
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        self.clear_worker(worker);
+        if let Some(slot) = self.workers.get_mut(worker.index()) {
+            *slot = None;
+        }
+    }
+
+    /// Approximate mode: records that the request with these chained hashes was routed to `worker`
+    /// at `now` (new blocks inserted, known ones refreshed, LRU beyond capacity evicted). An unknown
+    /// worker is registered as approximate with [`ApproxConfig::default`]; an exact worker ignores
+    /// this (returns 0). Returns the number of new blocks.
+    pub fn record_routed(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Instant) -> usize {
+        if self.epoch.is_none() {
+            self.epoch = Some(now);
+        }
+        if self.slot(worker).is_none() {
+            self.set_mode(worker, IndexMode::Approximate(ApproxConfig::default()));
+        }
+        let now_ns = self.ns(now);
+        let Some(WorkerIndex::Approx(a)) = self.workers[worker.index()].as_mut() else {
+            return 0;
+        };
+        let blocks = &mut self.blocks;
+        let mut gone = a.expire(now_ns, |h| {
+            unlink(blocks, h, worker);
+        });
+        let mut added = 0;
+        for &h in hashes {
+            if a.touch(h, now_ns) {
+                link(blocks, h, worker);
+                added += 1;
+            }
+        }
+        gone += a.enforce_capacity(|h| {
+            unlink(blocks, h, worker);
+        });
+        self.entries = self.entries + added - gone;
+        added
+    }
+
+    /// Approximate mode: drops blocks whose TTL has passed. Returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let now_ns = self.ns(now);
+        let blocks = &mut self.blocks;
+        let mut gone = 0;
+        for (i, slot) in self.workers.iter_mut().enumerate() {
+            if let Some(WorkerIndex::Approx(a)) = slot {
+                let w = WorkerId(i as u32);
+                gone += a.expire(now_ns, |h| {
+                    unlink(blocks, h, w);
+                });
+            }
+        }
+        self.entries -= gone;
+        gone
+    }
+
+    /// For the request's chained hashes, each worker's longest consecutive run of held blocks from
+    /// block 0, written to `out` (cleared first). Approximate blocks past their TTL at `now` do not
+    /// count even before [`KvIndex::expire`] runs.
+    pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
+        out.clear();
+        let now_ns = self.ns(now);
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(set) = self.blocks.get(h) else {
+                break;
+            };
+            let i = i as u32;
+            let mut extended = false;
+            for w in set.iter() {
+                if out.get(w) != i {
+                    continue; // its run broke earlier
+                }
+                if let Some(WorkerIndex::Approx(a)) = self.slot(w) {
+                    if !a.is_live(*h, now_ns) {
+                        continue;
+                    }
+                }
+                out.set(w, i + 1);
+                extended = true;
+            }
+            if !extended {
+                break;
+            }
+        }
+    }
+
+    /// Distinct blocks the worker holds.
+    pub fn blocks_for(&self, worker: WorkerId) -> usize {
+        match self.slot(worker) {
+            None => 0,
+            Some(WorkerIndex::Exact(ex)) => ex.distinct(),
+            Some(WorkerIndex::Approx(a)) => a.len(),
+        }
+    }
+
+    /// (block, worker) pairs over all workers.
+    pub fn total_entries(&self) -> usize {
+        self.entries
+    }
+
+    /// Distinct blocks over all workers.
+    pub fn distinct_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether `worker` holds the router hash `h` (ignoring TTL).
+    pub fn contains(&self, worker: WorkerId, h: BlockHash) -> bool {
+        self.blocks.get(&h).is_some_and(|s| s.contains(worker))
+    }
+
+    /// The engine hashes the worker holds (exact mode), sorted. For tests and debugging.
+    pub fn engine_hashes(&self, worker: WorkerId) -> Vec<u64> {
+        let mut v: Vec<u64> = match self.slot(worker) {
+            Some(WorkerIndex::Exact(ex)) => ex.engine_to_router.keys().copied().collect(),
+            _ => Vec::new(),
+        };
+        v.sort_unstable();
+        v
+    }
+
+    /// The router hashes the worker holds, sorted and deduplicated. For tests and debugging.
+    pub fn router_hashes(&self, worker: WorkerId) -> Vec<BlockHash> {
+        let mut v: Vec<u64> = match self.slot(worker) {
+            Some(WorkerIndex::Exact(ex)) => ex.engine_to_router.values().copied().collect(),
+            Some(WorkerIndex::Approx(a)) => a.hashes().collect(),
+            None => Vec::new(),
+        };
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// The router hash an engine hash maps to on this worker (exact mode).
+    pub fn router_hash_of(&self, worker: WorkerId, engine_hash: u64) -> Option<BlockHash> {
+        match self.slot(worker) {
+            Some(WorkerIndex::Exact(ex)) => ex.engine_to_router.get(&engine_hash).copied(),
+            _ => None,
+        }
+    }
+
+    /// Sets an approximate worker's capacity (e.g. from its scraped `num_gpu_blocks`), evicting
+    /// least recently used blocks beyond it. No effect on exact or unknown workers.
+    pub fn set_capacity(&mut self, worker: WorkerId, blocks: usize) {
+        if let Some(IndexMode::Approximate(mut cfg)) = self.mode(worker) {
+            cfg.capacity_blocks = blocks;
+            self.set_mode(worker, IndexMode::Approximate(cfg));
+        }
+    }
+
+    /// Estimated heap bytes of all index structures (from table capacities), for the memory metric.
+    pub fn heap_bytes(&self) -> usize {
+        let mut n = table_bytes(self.blocks.capacity(), 8 + std::mem::size_of::<WorkerSet>());
+        n += self
+            .blocks
+            .values()
+            .map(WorkerSet::heap_bytes)
+            .sum::<usize>();
+        n += self.workers.capacity() * std::mem::size_of::<Option<WorkerIndex>>();
+        for slot in self.workers.iter().flatten() {
+            n += match slot {
+                WorkerIndex::Exact(ex) => {
+                    table_bytes(ex.engine_to_router.capacity(), 16)
+                        + table_bytes(ex.extra_refs.capacity(), 16)
+                }
+                WorkerIndex::Approx(a) => a.heap_bytes(),
+            };
+        }
+        n
+    }
+}
+
+/// Drops one reference of `worker` to router hash `r`; true when the worker no longer holds it.
+fn release(
+    ex: &mut ExactWorker,
+    blocks: &mut HashKeyed<WorkerSet>,
+    r: BlockHash,
+    worker: WorkerId,
+) -> bool {
+    if let Some(n) = ex.extra_refs.get_mut(&r) {
+        *n -= 1;
+        if *n == 0 {
+            ex.extra_refs.remove(&r);
+        }
+        return false;
+    }
+    unlink(blocks, r, worker)
+}
+
+fn duration_ns(d: Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+#[cfg(test)]
+mod tests;

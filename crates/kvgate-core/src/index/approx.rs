@@ -1,0 +1,114 @@
+//! Approximate per-worker block set: blocks the router itself sent to the worker, each alive for a
+//! TTL after its last use, and at most `capacity` of them (least recently used evicted first).
+//!
+//! TTL is the same for every block of a worker, so "earliest expiry" and "least recently used" are
+//! the same order: one FIFO of (hash, last-use) serves both. Refreshing a block pushes a new entry
+//! and leaves the old one behind as stale (detected because its time no longer matches the map);
+//! the queue is compacted when stale entries outnumber live ones.
+
+use crate::nohash::{table_bytes, HashKeyed};
+use crate::BlockHash;
+use std::collections::VecDeque;
+
+#[derive(Debug)]
+pub(crate) struct ApproxWorker {
+    /// hash → last use (ns since the index epoch).
+    last_use: HashKeyed<u64>,
+    queue: VecDeque<(BlockHash, u64)>,
+    pub(crate) ttl_ns: u64,
+    pub(crate) capacity: usize,
+    /// Latest time seen; earlier times are clamped up so the queue stays ordered.
+    clock: u64,
+}
+
+impl ApproxWorker {
+    pub(crate) fn new(ttl_ns: u64, capacity: usize) -> Self {
+        Self {
+            last_use: HashKeyed::default(),
+            queue: VecDeque::new(),
+            ttl_ns,
+            capacity,
+            clock: 0,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.last_use.len()
+    }
+
+    #[inline]
+    pub(crate) fn is_live(&self, h: BlockHash, now_ns: u64) -> bool {
+        self.last_use
+            .get(&h)
+            .is_some_and(|&t| t.saturating_add(self.ttl_ns) > now_ns)
+    }
+
+    /// Inserts or refreshes `h`; true when it is new.
+    pub(crate) fn touch(&mut self, h: BlockHash, now_ns: u64) -> bool {
+        self.clock = self.clock.max(now_ns);
+        let t = self.clock;
+        let new = self.last_use.insert(h, t).is_none();
+        self.queue.push_back((h, t));
+        new
+    }
+
+    /// Removes blocks whose TTL has passed, reporting each to `gone`.
+    pub(crate) fn expire(&mut self, now_ns: u64, mut gone: impl FnMut(BlockHash)) -> usize {
+        let mut n = 0;
+        while let Some(&(h, t)) = self.queue.front() {
+            match self.last_use.get(&h) {
+                Some(&live) if live == t => {
+                    if t.saturating_add(self.ttl_ns) > now_ns {
+                        break;
+                    }
+                    self.last_use.remove(&h);
+                    gone(h);
+                    n += 1;
+                }
+                _ => {} // stale entry of a refreshed or removed block
+            }
+            self.queue.pop_front();
+        }
+        n
+    }
+
+    /// Evicts least recently used blocks until within capacity.
+    pub(crate) fn enforce_capacity(&mut self, mut gone: impl FnMut(BlockHash)) -> usize {
+        let mut n = 0;
+        while self.last_use.len() > self.capacity {
+            let Some((h, t)) = self.queue.pop_front() else {
+                break;
+            };
+            if self.last_use.get(&h) == Some(&t) {
+                self.last_use.remove(&h);
+                gone(h);
+                n += 1;
+            }
+        }
+        self.maybe_compact();
+        n
+    }
+
+    fn maybe_compact(&mut self) {
+        if self.queue.len() > 2 * self.last_use.len() + 64 {
+            let live = &self.last_use;
+            self.queue.retain(|(h, t)| live.get(h) == Some(t));
+        }
+    }
+
+    /// Drops every block, reporting each to `gone`.
+    pub(crate) fn drain(&mut self, mut gone: impl FnMut(BlockHash)) {
+        for (h, _) in self.last_use.drain() {
+            gone(h);
+        }
+        self.queue.clear();
+    }
+
+    pub(crate) fn hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.last_use.keys().copied()
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        table_bytes(self.last_use.capacity(), 16) + self.queue.capacity() * 16
+    }
+}

@@ -1,0 +1,347 @@
+//! [`ActiveSequences`]: router-side load per worker, counted from the moment of dispatch (before the
+//! worker's own metrics can show it, which is what stops herding):
+//! - unique active blocks (refcounted, so a prefix shared by several in-flight requests counts once);
+//! - pending prefill tokens (ISL − cached) until the request's first output token;
+//! - in-flight requests.
+//!
+//! [`ActiveSequences::add`] returns a [`LoadGuard`]; dropping the guard frees the request's load, so
+//! every exit path (completion, cancel, error, panic unwind) releases it. A safety net,
+//! [`ActiveSequences::expire_stale`], drops entries older than a bound (guards of expired entries then
+//! free nothing).
+//!
+//! Thread-safe: one `std::sync::Mutex` inside an `Arc`, held only for short, allocation-free sections.
+
+use crate::nohash::HashKeyed;
+use crate::select::Candidate;
+use crate::{BlockHash, WorkerId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// A worker's router-side load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkerLoad {
+    /// Unique blocks of in-flight requests.
+    pub active_blocks: u32,
+    /// Prompt tokens not yet prefilled (ISL − cached of requests without a first token yet).
+    pub pending_prefill_tokens: u64,
+    /// Requests in flight.
+    pub inflight: u32,
+}
+
+#[derive(Debug)]
+struct Entry {
+    request_id: u64,
+    hashes: Vec<BlockHash>,
+    /// Still-pending prefill tokens (0 once the first token arrived).
+    prefill: u64,
+    started: Instant,
+}
+
+#[derive(Debug, Default)]
+struct WorkerState {
+    /// Router hash → number of in-flight requests on this worker that include it.
+    blocks: HashKeyed<u32>,
+    pending_prefill_tokens: u64,
+    requests: HashMap<u64, Entry, std::hash::BuildHasherDefault<crate::nohash::MixHasher>>,
+}
+
+impl WorkerState {
+    fn load(&self) -> WorkerLoad {
+        WorkerLoad {
+            active_blocks: self.blocks.len() as u32,
+            pending_prefill_tokens: self.pending_prefill_tokens,
+            inflight: self.requests.len() as u32,
+        }
+    }
+
+    /// Blocks of a chained-hash sequence not active here. Active blocks are unions of whole chained
+    /// prefixes, so the active part of a request is itself a prefix: gallop, then binary search, for
+    /// O(log n) lookups instead of n.
+    fn new_blocks(&self, hashes: &[BlockHash]) -> u32 {
+        let active = |i: usize| self.blocks.contains_key(&hashes[i]);
+        let n = hashes.len();
+        if n == 0 || !active(0) {
+            return n as u32;
+        }
+        // Invariant: hashes[..=lo] active; hi = first index known inactive (or n).
+        let (mut lo, mut step) = (0usize, 1usize);
+        let mut hi = n;
+        while lo + step < n {
+            if active(lo + step) {
+                lo += step;
+                step *= 2;
+            } else {
+                hi = lo + step;
+                break;
+            }
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if active(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        (n - hi) as u32
+    }
+
+    fn free(&mut self, key: u64, pool: &mut Vec<Vec<BlockHash>>) {
+        let Some(mut e) = self.requests.remove(&key) else {
+            return;
+        };
+        self.pending_prefill_tokens -= e.prefill;
+        for h in &e.hashes {
+            if let Some(n) = self.blocks.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.blocks.remove(h);
+                }
+            }
+        }
+        if pool.len() < POOL_MAX {
+            e.hashes.clear();
+            pool.push(e.hashes);
+        }
+    }
+}
+
+/// Recycled hash buffers, so steady-state `add` does not allocate.
+const POOL_MAX: usize = 256;
+
+#[derive(Debug, Default)]
+struct Inner {
+    workers: Vec<Option<WorkerState>>,
+    next_key: u64,
+    pool: Vec<Vec<BlockHash>>,
+}
+
+impl Inner {
+    fn worker(&self, w: WorkerId) -> Option<&WorkerState> {
+        self.workers.get(w.index()).and_then(|s| s.as_ref())
+    }
+    fn worker_mut(&mut self, w: WorkerId) -> Option<&mut WorkerState> {
+        self.workers.get_mut(w.index()).and_then(|s| s.as_mut())
+    }
+}
+
+/// Router-side active load of every worker. Cheap to clone (shared state).
+#[derive(Debug, Clone, Default)]
+pub struct ActiveSequences {
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl ActiveSequences {
+    /// Empty.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave counters half-updated in a way that matters
+        // more than refusing all routing would, so recover from poisoning.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a request dispatched to `worker` now; see [`ActiveSequences::add_at`].
+    pub fn add(
+        &self,
+        worker: WorkerId,
+        request_id: u64,
+        hashes: &[BlockHash],
+        isl_tokens: u64,
+        cached_tokens: u64,
+    ) -> LoadGuard {
+        self.add_at(
+            worker,
+            request_id,
+            hashes,
+            isl_tokens,
+            cached_tokens,
+            Instant::now(),
+        )
+    }
+
+    /// Registers a request dispatched to `worker` at `now`: its blocks become active there and
+    /// `isl_tokens − cached_tokens` become pending prefill until [`LoadGuard::mark_prefill_done`].
+    /// `request_id` is informational (duplicates are fine: each call gets its own entry).
+    pub fn add_at(
+        &self,
+        worker: WorkerId,
+        request_id: u64,
+        hashes: &[BlockHash],
+        isl_tokens: u64,
+        cached_tokens: u64,
+        now: Instant,
+    ) -> LoadGuard {
+        let prefill = isl_tokens.saturating_sub(cached_tokens);
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let key = inner.next_key;
+        inner.next_key += 1;
+        let i = worker.index();
+        if i >= inner.workers.len() {
+            inner.workers.resize_with(i + 1, || None);
+        }
+        let mut buf = inner.pool.pop().unwrap_or_default();
+        buf.extend_from_slice(hashes);
+        let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
+        for &h in hashes {
+            *ws.blocks.entry(h).or_insert(0) += 1;
+        }
+        ws.pending_prefill_tokens += prefill;
+        ws.requests.insert(
+            key,
+            Entry {
+                request_id,
+                hashes: buf,
+                prefill,
+                started: now,
+            },
+        );
+        drop(g);
+        LoadGuard {
+            seqs: self.clone(),
+            worker,
+            key,
+            request_id,
+        }
+    }
+
+    /// The worker's current load (zero for unknown workers).
+    pub fn snapshot(&self, worker: WorkerId) -> WorkerLoad {
+        self.lock()
+            .worker(worker)
+            .map(WorkerState::load)
+            .unwrap_or_default()
+    }
+
+    /// How many of the request's blocks are not already active on the worker (the decode blocks the
+    /// request would add there). Assumes chained hashes (see [`crate::hash`]).
+    pub fn new_blocks_for(&self, worker: WorkerId, hashes: &[BlockHash]) -> u32 {
+        match self.lock().worker(worker) {
+            Some(ws) => ws.new_blocks(hashes),
+            None => hashes.len() as u32,
+        }
+    }
+
+    /// Fills `active_blocks`, `new_blocks`, `pending_prefill_tokens` and `inflight` of every candidate
+    /// under one lock acquisition (the gateway's hot path).
+    pub fn fill_loads(&self, hashes: &[BlockHash], candidates: &mut [Candidate]) {
+        let g = self.lock();
+        for c in candidates {
+            match g.worker(c.worker) {
+                Some(ws) => {
+                    let l = ws.load();
+                    c.active_blocks = l.active_blocks;
+                    c.pending_prefill_tokens = l.pending_prefill_tokens;
+                    c.inflight = l.inflight;
+                    c.new_blocks = ws.new_blocks(hashes);
+                }
+                None => {
+                    c.active_blocks = 0;
+                    c.pending_prefill_tokens = 0;
+                    c.inflight = 0;
+                    c.new_blocks = hashes.len() as u32;
+                }
+            }
+        }
+    }
+
+    /// Drops requests started more than `max_age` before `now` (lost completions; Dynamo uses 1 h).
+    /// Returns their request ids.
+    pub fn expire_stale(&self, now: Instant, max_age: Duration) -> Vec<u64> {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        let mut expired = Vec::new();
+        for ws in inner.workers.iter_mut().flatten() {
+            let old: Vec<u64> = ws
+                .requests
+                .iter()
+                .filter(|(_, e)| now.saturating_duration_since(e.started) > max_age)
+                .map(|(&k, _)| k)
+                .collect();
+            for k in old {
+                expired.push(ws.requests[&k].request_id);
+                ws.free(k, &mut inner.pool);
+            }
+        }
+        expired
+    }
+
+    /// Forgets a worker and all its requests (their guards then free nothing).
+    pub fn remove_worker(&self, worker: WorkerId) {
+        if let Some(slot) = self.lock().workers.get_mut(worker.index()) {
+            *slot = None;
+        }
+    }
+
+    /// Loads of all known workers.
+    pub fn all(&self) -> Vec<(WorkerId, WorkerLoad)> {
+        let g = self.lock();
+        g.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|ws| (WorkerId(i as u32), ws.load())))
+            .collect()
+    }
+
+    fn mark_prefill_done(&self, worker: WorkerId, key: u64) {
+        let mut g = self.lock();
+        if let Some(ws) = g.worker_mut(worker) {
+            if let Some(e) = ws.requests.get_mut(&key) {
+                ws.pending_prefill_tokens -= e.prefill;
+                e.prefill = 0;
+            }
+        }
+    }
+
+    fn free(&self, worker: WorkerId, key: u64) {
+        let mut g = self.lock();
+        let inner = &mut *g;
+        if let Some(Some(ws)) = inner.workers.get_mut(worker.index()) {
+            ws.free(key, &mut inner.pool);
+        }
+    }
+}
+
+/// The load of one dispatched request. Dropping it frees the load (idempotent with expiry and
+/// worker removal).
+#[derive(Debug)]
+#[must_use = "dropping the guard frees the request's load immediately"]
+pub struct LoadGuard {
+    seqs: ActiveSequences,
+    worker: WorkerId,
+    key: u64,
+    request_id: u64,
+}
+
+impl LoadGuard {
+    /// The first output token arrived: the request's prefill is no longer pending. Idempotent.
+    pub fn mark_prefill_done(&self) {
+        self.seqs.mark_prefill_done(self.worker, self.key);
+    }
+
+    /// The worker the request was dispatched to.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+
+    /// The caller's request id.
+    pub fn request_id(&self) -> u64 {
+        self.request_id
+    }
+
+    /// Frees the load now (same as dropping).
+    pub fn free(self) {}
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.seqs.free(self.worker, self.key);
+    }
+}
+
+#[cfg(test)]
+mod tests;

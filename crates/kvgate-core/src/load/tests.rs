@@ -1,0 +1,214 @@
+use super::*;
+use crate::hash::{block_hashes, BASE_SEED};
+use proptest::prelude::*;
+use std::collections::HashSet;
+
+const W0: WorkerId = WorkerId(0);
+
+fn seq(len_blocks: u32, tail: u32) -> Vec<u64> {
+    // Shared 2-block prefix, then a distinct tail.
+    let mut t: Vec<u32> = (0..32).collect();
+    t.extend((0..(len_blocks.saturating_sub(2)) * 16).map(|i| 1000 * (tail + 1) + i));
+    let mut h = block_hashes(&t, 16, BASE_SEED);
+    h.truncate(len_blocks as usize);
+    h
+}
+
+#[test]
+fn shared_prefix_counted_once_and_freed_by_drop() {
+    let a = ActiveSequences::new();
+    let s1 = seq(4, 1);
+    let s2 = seq(3, 2);
+    let g1 = a.add(W0, 1, &s1, 64, 16);
+    let g2 = a.add(W0, 2, &s2, 48, 0);
+    assert_eq!(
+        a.snapshot(W0),
+        WorkerLoad {
+            active_blocks: 4 + 1,
+            pending_prefill_tokens: 48 + 48,
+            inflight: 2
+        }
+    );
+    g1.mark_prefill_done();
+    g1.mark_prefill_done(); // idempotent
+    assert_eq!(a.snapshot(W0).pending_prefill_tokens, 48);
+    assert_eq!(a.new_blocks_for(W0, &s1), 0);
+    assert_eq!(a.new_blocks_for(W0, &seq(6, 1)), 2);
+    assert_eq!(a.new_blocks_for(W0, &seq(5, 9)), 3);
+    assert_eq!(a.new_blocks_for(WorkerId(5), &s1), 4);
+    drop(g1);
+    assert_eq!(
+        a.snapshot(W0),
+        WorkerLoad {
+            active_blocks: 3,
+            pending_prefill_tokens: 48,
+            inflight: 1
+        }
+    );
+    assert_eq!(g2.worker(), W0);
+    assert_eq!(g2.request_id(), 2);
+    g2.free();
+    assert_eq!(a.snapshot(W0), WorkerLoad::default());
+}
+
+#[test]
+fn cached_beyond_isl_saturates() {
+    let a = ActiveSequences::new();
+    let _g = a.add(W0, 1, &[], 10, 50);
+    assert_eq!(a.snapshot(W0).pending_prefill_tokens, 0);
+}
+
+#[test]
+fn expiry_and_removal_make_guards_inert() {
+    let a = ActiveSequences::new();
+    let t0 = Instant::now();
+    let old = a.add_at(W0, 7, &seq(2, 0), 32, 0, t0);
+    let young = a.add_at(W0, 8, &seq(3, 1), 48, 0, t0 + Duration::from_secs(3000));
+    let gone = a.expire_stale(t0 + Duration::from_secs(3601), Duration::from_secs(3600));
+    assert_eq!(gone, vec![7]);
+    assert_eq!(a.snapshot(W0).inflight, 1);
+    drop(old); // must not free the young request's shared blocks
+    assert_eq!(a.snapshot(W0).active_blocks, 3);
+    a.remove_worker(W0);
+    young.mark_prefill_done();
+    drop(young);
+    assert_eq!(a.snapshot(W0), WorkerLoad::default());
+    assert!(a.all().is_empty());
+}
+
+#[test]
+fn fill_loads_matches_snapshot() {
+    let a = ActiveSequences::new();
+    let _g = a.add(WorkerId(1), 1, &seq(4, 0), 64, 0);
+    let mut c = [
+        crate::Candidate::new(W0),
+        crate::Candidate::new(WorkerId(1)),
+    ];
+    let req = seq(6, 0);
+    a.fill_loads(&req, &mut c);
+    assert_eq!(
+        (c[0].active_blocks, c[0].new_blocks, c[0].inflight),
+        (0, 6, 0)
+    );
+    assert_eq!(
+        (c[1].active_blocks, c[1].new_blocks, c[1].inflight),
+        (4, 2, 1)
+    );
+    assert_eq!(c[1].pending_prefill_tokens, 64);
+}
+
+#[test]
+fn guards_are_shareable_across_threads() {
+    let a = ActiveSequences::new();
+    let handles: Vec<_> = (0..4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for i in 0..200u64 {
+                    let g = a.add(
+                        WorkerId((i % 3) as u32),
+                        t * 1000 + i,
+                        &seq(4, i as u32 % 5),
+                        64,
+                        0,
+                    );
+                    if i % 2 == 0 {
+                        g.mark_prefill_done();
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    for w in 0..3 {
+        assert_eq!(a.snapshot(WorkerId(w)), WorkerLoad::default());
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        w: u32,
+        len: u32,
+        tail: u32,
+        isl: u64,
+        cached: u64,
+    },
+    Prefill(usize),
+    Drop(usize),
+    Expire(u64),
+    RemoveWorker(u32),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..3u32, 0..6u32, 0..4u32, 0..200u64, 0..100u64)
+            .prop_map(|(w, len, tail, isl, cached)| Op::Add { w, len, tail, isl, cached }),
+        2 => any::<usize>().prop_map(Op::Prefill),
+        3 => any::<usize>().prop_map(Op::Drop),
+        1 => (0..50u64).prop_map(Op::Expire),
+        1 => (0..3u32).prop_map(Op::RemoveWorker),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn load_matches_model_and_returns_to_zero(ops in prop::collection::vec(op(), 0..80)) {
+        let a = ActiveSequences::new();
+        let t0 = Instant::now();
+        let mut clock = 0u64;
+        // Model: live requests (guard, worker, hashes, pending prefill, start, alive).
+        struct Live { g: LoadGuard, w: u32, h: Vec<u64>, pending: u64, start: u64, alive: bool }
+        let mut live: Vec<Live> = Vec::new();
+        for op in ops {
+            clock += 1;
+            match op {
+                Op::Add { w, len, tail, isl, cached } => {
+                    let h = seq(len, tail);
+                    let g = a.add_at(WorkerId(w), clock, &h, isl, cached, t0 + Duration::from_secs(clock));
+                    live.push(Live { g, w, h, pending: isl.saturating_sub(cached), start: clock, alive: true });
+                }
+                Op::Prefill(i) if !live.is_empty() => {
+                    let k = i % live.len();
+                    let l = &mut live[k];
+                    l.g.mark_prefill_done();
+                    l.pending = 0;
+                }
+                Op::Drop(i) if !live.is_empty() => { live.swap_remove(i % live.len()); }
+                Op::Expire(age) => {
+                    let mut got = a.expire_stale(t0 + Duration::from_secs(clock), Duration::from_secs(age));
+                    let mut want: Vec<u64> = live.iter()
+                        .filter(|l| l.alive && clock - l.start > age).map(|l| l.start).collect();
+                    for l in live.iter_mut() { if clock - l.start > age { l.alive = false; } }
+                    got.sort();
+                    want.sort();
+                    prop_assert_eq!(got, want);
+                }
+                Op::RemoveWorker(w) => {
+                    a.remove_worker(WorkerId(w));
+                    for l in live.iter_mut() { if l.w == w { l.alive = false; } }
+                }
+                _ => {}
+            }
+            for w in 0..3u32 {
+                let mine: Vec<&Live> = live.iter().filter(|l| l.alive && l.w == w).collect();
+                let blocks: HashSet<u64> = mine.iter().flat_map(|l| l.h.iter().copied()).collect();
+                prop_assert_eq!(a.snapshot(WorkerId(w)), WorkerLoad {
+                    active_blocks: blocks.len() as u32,
+                    pending_prefill_tokens: mine.iter().map(|l| l.pending).sum(),
+                    inflight: mine.len() as u32,
+                });
+                let probe = seq(6, 1);
+                let want_new = probe.iter().filter(|h| !blocks.contains(h)).count() as u32;
+                prop_assert_eq!(a.new_blocks_for(WorkerId(w), &probe), want_new);
+            }
+        }
+        drop(live);
+        for w in 0..3u32 {
+            prop_assert_eq!(a.snapshot(WorkerId(w)), WorkerLoad::default());
+        }
+    }
+}

@@ -1,0 +1,189 @@
+use super::*;
+use crate::select::ScrapedLoad;
+use crate::WorkerId;
+
+fn cands(n: u32) -> Vec<Candidate> {
+    (0..n).map(|w| Candidate::new(WorkerId(w))).collect()
+}
+
+fn req(hashes: &[u64]) -> RouteRequest<'_> {
+    RouteRequest {
+        hashes,
+        isl_tokens: hashes.len() as u64 * 16,
+        block_size: 16,
+        affinity_key: None,
+    }
+}
+
+fn pick(p: &dyn Policy, r: &RouteRequest<'_>, c: &[Candidate], rng: &mut fastrand::Rng) -> u32 {
+    p.select(r, c, rng).unwrap().worker.0
+}
+
+#[test]
+fn by_name_and_empty_candidates() {
+    let cfg = PolicyConfig::default();
+    let mut rng = fastrand::Rng::with_seed(1);
+    for name in POLICY_NAMES {
+        let p = policy_by_name(name, &cfg).unwrap();
+        assert_eq!(p.name(), name);
+        assert!(p.select(&req(&[1, 2]), &[], &mut rng).is_none());
+        // Every policy picks the only candidate, busy or not.
+        let mut c = cands(1);
+        c[0].active_blocks = 1_000_000;
+        assert_eq!(pick(&*p, &req(&[1, 2]), &c, &mut rng), 0);
+        assert_eq!(pick(&*p, &req(&[]), &c, &mut rng), 0);
+    }
+    assert_eq!(
+        policy_by_name("Round-Robin", &cfg).unwrap().name(),
+        "round_robin"
+    );
+    let err = policy_by_name("fastest", &cfg).unwrap_err();
+    assert!(err.to_string().contains("\"fastest\"") && err.to_string().contains("cache_aware"));
+}
+
+#[test]
+fn every_policy_skips_busy_workers() {
+    let cfg = PolicyConfig {
+        busy: BusyThresholds {
+            waiting: Some(5),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut rng = fastrand::Rng::with_seed(2);
+    let mut c = cands(3);
+    for i in [0, 2] {
+        c[i].scraped = Some(ScrapedLoad {
+            kv_usage: 0.1,
+            waiting: 9,
+            running: 1,
+        });
+    }
+    c[1].inflight = 50; // the least attractive by load, but the only non-busy one
+    for name in POLICY_NAMES {
+        let p = policy_by_name(name, &cfg).unwrap();
+        for _ in 0..20 {
+            assert_eq!(pick(&*p, &req(&[1, 2]), &c, &mut rng), 1, "{name}");
+        }
+    }
+}
+
+#[test]
+fn round_robin_cycles() {
+    let p = RoundRobin::default();
+    let mut rng = fastrand::Rng::with_seed(3);
+    let c = cands(3);
+    let got: Vec<u32> = (0..6).map(|_| pick(&p, &req(&[]), &c, &mut rng)).collect();
+    assert_eq!(got, [0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn random_covers_all() {
+    let p = Random::default();
+    let mut rng = fastrand::Rng::with_seed(4);
+    let c = cands(4);
+    let mut hits = [0u32; 4];
+    for _ in 0..4000 {
+        hits[pick(&p, &req(&[]), &c, &mut rng) as usize] += 1;
+    }
+    assert!(hits.iter().all(|&h| (800..1200).contains(&h)), "{hits:?}");
+}
+
+#[test]
+fn least_loaded_and_power_of_two() {
+    let mut rng = fastrand::Rng::with_seed(5);
+    let mut c = cands(4);
+    for (i, l) in [5, 2, 9, 2].into_iter().enumerate() {
+        c[i].inflight = l;
+    }
+    c[3].active_blocks = 1;
+    for _ in 0..50 {
+        assert_eq!(pick(&LeastLoaded::default(), &req(&[]), &c, &mut rng), 1);
+    }
+    // Power of two never picks the single most loaded worker, and with two always the lighter.
+    let p2 = PowerOfTwo::default();
+    for _ in 0..200 {
+        assert_ne!(pick(&p2, &req(&[]), &c, &mut rng), 2);
+        assert_eq!(pick(&p2, &req(&[]), &c[..2], &mut rng), 1);
+    }
+}
+
+#[test]
+fn consistent_hash_is_sticky_consistent_and_bounded() {
+    let p = ConsistentHash::default();
+    let mut rng = fastrand::Rng::with_seed(6);
+    let c = cands(8);
+    let mut r = req(&[42]);
+    r.affinity_key = Some(7);
+    let first = pick(&p, &r, &c, &mut rng);
+    for _ in 0..20 {
+        assert_eq!(pick(&p, &r, &c, &mut rng), first);
+    }
+    // Removing another worker does not move the key; removing its worker does.
+    let without_other: Vec<Candidate> = c
+        .iter()
+        .copied()
+        .filter(|x| x.worker.0 != (first + 1) % 8)
+        .collect();
+    assert_eq!(pick(&p, &r, &without_other, &mut rng), first);
+    let without_own: Vec<Candidate> = c.iter().copied().filter(|x| x.worker.0 != first).collect();
+    assert_ne!(pick(&p, &r, &without_own, &mut rng), first);
+    // Keys spread: 800 keys over 8 workers, none empty.
+    let mut hits = [0u32; 8];
+    for k in 0..800u64 {
+        r.affinity_key = Some(k);
+        hits[pick(&p, &r, &c, &mut rng) as usize] += 1;
+    }
+    assert!(hits.iter().all(|&h| h > 40), "{hits:?}");
+    // Bounded load: the key's worker at the cap spills to another worker.
+    r.affinity_key = Some(7);
+    let mut loaded = c.clone();
+    loaded[first as usize].inflight = 10; // cap = ceil(1.25 · 11 / 8) = 2
+    assert_ne!(pick(&p, &r, &loaded, &mut rng), first);
+    // Without an affinity key the first block hash is the key.
+    r.affinity_key = None;
+    let a = pick(&p, &r, &c, &mut rng);
+    assert_eq!(pick(&p, &r, &c, &mut rng), a);
+}
+
+#[test]
+fn cache_aware_threshold_and_imbalance() {
+    let p = CacheAware::default();
+    let mut rng = fastrand::Rng::with_seed(8);
+    let h: Vec<u64> = (0..10).collect();
+    let mut c = cands(3);
+    c[0].overlap_blocks = 6; // ratio 0.6 > 0.3
+    c[0].inflight = 10;
+    c[1].inflight = 3;
+    c[2].inflight = 4;
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 0);
+    c[0].overlap_blocks = 3; // ratio 0.3, not above → least loaded
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    c[0].overlap_blocks = 9;
+    c[0].inflight = 100; // 100 − 3 > 64 and 100 > 1.5·3 → balance
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    c[0].kv_scoring = false; // overlap ignored
+    c[0].inflight = 10;
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+}
+
+#[test]
+fn kv_prefers_cache_until_load_outweighs_it() {
+    let p = KvPolicy::default();
+    let mut rng = fastrand::Rng::with_seed(9);
+    let h: Vec<u64> = (0..20).collect();
+    let mut c = cands(2);
+    for x in &mut c {
+        x.new_blocks = 20;
+    }
+    c[0].overlap_blocks = 15;
+    let d = p.select(&req(&h), &c, &mut rng).unwrap();
+    assert_eq!(d.worker.0, 0);
+    assert_eq!(d.cost, 5.0 + 20.0);
+    assert_eq!(d.overlap_blocks, 15);
+    assert_eq!(d.predicted_hit_ratio, 0.75);
+    // 16 extra active blocks on the cached worker outweigh its 15-block head start.
+    c[0].active_blocks = 16;
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    assert!(p.uses_overlap() && !RoundRobin::default().uses_overlap());
+}

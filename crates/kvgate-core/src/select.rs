@@ -1,0 +1,301 @@
+//! Candidates, decisions, the busy filter, the kv cost model and the temperature pick.
+//!
+//! Cost of sending a request to a worker, in KV blocks (Dynamo 1.6.1's default selector without the
+//! host/disk tiers):
+//! ```text
+//! prefill_blocks = max(0, (pending_prefill_tokens + isl_tokens) / block_size − overlap_blocks)
+//! decode_blocks  = active_blocks + new_blocks          (potential decode blocks)
+//! cost           = prefill_weight · prefill_blocks + decode_blocks + request_weight · inflight
+//! ```
+//! Temperature 0 picks the minimum cost, exact ties uniformly at random. Temperature T > 0 picks
+//! worker i with probability ∝ exp(−(c_i − min) / ((max − min) · T)), uniform when all are equal.
+
+use crate::index::{KvIndex, OverlapScores};
+use crate::load::ActiveSequences;
+use crate::{BlockHash, WorkerId};
+use std::time::Instant;
+
+/// Load a worker reported itself (scraped metrics). Pass `None` when the scrape is stale.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ScrapedLoad {
+    /// KV cache usage, 0.0..=1.0.
+    pub kv_usage: f32,
+    /// Requests waiting in the engine's queue.
+    pub waiting: u32,
+    /// Requests running in the engine.
+    pub running: u32,
+}
+
+/// One worker as seen by a policy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Blocks of the request's prefix the worker holds (from [`KvIndex::find_matches`]).
+    pub overlap_blocks: u32,
+    /// Unique blocks of requests in flight there.
+    pub active_blocks: u32,
+    /// Blocks of this request not already active there.
+    pub new_blocks: u32,
+    /// Prompt tokens dispatched there and not yet prefilled.
+    pub pending_prefill_tokens: u64,
+    /// Requests in flight there.
+    pub inflight: u32,
+    /// Fresh scraped load, or `None` (never scraped, or stale: then it is ignored).
+    pub scraped: Option<ScrapedLoad>,
+    /// Whether the worker caches prefixes at all; when false its overlap is taken as 0.
+    pub kv_scoring: bool,
+}
+
+impl Candidate {
+    /// An idle candidate with no overlap, `kv_scoring` on and no scraped load.
+    pub fn new(worker: WorkerId) -> Self {
+        Self {
+            worker,
+            overlap_blocks: 0,
+            active_blocks: 0,
+            new_blocks: 0,
+            pending_prefill_tokens: 0,
+            inflight: 0,
+            scraped: None,
+            kv_scoring: true,
+        }
+    }
+
+    /// Overlap the policies may use (0 when `kv_scoring` is off).
+    #[inline]
+    pub fn effective_overlap(&self) -> u32 {
+        if self.kv_scoring {
+            self.overlap_blocks
+        } else {
+            0
+        }
+    }
+}
+
+/// What a policy sees of the request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// Chained block hashes of the prompt (full blocks only).
+    pub hashes: &'a [BlockHash],
+    /// Prompt length in tokens (including the partial last block).
+    pub isl_tokens: u64,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Session affinity key (session header / `prompt_cache_key` hash) for `consistent_hash`.
+    pub affinity_key: Option<u64>,
+}
+
+/// A policy's pick.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// The chosen worker.
+    pub worker: WorkerId,
+    /// The policy's score of the chosen worker (kv: cost in blocks; others: their load measure).
+    pub cost: f64,
+    /// The chosen worker's overlap in blocks.
+    pub overlap_blocks: u32,
+    /// Predicted fraction of prompt tokens served from cache: overlap·block_size / isl, ≤ 1.
+    pub predicted_hit_ratio: f64,
+}
+
+impl Decision {
+    /// A decision for candidate `c` with score `cost`.
+    pub fn for_candidate(req: &RouteRequest<'_>, c: &Candidate, cost: f64) -> Self {
+        let overlap = c.effective_overlap();
+        let ratio = if req.isl_tokens == 0 {
+            0.0
+        } else {
+            (f64::from(overlap) * f64::from(req.block_size) / req.isl_tokens as f64).min(1.0)
+        };
+        Decision {
+            worker: c.worker,
+            cost,
+            overlap_blocks: overlap,
+            predicted_hit_ratio: ratio,
+        }
+    }
+}
+
+/// Busy thresholds: a worker over any set threshold is busy. Busy workers are skipped unless every
+/// candidate is busy (then the gateway may queue: see [`all_busy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BusyThresholds {
+    /// Router-side unique active blocks.
+    pub active_blocks: Option<u32>,
+    /// Router-side pending prefill tokens.
+    pub pending_prefill_tokens: Option<u64>,
+    /// Scraped KV cache usage (0..=1); ignored without fresh scraped load.
+    pub kv_usage: Option<f32>,
+    /// Scraped waiting-queue length; ignored without fresh scraped load.
+    pub waiting: Option<u32>,
+}
+
+impl BusyThresholds {
+    /// True when no threshold is set (the filter is a no-op).
+    pub fn is_off(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// Whether a candidate is over any busy threshold (strictly greater than the threshold).
+#[inline]
+pub fn is_busy(c: &Candidate, t: &BusyThresholds) -> bool {
+    let over = |v: u64, lim: Option<u64>| lim.is_some_and(|l| v > l);
+    over(u64::from(c.active_blocks), t.active_blocks.map(u64::from))
+        || over(c.pending_prefill_tokens, t.pending_prefill_tokens)
+        || c.scraped.is_some_and(|s| {
+            t.kv_usage.is_some_and(|l| s.kv_usage > l) || t.waiting.is_some_and(|l| s.waiting > l)
+        })
+}
+
+/// True when every candidate is busy (or there are none): the gateway may queue the request.
+pub fn all_busy(candidates: &[Candidate], t: &BusyThresholds) -> bool {
+    candidates.iter().all(|c| is_busy(c, t))
+}
+
+/// Which candidates a policy may choose from: the non-busy ones, or all when every one is busy.
+#[derive(Debug, Clone, Copy)]
+pub struct Eligibility<'a> {
+    filter: bool,
+    t: &'a BusyThresholds,
+}
+
+impl<'a> Eligibility<'a> {
+    /// Decides, once per request, whether the busy filter applies.
+    pub fn new(candidates: &[Candidate], t: &'a BusyThresholds) -> Self {
+        Self {
+            filter: !t.is_off() && !all_busy(candidates, t),
+            t,
+        }
+    }
+
+    /// Whether `c` may be chosen.
+    #[inline]
+    pub fn ok(&self, c: &Candidate) -> bool {
+        !self.filter || !is_busy(c, self.t)
+    }
+
+    /// Number of choosable candidates.
+    pub fn count(&self, candidates: &[Candidate]) -> usize {
+        candidates.iter().filter(|c| self.ok(c)).count()
+    }
+
+    /// The `k`-th choosable candidate.
+    pub fn nth<'c>(&self, candidates: &'c [Candidate], k: usize) -> Option<&'c Candidate> {
+        candidates.iter().filter(|c| self.ok(c)).nth(k)
+    }
+}
+
+/// Settings of the kv cost model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvCostConfig {
+    /// Weight of the prefill term (Dynamo's `prefill_load_scale` / overlap score weight), default 1.
+    /// Higher favours cache hits and short queues of prompt work; 0 routes on decode load only.
+    pub prefill_weight: f64,
+    /// Softmax temperature, default 0 (deterministic argmin with random ties).
+    pub temperature: f64,
+    /// Weight of in-flight requests, default 0 (Dynamo's `decode_active_request_weight`).
+    pub request_weight: f64,
+}
+
+impl Default for KvCostConfig {
+    fn default() -> Self {
+        Self {
+            prefill_weight: 1.0,
+            temperature: 0.0,
+            request_weight: 0.0,
+        }
+    }
+}
+
+impl KvCostConfig {
+    /// The cost of sending `req` to `c` (see the module docs).
+    #[inline]
+    pub fn cost(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
+        let bs = f64::from(req.block_size.max(1));
+        let raw = (c.pending_prefill_tokens as f64 + req.isl_tokens as f64) / bs;
+        let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
+        let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
+        self.prefill_weight * prefill + decode + self.request_weight * f64::from(c.inflight)
+    }
+}
+
+/// Picks an index into `costs` by temperature (see the module docs). `None` when empty; NaN costs
+/// are treated as +∞.
+pub fn pick_by_cost(costs: &[f64], temperature: f64, rng: &mut fastrand::Rng) -> Option<usize> {
+    pick_with(costs.len(), |i| Some(costs[i]), temperature, rng)
+}
+
+/// [`pick_by_cost`] over `0..n` without a cost buffer: `cost(i)` is evaluated up to three times and
+/// `None` excludes `i`.
+pub fn pick_with(
+    n: usize,
+    cost: impl Fn(usize) -> Option<f64>,
+    temperature: f64,
+    rng: &mut fastrand::Rng,
+) -> Option<usize> {
+    let cost = |i: usize| cost(i).map(|c| if c.is_nan() { f64::INFINITY } else { c });
+    let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
+    let mut any = false;
+    for c in (0..n).filter_map(cost) {
+        any = true;
+        min = min.min(c);
+        max = max.max(c);
+    }
+    if !any {
+        return None;
+    }
+    if temperature > 0.0 && max > min && max.is_finite() {
+        let scale = (max - min) * temperature;
+        let weight = |c: f64| (-(c - min) / scale).exp();
+        let total: f64 = (0..n).filter_map(cost).map(weight).sum();
+        let mut r = rng.f64() * total;
+        let mut last = None;
+        for i in 0..n {
+            let Some(c) = cost(i) else { continue };
+            let w = weight(c);
+            if w > 0.0 {
+                last = Some(i);
+            }
+            r -= w;
+            if r < 0.0 {
+                return Some(i);
+            }
+        }
+        // Rounding left r ≥ 0: the last candidate with non-zero weight.
+        return last;
+    }
+    // Argmin with reservoir sampling over exact ties: uniform without a second pass.
+    let mut best = None;
+    let mut ties = 0u32;
+    for i in 0..n {
+        if cost(i) == Some(min) {
+            ties += 1;
+            if rng.u32(0..ties) == 0 {
+                best = Some(i);
+            }
+        }
+    }
+    best
+}
+
+/// Fills overlap (from the index) and router-side load (from `active`) for every candidate, whose
+/// `worker`, `scraped` and `kv_scoring` the caller has set. `scores` is scratch, reused across calls.
+pub fn score_candidates(
+    index: &KvIndex,
+    active: &ActiveSequences,
+    hashes: &[BlockHash],
+    now: Instant,
+    scores: &mut OverlapScores,
+    candidates: &mut [Candidate],
+) {
+    index.find_matches(hashes, now, scores);
+    for c in candidates.iter_mut() {
+        c.overlap_blocks = scores.get(c.worker);
+    }
+    active.fill_loads(hashes, candidates);
+}
+
+#[cfg(test)]
+mod tests;

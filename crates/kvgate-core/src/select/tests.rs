@@ -1,0 +1,195 @@
+use super::*;
+use crate::hash::{block_hashes, BASE_SEED};
+use proptest::prelude::*;
+
+fn req(hashes: &[u64], isl: u64) -> RouteRequest<'_> {
+    RouteRequest {
+        hashes,
+        isl_tokens: isl,
+        block_size: 16,
+        affinity_key: None,
+    }
+}
+
+#[test]
+fn dynamo_log_check() {
+    // ISL 296, block size 16, 12 blocks overlap, idle worker → (18.5 − 12) + 18 = 24.5; no overlap 36.5.
+    let h = vec![0u64; 18];
+    let r = req(&h, 296);
+    let mut c = Candidate::new(WorkerId(0));
+    c.new_blocks = 18;
+    c.overlap_blocks = 12;
+    let cfg = KvCostConfig::default();
+    assert_eq!(cfg.cost(&r, &c), 24.5);
+    c.kv_scoring = false;
+    assert_eq!(cfg.cost(&r, &c), 36.5);
+    c.kv_scoring = true;
+    c.overlap_blocks = 0;
+    assert_eq!(cfg.cost(&r, &c), 36.5);
+    // Pending prefill and in-flight weight.
+    c.pending_prefill_tokens = 160;
+    c.inflight = 3;
+    c.active_blocks = 7;
+    let cfg = KvCostConfig {
+        prefill_weight: 2.0,
+        request_weight: 0.5,
+        ..cfg
+    };
+    assert_eq!(cfg.cost(&r, &c), 2.0 * (456.0 / 16.0) + 25.0 + 1.5);
+    // Overlap beyond the prompt cannot make prefill negative.
+    c.pending_prefill_tokens = 0;
+    c.overlap_blocks = 1000;
+    assert_eq!(cfg.cost(&r, &c), 25.0 + 1.5);
+}
+
+#[test]
+fn busy_filter_drops_busy_unless_all_busy() {
+    let t = BusyThresholds {
+        active_blocks: Some(10),
+        kv_usage: Some(0.9),
+        ..Default::default()
+    };
+    let mut a = Candidate::new(WorkerId(0));
+    let mut b = Candidate::new(WorkerId(1));
+    a.active_blocks = 11;
+    assert!(is_busy(&a, &t) && !is_busy(&b, &t));
+    // Stale scraped load (None) never makes a worker busy; fresh does.
+    b.scraped = Some(ScrapedLoad {
+        kv_usage: 0.95,
+        waiting: 0,
+        running: 1,
+    });
+    assert!(is_busy(&b, &t));
+    assert!(all_busy(&[a, b], &t));
+    let el = Eligibility::new(&[a, b], &t);
+    assert!(el.ok(&a) && el.ok(&b));
+    b.scraped = None;
+    let el = Eligibility::new(&[a, b], &t);
+    assert!(!el.ok(&a) && el.ok(&b));
+    assert_eq!(el.count(&[a, b]), 1);
+    assert!(all_busy(&[], &t));
+    assert!(!all_busy(&[a], &BusyThresholds::default()));
+}
+
+#[test]
+fn decision_hit_ratio() {
+    let h = [1u64, 2, 3];
+    let mut c = Candidate::new(WorkerId(3));
+    c.overlap_blocks = 2;
+    let d = Decision::for_candidate(&req(&h, 50), &c, 1.0);
+    assert_eq!(d.predicted_hit_ratio, 32.0 / 50.0);
+    assert_eq!(
+        Decision::for_candidate(&req(&h, 0), &c, 1.0).predicted_hit_ratio,
+        0.0
+    );
+}
+
+#[test]
+fn score_candidates_fills_everything() {
+    let idx_tokens: Vec<u32> = (0..64).collect();
+    let h = block_hashes(&idx_tokens, 16, BASE_SEED);
+    let mut index = KvIndex::new();
+    index
+        .apply_stored(
+            WorkerId(1),
+            None,
+            &[1, 2, 3],
+            &idx_tokens[..48],
+            16,
+            BASE_SEED,
+        )
+        .unwrap();
+    let active = ActiveSequences::new();
+    let _g = active.add(WorkerId(0), 1, &h[..2], 32, 0);
+    let mut scores = OverlapScores::new();
+    let mut c = [Candidate::new(WorkerId(0)), Candidate::new(WorkerId(1))];
+    score_candidates(&index, &active, &h, Instant::now(), &mut scores, &mut c);
+    assert_eq!(
+        (c[0].overlap_blocks, c[0].active_blocks, c[0].new_blocks),
+        (0, 2, 2)
+    );
+    assert_eq!(
+        (c[1].overlap_blocks, c[1].active_blocks, c[1].new_blocks),
+        (3, 0, 4)
+    );
+    // kv cost: w0 = 96/16 + 4 = 10 ; w1 = (4 − 3) + 4 = 5 → w1.
+    let r = req(&h, 64);
+    let cfg = KvCostConfig::default();
+    assert_eq!((cfg.cost(&r, &c[0]), cfg.cost(&r, &c[1])), (10.0, 5.0));
+}
+
+#[test]
+fn pick_edge_cases() {
+    let mut rng = fastrand::Rng::with_seed(1);
+    assert_eq!(pick_by_cost(&[], 0.0, &mut rng), None);
+    assert_eq!(pick_by_cost(&[f64::NAN, 3.0], 0.0, &mut rng), Some(1));
+    assert_eq!(pick_by_cost(&[f64::INFINITY, 3.0], 1.0, &mut rng), Some(1));
+    assert_eq!(pick_with(3, |_| None, 0.5, &mut rng), None);
+    assert_eq!(
+        pick_with(3, |i| (i == 2).then_some(9.0), 0.5, &mut rng),
+        Some(2)
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn temperature_zero_picks_an_argmin(costs in prop::collection::vec(0u32..20, 1..40), seed: u64) {
+        let costs: Vec<f64> = costs.into_iter().map(f64::from).collect();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let i = pick_by_cost(&costs, 0.0, &mut rng).unwrap();
+        let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+        prop_assert_eq!(costs[i], min);
+    }
+
+    #[test]
+    fn ties_spread_uniformly(ties in 2usize..6, others in 0usize..4, seed: u64) {
+        // `ties` workers share the minimum; each should get 1/ties of 6000 picks (within 5σ).
+        let mut costs = vec![1.0; ties];
+        costs.extend(std::iter::repeat_n(2.0, others));
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let n = 6000;
+        let mut hits = vec![0u32; costs.len()];
+        for _ in 0..n { hits[pick_by_cost(&costs, 0.0, &mut rng).unwrap()] += 1; }
+        let p = 1.0 / ties as f64;
+        let sigma = (n as f64 * p * (1.0 - p)).sqrt();
+        for (i, &h) in hits.iter().enumerate() {
+            if i < ties {
+                prop_assert!((f64::from(h) - n as f64 * p).abs() < 5.0 * sigma, "{hits:?}");
+            } else {
+                prop_assert_eq!(h, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_frequencies(costs in prop::collection::vec(0.0f64..50.0, 2..6), t in 0.1f64..3.0, seed: u64) {
+        let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let max = costs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        prop_assume!(max - min > 1e-6);
+        let w: Vec<f64> = costs.iter().map(|c| (-(c - min) / ((max - min) * t)).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let n = 8000;
+        let mut hits = vec![0u32; costs.len()];
+        for _ in 0..n { hits[pick_by_cost(&costs, t, &mut rng).unwrap()] += 1; }
+        for (i, &h) in hits.iter().enumerate() {
+            let p = w[i] / total;
+            let sigma = (n as f64 * p * (1.0 - p)).sqrt().max(1.0);
+            prop_assert!((f64::from(h) - n as f64 * p).abs() < 5.0 * sigma, "i={i} p={p} hits={hits:?}");
+        }
+    }
+
+    #[test]
+    fn equal_costs_with_temperature_are_uniform(k in 2usize..6, t in 0.1f64..3.0, seed: u64) {
+        let costs = vec![4.0; k];
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let n = 6000;
+        let mut hits = vec![0u32; k];
+        for _ in 0..n { hits[pick_by_cost(&costs, t, &mut rng).unwrap()] += 1; }
+        let p = 1.0 / k as f64;
+        let sigma = (n as f64 * p * (1.0 - p)).sqrt();
+        for &h in &hits { prop_assert!((f64::from(h) - n as f64 * p).abs() < 5.0 * sigma); }
+    }
+}
