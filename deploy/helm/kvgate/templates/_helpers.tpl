@@ -1,0 +1,53 @@
+{{/* Names and labels shared by every template. */}}
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ include "kvgate.chart" . }}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvgate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The kvgate TOML as mounted: the user's config, plus [server.tls] when TLS is on. */}}
+{{- define "kvgate.config" -}}
+{{ .Values.config }}
+{{- if .Values.tls.enabled }}
+
+# Added by the chart (tls.enabled): the Secret is mounted at /etc/kvgate-tls.
+[server.tls]
+cert = "/etc/kvgate-tls/tls.crt"
+key = "/etc/kvgate-tls/tls.key"
+{{- end }}
+{{- end }}
