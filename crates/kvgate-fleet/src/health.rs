@@ -1,0 +1,178 @@
+//! Periodic health probe: feeds the worker's [`Breaker`], reports up/down transitions, and treats
+//! "down, then up again" as a restart (the worker's KV cache is gone: reset its index entries).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_core::WorkerId;
+use tokio_util::sync::CancellationToken;
+
+use crate::breaker::Breaker;
+use crate::http::HttpClient;
+use crate::sink::{FleetSink, ResetReason};
+use crate::stats::{inc, FleetStats};
+
+pub(crate) struct HealthSettings {
+    pub base: String,
+    pub path: &'static str,
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive failed probes before the worker is reported down (one timeout is not an outage).
+    pub down_after: u32,
+    pub breaker: Arc<Breaker>,
+}
+
+/// The up/down state machine, separate from I/O so it can be tested directly.
+#[derive(Debug, Default)]
+pub(crate) struct HealthState {
+    up: Option<bool>,
+    failures: u32,
+    was_up: bool,
+}
+
+/// What a probe result means.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Transition {
+    pub report: Option<bool>,
+    pub restarted: bool,
+}
+
+impl HealthState {
+    pub fn observe(&mut self, ok: bool, down_after: u32) -> Transition {
+        let mut t = Transition {
+            report: None,
+            restarted: false,
+        };
+        if ok {
+            self.failures = 0;
+            if self.up != Some(true) {
+                t.restarted = self.was_up && self.up == Some(false);
+                self.up = Some(true);
+                self.was_up = true;
+                t.report = Some(true);
+            }
+        } else {
+            self.failures += 1;
+            let down = self.failures >= down_after.max(1) || self.up.is_none();
+            if down && self.up != Some(false) {
+                self.up = Some(false);
+                t.report = Some(false);
+            }
+        }
+        t
+    }
+}
+
+pub(crate) async fn run(
+    worker: WorkerId,
+    name: Arc<str>,
+    client: HttpClient,
+    s: HealthSettings,
+    sink: Arc<dyn FleetSink>,
+    stats: Arc<FleetStats>,
+    cancel: CancellationToken,
+) {
+    let mut state = HealthState::default();
+    let breaker = s.breaker.clone();
+    loop {
+        let r = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = client.get(&s.base, s.path, "*/*", s.timeout) => r,
+        };
+        let ok = matches!(&r, Ok(f) if f.status.is_success());
+        let now = Instant::now();
+        if ok {
+            inc(&stats.health_ok);
+            // An open breaker closes only through its half-open probe, after the cool-down.
+            if breaker.is_available(now) && breaker.try_acquire(now) && breaker.record_success() {
+                tracing::info!(worker = %name, "breaker closed by a successful health probe");
+            }
+        } else {
+            inc(&stats.health_failed);
+            if breaker.record_failure(now) {
+                tracing::warn!(worker = %name, "breaker opened by failed health probes");
+            }
+        }
+        let t = state.observe(ok, s.down_after);
+        if t.restarted {
+            inc(&stats.kv_resets);
+            tracing::info!(worker = %name, "worker came back: treating it as restarted");
+            sink.on_kv_reset(worker, ResetReason::Restart);
+        }
+        if let Some(up) = t.report {
+            match &r {
+                Ok(f) if !up => {
+                    tracing::warn!(worker = %name, status = %f.status, "worker unhealthy")
+                }
+                Err(e) => tracing::warn!(worker = %name, error = %e, "worker unhealthy"),
+                _ => tracing::info!(worker = %name, "worker healthy"),
+            }
+            sink.on_health(worker, up);
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(s.interval) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flaps_and_restarts() {
+        let mut h = HealthState::default();
+        assert_eq!(
+            h.observe(true, 2),
+            Transition {
+                report: Some(true),
+                restarted: false
+            }
+        );
+        assert_eq!(
+            h.observe(true, 2),
+            Transition {
+                report: None,
+                restarted: false
+            }
+        );
+        assert_eq!(
+            h.observe(false, 2),
+            Transition {
+                report: None,
+                restarted: false
+            }
+        );
+        assert_eq!(
+            h.observe(false, 2),
+            Transition {
+                report: Some(false),
+                restarted: false
+            }
+        );
+        assert_eq!(
+            h.observe(true, 2),
+            Transition {
+                report: Some(true),
+                restarted: true
+            }
+        );
+        // a worker that starts down reports it at once, and its first "up" is not a restart
+        let mut h = HealthState::default();
+        assert_eq!(
+            h.observe(false, 3),
+            Transition {
+                report: Some(false),
+                restarted: false
+            }
+        );
+        assert_eq!(
+            h.observe(true, 3),
+            Transition {
+                report: Some(true),
+                restarted: false
+            }
+        );
+    }
+}

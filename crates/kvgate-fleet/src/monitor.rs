@@ -1,0 +1,321 @@
+//! [`WorkerMonitor`]: every background task for one worker, owned by one [`MonitorHandle`].
+//!
+//! `spawn` starts a supervisor task that resolves the kind (`auto` probes), then runs the scraper,
+//! the health checker and the KV-event feed (ZMQ subscribers per DP rank, or the TRT-LLM poller) as
+//! children. Cancelling the handle's token (drop, or `shutdown().await`) stops all of them; the
+//! children live in a `JoinSet`, so even a panicking child cannot outlive the handle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvgate_core::WorkerId;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::breaker::{Breaker, BreakerConfig};
+use crate::discover::{discover_kv_sources, probe_kind, KvSource};
+use crate::health::{self, HealthSettings};
+use crate::http::HttpClient;
+use crate::scrape::{self, ScrapeSettings, Scraper};
+use crate::sink::FleetSink;
+use crate::stats::FleetStats;
+use crate::subscriber::{self, SubscriberSettings};
+use crate::trtllm_poll::{self, PollSettings};
+use crate::WorkerKind;
+
+/// Where the worker's KV events come from.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum KvEventsSource {
+    /// No events: the gateway uses the approximate index for this worker.
+    #[default]
+    Off,
+    /// Ask the worker (vLLM `/kv_event_sources`, SGLang `/server_info`; TRT-LLM: poll
+    /// `POST /kv_cache_events`).
+    Discover,
+    /// Configured publishers (one per DP rank).
+    Endpoints(Vec<KvSource>),
+}
+
+/// One worker's monitoring settings (the gateway builds it from the worker's config entry).
+#[derive(Debug, Clone)]
+pub struct MonitorConfig {
+    pub worker: WorkerId,
+    /// Name used in logs (the configured name, by default `host:port`).
+    pub name: String,
+    /// `http://host:port` (a `/v1` suffix is tolerated).
+    pub base_url: String,
+    pub kind: WorkerKind,
+    pub scrape_interval: Duration,
+    /// ± fraction of the interval, randomised per tick.
+    pub scrape_jitter: f64,
+    pub scrape_timeout: Duration,
+    /// No successful scrape for this long → `on_load_stale` (fail open).
+    pub stale_after: Duration,
+    /// The pool's block size, for the mismatch check.
+    pub block_size: Option<u32>,
+    pub kv_events: KvEventsSource,
+    /// TRT-LLM `/kv_cache_events` poll period.
+    pub kv_poll_interval: Duration,
+    pub health_interval: Duration,
+    pub health_timeout: Duration,
+    /// Failed probes in a row before the worker is reported down.
+    pub health_down_after: u32,
+    pub breaker: BreakerConfig,
+    /// ZMQ reconnect backoff bounds.
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    pub replay_timeout: Duration,
+}
+
+impl MonitorConfig {
+    /// Defaults: scrape every 1 s ±10 % with a 500 ms timeout, stale after 5 s, health every 2 s,
+    /// events discovered for kinds that publish them.
+    pub fn new(worker: WorkerId, base_url: impl Into<String>, kind: WorkerKind) -> Self {
+        let base_url = base_url.into();
+        let name = crate::http::host_of(&base_url)
+            .and_then(|h| {
+                let port = base_url.parse::<http::Uri>().ok()?.port_u16()?;
+                Some(format!("{h}:{port}"))
+            })
+            .unwrap_or_else(|| base_url.clone());
+        MonitorConfig {
+            worker,
+            name,
+            base_url,
+            kind,
+            scrape_interval: Duration::from_secs(1),
+            scrape_jitter: 0.1,
+            scrape_timeout: Duration::from_millis(500),
+            stale_after: Duration::from_secs(5),
+            block_size: None,
+            kv_events: if kind.has_kv_events() || kind == WorkerKind::Auto {
+                KvEventsSource::Discover
+            } else {
+                KvEventsSource::Off
+            },
+            kv_poll_interval: Duration::from_millis(200),
+            health_interval: Duration::from_secs(2),
+            health_timeout: Duration::from_secs(1),
+            health_down_after: 2,
+            breaker: BreakerConfig::default(),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(10),
+            replay_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Spawns monitors.
+pub struct WorkerMonitor;
+
+impl WorkerMonitor {
+    /// Starts every task for the worker on the current tokio runtime.
+    pub fn spawn(cfg: MonitorConfig, sink: Arc<dyn FleetSink>) -> MonitorHandle {
+        let cancel = CancellationToken::new();
+        let stats = Arc::new(FleetStats::default());
+        let breaker = Arc::new(Breaker::new(cfg.breaker));
+        let sup = tokio::spawn(supervise(
+            cfg,
+            sink,
+            stats.clone(),
+            breaker.clone(),
+            cancel.clone(),
+        ));
+        MonitorHandle {
+            cancel,
+            supervisor: Some(sup),
+            stats,
+            breaker,
+        }
+    }
+}
+
+/// Owns a worker's tasks. Dropping it stops them; `shutdown().await` also waits until they ended.
+pub struct MonitorHandle {
+    cancel: CancellationToken,
+    supervisor: Option<JoinHandle<()>>,
+    stats: Arc<FleetStats>,
+    breaker: Arc<Breaker>,
+}
+
+impl MonitorHandle {
+    pub fn stats(&self) -> &Arc<FleetStats> {
+        &self.stats
+    }
+
+    /// The worker's breaker; the gateway feeds it request outcomes too.
+    pub fn breaker(&self) -> &Arc<Breaker> {
+        &self.breaker
+    }
+
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        if let Some(s) = self.supervisor.take() {
+            let _ = s.await;
+        }
+    }
+}
+
+impl Drop for MonitorHandle {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn supervise(
+    cfg: MonitorConfig,
+    sink: Arc<dyn FleetSink>,
+    stats: Arc<FleetStats>,
+    breaker: Arc<Breaker>,
+    cancel: CancellationToken,
+) {
+    let client = HttpClient::new();
+    let name: Arc<str> = cfg.name.clone().into();
+    let mut tasks = JoinSet::new();
+
+    let mut kind = cfg.kind;
+    // Health first, so an unreachable worker is reported while the kind is still unknown.
+    let health_path = if kind == WorkerKind::Auto {
+        "/health"
+    } else {
+        kind.health_path()
+    };
+    tasks.spawn(health::run(
+        cfg.worker,
+        name.clone(),
+        client.clone(),
+        HealthSettings {
+            base: cfg.base_url.clone(),
+            path: health_path,
+            interval: cfg.health_interval,
+            timeout: cfg.health_timeout,
+            down_after: cfg.health_down_after,
+            breaker,
+        },
+        sink.clone(),
+        stats.clone(),
+        cancel.child_token(),
+    ));
+
+    let mut backoff = cfg.scrape_interval;
+    while kind == WorkerKind::Auto {
+        if let Some(k) = probe_kind(&client, &cfg.base_url, cfg.scrape_timeout).await {
+            tracing::info!(worker = %name, kind = %k, "detected worker kind");
+            sink.on_kind(cfg.worker, k);
+            kind = k;
+            break;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return drain(tasks).await,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+
+    if kind != WorkerKind::Openai {
+        let scraper = Scraper::new(
+            client.clone(),
+            cfg.base_url.clone(),
+            kind,
+            cfg.scrape_timeout,
+        );
+        let settings = ScrapeSettings {
+            interval: cfg.scrape_interval,
+            jitter: cfg.scrape_jitter,
+            timeout: cfg.scrape_timeout,
+            stale_after: cfg.stale_after,
+            block_size: cfg.block_size,
+        };
+        tasks.spawn(scrape::run(
+            scraper,
+            cfg.worker,
+            name.clone(),
+            settings,
+            sink.clone(),
+            stats.clone(),
+            cancel.child_token(),
+        ));
+    }
+
+    let sources = match (&cfg.kv_events, kind) {
+        (KvEventsSource::Off, _) => Vec::new(),
+        (_, WorkerKind::Trtllm) => {
+            let poll = PollSettings {
+                base: cfg.base_url.clone(),
+                interval: cfg.kv_poll_interval,
+                timeout: cfg.scrape_timeout.max(Duration::from_secs(1)),
+            };
+            tasks.spawn(trtllm_poll::run(
+                cfg.worker,
+                client.clone(),
+                poll,
+                sink.clone(),
+                stats.clone(),
+                cancel.child_token(),
+            ));
+            Vec::new()
+        }
+        (KvEventsSource::Endpoints(e), _) => e.clone(),
+        (KvEventsSource::Discover, k) if k.has_kv_events() => {
+            let mut wait = cfg.scrape_interval;
+            loop {
+                match discover_kv_sources(
+                    &client,
+                    &cfg.base_url,
+                    kind,
+                    cfg.scrape_timeout.max(Duration::from_secs(1)),
+                )
+                .await
+                {
+                    Ok(s) => {
+                        if s.is_empty() {
+                            tracing::info!(worker = %name, "worker publishes no KV events: approximate index");
+                        }
+                        break s;
+                    }
+                    Err(e) if e.contains("HTTP 404") => {
+                        tracing::info!(worker = %name, error = %e, "no KV event discovery endpoint: approximate index");
+                        break Vec::new();
+                    }
+                    Err(e) => {
+                        tracing::debug!(worker = %name, error = %e, "KV event discovery failed; retrying")
+                    }
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return drain(tasks).await,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
+        (KvEventsSource::Discover, _) => Vec::new(),
+    };
+    for source in sources {
+        let mut s = SubscriberSettings::new(source);
+        s.block_size = cfg.block_size;
+        s.backoff_min = cfg.reconnect_min;
+        s.backoff_max = cfg.reconnect_max;
+        s.replay_timeout = cfg.replay_timeout;
+        tasks.spawn(subscriber::run(
+            cfg.worker,
+            name.clone(),
+            s,
+            sink.clone(),
+            stats.clone(),
+            cancel.child_token(),
+        ));
+    }
+
+    cancel.cancelled().await;
+    drain(tasks).await;
+}
+
+async fn drain(mut tasks: JoinSet<()>) {
+    while let Some(r) = tasks.join_next().await {
+        if let Err(e) = r {
+            if e.is_panic() {
+                tracing::error!(error = %e, "fleet task panicked");
+            }
+        }
+    }
+}

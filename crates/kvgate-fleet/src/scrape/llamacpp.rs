@@ -1,0 +1,35 @@
+//! llama.cpp `llama-server`: `/metrics` (`--metrics`) and `/slots` (on by default).
+
+use kvgate_protocol::prom_text::Exposition;
+use serde::Deserialize;
+
+use super::ParseError;
+use crate::sink::ScrapedLoad;
+
+pub fn parse_metrics(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
+    let running = e
+        .value("llamacpp:requests_processing")
+        .ok_or(ParseError::Missing("llamacpp:requests_processing"))?;
+    let waiting = e.value("llamacpp:requests_deferred").unwrap_or(0.0);
+    Ok(ScrapedLoad {
+        running: Some(super::count(running)),
+        waiting: Some(super::count(waiting)),
+        prefix_cache_queries: e.value("llamacpp:prompt_tokens_total"),
+        prefix_cache_hits: e.value("llamacpp:prompt_tokens_cached_total"),
+        ..ScrapedLoad::default()
+    })
+}
+
+#[derive(Deserialize)]
+struct Slot {
+    #[serde(default)]
+    is_processing: bool,
+}
+
+/// `(slots_total, slots_busy)` from `/slots`.
+pub fn parse_slots(body: &[u8]) -> Result<(u32, u32), ParseError> {
+    let slots: Vec<Slot> =
+        serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
+    let busy = slots.iter().filter(|s| s.is_processing).count();
+    Ok((slots.len() as u32, busy as u32))
+}

@@ -1,0 +1,58 @@
+//! vLLM `/metrics` (0.9+ names, with the pre-0.9 names as fallbacks). Figures are summed over DP
+//! engines (`engine` label); KV usage is the mean over engines.
+
+use kvgate_protocol::prom_text::Exposition;
+
+use super::ParseError;
+use crate::sink::ScrapedLoad;
+
+pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
+    let any = |_: &_| true;
+    let running = e
+        .sum("vllm:num_requests_running", any)
+        .ok_or(ParseError::Missing("vllm:num_requests_running"))?;
+    let waiting = e
+        .sum("vllm:num_requests_waiting", any)
+        .ok_or(ParseError::Missing("vllm:num_requests_waiting"))?;
+    let usage_name = if e.value("vllm:kv_cache_usage_perc").is_some() {
+        "vllm:kv_cache_usage_perc"
+    } else {
+        "vllm:gpu_cache_usage_perc"
+    };
+    let usages: Vec<f64> = e
+        .samples_named(usage_name)
+        .map(|s| s.value)
+        .filter(|v| v.is_finite())
+        .collect();
+    let kv_usage = (!usages.is_empty()).then(|| usages.iter().sum::<f64>() / usages.len() as f64);
+    let mut block_size = None;
+    let mut num_gpu_blocks: Option<u64> = None;
+    for s in e.samples_named("vllm:cache_config_info") {
+        if let Some(bs) = s.label("block_size").and_then(|v| v.parse::<u32>().ok()) {
+            block_size.get_or_insert(bs);
+        }
+        if let Some(n) = s
+            .label("num_gpu_blocks")
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            *num_gpu_blocks.get_or_insert(0) += n;
+        }
+    }
+    let counter = |new: &str, old: &str| e.sum(new, any).or_else(|| e.sum(old, any));
+    Ok(ScrapedLoad {
+        running: Some(super::count(running)),
+        waiting: Some(super::count(waiting)),
+        kv_usage,
+        block_size,
+        num_gpu_blocks,
+        prefix_cache_queries: counter(
+            "vllm:prefix_cache_queries_total",
+            "vllm:gpu_prefix_cache_queries_total",
+        ),
+        prefix_cache_hits: counter(
+            "vllm:prefix_cache_hits_total",
+            "vllm:gpu_prefix_cache_hits_total",
+        ),
+        ..ScrapedLoad::default()
+    })
+}
