@@ -1,0 +1,283 @@
+//! Sends one streaming OpenAI request and times it: TTFT (first content chunk), inter-token gaps,
+//! end-to-end latency, token counts and `cached_tokens` from the final usage chunk
+//! (`stream_options.include_usage`).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use crate::sse::SseSplitter;
+use crate::stats::Outcome;
+use crate::workload::Request;
+
+/// Which OpenAI endpoint to drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `/v1/completions` with the prompt as token ids (exact: the router hashes what we hashed).
+    Completions,
+    /// `/v1/chat/completions` with the tokens rendered as words (the server re-tokenizes them).
+    Chat,
+}
+
+/// A pooled HTTP client bound to one server and model.
+#[derive(Clone)]
+pub struct Target {
+    client: Client<HttpConnector, Full<Bytes>>,
+    uri: http::Uri,
+    model: String,
+    api: Api,
+    timeout: Duration,
+}
+
+impl Target {
+    pub fn new(base_url: &str, model: &str, api: Api, timeout: Duration) -> anyhow::Result<Self> {
+        let base = base_url.trim_end_matches('/');
+        anyhow::ensure!(
+            base.starts_with("http://"),
+            "--url must be an http:// URL (got {base_url:?})"
+        );
+        let path = match api {
+            Api::Completions => "/v1/completions",
+            Api::Chat => "/v1/chat/completions",
+        };
+        let base = base.strip_suffix("/v1").unwrap_or(base);
+        let uri: http::Uri = format!("{base}{path}")
+            .parse()
+            .map_err(|e| anyhow::anyhow!("bad --url {base_url:?}: {e}"))?;
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(conn);
+        Ok(Self {
+            client,
+            uri,
+            model: model.to_owned(),
+            api,
+            timeout,
+        })
+    }
+
+    /// The JSON body for one request.
+    pub fn body(&self, r: &Request) -> Vec<u8> {
+        let mut v = serde_json::json!({
+            "model": self.model,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "max_tokens": r.max_tokens,
+            // vLLM extension: produce exactly max_tokens, so output lengths follow the workload.
+            "ignore_eos": true,
+            "temperature": 0,
+        });
+        match self.api {
+            Api::Completions => v["prompt"] = serde_json::json!(r.prompt),
+            Api::Chat => {
+                let mut text = String::with_capacity(r.prompt.len() * 6);
+                for t in &r.prompt {
+                    use std::fmt::Write;
+                    let _ = write!(text, "w{t} ");
+                }
+                v["messages"] = serde_json::json!([{"role": "user", "content": text}]);
+            }
+        }
+        serde_json::to_vec(&v).expect("JSON values always serialize")
+    }
+
+    /// Sends `r` and measures it. Never fails: errors are recorded in the outcome.
+    pub async fn send(&self, r: &Request, sent_at: Duration) -> Outcome {
+        let start = Instant::now();
+        let mut out = Outcome {
+            sent_at,
+            prompt_tokens: r.prompt.len() as u64,
+            ..Default::default()
+        };
+        let res = tokio::time::timeout(self.timeout, self.drive(r, start, &mut out)).await;
+        out.e2e = start.elapsed();
+        match res {
+            Ok(Ok(())) => {}
+            Ok(Err(kind)) => out.error = Some(kind),
+            Err(_) => out.error = Some("timeout".into()),
+        }
+        out
+    }
+
+    async fn drive(&self, r: &Request, start: Instant, out: &mut Outcome) -> Result<(), String> {
+        let req = http::Request::post(self.uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::ACCEPT, "text/event-stream")
+            .body(Full::new(Bytes::from(self.body(r))))
+            .map_err(|_| "bad_request".to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| {
+            if e.is_connect() {
+                "connect".to_string()
+            } else {
+                "send".to_string()
+            }
+        })?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            // Drain (bounded by the timeout) so the connection can be reused.
+            while let Some(Ok(_)) = body.frame().await {}
+            return Err(format!("http_{}", status.as_u16()));
+        }
+        let mut sse = SseSplitter::default();
+        let mut st = StreamState::default();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|_| "body".to_string())?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            let now = start.elapsed();
+            sse.feed(data, |ev| st.on_event(ev, now));
+            if st.error.is_some() || st.done {
+                break;
+            }
+        }
+        if let Some(ev) = sse.finish() {
+            st.on_event(&ev, start.elapsed());
+        }
+        if let Some(e) = st.error {
+            return Err(e);
+        }
+        out.ttft = st.first;
+        out.itl = st.gaps;
+        out.output_tokens = st.usage_completion.unwrap_or(st.chunks);
+        if let Some(p) = st.usage_prompt {
+            out.prompt_tokens = p;
+        }
+        out.cached_tokens = st.usage_cached;
+        if !st.done {
+            return Err("truncated".into());
+        }
+        Ok(())
+    }
+}
+
+/// What the stream has told us so far.
+#[derive(Default)]
+struct StreamState {
+    first: Option<Duration>,
+    last: Option<Duration>,
+    gaps: Vec<Duration>,
+    chunks: u64,
+    usage_prompt: Option<u64>,
+    usage_completion: Option<u64>,
+    usage_cached: Option<u64>,
+    done: bool,
+    error: Option<String>,
+}
+
+impl StreamState {
+    fn on_event(&mut self, data: &[u8], now: Duration) {
+        if data.trim_ascii() == b"[DONE]" {
+            self.done = true;
+            return;
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+            self.error = Some("bad_chunk".into());
+            return;
+        };
+        if v.get("error").is_some_and(|e| !e.is_null()) {
+            self.error = Some("stream_error".into());
+            return;
+        }
+        let has_content = v["choices"].as_array().is_some_and(|cs| {
+            cs.iter().any(|c| {
+                let nonempty = |x: &Value| x.as_str().is_some_and(|s| !s.is_empty());
+                nonempty(&c["text"])
+                    || nonempty(&c["delta"]["content"])
+                    || nonempty(&c["delta"]["reasoning_content"])
+            })
+        });
+        if has_content {
+            self.chunks += 1;
+            match self.last {
+                None => self.first = Some(now),
+                Some(prev) => self.gaps.push(now.saturating_sub(prev)),
+            }
+            self.last = Some(now);
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage_prompt = u["prompt_tokens"].as_u64();
+            self.usage_completion = u["completion_tokens"].as_u64();
+            self.usage_cached = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_state_counts_content_and_reads_usage() {
+        let mut st = StreamState::default();
+        let ms = Duration::from_millis;
+        st.on_event(
+            br#"{"choices":[{"delta":{"role":"assistant","content":""}}],"usage":null}"#,
+            ms(1),
+        );
+        st.on_event(
+            br#"{"choices":[{"delta":{"content":"a"}}],"usage":null}"#,
+            ms(10),
+        );
+        st.on_event(br#"{"choices":[{"delta":{"content":"b"}}]}"#, ms(15));
+        st.on_event(br#"{"choices":[{"text":"c"}]}"#, ms(22));
+        st.on_event(
+            br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+            ms(23),
+        );
+        st.on_event(b"[DONE]", ms(24));
+        assert_eq!(st.first, Some(ms(10)));
+        assert_eq!(st.gaps, vec![ms(5), ms(7)]);
+        assert_eq!(
+            (
+                st.chunks,
+                st.usage_prompt,
+                st.usage_completion,
+                st.usage_cached
+            ),
+            (3, Some(9), Some(3), Some(4))
+        );
+        assert!(st.done && st.error.is_none());
+
+        let mut st = StreamState::default();
+        st.on_event(
+            br#"{"error":{"message":"boom","type":"x","param":null,"code":null}}"#,
+            ms(1),
+        );
+        assert_eq!(st.error.as_deref(), Some("stream_error"));
+    }
+
+    #[test]
+    fn bodies_follow_the_api() {
+        let r = Request {
+            at: None,
+            prompt: vec![1001, 1002],
+            max_tokens: 4,
+        };
+        let t = Target::new(
+            "http://127.0.0.1:1/v1/",
+            "m",
+            Api::Completions,
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert_eq!(t.uri.path(), "/v1/completions");
+        let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
+        assert_eq!(v["prompt"], serde_json::json!([1001, 1002]));
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["max_tokens"], 4);
+        let t = Target::new("http://127.0.0.1:1", "m", Api::Chat, Duration::from_secs(1)).unwrap();
+        let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
+        assert_eq!(v["messages"][0]["content"], "w1001 w1002 ");
+        assert!(Target::new("https://x", "m", Api::Chat, Duration::from_secs(1)).is_err());
+    }
+}

@@ -1,0 +1,400 @@
+//! `kvgate bench compare`: one workload, several routers, one table.
+//!
+//! Starts a `kvgate sim` fleet (or uses `--worker` URLs already running) and, for each policy, one
+//! `kvgate serve` child of the current executable in front of it; replays the same workload
+//! against each (and against `--external` routers), resetting the fleet's prefix caches before
+//! every run, while sampling each worker's running requests. Writes `compare.md`, `compare.json`,
+//! `ttft_cdf.svg` and `worker_load.svg` to `--out-dir`.
+//!
+//! Files: `children.rs` (process guards, ports, readiness), `http.rs` (control calls),
+//! `sampler.rs` (load sampling).
+
+pub mod children;
+pub mod http;
+pub mod sampler;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Serialize;
+
+use crate::cli::{TrafficArgs, WorkloadArgs};
+use crate::oracle::Oracle;
+use crate::report::{self, PolicyRow};
+use children::ChildGuard;
+use sampler::{Sample, Sampler};
+
+#[derive(Args, Debug, Clone)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    #[command(flatten)]
+    pub traffic: TrafficArgs,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
+    /// Gateway policies to compare (each gets its own `kvgate serve`).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "round_robin,least_loaded,kv"
+    )]
+    pub policies: Vec<String>,
+    /// A router already running in front of the same fleet: NAME=URL (repeatable).
+    #[arg(long = "external", value_parser = parse_external)]
+    pub externals: Vec<(String, String)>,
+    /// Extra argument passed to every `kvgate serve` (repeatable).
+    #[arg(long = "serve-arg", allow_hyphen_values = true)]
+    pub serve_args: Vec<String>,
+    /// Where the table, JSON, plots and child logs go.
+    #[arg(long, default_value = "bench-out")]
+    pub out_dir: PathBuf,
+    /// Load sampling period (ms) of each worker's /metrics.
+    #[arg(long, default_value_t = 250)]
+    pub sample_ms: u64,
+}
+
+/// The simulated fleet (ignored for spawning when `--worker` URLs are given).
+#[derive(Args, Debug, Clone)]
+pub struct FleetArgs {
+    /// Simulated workers to start.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// KV block size of the fleet (also the oracle's).
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 2048)]
+    pub num_gpu_blocks: usize,
+    /// Simulated speed-up of the timing model.
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Extra argument passed to `kvgate sim` (repeatable).
+    #[arg(long = "sim-arg", allow_hyphen_values = true)]
+    pub sim_args: Vec<String>,
+    /// Use this running worker instead of starting a fleet (repeatable; http://host:port).
+    #[arg(long = "worker")]
+    pub worker_urls: Vec<String>,
+    /// The kvgate executable to start children from (default: this one).
+    #[arg(long)]
+    pub kvgate_bin: Option<PathBuf>,
+}
+
+fn parse_external(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((n, u)) if !n.is_empty() && u.starts_with("http://") => {
+            Ok((n.to_owned(), u.trim_end_matches('/').to_owned()))
+        }
+        _ => Err(format!("expected NAME=http://host:port, got {s:?}")),
+    }
+}
+
+/// Everything `compare.json` holds.
+#[derive(Serialize)]
+struct CompareJson<'a> {
+    workload: &'a str,
+    requests: usize,
+    workers: Vec<String>,
+    block_size: usize,
+    num_gpu_blocks: Option<usize>,
+    oracle: &'a Oracle,
+    rows: &'a [PolicyRow],
+    load_samples: Vec<(&'a str, &'a [Sample])>,
+}
+
+/// A fleet the comparison owns (spawned) or borrows (`--worker`).
+pub struct Fleet {
+    pub urls: Vec<String>,
+    _child: Option<ChildGuard>,
+}
+
+impl Fleet {
+    pub async fn start(
+        f: &FleetArgs,
+        model: &str,
+        log_dir: &std::path::Path,
+    ) -> anyhow::Result<Self> {
+        if !f.worker_urls.is_empty() {
+            let urls: Vec<String> = f
+                .worker_urls
+                .iter()
+                .map(|u| u.trim_end_matches('/').to_owned())
+                .collect();
+            for u in &urls {
+                anyhow::ensure!(
+                    u.starts_with("http://"),
+                    "--worker must be http://host:port (got {u:?})"
+                );
+            }
+            return Ok(Self { urls, _child: None });
+        }
+        anyhow::ensure!(f.workers > 0, "--workers must be > 0");
+        anyhow::ensure!(
+            f.block_size > 0 && f.num_gpu_blocks > 0,
+            "--block-size and --num-gpu-blocks must be > 0"
+        );
+        let exe = kvgate_exe(f)?;
+        // Base port 0: every worker binds ephemeral ports and the sim prints them.
+        let mut args: Vec<String> = vec![
+            "sim".into(),
+            "--workers".into(),
+            f.workers.to_string(),
+            "--base-port".into(),
+            "0".into(),
+            "--block-size".into(),
+            f.block_size.to_string(),
+            "--num-gpu-blocks".into(),
+            f.num_gpu_blocks.to_string(),
+            "--speedup".into(),
+            f.speedup.to_string(),
+            "--model".into(),
+            model.to_owned(),
+        ];
+        args.extend(f.sim_args.iter().cloned());
+        let mut child = ChildGuard::spawn(&exe, &args, "sim", log_dir)?;
+        let urls = sim_urls(&mut child, f.workers).await?;
+        for u in &urls {
+            child
+                .wait_http_ok(&format!("{u}/health"), Duration::from_secs(60))
+                .await?;
+        }
+        Ok(Self {
+            urls,
+            _child: Some(child),
+        })
+    }
+
+    /// Empties every worker's prefix cache (vLLM `POST /reset_prefix_cache`).
+    pub async fn reset_caches(&self) -> anyhow::Result<()> {
+        for u in &self.urls {
+            let (status, body) = http::post(&format!("{u}/reset_prefix_cache")).await?;
+            anyhow::ensure!(
+                status.is_success(),
+                "{u}/reset_prefix_cache answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        Ok(())
+    }
+}
+
+fn kvgate_exe(f: &FleetArgs) -> anyhow::Result<PathBuf> {
+    match &f.kvgate_bin {
+        Some(p) => Ok(p.clone()),
+        None => std::env::current_exe()
+            .map_err(|e| anyhow::anyhow!("cannot find the kvgate executable: {e}")),
+    }
+}
+
+/// Worker URLs from the sim's `worker I http=HOST:PORT ...` lines (it prints `ready` after them).
+async fn sim_urls(child: &mut ChildGuard, n: usize) -> anyhow::Result<Vec<String>> {
+    let mut found: Vec<Option<String>> = vec![None; n];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while found.iter().any(Option::is_none) {
+        child.check_alive()?;
+        let line = tokio::select! {
+            l = child.stdout.recv() => l,
+            _ = tokio::time::sleep_until(deadline) => None,
+        };
+        let Some(line) = line else {
+            child.check_alive()?;
+            anyhow::bail!(
+                "kvgate sim did not print its {n} worker addresses (log: {})",
+                child.log.display()
+            );
+        };
+        if let Some((i, addr)) = parse_worker_line(&line) {
+            if i < n {
+                found[i] = Some(format!("http://{addr}"));
+            }
+        }
+    }
+    Ok(found.into_iter().flatten().collect())
+}
+
+/// `worker 3 http=127.0.0.1:18003 kv_events=...` → (3, "127.0.0.1:18003").
+pub fn parse_worker_line(line: &str) -> Option<(usize, String)> {
+    let mut words = line.split_whitespace();
+    if words.next()? != "worker" {
+        return None;
+    }
+    let i = words.next()?.parse().ok()?;
+    let addr = words.find_map(|w| w.strip_prefix("http="))?;
+    let addr = addr.strip_prefix("http://").unwrap_or(addr);
+    Some((i, addr.trim_end_matches('/').to_owned()))
+}
+
+/// Arguments for one `kvgate serve` in front of `workers`.
+fn serve_args(listen: &str, workers: &[String], policy: &str, a: &CompareArgs) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "serve".into(),
+        "--listen".into(),
+        listen.into(),
+        "--policy".into(),
+        policy.into(),
+    ];
+    for w in workers {
+        args.push("--worker".into());
+        args.push(w.clone());
+    }
+    args.push("--model".into());
+    args.push(a.traffic.model.clone());
+    args.push("--block-size".into());
+    args.push(a.fleet.block_size.to_string());
+    args.extend(a.serve_args.iter().cloned());
+    args
+}
+
+pub async fn run(a: CompareArgs) -> anyhow::Result<()> {
+    tokio::select! {
+        r = compare(&a) => r.map(|_| ()),
+        // Dropping `compare` drops every ChildGuard: the children are killed.
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; children stopped"),
+    }
+}
+
+/// Runs the whole comparison; returns the markdown table (also printed and written).
+pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
+    anyhow::ensure!(
+        !a.policies.is_empty() || !a.externals.is_empty(),
+        "nothing to compare: give --policies and/or --external"
+    );
+    let wl = a.workload.load()?;
+    let cfg = a.traffic.run_config(&wl, a.workload.seed)?;
+    let slo = a.traffic.slo()?;
+    std::fs::create_dir_all(&a.out_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", a.out_dir.display()))?;
+    let log_dir = a.out_dir.join("logs");
+    let owned_fleet = a.fleet.worker_urls.is_empty();
+    let capacity = owned_fleet.then(|| a.fleet.workers * a.fleet.num_gpu_blocks);
+    let n_sent = cfg
+        .max_requests
+        .unwrap_or(usize::MAX)
+        .min(wl.requests.len());
+    let sent = crate::workload::Workload {
+        name: wl.name.clone(),
+        requests: wl.requests[..n_sent].to_vec(),
+    };
+    let oracle = crate::oracle::compute(&sent, a.fleet.block_size, capacity);
+
+    let fleet = Fleet::start(&a.fleet, &a.traffic.model, &log_dir).await?;
+    eprintln!(
+        "fleet: {} workers ({})",
+        fleet.urls.len(),
+        fleet.urls.join(" ")
+    );
+    let exe = kvgate_exe(&a.fleet)?;
+    let mut rows = Vec::new();
+    let mut ttfts: Vec<(String, Vec<f64>)> = Vec::new();
+    let mut loads: Vec<(String, Vec<Sample>)> = Vec::new();
+
+    let mut targets: Vec<(String, Option<String>)> =
+        a.policies.iter().map(|p| (p.clone(), None)).collect();
+    targets.extend(
+        a.externals
+            .iter()
+            .map(|(n, u)| (n.clone(), Some(u.clone()))),
+    );
+    for (name, external) in targets {
+        fleet.reset_caches().await?;
+        let (url, gateway) = match external {
+            Some(u) => (u, None),
+            None => {
+                let port = children::free_port()?;
+                let listen = format!("127.0.0.1:{port}");
+                let args = serve_args(&listen, &fleet.urls, &name, a);
+                let mut g = ChildGuard::spawn(&exe, &args, &format!("serve-{name}"), &log_dir)?;
+                let url = format!("http://{listen}");
+                g.wait_http_ok(&format!("{url}/ready"), Duration::from_secs(60))
+                    .await?;
+                (url, Some(g))
+            }
+        };
+        eprintln!("running {name} against {url} ...");
+        let target = a.traffic.target(&url)?;
+        let sampler = Sampler::start(
+            fleet.urls.clone(),
+            Duration::from_millis(a.sample_ms.max(10)),
+        );
+        let res = crate::runner::run(&target, &wl, &cfg).await;
+        let samples = sampler.finish().await;
+        if let Some(g) = gateway {
+            g.stop().await;
+        }
+        let res = res?;
+        let summary = crate::stats::summarize(&res.outcomes, res.duration, slo);
+        let per_worker = sampler::mean_per_worker(&samples, fleet.urls.len());
+        rows.push(PolicyRow {
+            policy: name.clone(),
+            hit_over_oracle: summary
+                .hit_rate
+                .filter(|_| oracle.infinite_hit_rate > 0.0)
+                .map(|h| h / oracle.infinite_hit_rate),
+            load_max_over_mean: report::max_over_mean(&per_worker),
+            worker_mean_running: per_worker,
+            summary,
+        });
+        ttfts.push((
+            name.clone(),
+            res.outcomes
+                .iter()
+                .filter_map(|o| o.ttft)
+                .map(|t| t.as_secs_f64() * 1e3)
+                .collect(),
+        ));
+        loads.push((name, samples));
+    }
+
+    let table = report::compare_table(&rows, &oracle);
+    let md = a.out_dir.join("compare.md");
+    let json = a.out_dir.join("compare.json");
+    let cdf = a.out_dir.join("ttft_cdf.svg");
+    let load = a.out_dir.join("worker_load.svg");
+    std::fs::write(&md, &table)?;
+    let doc = CompareJson {
+        workload: &a.workload.workload,
+        requests: n_sent,
+        workers: fleet.urls.clone(),
+        block_size: a.fleet.block_size,
+        num_gpu_blocks: owned_fleet.then_some(a.fleet.num_gpu_blocks),
+        oracle: &oracle,
+        rows: &rows,
+        load_samples: loads
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect(),
+    };
+    std::fs::write(&json, serde_json::to_vec_pretty(&doc)?)?;
+    crate::plot::ttft_cdf(&cdf, &ttfts)?;
+    crate::plot::worker_load(&load, &loads)?;
+    println!("{table}");
+    println!(
+        "wrote {}, {}, {}, {}",
+        md.display(),
+        json.display(),
+        cdf.display(),
+        load.display()
+    );
+    Ok(table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_worker_lines_and_externals() {
+        assert_eq!(
+            parse_worker_line("worker 3 http=127.0.0.1:18003 kv_events=tcp://127.0.0.1:19003"),
+            Some((3, "127.0.0.1:18003".into()))
+        );
+        assert_eq!(parse_worker_line("listening on 1.2.3.4"), None);
+        assert_eq!(parse_worker_line("worker x http=a"), None);
+        assert_eq!(
+            parse_external("sgl=http://127.0.0.1:9/"),
+            Ok(("sgl".into(), "http://127.0.0.1:9".into()))
+        );
+        assert!(parse_external("nourl").is_err());
+        assert!(parse_external("=http://x").is_err());
+    }
+}

@@ -1,0 +1,113 @@
+//! Child processes (`kvgate sim`, `kvgate serve`) owned by guards: a child is killed when its guard
+//! drops, so an error, a panic or Ctrl-C in the comparison never leaves servers behind. Each
+//! child's stderr goes to a log file under the output directory, for the post-mortem.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+
+use super::http;
+
+/// A running child process, killed on drop.
+pub struct ChildGuard {
+    name: String,
+    child: Child,
+    /// Lines the child printed on stdout (addresses, readiness).
+    pub stdout: mpsc::UnboundedReceiver<String>,
+    pub log: PathBuf,
+}
+
+impl ChildGuard {
+    /// Starts `exe args...`, stdout captured line by line, stderr appended to `log_dir/name.log`.
+    pub fn spawn(exe: &Path, args: &[String], name: &str, log_dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(log_dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", log_dir.display()))?;
+        let log = log_dir.join(format!("{name}.log"));
+        let err = std::fs::File::create(&log)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", log.display()))?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(err))
+            .env(
+                "RUST_LOG",
+                std::env::var("KVGATE_BENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                anyhow::anyhow!("cannot start {} {}: {e}", exe.display(), args.join(" "))
+            })?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Some(out) = child.stdout.take() {
+            // Ends by itself when the child's stdout closes (the child exited or was killed).
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(out).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            stdout: rx,
+            log,
+        })
+    }
+
+    /// Fails if the child has already exited (with the tail of its log).
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(15).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            anyhow::bail!(
+                "{} exited early ({status}); last lines of {}:\n{}",
+                self.name,
+                self.log.display(),
+                tail.join("\n")
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits until `url` answers 2xx, failing fast if the child dies.
+    pub async fn wait_http_ok(&mut self, url: &str, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            self.check_alive()?;
+            if let Ok((status, _)) = http::get(url).await {
+                if status.is_success() {
+                    return Ok(());
+                }
+            }
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{} not ready at {url} after {timeout:?} (log: {})",
+                self.name,
+                self.log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills the child and reaps it.
+    pub async fn stop(mut self) {
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+    }
+}
+
+/// A port that was free a moment ago on 127.0.0.1 (bind port 0, read it, release it).
+pub fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}

@@ -1,0 +1,160 @@
+//! Workloads: a deterministic list of requests (token-id prompts, output lengths, optional arrival
+//! times) built from a spec string such as `shared-prefix`, `multi-turn`, `mooncake:FILE` or
+//! `azure:FILE`. Prompts are token ids so the oracle and the router hash exactly the same blocks.
+
+pub mod azure;
+pub mod mooncake;
+pub mod multi_turn;
+pub mod shared_prefix;
+
+use std::time::Duration;
+
+/// Token ids we generate stay in this range: clear of the special tokens at the bottom of real
+/// vocabularies and inside every vocabulary a simulated or small real model might use.
+pub const TOKEN_LO: u32 = 1000;
+pub const TOKEN_HI: u32 = 30000;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// Offset from the start of the run (trace workloads); `None` when the rate or the closed loop
+    /// decides the arrival.
+    pub at: Option<Duration>,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+}
+
+/// A named, ordered list of requests.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub name: String,
+    pub requests: Vec<Request>,
+}
+
+impl Workload {
+    /// True when every request carries its own arrival time (the trace can drive an open loop).
+    pub fn has_timestamps(&self) -> bool {
+        !self.requests.is_empty() && self.requests.iter().all(|r| r.at.is_some())
+    }
+
+    /// Total prompt tokens.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| r.prompt.len() as u64).sum()
+    }
+}
+
+/// Knobs shared by all workload kinds (the CLI fills it).
+#[derive(Debug, Clone)]
+pub struct WorkloadOptions {
+    pub seed: u64,
+    /// Tokens per Mooncake `hash_id` block (the trace uses 512; scale down for small fleets).
+    pub trace_block_tokens: usize,
+    /// Multiplies trace timestamps (0.5 replays twice as fast).
+    pub time_scale: f64,
+    /// Caps every request's output length.
+    pub max_output_tokens: Option<u32>,
+    pub shared_prefix: shared_prefix::SharedPrefix,
+    pub multi_turn: multi_turn::MultiTurn,
+    /// Output length for synthetic workloads.
+    pub output_len: u32,
+}
+
+impl Default for WorkloadOptions {
+    fn default() -> Self {
+        Self {
+            seed: 42,
+            trace_block_tokens: 512,
+            time_scale: 1.0,
+            max_output_tokens: None,
+            shared_prefix: shared_prefix::SharedPrefix::default(),
+            multi_turn: multi_turn::MultiTurn::default(),
+            output_len: 64,
+        }
+    }
+}
+
+/// Builds the workload named by `spec`.
+pub fn load(spec: &str, opts: &WorkloadOptions) -> anyhow::Result<Workload> {
+    let mut wl = match spec.split_once(':') {
+        Some(("mooncake", path)) => {
+            let text = read(path)?;
+            let records = mooncake::parse(&text).map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+            mooncake::build(&records, opts.trace_block_tokens, opts.time_scale, opts.seed)
+                .map_err(|e| anyhow::anyhow!("{path}: {e}"))?
+        }
+        Some(("azure", path)) => {
+            let text = read(path)?;
+            let rows = azure::parse(&text).map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+            azure::build(&rows, opts.time_scale, opts.seed)
+        }
+        None if spec == "shared-prefix" => opts.shared_prefix.build(opts.output_len, opts.seed),
+        None if spec == "multi-turn" => opts.multi_turn.build(opts.output_len, opts.seed),
+        _ => anyhow::bail!(
+            "unknown workload {spec:?}: expected shared-prefix, multi-turn, mooncake:FILE or azure:FILE"
+        ),
+    };
+    if let Some(cap) = opts.max_output_tokens {
+        for r in &mut wl.requests {
+            r.max_tokens = r.max_tokens.min(cap).max(1);
+        }
+    }
+    Ok(wl)
+}
+
+fn read(path: &str) -> anyhow::Result<String> {
+    std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read workload file {path}: {e}"))
+}
+
+/// Appends `n` pseudo-random token ids drawn from `rng`.
+pub(crate) fn push_random(rng: &mut fastrand::Rng, n: usize, out: &mut Vec<u32>) {
+    out.extend((0..n).map(|_| rng.u32(TOKEN_LO..TOKEN_HI)));
+}
+
+/// A block of `n` tokens that depends only on `(seed, key)`: equal keys give equal blocks.
+pub(crate) fn keyed_block(seed: u64, key: u64, n: usize, out: &mut Vec<u32>) {
+    // splitmix-style mixing so nearby keys give unrelated streams.
+    let mut z = seed ^ key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    let mut rng = fastrand::Rng::with_seed(z ^ (z >> 31));
+    push_random(&mut rng, n, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_blocks_depend_only_on_seed_and_key() {
+        let (mut a, mut b, mut c) = (vec![], vec![], vec![]);
+        keyed_block(1, 7, 32, &mut a);
+        keyed_block(1, 7, 32, &mut b);
+        keyed_block(1, 8, 32, &mut c);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(a.iter().all(|t| (TOKEN_LO..TOKEN_HI).contains(t)));
+    }
+
+    #[test]
+    fn unknown_spec_is_a_clear_error() {
+        let err = load("nope", &WorkloadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown workload"), "{err}");
+        let err = load("mooncake:/nonexistent/x.jsonl", &WorkloadOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot read"), "{err}");
+    }
+
+    #[test]
+    fn output_cap_applies() {
+        let opts = WorkloadOptions {
+            max_output_tokens: Some(5),
+            ..Default::default()
+        };
+        let wl = load("shared-prefix", &opts).unwrap();
+        assert!(wl.requests.iter().all(|r| r.max_tokens == 5));
+    }
+}
