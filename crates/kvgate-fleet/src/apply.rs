@@ -120,6 +120,11 @@ pub struct WorkerView {
     pub resets: Vec<ResetReason>,
     pub last: ApplyOutcome,
     pub unknown_parents: usize,
+    /// Seq of the last batch delivered.
+    pub last_seq: Option<u64>,
+    /// Batches delivered.
+    pub batches: u64,
+    pub kind: Option<crate::WorkerKind>,
 }
 
 impl IndexSink {
@@ -163,6 +168,8 @@ impl FleetSink for IndexSink {
         self.with(worker, |v| {
             v.unknown_parents += out.unknown_parent;
             v.last = out;
+            v.last_seq = Some(batch.seq);
+            v.batches += 1;
         });
     }
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason) {
@@ -171,6 +178,9 @@ impl FleetSink for IndexSink {
     }
     fn on_health(&self, worker: WorkerId, up: bool) {
         self.with(worker, |v| v.up = Some(up));
+    }
+    fn on_kind(&self, worker: WorkerId, kind: crate::WorkerKind) {
+        self.with(worker, |v| v.kind = Some(kind));
     }
 }
 
