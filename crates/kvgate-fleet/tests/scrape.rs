@@ -290,3 +290,29 @@ async fn trtllm_kv_cache_events_are_polled_into_the_index() {
     assert_eq!(s.view(WorkerId(2)).load.unwrap().running, Some(5));
     hm.shutdown().await;
 }
+
+/// Against a running llama.cpp server (`KVGATE_LLAMACPP_URL=http://127.0.0.1:PORT`, see
+/// shared/tools/real-engine); skipped when unset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_llamacpp_when_available() {
+    let Ok(url) = std::env::var("KVGATE_LLAMACPP_URL") else {
+        eprintln!("skipped: KVGATE_LLAMACPP_URL not set");
+        return;
+    };
+    let s = sink(16);
+    let mut c = MonitorConfig::new(WorkerId(0), url, WorkerKind::Auto);
+    fast(&mut c);
+    c.scrape_timeout = Duration::from_secs(2);
+    let h = WorkerMonitor::spawn(c, s.clone());
+    until("real llama.cpp scraped", || {
+        s.view(WorkerId(0)).load.is_some()
+    })
+    .await;
+    let v = s.view(WorkerId(0));
+    assert_eq!(v.kind, Some(WorkerKind::Llamacpp));
+    assert_eq!(v.up, Some(true));
+    let l = v.load.unwrap();
+    eprintln!("real llama.cpp load: {l:?}");
+    assert!(l.running.is_some() && l.slots_total.unwrap_or(0) >= 1);
+    h.shutdown().await;
+}

@@ -11,11 +11,15 @@ pub fn parse_metrics(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
         .value("llamacpp:requests_processing")
         .ok_or(ParseError::Missing("llamacpp:requests_processing"))?;
     let waiting = e.value("llamacpp:requests_deferred").unwrap_or(0.0);
+    // `prompt_tokens_total` excludes cached tokens (observed on a real server): the prompt tokens
+    // queried are the processed plus the cached ones. Builds without the cached counter report none.
+    let cached = e.value("llamacpp:prompt_tokens_cached_total");
+    let processed = e.value("llamacpp:prompt_tokens_total");
     Ok(ScrapedLoad {
         running: Some(super::count(running)),
         waiting: Some(super::count(waiting)),
-        prefix_cache_queries: e.value("llamacpp:prompt_tokens_total"),
-        prefix_cache_hits: e.value("llamacpp:prompt_tokens_cached_total"),
+        prefix_cache_queries: cached.and_then(|c| Some(c + processed?)),
+        prefix_cache_hits: cached,
         ..ScrapedLoad::default()
     })
 }

@@ -105,3 +105,31 @@ fn counts_and_jitter_are_bounded() {
         assert!(d >= Duration::from_millis(900) && d <= Duration::from_millis(1100));
     }
 }
+
+#[test]
+fn real_llamacpp_samples() {
+    let busy = llamacpp::parse_metrics(&prom_text::parse(fixture!(
+        "metrics_llamacpp_real_busy.prom"
+    )))
+    .unwrap();
+    assert_eq!((busy.running, busy.waiting), (Some(1), Some(0)));
+    let after =
+        llamacpp::parse_metrics(&prom_text::parse(fixture!("metrics_llamacpp_real.prom"))).unwrap();
+    assert_eq!((after.running, after.waiting), (Some(0), Some(0)));
+    assert_eq!(
+        (after.prefix_cache_queries, after.prefix_cache_hits),
+        (Some(156.0), Some(51.0))
+    );
+    assert_eq!(
+        prom_text::parse(fixture!("metrics_llamacpp_real.prom")).bad_lines,
+        0
+    );
+    assert_eq!(
+        llamacpp::parse_slots(fixture!("llamacpp_slots_real_busy.json").as_bytes()).unwrap(),
+        (2, 1)
+    );
+    assert_eq!(
+        llamacpp::parse_slots(fixture!("llamacpp_slots_real.json").as_bytes()).unwrap(),
+        (2, 0)
+    );
+}
