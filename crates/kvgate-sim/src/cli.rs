@@ -1,8 +1,196 @@
-//! Command-line arguments and entry point (filled in by the sim work).
+//! `kvgate sim`: one worker (`--port`) or a fleet (`--workers N --base-port P`) in one process.
+//! Prints one machine-parsable line per worker, then serves until Ctrl-C / SIGTERM.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::config::{CrashMode, EventEncoding, Faults, SimConfig, TimingModel};
+use crate::fleet::{describe, FleetPorts, SimFleet};
+
+fn coeffs(s: &str) -> Result<[f64; 3], String> {
+    let v: Vec<f64> = s
+        .split(',')
+        .map(|x| x.trim().parse::<f64>().map_err(|e| format!("{x:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    <[f64; 3]>::try_from(v).map_err(|_| "expected three comma-separated numbers a,b,c".to_string())
+}
 
 #[derive(clap::Args, Debug)]
-pub struct SimArgs {}
+pub struct SimArgs {
+    /// Address to bind (HTTP and ZMQ).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// HTTP port of a single worker (0 = ephemeral).
+    #[arg(long, default_value_t = 8000, conflicts_with = "base_port")]
+    pub port: u16,
+    /// KV-event PUB port of a single worker (default: HTTP port + 1000; replay socket = this + 100).
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// Run N workers in this process (worker i on --base-port + i).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// First HTTP port of a fleet (events on base + 1000 + i, replay on base + 1100 + i).
+    #[arg(long)]
+    pub base_port: Option<u16>,
+    /// First KV-event port of a fleet (overrides base + 1000).
+    #[arg(long)]
+    pub kv_events_base_port: Option<u16>,
+    /// Do not publish KV events.
+    #[arg(long)]
+    pub no_kv_events: bool,
+    /// KV-event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23).
+    #[arg(long, default_value = "map")]
+    pub kv_events_encoding: EventEncoding,
+    /// KV-event topic (first frame).
+    #[arg(long, default_value = "")]
+    pub kv_events_topic: String,
+    /// Served model name.
+    #[arg(long, default_value = "kvgate-sim")]
+    pub model: String,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 16_384)]
+    pub num_gpu_blocks: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output (default: what the KV cache holds).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Divide every step time by this (0 = no delay).
+    #[arg(long, default_value_t = 1.0)]
+    pub speedup: f64,
+    /// Prefill fit a,b,c: ms = a·T² + b·T + c (default: the Dynamo mocker fit).
+    #[arg(long, value_parser = coeffs)]
+    pub prefill_coeffs: Option<[f64; 3]>,
+    /// Decode fit a,b,c: ms = a·p² + b·p + c for KV usage p.
+    #[arg(long, value_parser = coeffs)]
+    pub decode_coeffs: Option<[f64; 3]>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Mean output length when a request does not set ignore_eos.
+    #[arg(long, default_value_t = 128)]
+    pub mean_output_tokens: u32,
+    /// HuggingFace tokenizer.json (default: a cheap deterministic approximation).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Fault: probability of answering a completion with 500/503.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Fault: crash after N generated tokens of a request (see --crash-mode).
+    #[arg(long)]
+    pub crash_after: Option<u32>,
+    /// stream = cut that response off; exit = exit the process.
+    #[arg(long, default_value = "stream")]
+    pub crash_mode: CrashMode,
+    /// Fault: delay every completion request by this many ms before it is admitted.
+    #[arg(long, default_value_t = 0)]
+    pub stall_ms: u64,
+    /// Fault: delay /metrics by this many ms.
+    #[arg(long, default_value_t = 0)]
+    pub metrics_delay_ms: u64,
+    /// Fault: probability of a malformed KV-event message before each real batch.
+    #[arg(long, default_value_t = 0.0)]
+    pub garbage_events: f64,
+}
 
-pub async fn run(_args: SimArgs) -> anyhow::Result<()> {
-    anyhow::bail!("kvgate sim: not built yet")
+impl SimArgs {
+    pub fn config(&self) -> SimConfig {
+        let d = TimingModel::default();
+        SimConfig {
+            model: self.model.clone(),
+            block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            enable_prefix_caching: !self.no_prefix_caching,
+            speedup: self.speedup,
+            timing: TimingModel {
+                prefill: self.prefill_coeffs.unwrap_or(d.prefill),
+                decode: self.decode_coeffs.unwrap_or(d.decode),
+                ..d
+            },
+            seed: self.seed,
+            mean_output_tokens: self.mean_output_tokens,
+            kv_events: !self.no_kv_events,
+            kv_events_encoding: self.kv_events_encoding,
+            kv_events_topic: self.kv_events_topic.clone(),
+            tokenizer: self.tokenizer.clone(),
+            faults: Faults {
+                fail_rate: self.fail_rate,
+                crash_after: self.crash_after,
+                crash_mode: self.crash_mode,
+                stall: Duration::from_millis(self.stall_ms),
+                metrics_delay: Duration::from_millis(self.metrics_delay_ms),
+                garbage_events: self.garbage_events,
+            },
+            ..SimConfig::default()
+        }
+    }
+}
+
+pub async fn run(args: SimArgs) -> anyhow::Result<()> {
+    let cfg = args.config();
+    let (n, ports) = match (args.workers, args.base_port) {
+        (Some(n), base) => (
+            n,
+            FleetPorts {
+                host: args.host,
+                http_base: base.unwrap_or(args.port),
+                kv_base: args.kv_events_base_port,
+            },
+        ),
+        (None, Some(base)) => (
+            1,
+            FleetPorts {
+                host: args.host,
+                http_base: base,
+                kv_base: args.kv_events_base_port,
+            },
+        ),
+        (None, None) => (
+            1,
+            FleetPorts {
+                host: args.host,
+                http_base: args.port,
+                kv_base: args.kv_events_port.or(args.kv_events_base_port),
+            },
+        ),
+    };
+    let fleet = SimFleet::spawn(n, cfg, ports).await?;
+    for (i, w) in fleet.workers().iter().enumerate() {
+        println!("{}", describe(i, w));
+    }
+    println!("ready");
+    wait_for_signal().await;
+    eprintln!("kvgate sim: stopping");
+    fleet.shutdown().await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

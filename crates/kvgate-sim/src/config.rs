@@ -1,0 +1,242 @@
+//! Worker configuration: every knob of the simulated engine, its timing model and its faults.
+
+use std::time::Duration;
+
+/// How KV events are encoded on the wire (vLLM changed the shape in 0.24).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum EventEncoding {
+    /// `{"type": "BlockStored", ...}` maps (vLLM >= 0.24, the default).
+    #[default]
+    Map,
+    /// Tagged positional arrays `["BlockStored", ...]` (vLLM <= 0.23).
+    Array,
+}
+
+impl std::str::FromStr for EventEncoding {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "map" => Ok(Self::Map),
+            "array" => Ok(Self::Array),
+            other => Err(format!(
+                "unknown KV event encoding {other:?} (expected map|array)"
+            )),
+        }
+    }
+}
+
+/// Per-step latency model. Times are milliseconds before the speed-up is applied.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimingModel {
+    /// prefill ms = a·T² + b·T + c for T new prompt tokens in the step.
+    pub prefill: [f64; 3],
+    /// decode ms = a·p² + b·p + c for KV usage fraction p (floored at `decode_min_ms`).
+    pub decode: [f64; 3],
+    pub decode_min_ms: f64,
+}
+
+impl Default for TimingModel {
+    /// The public Dynamo mocker fit (see docs/sim.md).
+    fn default() -> Self {
+        Self {
+            prefill: [4.209989e-7, 0.01518344, 16.50142],
+            decode: [-25.74, 54.01, 5.74],
+            decode_min_ms: 1.0,
+        }
+    }
+}
+
+impl TimingModel {
+    pub fn prefill_ms(&self, new_tokens: usize) -> f64 {
+        let t = new_tokens as f64;
+        let [a, b, c] = self.prefill;
+        (a * t * t + b * t + c).max(0.0)
+    }
+
+    pub fn decode_ms(&self, kv_usage: f64) -> f64 {
+        let p = kv_usage.clamp(0.0, 1.0);
+        let [a, b, c] = self.decode;
+        (a * p * p + b * p + c).max(self.decode_min_ms)
+    }
+
+    /// Wall time of one scheduler step. A step that carries prompt tokens costs the prefill
+    /// fit (decode tokens ride along in the same forward pass), but never less than a decode step.
+    pub fn step_ms(&self, prefill_tokens: usize, decode_seqs: usize, kv_usage: f64) -> f64 {
+        let decode = if decode_seqs > 0 || prefill_tokens > 0 {
+            self.decode_ms(kv_usage)
+        } else {
+            0.0
+        };
+        if prefill_tokens > 0 {
+            self.prefill_ms(prefill_tokens).max(decode)
+        } else {
+            decode
+        }
+    }
+}
+
+/// What `--crash-after N` does once a request has produced N tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CrashMode {
+    /// Abort that response stream mid-way (connection closed without `[DONE]`).
+    #[default]
+    Stream,
+    /// Exit the whole process (status 101), like a worker dying under load.
+    Exit,
+}
+
+impl std::str::FromStr for CrashMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "stream" => Ok(Self::Stream),
+            "exit" | "process" => Ok(Self::Exit),
+            other => Err(format!(
+                "unknown crash mode {other:?} (expected stream|exit)"
+            )),
+        }
+    }
+}
+
+/// Fault injection for reliability tests. Everything is off by default.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Faults {
+    /// Probability (0..1) that a completion request is answered with a 500 or 503.
+    pub fail_rate: f64,
+    /// After this many generated tokens of one request, crash per `crash_mode`.
+    pub crash_after: Option<u32>,
+    pub crash_mode: CrashMode,
+    /// Delay before a completion request is admitted (a stalled worker).
+    pub stall: Duration,
+    /// Delay before `/metrics` answers.
+    pub metrics_delay: Duration,
+    /// Probability (0..1) that a malformed KV-event message is published before each real batch.
+    pub garbage_events: f64,
+}
+
+/// Everything one simulated worker needs. `Default` mirrors vLLM's defaults where they exist.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Served model name (`/v1/models`, metric label `model_name`).
+    pub model: String,
+    pub block_size: usize,
+    /// KV-cache capacity in blocks (block 0 is reserved as vLLM's null block).
+    pub num_gpu_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    /// Prompt + output tokens allowed per request; `None` = everything the cache can hold.
+    pub max_model_len: Option<usize>,
+    pub enable_prefix_caching: bool,
+    /// Timing divisor: 1 = the fitted GPU speed, 100 = a hundred times faster, 0 = no delay at all.
+    pub speedup: f64,
+    pub timing: TimingModel,
+    /// Seeds the engine's block hash and the generated tokens (same seed → same outputs).
+    pub seed: u64,
+    /// Mean output length when the request does not set `ignore_eos` (the "natural" stop).
+    pub mean_output_tokens: u32,
+    /// Publish KV events over ZMQ (needs an events address at spawn time).
+    pub kv_events: bool,
+    pub kv_events_encoding: EventEncoding,
+    pub kv_events_topic: String,
+    /// Batches kept for replay (vLLM `buffer_steps`).
+    pub kv_events_buffer_steps: usize,
+    /// `data_parallel_rank` in event batches and the `engine` metric label.
+    pub dp_rank: u32,
+    /// Path of a HuggingFace `tokenizer.json`; `None` = the cheap deterministic tokenizer.
+    pub tokenizer: Option<std::path::PathBuf>,
+    pub faults: Faults,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            model: "kvgate-sim".into(),
+            block_size: 16,
+            num_gpu_blocks: 16_384,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+            enable_prefix_caching: true,
+            speedup: 1.0,
+            timing: TimingModel::default(),
+            seed: 0,
+            mean_output_tokens: 128,
+            kv_events: true,
+            kv_events_encoding: EventEncoding::Map,
+            kv_events_topic: String::new(),
+            kv_events_buffer_steps: 10_000,
+            dp_rank: 0,
+            tokenizer: None,
+            faults: Faults::default(),
+        }
+    }
+}
+
+macro_rules! setters {
+    ($($name:ident: $ty:ty),* $(,)?) => {
+        $(
+            #[doc = concat!("Sets `", stringify!($name), "`.")]
+            pub fn $name(mut self, v: impl Into<$ty>) -> Self {
+                self.$name = v.into();
+                self
+            }
+        )*
+    };
+}
+
+impl SimConfig {
+    setters! {
+        model: String, block_size: usize, num_gpu_blocks: usize, max_num_seqs: usize,
+        max_num_batched_tokens: usize, max_model_len: Option<usize>, enable_prefix_caching: bool,
+        speedup: f64, timing: TimingModel, seed: u64, mean_output_tokens: u32, kv_events: bool,
+        kv_events_encoding: EventEncoding, kv_events_topic: String, dp_rank: u32, faults: Faults,
+        kv_events_buffer_steps: usize,
+    }
+
+    /// Usable blocks (vLLM keeps one null block out of the pool).
+    pub fn usable_blocks(&self) -> usize {
+        self.num_gpu_blocks.saturating_sub(1)
+    }
+
+    /// Longest prompt + output a request may ask for.
+    pub fn effective_max_model_len(&self) -> usize {
+        let cap = self.usable_blocks() * self.block_size;
+        self.max_model_len.map_or(cap, |m| m.min(cap))
+    }
+
+    /// Rejects configurations the engine cannot run.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.block_size > 0, "block_size must be > 0");
+        anyhow::ensure!(self.num_gpu_blocks >= 2, "num_gpu_blocks must be >= 2");
+        anyhow::ensure!(self.max_num_seqs > 0, "max_num_seqs must be > 0");
+        anyhow::ensure!(
+            self.max_num_batched_tokens > 0,
+            "max_num_batched_tokens must be > 0"
+        );
+        anyhow::ensure!(
+            self.speedup >= 0.0 && self.speedup.is_finite(),
+            "speedup must be a finite number >= 0"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.faults.fail_rate),
+            "fail_rate must be within 0..=1"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.faults.garbage_events),
+            "garbage_events must be within 0..=1"
+        );
+        anyhow::ensure!(
+            self.kv_events_buffer_steps > 0,
+            "kv_events_buffer_steps must be > 0"
+        );
+        Ok(())
+    }
+
+    /// Real time of `ms` model milliseconds after the speed-up (`None` = do not wait).
+    pub fn scaled(&self, ms: f64) -> Option<Duration> {
+        if self.speedup == 0.0 || ms <= 0.0 {
+            return None;
+        }
+        Some(Duration::from_secs_f64(ms / self.speedup / 1000.0))
+    }
+}

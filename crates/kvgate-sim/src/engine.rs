@@ -1,0 +1,431 @@
+//! The simulated vLLM engine core, free of tokio and HTTP: a paged KV cache with prefix caching
+//! (`block_pool.rs`), requests (`request.rs`) and a v1-style scheduler (this file). The worker loop
+//! calls [`Engine::schedule`], waits the step time the timing model gives, then [`Engine::complete`].
+
+pub mod block_pool;
+pub mod request;
+
+use std::collections::VecDeque;
+
+use block_pool::{none_hash, wire_hash, BlockPool, CachedBlock, EngineHash};
+use request::Request;
+pub use request::{FinishReason, NewRequest, RequestId};
+
+use crate::kv_events::KvEvent;
+
+/// The scheduler's limits (a slice of `SimConfig`).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
+    pub seed: u64,
+    pub mean_output_tokens: u32,
+}
+
+/// One scheduled step, produced by `schedule` and consumed by `complete`.
+#[derive(Debug, Default)]
+pub struct Step {
+    pub scheduled: Vec<(RequestId, usize)>,
+    /// New prompt (or recomputed) tokens in the step: the prefill term of the timing model.
+    pub prefill_tokens: usize,
+    /// Sequences producing one decode token in the step.
+    pub decode_seqs: usize,
+    /// KV usage fraction while the step runs.
+    pub kv_usage: f64,
+    /// Requests scheduled for the first time in this step, with their cached prompt tokens.
+    pub started: Vec<(RequestId, usize)>,
+    pub preempted: usize,
+}
+
+impl Step {
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+    }
+}
+
+/// Something a request's client must hear about after a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub id: RequestId,
+    pub token: u32,
+    pub finished: Option<FinishReason>,
+}
+
+/// Counters behind vLLM's `/metrics` (monotonic since start).
+#[derive(Debug, Default, Clone)]
+pub struct EngineCounters {
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub preemptions: u64,
+    pub steps: u64,
+}
+
+/// A block of the cache as `/sim/cache` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CacheEntry {
+    pub block_id: usize,
+    /// Wire (64-bit) engine hash, as in `BlockStored.block_hashes`.
+    pub hash: u64,
+    pub parent_hash: Option<u64>,
+    pub token_ids: Vec<u32>,
+    /// Referenced by a running request (not evictable).
+    pub in_use: bool,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    none: EngineHash,
+    waiting: VecDeque<Request>,
+    running: Vec<Request>,
+    events: Vec<KvEvent>,
+    pub counters: EngineCounters,
+}
+
+fn blocks_for(tokens: usize, bs: usize) -> usize {
+    tokens.div_ceil(bs)
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Self {
+        Self {
+            pool: BlockPool::new(cfg.num_gpu_blocks),
+            none: none_hash(cfg.seed),
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            events: Vec::new(),
+            counters: EngineCounters::default(),
+        }
+    }
+
+    /// Longest prompt + output one request may need; larger ones must be rejected up front or they
+    /// could never be scheduled.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.usable() * self.cfg.block_size
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn kv_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    pub fn add_request(&mut self, r: NewRequest) {
+        let key = xxhash_rust::xxh3::xxh3_64_with_seed(
+            &r.prompt
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            self.cfg.seed,
+        );
+        let natural_len = (!r.ignore_eos).then(|| {
+            let span = u64::from(self.cfg.mean_output_tokens.max(1)) * 2;
+            1 + (key.rotate_left(17) % span) as usize
+        });
+        self.waiting.push_back(Request {
+            id: r.id,
+            prompt_len: r.prompt.len(),
+            tokens: r.prompt,
+            max_tokens: r.max_tokens,
+            natural_len,
+            computed: 0,
+            blocks: Vec::new(),
+            hashes: Vec::new(),
+            cached_blocks: 0,
+            num_cached_tokens: None,
+            out_key: key,
+        });
+    }
+
+    /// Removes a request wherever it is and frees its blocks. Returns whether it existed.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            let r = self.running.remove(i);
+            self.free(r);
+            return true;
+        }
+        if let Some(i) = self.waiting.iter().position(|r| r.id == id) {
+            if let Some(r) = self.waiting.remove(i) {
+                self.free(r);
+            }
+            return true;
+        }
+        false
+    }
+
+    fn free(&mut self, mut r: Request) {
+        let blocks = std::mem::take(&mut r.blocks);
+        self.pool.release(blocks.into_iter().rev());
+    }
+
+    /// Preemption by recompute: drop all blocks (cached ones stay evictable, so the recompute can
+    /// hit them) and put the request back at the head of the queue.
+    fn preempt(&mut self, mut r: Request) {
+        let blocks = std::mem::take(&mut r.blocks);
+        self.pool.release(blocks.into_iter().rev());
+        r.computed = 0;
+        r.cached_blocks = 0;
+        self.counters.preemptions += 1;
+        self.waiting.push_front(r);
+    }
+
+    /// Picks the next batch (vLLM v1 order: running requests first, then FCFS admission).
+    pub fn schedule(&mut self) -> Step {
+        let bs = self.cfg.block_size;
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut step = Step::default();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let (computed, total, have) = {
+                let r = &self.running[i];
+                (r.computed, r.tokens.len(), r.blocks.len())
+            };
+            let n = (total - computed).min(budget);
+            let need = blocks_for(computed + n, bs).saturating_sub(have);
+            let mut scheduled_self = true;
+            while self.pool.num_free() < need {
+                // Out of blocks: preempt the newest running request (possibly this one).
+                let victim = self.running.pop().expect("running is non-empty here");
+                step.preempted += 1;
+                let is_self = self.running.len() == i;
+                self.preempt(victim);
+                if is_self {
+                    scheduled_self = false;
+                    break;
+                }
+            }
+            if !scheduled_self {
+                break;
+            }
+            let new = self
+                .pool
+                .allocate(need, &mut self.events)
+                .expect("checked free count");
+            let r = &mut self.running[i];
+            r.blocks.extend(new);
+            if total - computed > 1 || computed < r.prompt_len {
+                step.prefill_tokens += n;
+            } else {
+                step.decode_seqs += 1;
+            }
+            step.scheduled.push((r.id, n));
+            budget -= n;
+            i += 1;
+        }
+
+        if step.preempted == 0 {
+            self.admit_waiting(&mut budget, &mut step);
+        }
+        step.kv_usage = self.pool.usage();
+        step
+    }
+
+    fn admit_waiting(&mut self, budget: &mut usize, step: &mut Step) {
+        let bs = self.cfg.block_size;
+        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(r) = self.waiting.front_mut() else {
+                break;
+            };
+            r.update_hashes(bs, self.none, self.cfg.seed);
+            let total = r.tokens.len();
+            // Prefix hit: leading cached full blocks, leaving at least one token to compute.
+            let mut hit: Vec<usize> = Vec::new();
+            if self.cfg.enable_prefix_caching {
+                let max_hit = (total - 1) / bs;
+                for h in r.hashes.iter().take(max_hit) {
+                    match self.pool.lookup(h) {
+                        Some(id) => hit.push(id),
+                        None => break,
+                    }
+                }
+            }
+            let hit_tokens = hit.len() * bs;
+            let n = (total - hit_tokens).min(*budget);
+            let need = blocks_for(hit_tokens + n, bs) - hit.len();
+            let idle_hits = hit
+                .iter()
+                .filter(|&&id| self.pool.is_unreferenced(id))
+                .count();
+            if self.pool.num_free() < need + idle_hits {
+                break; // FCFS: nobody overtakes the head of the queue.
+            }
+            let mut r = self.waiting.pop_front().expect("front exists");
+            for &id in &hit {
+                self.pool.touch(id);
+            }
+            r.blocks = hit.clone();
+            r.cached_blocks = hit.len();
+            r.computed = hit_tokens;
+            let new = self
+                .pool
+                .allocate(need, &mut self.events)
+                .expect("checked free count");
+            r.blocks.extend(new);
+            if r.num_cached_tokens.is_none() {
+                r.num_cached_tokens = Some(hit_tokens);
+                self.counters.prefix_cache_queries += r.prompt_len as u64;
+                self.counters.prefix_cache_hits += hit_tokens.min(r.prompt_len) as u64;
+                self.counters.prompt_tokens += r.prompt_len as u64;
+                step.started.push((r.id, hit_tokens.min(r.prompt_len)));
+            }
+            step.prefill_tokens += n;
+            step.scheduled.push((r.id, n));
+            *budget -= n;
+            self.running.push(r);
+        }
+    }
+
+    /// Applies a finished step: advances computed tokens, samples one token for every request that
+    /// caught up, caches newly full blocks (→ `BlockStored`) and retires finished requests.
+    pub fn complete(&mut self, step: &Step) -> Vec<Output> {
+        let mut outputs = Vec::new();
+        let mut finished = Vec::new();
+        self.counters.steps += 1;
+        for &(id, n) in &step.scheduled {
+            // Aborted (or preempted later in the same step, which cannot happen) requests vanish.
+            let Some(idx) = self.running.iter().position(|r| r.id == id) else {
+                continue;
+            };
+            let r = &mut self.running[idx];
+            r.computed += n;
+            if r.computed >= r.tokens.len() {
+                let k = r.output_len();
+                let token = sample(r.out_key, k, &r.tokens[..r.prompt_len]);
+                r.tokens.push(token);
+                self.counters.generation_tokens += 1;
+                let out_len = k + 1;
+                let reason =
+                    if r.natural_len.is_some_and(|l| out_len >= l) && out_len < r.max_tokens {
+                        Some(FinishReason::Stop)
+                    } else if out_len >= r.max_tokens {
+                        Some(FinishReason::Length)
+                    } else {
+                        None
+                    };
+                outputs.push(Output {
+                    id,
+                    token,
+                    finished: reason,
+                });
+                if reason.is_some() {
+                    finished.push(id);
+                }
+            }
+            if self.cfg.enable_prefix_caching {
+                self.cache_full_blocks(idx);
+            }
+        }
+        for id in finished {
+            if let Some(i) = self.running.iter().position(|r| r.id == id) {
+                let r = self.running.remove(i);
+                self.free(r);
+            }
+        }
+        outputs
+    }
+
+    /// Registers the computed full blocks of request `idx` and reports each new run as one event.
+    fn cache_full_blocks(&mut self, idx: usize) {
+        let bs = self.cfg.block_size;
+        let seed = self.cfg.seed;
+        let none = self.none;
+        let r = &mut self.running[idx];
+        r.update_hashes(bs, none, seed);
+        let full = (r.computed / bs).min(r.hashes.len()).min(r.blocks.len());
+        let mut run: Option<KvEvent> = None;
+        for b in r.cached_blocks..full {
+            let parent = (b > 0).then(|| r.hashes[b - 1]);
+            let block = CachedBlock {
+                hash: r.hashes[b],
+                parent,
+                tokens: r.tokens[b * bs..(b + 1) * bs].to_vec(),
+            };
+            if self.pool.cache_block(r.blocks[b], block) {
+                match &mut run {
+                    Some(KvEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        ..
+                    }) => {
+                        block_hashes.push(wire_hash(r.hashes[b]));
+                        token_ids.extend_from_slice(&r.tokens[b * bs..(b + 1) * bs]);
+                    }
+                    _ => {
+                        run = Some(KvEvent::BlockStored {
+                            block_hashes: vec![wire_hash(r.hashes[b])],
+                            parent_block_hash: parent.map(wire_hash),
+                            token_ids: r.tokens[b * bs..(b + 1) * bs].to_vec(),
+                            block_size: bs,
+                        });
+                    }
+                }
+            } else if let Some(ev) = run.take() {
+                self.events.push(ev);
+            }
+        }
+        r.cached_blocks = r.cached_blocks.max(full);
+        if let Some(ev) = run {
+            self.events.push(ev);
+        }
+    }
+
+    /// KV events produced since the last call (one batch per step, as vLLM publishes).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// `/reset_prefix_cache`: forget every cached block.
+    pub fn reset_prefix_cache(&mut self) {
+        self.pool.clear_cache();
+        for r in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            // Blocks they hold are anonymous now; do not re-register them under old hashes.
+            r.cached_blocks = r.cached_blocks.max(r.computed / self.cfg.block_size);
+        }
+        self.events.push(KvEvent::AllBlocksCleared);
+    }
+
+    pub fn cache_snapshot(&self) -> Vec<CacheEntry> {
+        self.pool
+            .cached_blocks()
+            .into_iter()
+            .map(|(id, c, in_use)| CacheEntry {
+                block_id: id,
+                hash: wire_hash(c.hash),
+                parent_hash: c.parent.map(wire_hash),
+                token_ids: c.tokens.clone(),
+                in_use,
+            })
+            .collect()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+}
+
+/// Deterministic output token k of a request: one of its own prompt tokens, so the id is valid for
+/// whatever tokenizer produced the prompt.
+fn sample(key: u64, k: usize, prompt: &[u32]) -> u32 {
+    let x = xxhash_rust::xxh3::xxh3_64_with_seed(&(k as u64).to_le_bytes(), key);
+    prompt[(x % prompt.len() as u64) as usize]
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,74 @@
+//! One request as the engine sees it: its tokens, its blocks and how far it has been computed.
+
+use super::block_pool::{chain_hash, EngineHash};
+
+pub type RequestId = u64;
+
+/// Why a request stopped (OpenAI `finish_reason` and vLLM's `request_success_total` label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+/// What the caller submits.
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct Request {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// Prompt followed by generated tokens.
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    /// Output length at which the simulated model emits EOS (`None` with `ignore_eos`).
+    pub natural_len: Option<usize>,
+    pub computed: usize,
+    pub blocks: Vec<usize>,
+    /// Chained hashes of the full blocks of `tokens` (grows as tokens are generated).
+    pub hashes: Vec<EngineHash>,
+    /// Leading blocks already registered in the prefix cache (or taken from it).
+    pub cached_blocks: usize,
+    /// Prompt tokens served from the prefix cache at first scheduling (`cached_tokens`).
+    pub num_cached_tokens: Option<usize>,
+    /// Key for the deterministic output stream.
+    pub out_key: u64,
+}
+
+impl Request {
+    pub fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Extends `hashes` over every full block of `tokens`.
+    pub fn update_hashes(&mut self, block_size: usize, none: EngineHash, seed: u64) {
+        let full = self.tokens.len() / block_size;
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let parent = if i == 0 { none } else { self.hashes[i - 1] };
+            let h = chain_hash(
+                parent,
+                &self.tokens[i * block_size..(i + 1) * block_size],
+                seed,
+            );
+            self.hashes.push(h);
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! Engine behaviour on its own (no clock, no sockets).
+
+use super::*;
+
+fn cfg(blocks: usize) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_gpu_blocks: blocks,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        enable_prefix_caching: true,
+        seed: 1,
+        mean_output_tokens: 8,
+    }
+}
+
+fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+    NewRequest {
+        id,
+        prompt,
+        max_tokens,
+        ignore_eos: true,
+    }
+}
+
+/// Runs until idle; returns outputs per request and the started (id, cached) pairs.
+fn drain(e: &mut Engine, max_steps: usize) -> (Vec<Output>, Vec<(RequestId, usize)>, Vec<KvEvent>) {
+    let (mut outs, mut started, mut events) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..max_steps {
+        if !e.has_work() {
+            return (outs, started, events);
+        }
+        let step = e.schedule();
+        assert!(
+            !step.is_empty(),
+            "work pending but nothing scheduled: deadlock"
+        );
+        started.extend(step.started.iter().copied());
+        outs.extend(e.complete(&step));
+        events.extend(e.take_events());
+    }
+    panic!("engine did not drain in {max_steps} steps");
+}
+
+#[test]
+fn repeated_prompt_hits_the_prefix_cache() {
+    let mut e = Engine::new(cfg(64));
+    let prompt: Vec<u32> = (0..30).collect(); // 7 full blocks of 4 + 2 tokens
+    e.add_request(req(1, prompt.clone(), 3));
+    let (_, s1, ev) = drain(&mut e, 100);
+    assert_eq!(s1, vec![(1, 0)]);
+    let stored: usize = ev
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                ..
+            } => {
+                assert_eq!(token_ids.len(), block_hashes.len() * 4);
+                block_hashes.len()
+            }
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(
+        stored, 8,
+        "7 prompt blocks + the block completed by computed output tokens (the last sampled token is never computed)"
+    );
+    e.add_request(req(2, prompt, 2));
+    let (_, s2, _) = drain(&mut e, 100);
+    assert_eq!(s2, vec![(2, 28)]);
+    assert_eq!(e.counters.prefix_cache_hits, 28);
+    assert_eq!(e.counters.prefix_cache_queries, 60);
+}
+
+#[test]
+fn full_cache_hit_still_computes_the_last_token() {
+    let mut e = Engine::new(cfg(64));
+    let prompt: Vec<u32> = (0..16).collect();
+    e.add_request(req(1, prompt.clone(), 1));
+    drain(&mut e, 100);
+    e.add_request(req(2, prompt, 1));
+    let (_, s, _) = drain(&mut e, 100);
+    assert_eq!(
+        s,
+        vec![(2, 12)],
+        "3 of 4 blocks: at least one token is recomputed"
+    );
+}
+
+#[test]
+fn lru_eviction_emits_block_removed_for_the_oldest_blocks() {
+    let mut e = Engine::new(cfg(9)); // 8 usable blocks
+    e.add_request(req(1, (0..16).collect(), 1));
+    let (_, _, ev1) = drain(&mut e, 100);
+    let first: Vec<u64> = ev1
+        .iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes.clone(),
+            _ => vec![],
+        })
+        .collect();
+    e.add_request(req(2, (100..128).collect(), 1));
+    let (_, _, ev2) = drain(&mut e, 100);
+    let removed: Vec<u64> = ev2
+        .iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockRemoved { block_hashes } => block_hashes.clone(),
+            _ => vec![],
+        })
+        .collect();
+    assert!(
+        !removed.is_empty(),
+        "second prompt needs evictions: {ev2:?}"
+    );
+    assert!(removed.iter().all(|h| first.contains(h)));
+    // Tail blocks of the first request go first (freed in reverse order).
+    assert_eq!(removed[0], *first.last().unwrap());
+    let snap = e.cache_snapshot();
+    assert!(snap.iter().all(|c| !removed.contains(&c.hash)));
+}
+
+#[test]
+fn preemption_when_blocks_run_out_and_everything_finishes() {
+    let mut c = cfg(9); // 8 usable blocks = 32 tokens
+    c.max_num_batched_tokens = 16;
+    let mut e = Engine::new(c);
+    for id in 0..4 {
+        // Each needs 4..6 blocks over its lifetime: they cannot all fit at once.
+        e.add_request(req(
+            id,
+            (id as u32 * 100..id as u32 * 100 + 10).collect(),
+            12,
+        ));
+    }
+    let (outs, started, _) = drain(&mut e, 10_000);
+    assert!(e.counters.preemptions > 0, "expected preemption");
+    assert_eq!(started.len(), 4);
+    for id in 0..4 {
+        let mine: Vec<_> = outs.iter().filter(|o| o.id == id).collect();
+        assert_eq!(mine.len(), 12, "request {id} got every token exactly once");
+        assert_eq!(mine.last().unwrap().finished, Some(FinishReason::Length));
+    }
+    assert_eq!(e.num_free_blocks(), 8, "all blocks returned");
+}
+
+#[test]
+fn chunked_prefill_splits_long_prompts_across_steps() {
+    let mut c = cfg(64);
+    c.max_num_batched_tokens = 10;
+    let mut e = Engine::new(c);
+    e.add_request(req(1, (0..25).collect(), 1));
+    let s1 = e.schedule();
+    assert_eq!(s1.scheduled, vec![(1, 10)]);
+    assert!(
+        e.complete(&s1).is_empty(),
+        "no token before the prompt is done"
+    );
+    let s2 = e.schedule();
+    assert_eq!(s2.scheduled, vec![(1, 10)]);
+    e.complete(&s2);
+    let s3 = e.schedule();
+    assert_eq!((s3.scheduled.clone(), s3.prefill_tokens), (vec![(1, 5)], 5));
+    assert_eq!(e.complete(&s3).len(), 1);
+}
+
+#[test]
+fn max_num_seqs_caps_the_batch_and_the_queue_is_fcfs() {
+    let mut c = cfg(64);
+    c.max_num_seqs = 2;
+    let mut e = Engine::new(c);
+    for id in 0..3 {
+        e.add_request(req(id, vec![id as u32 + 1; 5], 3));
+    }
+    let s = e.schedule();
+    assert_eq!(
+        s.scheduled.iter().map(|x| x.0).collect::<Vec<_>>(),
+        vec![0, 1]
+    );
+    assert_eq!((e.num_running(), e.num_waiting()), (2, 1));
+}
+
+#[test]
+fn abort_frees_blocks() {
+    let mut e = Engine::new(cfg(16));
+    e.add_request(req(1, (0..20).collect(), 50));
+    let s = e.schedule();
+    e.complete(&s);
+    assert!(e.num_free_blocks() < 15);
+    assert!(e.abort(1));
+    assert_eq!(e.num_free_blocks(), 15);
+    assert!(!e.has_work());
+}
+
+#[test]
+fn outputs_are_deterministic_and_natural_stop_is_reported() {
+    let run = || {
+        let mut e = Engine::new(cfg(64));
+        e.add_request(NewRequest {
+            id: 1,
+            prompt: (0..9).collect(),
+            max_tokens: 1000,
+            ignore_eos: false,
+        });
+        drain(&mut e, 10_000).0
+    };
+    let a = run();
+    assert_eq!(a, run());
+    assert!(a.len() <= 16, "mean 8 → natural length at most 16");
+    assert_eq!(a.last().unwrap().finished, Some(FinishReason::Stop));
+}
+
+#[test]
+fn reset_prefix_cache_clears_and_reports() {
+    let mut e = Engine::new(cfg(64));
+    e.add_request(req(1, (0..20).collect(), 1));
+    drain(&mut e, 100);
+    assert!(!e.cache_snapshot().is_empty());
+    e.reset_prefix_cache();
+    assert_eq!(e.take_events(), vec![KvEvent::AllBlocksCleared]);
+    assert!(e.cache_snapshot().is_empty());
+    e.add_request(req(2, (0..20).collect(), 1));
+    let (_, s, _) = drain(&mut e, 100);
+    assert_eq!(s, vec![(2, 0)]);
+}

@@ -1,0 +1,118 @@
+//! The worker's HTTP surface (hyper 1): routing and response helpers here, one file per endpoint
+//! group under `http/`. Errors use vLLM's OpenAI error JSON (`code` is the integer status).
+
+mod admin;
+mod completions;
+mod sse;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, Limited};
+
+use crate::server::Shared;
+
+pub type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// Largest request body accepted (prompts are text; this is generous).
+const MAX_BODY: usize = 64 << 20;
+
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into())
+        .map_err(|e: Infallible| match e {})
+        .boxed_unsync()
+}
+
+pub fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(full(serde_json::to_vec(v).unwrap_or_default()));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// OpenAI error body, vLLM flavour: `type` like "BadRequestError", `code` the HTTP status.
+pub fn error(
+    status: StatusCode,
+    message: impl Into<String>,
+    param: Option<&str>,
+) -> Response<Body> {
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowed",
+        StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLarge",
+        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+        _ => "InternalServerError",
+    };
+    json(
+        status,
+        &serde_json::json!({"error": {
+            "message": message.into(), "type": kind, "param": param, "code": status.as_u16()
+        }}),
+    )
+}
+
+async fn read_body(req: Request<hyper::body::Incoming>) -> Result<Bytes, Response<Body>> {
+    match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("could not read request body: {e}"),
+            None,
+        )),
+    }
+}
+
+/// Dispatches one request. An `Err` makes hyper drop the connection (used by `--crash-after`).
+pub async fn route(
+    sh: Arc<Shared>,
+    req: Request<hyper::body::Incoming>,
+) -> Result<Response<Body>, std::io::Error> {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    let known = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/health",
+        "/tokenize",
+        "/metrics",
+        "/kv_event_sources",
+        "/reset_prefix_cache",
+        "/sim/cache",
+    ];
+    Ok(match (&method, path.as_str()) {
+        (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
+            let chat = path == "/v1/chat/completions";
+            match read_body(req).await {
+                Ok(b) => return completions::handle(sh, b, chat).await,
+                Err(r) => r,
+            }
+        }
+        (&Method::GET, "/v1/models") => admin::models(&sh),
+        (&Method::GET, "/health") => admin::health(&sh),
+        (&Method::POST, "/tokenize") => match read_body(req).await {
+            Ok(b) => admin::tokenize(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::GET, "/metrics") => admin::metrics(&sh).await,
+        (&Method::GET, "/kv_event_sources") => admin::kv_event_sources(&sh),
+        (&Method::POST, "/reset_prefix_cache") => admin::reset_prefix_cache(&sh).await,
+        (&Method::GET, "/sim/cache") => admin::cache(&sh).await,
+        (_, p) if known.contains(&p) => error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("method {method} not allowed on {p}"),
+            None,
+        ),
+        (_, p) => error(
+            StatusCode::NOT_FOUND,
+            format!("no route for {method} {p}"),
+            None,
+        ),
+    })
+}

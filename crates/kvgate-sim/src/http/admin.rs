@@ -1,0 +1,164 @@
+//! The small endpoints: `/v1/models`, `/health`, `/tokenize`, `/metrics`, `/kv_event_sources`,
+//! `/reset_prefix_cache` and the sim-only `/sim/cache`.
+
+use std::sync::atomic::Ordering;
+
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+use super::{error, full, json as json_resp, Body};
+use crate::metrics::{render, Labels};
+use crate::server::Shared;
+use crate::tokenizer::{message_text, render_chat};
+use crate::worker::Command;
+
+pub fn models(sh: &Shared) -> Response<Body> {
+    let m = &sh.cfg.model;
+    json_resp(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [{
+            "id": m, "object": "model", "created": sh.created, "owned_by": "vllm", "root": m,
+            "parent": null, "max_model_len": sh.cfg.effective_max_model_len(), "permission": []
+        }]}),
+    )
+}
+
+pub fn health(sh: &Shared) -> Response<Body> {
+    let mut r = Response::new(full(""));
+    if sh.draining.load(Ordering::Relaxed) {
+        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    }
+    r
+}
+
+/// vLLM's `/tokenize`: `{prompt}` or `{messages}` → `{count, max_model_len, tokens, token_strs}`.
+pub fn tokenize(sh: &Shared, body: &[u8]) -> Response<Body> {
+    let v: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid JSON body: {e}"),
+                Some("body"),
+            )
+        }
+    };
+    let tokens = if let Some(p) = v.get("prompt") {
+        match p.as_str() {
+            Some(s) => sh.tokenizer.encode(s),
+            None => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "`prompt` must be a string",
+                    Some("prompt"),
+                )
+            }
+        }
+    } else if let Some(msgs) = v.get("messages").and_then(|m| m.as_array()) {
+        let mut pairs = Vec::new();
+        for m in msgs {
+            let role = m.get("role").and_then(|r| r.as_str());
+            let content = message_text(m.get("content").unwrap_or(&Value::Null));
+            match (role, content) {
+                (Some(r), Some(c)) => pairs.push((r.to_owned(), c)),
+                _ => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "every message needs `role` and `content`",
+                        Some("messages"),
+                    )
+                }
+            }
+        }
+        let add = v
+            .get("add_generation_prompt")
+            .and_then(|b| b.as_bool())
+            .unwrap_or(true);
+        sh.tokenizer.encode(&render_chat(&pairs, add))
+    } else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "either `prompt` or `messages` is required",
+            None,
+        );
+    };
+    json_resp(
+        StatusCode::OK,
+        &json!({"count": tokens.len(), "max_model_len": sh.cfg.effective_max_model_len(),
+                "tokens": tokens, "token_strs": null}),
+    )
+}
+
+pub async fn metrics(sh: &Shared) -> Response<Body> {
+    let delay = sh.cfg.faults.metrics_delay;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let snapshot = sh.metrics.lock().clone();
+    let labels = Labels {
+        model: &sh.cfg.model,
+        engine: sh.cfg.dp_rank,
+        block_size: sh.cfg.block_size,
+        num_gpu_blocks: sh.cfg.num_gpu_blocks,
+        enable_prefix_caching: sh.cfg.enable_prefix_caching,
+    };
+    let mut r = Response::new(full(render(&snapshot, &labels)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
+
+/// `{dp_rank: KVEventsConfig}` with the resolved endpoints.
+pub fn kv_event_sources(sh: &Shared) -> Response<Body> {
+    let c = &sh.cfg;
+    let entry = match &sh.kv {
+        Some(eps) => json!({
+            "enable_kv_cache_events": true, "publisher": "zmq",
+            "endpoint": format!("tcp://{}", eps.publish),
+            "replay_endpoint": format!("tcp://{}", eps.replay),
+            "buffer_steps": c.kv_events_buffer_steps, "hwm": 100_000, "max_queue_size": 100_000,
+            "topic": c.kv_events_topic,
+            "encoding": match c.kv_events_encoding { crate::config::EventEncoding::Map => "map", crate::config::EventEncoding::Array => "array" },
+        }),
+        None => json!({"enable_kv_cache_events": false, "publisher": "null"}),
+    };
+    json_resp(StatusCode::OK, &json!({ c.dp_rank.to_string(): entry }))
+}
+
+pub async fn reset_prefix_cache(sh: &Shared) -> Response<Body> {
+    let (tx, rx) = oneshot::channel();
+    if sh.cmd.send(Command::ResetPrefixCache(tx)).is_err() || rx.await.is_err() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "worker is shutting down",
+            None,
+        );
+    }
+    Response::new(full(""))
+}
+
+/// Sim-only: the engine's cached blocks (wire hash, parent, token ids) for exact comparisons.
+pub async fn cache(sh: &Shared) -> Response<Body> {
+    let (tx, rx) = oneshot::channel();
+    if sh.cmd.send(Command::Snapshot(tx)).is_err() {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "worker is shutting down",
+            None,
+        );
+    }
+    match rx.await {
+        Ok(blocks) => json_resp(
+            StatusCode::OK,
+            &json!({"block_size": sh.cfg.block_size, "num_gpu_blocks": sh.cfg.num_gpu_blocks, "blocks": blocks}),
+        ),
+        Err(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "worker is shutting down",
+            None,
+        ),
+    }
+}

@@ -1,0 +1,352 @@
+//! `/v1/chat/completions` and `/v1/completions`: parse the OpenAI request (unknown fields ignored),
+//! tokenize, check it fits, apply faults, submit one engine request per choice, then stream (SSE,
+//! `sse.rs`) or collect the answer.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::{error, json as json_resp, sse::SseBody, Body};
+use crate::engine::{FinishReason, NewRequest};
+use crate::server::Shared;
+use crate::tokenizer::{message_text, render_chat};
+use crate::worker::{Command, ReqEvent};
+
+/// What both the streaming and the collected answer need to know.
+pub struct Meta {
+    pub chat: bool,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    /// Prompt length per prompt.
+    pub prompt_lens: Vec<usize>,
+    pub n: usize,
+    pub include_usage: bool,
+    pub tokenizer: Arc<dyn kvgate_tokenize::Tokenizer>,
+}
+
+impl Meta {
+    pub fn choices(&self) -> usize {
+        self.prompt_lens.len() * self.n
+    }
+
+    pub fn usage(&self, completion: usize, cached: usize) -> Value {
+        let prompt: usize = self.prompt_lens.iter().sum();
+        json!({
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        })
+    }
+}
+
+type Bad = Box<Response<Body>>;
+
+fn bad(msg: impl Into<String>, param: &str) -> Bad {
+    Box::new(error(StatusCode::BAD_REQUEST, msg, Some(param)))
+}
+
+fn chat_prompt(sh: &Shared, v: &Value) -> Result<Vec<u32>, Bad> {
+    let msgs = v
+        .get("messages")
+        .and_then(|m| m.as_array())
+        .ok_or_else(|| bad("`messages` must be a non-empty array", "messages"))?;
+    if msgs.is_empty() {
+        return Err(bad("`messages` must be a non-empty array", "messages"));
+    }
+    let mut pairs = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        let role = m
+            .get("role")
+            .and_then(|r| r.as_str())
+            .ok_or_else(|| bad("every message needs a string `role`", "messages"))?;
+        let content = message_text(m.get("content").unwrap_or(&Value::Null)).ok_or_else(|| {
+            bad(
+                "message `content` must be a string or an array of parts",
+                "messages",
+            )
+        })?;
+        pairs.push((role.to_owned(), content));
+    }
+    let add_gen = v
+        .get("add_generation_prompt")
+        .and_then(|b| b.as_bool())
+        .unwrap_or(true);
+    Ok(sh.tokenizer.encode(&render_chat(&pairs, add_gen)))
+}
+
+fn token_array(a: &[Value]) -> Option<Vec<u32>> {
+    a.iter()
+        .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
+        .collect()
+}
+
+fn completion_prompts(sh: &Shared, v: &Value) -> Result<Vec<Vec<u32>>, Bad> {
+    let msg = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
+    match v.get("prompt") {
+        Some(Value::String(s)) => Ok(vec![sh.tokenizer.encode(s)]),
+        Some(Value::Array(a)) if a.is_empty() => Err(bad("`prompt` must not be empty", "prompt")),
+        Some(Value::Array(a)) => match &a[0] {
+            Value::String(_) => a
+                .iter()
+                .map(|s| {
+                    s.as_str()
+                        .map(|s| sh.tokenizer.encode(s))
+                        .ok_or_else(|| bad(msg, "prompt"))
+                })
+                .collect(),
+            Value::Number(_) => Ok(vec![token_array(a).ok_or_else(|| bad(msg, "prompt"))?]),
+            Value::Array(_) => a
+                .iter()
+                .map(|x| {
+                    x.as_array()
+                        .and_then(|x| token_array(x))
+                        .ok_or_else(|| bad(msg, "prompt"))
+                })
+                .collect(),
+            _ => Err(bad(msg, "prompt")),
+        },
+        _ => Err(bad(msg, "prompt")),
+    }
+}
+
+fn opt_u64(v: &Value, key: &str) -> Result<Option<u64>, Bad> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| bad(format!("`{key}` must be a non-negative integer"), key)),
+    }
+}
+
+pub async fn handle(
+    sh: Arc<Shared>,
+    body: Bytes,
+    chat: bool,
+) -> Result<Response<Body>, std::io::Error> {
+    match prepare(&sh, &body, chat).await {
+        Ok(r) => r,
+        Err(resp) => Ok(*resp),
+    }
+}
+
+async fn prepare(
+    sh: &Arc<Shared>,
+    body: &Bytes,
+    chat: bool,
+) -> Result<Result<Response<Body>, std::io::Error>, Bad> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}"), "body"))?;
+    if !v.is_object() {
+        return Err(bad("request body must be a JSON object", "body"));
+    }
+    let cfg = &sh.cfg;
+    match v.get("model") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(m)) if *m == cfg.model => {}
+        Some(m) => {
+            return Err(Box::new(error(
+                StatusCode::NOT_FOUND,
+                format!("The model `{}` does not exist.", m.as_str().unwrap_or("?")),
+                Some("model"),
+            )))
+        }
+    }
+    let prompts = if chat {
+        vec![chat_prompt(sh, &v)?]
+    } else {
+        completion_prompts(sh, &v)?
+    };
+    let n = opt_u64(&v, "n")?.unwrap_or(1);
+    if !(1..=128).contains(&n) {
+        return Err(bad("`n` must be between 1 and 128", "n"));
+    }
+    let stream = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+    let include_usage = stream
+        && v.get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(|b| b.as_bool())
+            .unwrap_or(false);
+    let ignore_eos = v
+        .get("ignore_eos")
+        .and_then(|b| b.as_bool())
+        .unwrap_or(false);
+    let max_len = cfg.effective_max_model_len();
+    let requested = match (
+        opt_u64(&v, "max_completion_tokens")?,
+        opt_u64(&v, "max_tokens")?,
+    ) {
+        (Some(x), _) | (None, Some(x)) => Some(x as usize),
+        (None, None) => (!chat).then_some(16),
+    };
+    if requested == Some(0) {
+        return Err(bad("max_tokens must be at least 1, got 0.", "max_tokens"));
+    }
+    for p in &prompts {
+        if p.is_empty() {
+            return Err(bad(
+                "the prompt is empty after tokenization",
+                if chat { "messages" } else { "prompt" },
+            ));
+        }
+        let want = p.len() + requested.unwrap_or(1);
+        if p.len() >= max_len || want > max_len {
+            return Err(bad(
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {want} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
+                    p.len(),
+                    want - p.len()
+                ),
+                if chat { "messages" } else { "prompt" },
+            ));
+        }
+    }
+
+    let f = &cfg.faults;
+    if f.fail_rate > 0.0 {
+        let (fail, unavailable) = {
+            let mut rng = sh.rng.lock();
+            (rng.f64() < f.fail_rate, rng.bool())
+        };
+        if fail {
+            let (code, msg) = if unavailable {
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "injected fault: worker unavailable",
+                )
+            } else {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "injected fault: internal error",
+                )
+            };
+            sh.metrics.lock().finished(None);
+            return Err(Box::new(error(code, msg, None)));
+        }
+    }
+    if !f.stall.is_zero() {
+        tokio::time::sleep(f.stall).await;
+    }
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let first_id = sh.next_id();
+    let prompt_lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    for (p, prompt) in prompts.into_iter().enumerate() {
+        for j in 0..n as usize {
+            let id = if p == 0 && j == 0 {
+                first_id
+            } else {
+                sh.next_id()
+            };
+            let max_tokens = requested.unwrap_or(max_len - prompt.len());
+            let req = NewRequest {
+                id,
+                prompt: prompt.clone(),
+                max_tokens,
+                ignore_eos,
+            };
+            let idx = (p * n as usize + j) as u32;
+            if sh
+                .cmd
+                .send(Command::Submit {
+                    req,
+                    idx,
+                    tx: tx.clone(),
+                })
+                .is_err()
+            {
+                return Err(Box::new(error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "worker is shutting down",
+                    None,
+                )));
+            }
+        }
+    }
+    drop(tx);
+    let meta = Meta {
+        chat,
+        id: format!(
+            "{}-{:016x}{:08x}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            sh.created,
+            first_id
+        ),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: cfg.model.clone(),
+        prompt_lens,
+        n: n as usize,
+        include_usage,
+        tokenizer: sh.tokenizer.clone(),
+    };
+    if stream {
+        return Ok(Ok(SseBody::response(meta, rx)));
+    }
+    Ok(collect(meta, rx).await)
+}
+
+async fn collect(
+    meta: Meta,
+    mut rx: mpsc::UnboundedReceiver<ReqEvent>,
+) -> Result<Response<Body>, std::io::Error> {
+    let k = meta.choices();
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); k];
+    let mut reasons: Vec<Option<FinishReason>> = vec![None; k];
+    let mut cached = vec![0usize; k];
+    let mut done = 0;
+    while done < k {
+        match rx.recv().await {
+            Some(ReqEvent::Started { idx, cached_tokens }) => cached[idx as usize] = cached_tokens,
+            Some(ReqEvent::Token { idx, token }) => tokens[idx as usize].push(token),
+            Some(ReqEvent::Done { idx, reason }) => {
+                reasons[idx as usize] = Some(reason);
+                done += 1;
+            }
+            Some(ReqEvent::Crash) => {
+                return Err(std::io::Error::other(
+                    "injected fault: crash after N tokens",
+                ));
+            }
+            None => {
+                return Ok(error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "worker stopped before the request finished",
+                    None,
+                ));
+            }
+        }
+    }
+    let completion: usize = tokens.iter().map(Vec::len).sum();
+    let cached_total: usize = cached.iter().step_by(meta.n).sum();
+    let choices: Vec<Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let text: String = t.iter().map(|x| meta.tokenizer.decode(&[*x])).collect();
+            let reason = reasons[i].map(FinishReason::as_str);
+            if meta.chat {
+                json!({"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
+                       "logprobs": null, "finish_reason": reason, "stop_reason": null})
+            } else {
+                json!({"index": i, "text": text, "logprobs": null, "finish_reason": reason, "stop_reason": null})
+            }
+        })
+        .collect();
+    let body = json!({
+        "id": meta.id,
+        "object": if meta.chat { "chat.completion" } else { "text_completion" },
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+        "usage": meta.usage(completion, cached_total),
+    });
+    Ok(json_resp(StatusCode::OK, &body))
+}

@@ -1,0 +1,315 @@
+//! vLLM 0.33 `/metrics` in Prometheus text format 0.0.4: the same names, types and labels
+//! (`model_name`, `engine`) a router scrapes from a real worker (interfaces.md §1).
+
+use std::fmt::Write;
+
+use crate::engine::{EngineCounters, FinishReason};
+
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+const LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+}
+
+/// Everything `/metrics` shows; the scheduler task updates it after each step.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+    pub engine: EngineCounters,
+    /// Finished requests by reason: stop, length, abort, error.
+    pub success: [u64; 4],
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            running: 0,
+            waiting: 0,
+            kv_usage: 0.0,
+            engine: EngineCounters::default(),
+            success: [0; 4],
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(LATENCY_BUCKETS),
+            queue: Histogram::new(LATENCY_BUCKETS),
+        }
+    }
+}
+
+impl Metrics {
+    pub fn finished(&mut self, reason: Option<FinishReason>) {
+        let i = match reason {
+            Some(FinishReason::Stop) => 0,
+            Some(FinishReason::Length) => 1,
+            Some(FinishReason::Abort) => 2,
+            None => 3,
+        };
+        self.success[i] += 1;
+    }
+}
+
+/// Static labels of a worker (`model_name`, `engine`) plus the cache config info.
+pub struct Labels<'a> {
+    pub model: &'a str,
+    pub engine: u32,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub enable_prefix_caching: bool,
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+fn float(v: f64) -> String {
+    if v.is_infinite() {
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
+    } else if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.1}")
+    } else {
+        format!("{v}")
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
+    let base = format!("engine=\"{}\",model_name=\"{}\"", l.engine, escape(l.model));
+    let mut o = String::with_capacity(8192);
+    let scalar = |o: &mut String, name: &str, kind: &str, help: &str, v: f64| {
+        header(o, name, kind, help);
+        let _ = writeln!(o, "{name}{{{base}}} {}", float(v));
+    };
+    scalar(
+        &mut o,
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        m.running as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        m.waiting as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        m.kv_usage,
+    );
+    let e = &m.engine;
+    scalar(
+        &mut o,
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        e.prefix_cache_queries as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        e.prefix_cache_hits as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        e.preemptions as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        e.prompt_tokens as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        e.generation_tokens as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:prompt_tokens_cached_total",
+        "counter",
+        "Number of cached prompt tokens (local + external).",
+        e.prefix_cache_hits as f64,
+    );
+
+    header(
+        &mut o,
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+    );
+    for (i, reason) in ["stop", "length", "abort", "error"].iter().enumerate() {
+        let _ = writeln!(
+            o,
+            "vllm:request_success_total{{{base},finished_reason=\"{reason}\"}} {}",
+            float(m.success[i] as f64)
+        );
+    }
+
+    let hist = |o: &mut String, name: &str, help: &str, h: &Histogram| {
+        header(o, name, "histogram", help);
+        for (b, c) in h.bounds.iter().zip(&h.counts) {
+            let _ = writeln!(
+                o,
+                "{name}_bucket{{{base},le=\"{}\"}} {}",
+                float(*b),
+                float(*c as f64)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "{name}_bucket{{{base},le=\"+Inf\"}} {}",
+            float(h.count as f64)
+        );
+        let _ = writeln!(o, "{name}_count{{{base}}} {}", float(h.count as f64));
+        let _ = writeln!(o, "{name}_sum{{{base}}} {}", float(h.sum));
+    };
+    hist(
+        &mut o,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        &m.ttft,
+    );
+    hist(
+        &mut o,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        &m.itl,
+    );
+    hist(
+        &mut o,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        &m.e2e,
+    );
+    hist(
+        &mut o,
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        &m.queue,
+    );
+
+    header(
+        &mut o,
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+    );
+    let _ = writeln!(
+        o,
+        "vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"{}\",engine=\"{}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"xxhash\"}} 1.0",
+        l.block_size,
+        if l.enable_prefix_caching { "True" } else { "False" },
+        l.engine,
+        l.num_gpu_blocks,
+    );
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_names_types_and_buckets() {
+        let mut m = Metrics::default();
+        m.ttft.observe(0.03);
+        m.finished(Some(FinishReason::Length));
+        let l = Labels {
+            model: "m\"x",
+            engine: 0,
+            block_size: 16,
+            num_gpu_blocks: 100,
+            enable_prefix_caching: true,
+        };
+        let t = render(&m, &l);
+        assert!(t.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
+        assert!(t.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\\\"x\",le=\"0.02\"} 0.0\n"));
+        assert!(t.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\\\"x\",le=\"0.04\"} 1.0\n"));
+        assert!(t.contains("finished_reason=\"length\"} 1.0\n"));
+        assert!(t.contains("num_gpu_blocks=\"100\""));
+        // Every sample line belongs to a family announced by a TYPE line.
+        for line in t.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let fam = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_count")
+                .trim_end_matches("_sum");
+            assert!(
+                t.contains(&format!("# TYPE {fam} ")) || t.contains(&format!("# TYPE {name} ")),
+                "{line}"
+            );
+        }
+    }
+}
