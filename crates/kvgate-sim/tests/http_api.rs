@@ -420,3 +420,41 @@ async fn faults_fail_rate_and_crash_after() {
     );
     w.shutdown().await;
 }
+
+#[tokio::test]
+async fn preemption_under_block_pressure_completes_every_request() {
+    // 19 usable blocks (304 tokens); 8 requests that each grow to 100 tokens (7 blocks).
+    let cfg = SimConfig::default().speedup(0.0).num_gpu_blocks(20usize);
+    let w = SimWorker::spawn(cfg, local(), None).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/completions", w.base_url());
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let (c, url) = (c.clone(), url.clone());
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"prompt": ids(100 + i, 40), "max_tokens": 60, "ignore_eos": true});
+            post(&c, &url, &body).await
+        }));
+    }
+    let done = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap());
+        }
+        out
+    })
+    .await
+    .expect("deadlock: requests did not finish");
+    for (st, v) in done {
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], 60);
+    }
+    let m = w.metrics();
+    assert!(m.engine.preemptions > 0, "expected preemptions");
+    assert_eq!((m.running, m.waiting, m.kv_usage), (0, 0, 0.0));
+    let (_, text, _) = get_text(&c, &format!("{}/metrics", w.base_url())).await;
+    assert!(
+        !text.contains("vllm:num_preemptions_total{engine=\"0\",model_name=\"kvgate-sim\"} 0.0")
+    );
+    w.shutdown().await;
+}
