@@ -142,6 +142,8 @@ pub struct KvIndex {
     entries: usize,
     /// Time origin for approximate timestamps (set by the first approximate insert).
     epoch: Option<Instant>,
+    /// Approximate workers; when 0, queries skip the per-match TTL check.
+    approx_workers: usize,
 }
 
 fn link(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
@@ -205,8 +207,17 @@ impl KvIndex {
                         cfg.capacity_blocks,
                     )),
                 });
+                self.count_approx();
             }
         }
+    }
+
+    fn count_approx(&mut self) {
+        self.approx_workers = self
+            .workers
+            .iter()
+            .filter(|s| matches!(s, Some(WorkerIndex::Approx(_))))
+            .count();
     }
 
     /// The worker's mode, `None` if unknown.
@@ -331,6 +342,7 @@ impl KvIndex {
         if let Some(slot) = self.workers.get_mut(worker.index()) {
             *slot = None;
         }
+        self.count_approx();
     }
 
     /// Approximate mode: records that the request with these chained hashes was routed to `worker`
@@ -389,6 +401,7 @@ impl KvIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
         out.clear();
         let now_ns = self.ns(now);
+        let check_ttl = self.approx_workers > 0;
         for (i, h) in hashes.iter().enumerate() {
             let Some(set) = self.blocks.get(h) else {
                 break;
@@ -399,9 +412,11 @@ impl KvIndex {
                 if out.get(w) != i {
                     continue; // its run broke earlier
                 }
-                if let Some(WorkerIndex::Approx(a)) = self.slot(w) {
-                    if !a.is_live(*h, now_ns) {
-                        continue;
+                if check_ttl {
+                    if let Some(WorkerIndex::Approx(a)) = self.slot(w) {
+                        if !a.is_live(*h, now_ns) {
+                            continue;
+                        }
                     }
                 }
                 out.set(w, i + 1);

@@ -2,9 +2,10 @@
 //! TTL after its last use, and at most `capacity` of them (least recently used evicted first).
 //!
 //! TTL is the same for every block of a worker, so "earliest expiry" and "least recently used" are
-//! the same order: one FIFO of (hash, last-use) serves both. Refreshing a block pushes a new entry
-//! and leaves the old one behind as stale (detected because its time no longer matches the map);
-//! the queue is compacted when stale entries outnumber live ones.
+//! the same order: one FIFO of (hash, stamp) serves both. Refreshing a block pushes a new entry and
+//! leaves the old one behind as stale (detected because its stamp no longer matches the map's; a
+//! per-touch counter, not the time, so two touches in the same instant are still ordered); the queue
+//! is compacted when stale entries outnumber live ones.
 
 use crate::nohash::{table_bytes, HashKeyed};
 use crate::BlockHash;
@@ -12,9 +13,10 @@ use std::collections::VecDeque;
 
 #[derive(Debug)]
 pub(crate) struct ApproxWorker {
-    /// hash → last use (ns since the index epoch).
-    last_use: HashKeyed<u64>,
+    /// hash → (last use in ns since the index epoch, stamp of its live queue entry).
+    last_use: HashKeyed<(u64, u64)>,
     queue: VecDeque<(BlockHash, u64)>,
+    next_stamp: u64,
     pub(crate) ttl_ns: u64,
     pub(crate) capacity: usize,
     /// Latest time seen; earlier times are clamped up so the queue stays ordered.
@@ -26,6 +28,7 @@ impl ApproxWorker {
         Self {
             last_use: HashKeyed::default(),
             queue: VecDeque::new(),
+            next_stamp: 0,
             ttl_ns,
             capacity,
             clock: 0,
@@ -40,24 +43,25 @@ impl ApproxWorker {
     pub(crate) fn is_live(&self, h: BlockHash, now_ns: u64) -> bool {
         self.last_use
             .get(&h)
-            .is_some_and(|&t| t.saturating_add(self.ttl_ns) > now_ns)
+            .is_some_and(|&(t, _)| t.saturating_add(self.ttl_ns) > now_ns)
     }
 
     /// Inserts or refreshes `h`; true when it is new.
     pub(crate) fn touch(&mut self, h: BlockHash, now_ns: u64) -> bool {
         self.clock = self.clock.max(now_ns);
-        let t = self.clock;
-        let new = self.last_use.insert(h, t).is_none();
-        self.queue.push_back((h, t));
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        let new = self.last_use.insert(h, (self.clock, stamp)).is_none();
+        self.queue.push_back((h, stamp));
         new
     }
 
     /// Removes blocks whose TTL has passed, reporting each to `gone`.
     pub(crate) fn expire(&mut self, now_ns: u64, mut gone: impl FnMut(BlockHash)) -> usize {
         let mut n = 0;
-        while let Some(&(h, t)) = self.queue.front() {
+        while let Some(&(h, stamp)) = self.queue.front() {
             match self.last_use.get(&h) {
-                Some(&live) if live == t => {
+                Some(&(t, live)) if live == stamp => {
                     if t.saturating_add(self.ttl_ns) > now_ns {
                         break;
                     }
@@ -76,10 +80,14 @@ impl ApproxWorker {
     pub(crate) fn enforce_capacity(&mut self, mut gone: impl FnMut(BlockHash)) -> usize {
         let mut n = 0;
         while self.last_use.len() > self.capacity {
-            let Some((h, t)) = self.queue.pop_front() else {
+            let Some((h, stamp)) = self.queue.pop_front() else {
                 break;
             };
-            if self.last_use.get(&h) == Some(&t) {
+            if self
+                .last_use
+                .get(&h)
+                .is_some_and(|&(_, live)| live == stamp)
+            {
                 self.last_use.remove(&h);
                 gone(h);
                 n += 1;
@@ -92,7 +100,8 @@ impl ApproxWorker {
     fn maybe_compact(&mut self) {
         if self.queue.len() > 2 * self.last_use.len() + 64 {
             let live = &self.last_use;
-            self.queue.retain(|(h, t)| live.get(h) == Some(t));
+            self.queue
+                .retain(|(h, stamp)| live.get(h).is_some_and(|(_, l)| l == stamp));
         }
     }
 
@@ -109,6 +118,6 @@ impl ApproxWorker {
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        table_bytes(self.last_use.capacity(), 16) + self.queue.capacity() * 16
+        table_bytes(self.last_use.capacity(), 24) + self.queue.capacity() * 16
     }
 }
