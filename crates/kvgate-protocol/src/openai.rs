@@ -16,7 +16,7 @@ mod prompt;
 mod request;
 mod splice;
 
-pub use messages::{ChatMessage, ContentPart, MessageContent};
+pub use messages::{parse_messages, ChatMessage, ContentPart, MessageContent};
 pub use prompt::PromptInput;
 pub use request::RequestView;
 pub use splice::splice_include_usage;

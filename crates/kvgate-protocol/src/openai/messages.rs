@@ -83,7 +83,8 @@ struct RawPart<'a> {
     text: Option<CowStr<'a>>,
 }
 
-pub(crate) fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, RequestError> {
+/// Parses a raw `messages` array (what [`super::RequestView::messages`] does).
+pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, RequestError> {
     let bad = |m: String| RequestError::invalid("messages", m);
     let items: Vec<&'a RawValue> = serde_json::from_str(raw.get())
         .map_err(|_| bad("expected an array of message objects".into()))?;

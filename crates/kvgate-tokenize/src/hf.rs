@@ -1,0 +1,92 @@
+//! HF `tokenizer.json` backend over the `tokenizers` crate (default features off, `fancy-regex`
+//! instead of the C `onig` library, so no C build).
+
+use std::path::Path;
+
+use crate::{TokenizeError, Tokenizer};
+
+/// A `tokenizer.json` (BPE, WordPiece, WordLevel or Unigram model; any pre-tokenizer the
+/// pure-Rust regex engine handles, which covers GPT-2, Llama-3, Qwen, SmolLM and Mistral files).
+pub struct HfTokenizer {
+    inner: tokenizers::Tokenizer,
+    name: String,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl HfTokenizer {
+    /// Loads a `tokenizer.json`. Errors name the file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TokenizeError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| TokenizeError::File {
+            path: path.to_owned(),
+            what: format!("cannot read tokenizer.json: {e}"),
+        })?;
+        Self::from_bytes(&bytes).map_err(|e| match e {
+            TokenizeError::Backend(what) => TokenizeError::File {
+                path: path.to_owned(),
+                what: format!("not a usable tokenizer.json: {what}"),
+            },
+            other => other,
+        })
+    }
+
+    /// Loads a `tokenizer.json` held in memory.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizeError> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| TokenizeError::Backend(e.to_string()))?;
+        Ok(Self {
+            inner,
+            name: "hf".to_owned(),
+        })
+    }
+
+    /// The id of a token string (e.g. a special token such as `<|im_start|>`).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The underlying `tokenizers` object, for anything not wrapped here.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    fn encode_ids(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        // `encode_fast` skips char-offset bookkeeping we never read.
+        let enc = self
+            .inner
+            .encode_fast(text, special)
+            .map_err(|e| TokenizeError::Backend(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+impl Tokenizer for HfTokenizer {
+    /// Special-token *strings* in `text` (e.g. `<|im_start|>` from a template) still map to their
+    /// ids, as in the engines; only post-processor additions (BOS) are left out.
+    fn encode(&self, text: &str) -> Vec<u32> {
+        self.encode_ids(text, false).unwrap_or_default()
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, false).unwrap_or_default()
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn try_encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_ids(text, false)
+    }
+
+    fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_ids(text, true)
+    }
+}

@@ -1,0 +1,41 @@
+//! The ChatML fallback, rendered without Jinja: it is the hot path for every model that has no
+//! template configured.
+
+use kvgate_protocol::openai::{parse_messages, ChatMessage};
+use serde_json::value::RawValue;
+
+use crate::TokenizeError;
+
+pub(super) fn render(
+    messages_json: &str,
+    add_generation_prompt: bool,
+) -> Result<String, TokenizeError> {
+    let raw: &RawValue = serde_json::from_str(messages_json)
+        .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
+    let messages = parse_messages(raw)?;
+    Ok(render_messages(&messages, add_generation_prompt))
+}
+
+/// `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
+pub(crate) fn render_messages(messages: &[ChatMessage<'_>], add_generation_prompt: bool) -> String {
+    let mut out = String::with_capacity(
+        messages
+            .iter()
+            .map(|m| m.raw.get().len() + 24)
+            .sum::<usize>()
+            + 24,
+    );
+    for m in messages {
+        out.push_str("<|im_start|>");
+        out.push_str(&m.role);
+        out.push('\n');
+        if let Some(c) = &m.content {
+            out.push_str(&c.text());
+        }
+        out.push_str("<|im_end|>\n");
+    }
+    if add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+    }
+    out
+}
