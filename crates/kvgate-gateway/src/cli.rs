@@ -1,8 +1,154 @@
-//! Command-line arguments and entry point (filled in by the gateway work).
+//! `kvgate serve`: flags, environment overrides (`KVGATE_*`), and the entry point.
+//!
+//! Precedence: command-line flag > environment variable > config file > built-in default. Flags
+//! and env are re-applied on every config reload, so they keep winning.
 
-#[derive(clap::Args, Debug)]
-pub struct ServeArgs {}
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
 
-pub async fn run(_args: ServeArgs) -> anyhow::Result<()> {
-    anyhow::bail!("kvgate serve: not built yet")
+use crate::config::{ApiKeyConfig, Config, WorkerConfig};
+use crate::{Gateway, StartOptions};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// TOML config file (hot-reloaded on change and SIGHUP).
+    #[arg(long, short = 'c', env = "KVGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address of the OpenAI endpoint [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVGATE_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Worker base URL (repeat, or comma-separated in KVGATE_WORKERS). Replaces `[[workers]]`.
+    #[arg(long = "worker", env = "KVGATE_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Model the `--worker`s serve (repeatable); default: discovered from each worker's /v1/models.
+    #[arg(long = "model", env = "KVGATE_MODELS", value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Routing policy: kv, round_robin, random, least_loaded, power_of_two, consistent_hash, cache_aware.
+    #[arg(long, env = "KVGATE_POLICY")]
+    pub policy: Option<String>,
+    /// KV block size in tokens (must match the workers').
+    #[arg(long, env = "KVGATE_BLOCK_SIZE")]
+    pub block_size: Option<u32>,
+    /// Admin API listen address (off unless set; needs --admin-key).
+    #[arg(long, env = "KVGATE_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Bearer key of the admin API.
+    #[arg(long, env = "KVGATE_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
+    /// Client API key(s) (comma-separated in KVGATE_API_KEYS); replaces `[auth] keys`.
+    #[arg(
+        long = "api-key",
+        env = "KVGATE_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// Disable the per-request JSON log line on stdout.
+    #[arg(long, env = "KVGATE_NO_REQUEST_LOG")]
+    pub no_request_log: bool,
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `kvgate_gateway=debug`.
+    #[arg(long, env = "KVGATE_LOG", default_value = "info")]
+    pub log: String,
+}
+
+impl ServeArgs {
+    /// Apply flags/env on top of a config (file or default).
+    pub fn apply(&self, cfg: &mut Config) {
+        if let Some(l) = self.listen {
+            cfg.server.listen = l;
+        }
+        if !self.workers.is_empty() {
+            cfg.workers = self
+                .workers
+                .iter()
+                .map(|u| {
+                    let mut w = WorkerConfig::from_url(u.trim());
+                    w.models = self.models.clone();
+                    w
+                })
+                .collect();
+        }
+        if let Some(p) = &self.policy {
+            cfg.routing.policy = p.clone();
+        }
+        if let Some(b) = self.block_size {
+            cfg.routing.block_size = b;
+        }
+        if let Some(a) = self.admin_listen {
+            cfg.admin.listen = Some(a);
+        }
+        if let Some(k) = &self.admin_key {
+            cfg.admin.key = Some(k.clone());
+        }
+        if !self.api_keys.is_empty() {
+            cfg.auth.keys = self
+                .api_keys
+                .iter()
+                .map(|k| ApiKeyConfig {
+                    key: k.clone(),
+                    name: None,
+                    rate_per_s: None,
+                    burst: None,
+                })
+                .collect();
+        }
+        if self.no_request_log {
+            cfg.server.request_log = false;
+        }
+    }
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let mut config = match &args.config {
+        Some(p) => Config::from_file(p)?,
+        None => Config::default(),
+    };
+    args.apply(&mut config);
+    config.validate()?;
+    if config.workers.is_empty() {
+        anyhow::bail!("no workers: pass --worker URL (repeatable) or list [[workers]] in --config");
+    }
+    let a = args.clone();
+    let overrides: crate::reload::Overrides = Arc::new(move |c: &mut Config| a.apply(c));
+    let gw = Gateway::start(StartOptions {
+        config,
+        config_path: args.config.clone(),
+        overrides,
+    })
+    .await?;
+    tracing::info!(addr = %gw.addr, admin = ?gw.admin_addr, "kvgate serving");
+    let stop = gw.shutdown_token();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining in-flight requests");
+        stop.cancel();
+    });
+    gw.wait().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

@@ -1,4 +1,196 @@
-//! kvgate-gateway (see ../shared/ARCHITECTURE.md).
+//! kvgate-gateway: the `kvgate serve` gateway — an OpenAI-compatible reverse proxy that routes each
+//! request to the worker holding most of its KV cache without overloading it, and measures it all.
+//!
+//! Layout, in request order:
+//! - `server.rs`: listeners (HTTP/1.1 + h2, TLS via `tls.rs`), route table, graceful shutdown.
+//! - `proxy.rs`: **the request path**, top to bottom (auth → body → parse → pool → tokens → select
+//!   → admission → dispatch → forward → retry → observe).
+//! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
+//!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
+//!   `forward.rs` (pooled client, header hygiene, retry budget), `observer.rs` (the response body
+//!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
+//!   the end), `error.rs` (the one error type and its one mapping to HTTP).
+//! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
+//!   (models from workers' `/v1/models`), `fleet.rs` (kvgate-fleet monitors feeding worker state
+//!   and the KV index).
+//! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
+//! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
+//! - `mock.rs`: a mock OpenAI worker for tests and the overhead benchmark.
 #![forbid(unsafe_code)]
 
+pub mod admin;
+pub mod admission;
+pub mod api;
+pub mod auth;
+pub mod body;
 pub mod cli;
+pub mod config;
+pub mod ctx;
+pub mod discovery;
+pub mod error;
+pub mod fleet;
+pub mod forward;
+pub mod metrics;
+pub mod mock;
+pub mod observer;
+pub mod prompt;
+pub mod proxy;
+pub mod registry;
+pub mod reload;
+pub mod router;
+pub mod server;
+pub mod state;
+pub mod tls;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use config::Config;
+pub use state::AppState;
+
+/// A running gateway (data listener, optional admin listener, background tasks).
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
+    pub app: Arc<AppState>,
+    shutdown: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+/// How to start: the config, and where it came from (for hot reload).
+pub struct StartOptions {
+    pub config: Config,
+    pub config_path: Option<PathBuf>,
+    pub overrides: reload::Overrides,
+}
+
+impl From<Config> for StartOptions {
+    fn from(config: Config) -> Self {
+        StartOptions {
+            config,
+            config_path: None,
+            overrides: Arc::new(|_| {}),
+        }
+    }
+}
+
+impl Gateway {
+    /// Bind the listeners (port 0 is fine), discover worker models, and start serving.
+    pub async fn start(opts: impl Into<StartOptions>) -> anyhow::Result<Gateway> {
+        let StartOptions {
+            config,
+            config_path,
+            overrides,
+        } = opts.into();
+        config.validate()?;
+        let shutdown = CancellationToken::new();
+        let server_cfg = config.server.clone();
+        let admin_cfg = config.admin.clone();
+        let refresh = Duration::from_secs(config.upstream.models_refresh_s);
+        let app = AppState::new(Arc::new(config), shutdown.clone())?;
+        let tls = server_cfg.tls.as_ref().map(tls::acceptor).transpose()?;
+        let listener = tokio::net::TcpListener::bind(server_cfg.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("binding {}: {e}", server_cfg.listen))?;
+        let addr = listener.local_addr()?;
+        discovery::refresh_once(&app).await;
+
+        let mut tasks = Vec::new();
+        let grace = Duration::from_secs(server_cfg.shutdown_grace_s);
+        let builder = Arc::new(server::conn_builder(&server_cfg));
+        let a = app.clone();
+        let handler = move |req| server::route(a.clone(), req);
+        tasks.push(tokio::spawn(server::serve(
+            listener,
+            builder.clone(),
+            tls,
+            handler,
+            shutdown.clone(),
+            grace,
+        )));
+
+        let mut admin_addr = None;
+        if let Some(admin_listen) = admin_cfg.listen {
+            let l = tokio::net::TcpListener::bind(admin_listen)
+                .await
+                .map_err(|e| anyhow::anyhow!("binding admin {admin_listen}: {e}"))?;
+            admin_addr = Some(l.local_addr()?);
+            let actx = Arc::new(admin::AdminCtx {
+                app: app.clone(),
+                key: admin_cfg.key.clone().unwrap_or_default(),
+                config_path: config_path.clone(),
+                overrides: overrides.clone(),
+            });
+            let handler = move |req| admin::route(actx.clone(), req);
+            tasks.push(tokio::spawn(server::serve(
+                l,
+                builder,
+                None,
+                handler,
+                shutdown.clone(),
+                grace,
+            )));
+        }
+        tasks.push(tokio::spawn(discovery::run(app.clone(), refresh)));
+        if let Some(path) = config_path {
+            let poll = Duration::from_millis(server_cfg.reload_poll_ms);
+            tasks.push(tokio::spawn(reload::watch(
+                app.clone(),
+                path,
+                overrides,
+                poll,
+            )));
+        }
+        tasks.push(tokio::spawn(housekeeping(app.clone())));
+        Ok(Gateway {
+            addr,
+            admin_addr,
+            app,
+            shutdown,
+            tasks,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Stop accepting, drain in-flight requests (up to the grace period), stop background tasks.
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        self.wait().await;
+    }
+
+    /// Wait until the gateway stops (after `shutdown_token().cancel()`).
+    pub async fn wait(self) {
+        for t in self.tasks {
+            let _ = t.await;
+        }
+        self.app.monitors.stop_all();
+    }
+}
+
+/// Periodic upkeep: expire approximate-index entries and lost load entries.
+async fn housekeeping(app: Arc<AppState>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = app.shutdown.cancelled() => return,
+            _ = tick.tick() => {
+                let now = std::time::Instant::now();
+                app.router.index.write().expire(now);
+                // A request's load normally ends with its guard; this only catches leaks.
+                app.router.active.expire_stale(now, Duration::from_secs(3600));
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Client API keys: `Authorization: Bearer <key>`, compared in constant time against every
+//! configured key, with an optional per-key token-bucket rate limit. Worker credentials are separate
+//! (`workers[].api_key`) and client keys are never forwarded when auth is on.
+
+use std::time::{Duration, Instant};
+
+use http::HeaderMap;
+use parking_lot::Mutex;
+use subtle::ConstantTimeEq;
+
+use crate::config::AuthConfig;
+use crate::error::{ErrorKind, GatewayError};
+
+pub struct Auth {
+    keys: Vec<Key>,
+}
+
+struct Key {
+    secret: Vec<u8>,
+    bucket: Option<Mutex<Bucket>>,
+}
+
+struct Bucket {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl Bucket {
+    /// Take one token; on failure return how long until one is available.
+    fn take(&mut self, now: Instant) -> Result<(), Duration> {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + dt * self.rate).min(self.burst);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - self.tokens) / self.rate))
+        }
+    }
+}
+
+impl Auth {
+    pub fn from_config(cfg: &AuthConfig) -> Self {
+        let now = Instant::now();
+        Auth {
+            keys: cfg
+                .keys
+                .iter()
+                .map(|k| Key {
+                    secret: k.key.as_bytes().to_vec(),
+                    bucket: k.rate_per_s.map(|rate| {
+                        let burst = k.burst.unwrap_or(rate.max(1.0)).max(1.0);
+                        Mutex::new(Bucket {
+                            rate,
+                            burst,
+                            tokens: burst,
+                            last: now,
+                        })
+                    }),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
+    /// Check the request's key and rate limit.
+    pub fn check(&self, headers: &HeaderMap, now: Instant) -> Result<(), GatewayError> {
+        if self.keys.is_empty() {
+            return Ok(());
+        }
+        let presented = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .map(str::trim);
+        let Some(presented) = presented else {
+            return Err(GatewayError::new(
+                ErrorKind::Unauthorized,
+                "missing API key: send 'Authorization: Bearer <key>'",
+            ));
+        };
+        // Compare against every key without early exit, so timing does not reveal which matched.
+        let mut found: Option<&Key> = None;
+        for k in &self.keys {
+            if bool::from(k.secret.as_slice().ct_eq(presented.as_bytes())) && found.is_none() {
+                found = Some(k);
+            }
+        }
+        let Some(key) = found else {
+            return Err(GatewayError::new(
+                ErrorKind::Unauthorized,
+                "invalid API key",
+            ));
+        };
+        if let Some(b) = &key.bucket {
+            if let Err(retry_after) = b.lock().take(now) {
+                return Err(GatewayError::new(
+                    ErrorKind::RateLimited { retry_after },
+                    "rate limit exceeded for this API key",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Constant-time equality for the admin key.
+pub fn key_matches(headers: &HeaderMap, key: &str) -> bool {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|p| bool::from(p.trim().as_bytes().ct_eq(key.as_bytes())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ApiKeyConfig;
+
+    fn hdr(v: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn keys_and_rate_limit() {
+        let auth = Auth::from_config(&AuthConfig {
+            keys: vec![
+                ApiKeyConfig {
+                    key: "sk-a".into(),
+                    name: None,
+                    rate_per_s: None,
+                    burst: None,
+                },
+                ApiKeyConfig {
+                    key: "sk-b".into(),
+                    name: None,
+                    rate_per_s: Some(1.0),
+                    burst: Some(2.0),
+                },
+            ],
+        });
+        let t = Instant::now();
+        assert!(auth.check(&HeaderMap::new(), t).is_err());
+        assert!(auth.check(&hdr("Bearer nope"), t).is_err());
+        assert!(auth.check(&hdr("Bearer sk-a"), t).is_ok());
+        assert!(auth.check(&hdr("Bearer sk-b"), t).is_ok());
+        assert!(auth.check(&hdr("Bearer sk-b"), t).is_ok());
+        let e = auth.check(&hdr("Bearer sk-b"), t).unwrap_err();
+        assert_eq!(e.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        assert!(auth
+            .check(&hdr("Bearer sk-b"), t + Duration::from_millis(1100))
+            .is_ok());
+        assert!(!Auth::from_config(&AuthConfig::default()).enabled());
+    }
+}

@@ -1,0 +1,399 @@
+//! Gateway configuration: the TOML file, merged with CLI flags and `KVGATE_*` environment variables.
+//!
+//! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
+//! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
+//! Reloadable: `[[workers]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`.
+//! Restart needed: `[server]` (listen address, TLS, limits) and `[admin]`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub admin: AdminConfig,
+    pub auth: AuthConfig,
+    pub routing: RoutingConfig,
+    pub admission: AdmissionConfig,
+    pub retry: RetryConfig,
+    pub upstream: UpstreamConfig,
+    pub slo: SloConfig,
+    /// Per-model settings keyed by the model name clients send.
+    pub models: BTreeMap<String, ModelConfig>,
+    pub workers: Vec<WorkerConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub max_body_bytes: usize,
+    /// HTTP/1 read buffer bound; request heads larger than this are rejected.
+    pub max_header_bytes: usize,
+    pub header_read_timeout_ms: u64,
+    /// Max concurrent HTTP/2 streams per connection.
+    pub h2_max_streams: u32,
+    /// How long shutdown waits for in-flight streams before closing them.
+    pub shutdown_grace_s: u64,
+    /// Config file poll interval for hot reload (0 = only SIGHUP).
+    pub reload_poll_ms: u64,
+    /// One JSON log line per request on stdout (target `kvgate::request`).
+    pub request_log: bool,
+    pub tls: Option<TlsConfig>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:8080".parse().expect("static addr"),
+            max_body_bytes: 8 << 20,
+            max_header_bytes: 64 << 10,
+            header_read_timeout_ms: 30_000,
+            h2_max_streams: 1024,
+            shutdown_grace_s: 30,
+            reload_poll_ms: 2000,
+            request_log: true,
+            tls: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Admin listener address; absent = admin API off.
+    pub listen: Option<SocketAddr>,
+    /// Bearer key for the admin API (required when `listen` is set).
+    pub key: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Client API keys. Empty = no authentication on the data path.
+    pub keys: Vec<ApiKeyConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    pub key: String,
+    /// Name for logs (never the key itself).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Sustained requests per second; absent = unlimited.
+    #[serde(default)]
+    pub rate_per_s: Option<f64>,
+    /// Burst size of the token bucket (default: max(1, rate_per_s)).
+    #[serde(default)]
+    pub burst: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// `kv` (KV-overlap + load cost), `round_robin`, `least_load`, `random`, ... (see kvgate-core).
+    pub policy: String,
+    /// KV block size in tokens; must equal the workers' block size.
+    pub block_size: u32,
+    /// Weight of prefill (uncached prompt) blocks against decode blocks in the `kv` cost.
+    pub prefill_weight: f64,
+    /// Softmax temperature over normalised cost; 0 = argmin with random tie-break.
+    pub temperature: f64,
+    /// A worker is busy once it has this many in-flight requests through this gateway (0 = never).
+    pub max_inflight_per_worker: u32,
+    /// Busy once router-side active KV blocks on the worker reach this (absent = no bound).
+    pub busy_active_blocks: Option<u32>,
+    /// Busy once router-side pending prefill tokens reach this.
+    pub busy_pending_prefill_tokens: Option<u64>,
+    /// Busy once the worker's scraped KV usage (0..1) reaches this.
+    pub busy_kv_usage: Option<f32>,
+    /// Busy once the worker's scraped waiting queue reaches this.
+    pub busy_waiting: Option<u32>,
+    /// Approximate-index entry lifetime for workers without KV events.
+    pub approx_ttl_s: u64,
+    /// Approximate-index capacity per worker, in blocks.
+    pub approx_capacity_blocks: usize,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            policy: "kv".into(),
+            block_size: 16,
+            prefill_weight: 1.0,
+            temperature: 0.0,
+            max_inflight_per_worker: 0,
+            busy_active_blocks: None,
+            busy_pending_prefill_tokens: None,
+            busy_kv_usage: None,
+            busy_waiting: None,
+            approx_ttl_s: 120,
+            approx_capacity_blocks: 1 << 16,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Requests allowed to wait when every worker is busy; beyond this → 429.
+    pub queue_size: usize,
+    /// Max wait in the queue; then → 503 with Retry-After.
+    pub queue_timeout_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            queue_size: 1024,
+            queue_timeout_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Total attempts per request (1 = no retry).
+    pub max_attempts: u32,
+    /// Retries may add at most this fraction of the request rate (over a 10 s window) ...
+    pub budget_ratio: f64,
+    /// ... but at least this many retries per 10 s window are always allowed.
+    pub budget_min_per_window: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_attempts: 3,
+            budget_ratio: 0.2,
+            budget_min_per_window: 20,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    pub connect_timeout_ms: u64,
+    /// Time to the worker's response headers (prefill of long prompts can be slow for non-streams).
+    pub response_timeout_s: u64,
+    pub pool_idle_timeout_s: u64,
+    pub pool_max_idle_per_host: usize,
+    /// How often worker `/v1/models` is re-read for workers without a configured model list.
+    pub models_refresh_s: u64,
+    /// A stream whose worker sends nothing for this long is ended with an SSE error (0 = never).
+    pub stream_idle_timeout_s: u64,
+    /// Run kvgate-fleet monitors per worker: load scraping, KV events, health checks.
+    pub monitor: bool,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            connect_timeout_ms: 2000,
+            response_timeout_s: 600,
+            pool_idle_timeout_s: 90,
+            pool_max_idle_per_host: 256,
+            models_refresh_s: 30,
+            stream_idle_timeout_s: 300,
+            monitor: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SloConfig {
+    /// A request counts toward goodput when its TTFT is at most this ...
+    pub ttft_ms: f64,
+    /// ... and its mean inter-token latency is at most this.
+    pub itl_ms: f64,
+}
+
+impl Default for SloConfig {
+    fn default() -> Self {
+        SloConfig {
+            ttft_ms: 2000.0,
+            itl_ms: 100.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// `hf:/path/tokenizer.json`, `tiktoken:cl100k_base` or `approx` (default).
+    pub tokenizer: Option<String>,
+    /// Override of `routing.block_size` for this model's pool.
+    pub block_size: Option<u32>,
+    /// Other names clients may use for this model (listed by /v1/models, routed to the same pool).
+    pub aliases: Vec<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// Base URL, e.g. `http://10.0.0.5:8000` (paths `/v1/...` are appended).
+    pub url: String,
+    /// Metric label and admin name; default: host:port of `url`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Models served; empty = discovered from the worker's `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// `vllm` (default), `sglang`, `trtllm`, `llamacpp`, `ollama`, `openai`: selects metrics/events.
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// Dollars per hour this worker costs (for cost and tokens-per-dollar metrics).
+    #[serde(default)]
+    pub cost_per_hour: f64,
+    /// Bearer key sent to this worker (client keys are never forwarded when auth is on).
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// ZMQ endpoint of the worker's KV-event publisher, e.g. `tcp://10.0.0.5:5557`.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// Metrics URL if not `<url>/metrics`.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+}
+
+fn default_kind() -> String {
+    "vllm".into()
+}
+
+impl WorkerConfig {
+    pub fn from_url(url: &str) -> Self {
+        WorkerConfig {
+            url: url.to_string(),
+            name: None,
+            models: Vec::new(),
+            kind: default_kind(),
+            cost_per_hour: 0.0,
+            api_key: None,
+            kv_events: None,
+            metrics_url: None,
+        }
+    }
+}
+
+impl Config {
+    /// Parse TOML text; errors name the offending key.
+    pub fn from_toml(text: &str) -> anyhow::Result<Config> {
+        let cfg: Config = toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn from_file(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        Config::from_toml(&text).with_context(|| format!("in config {}", path.display()))
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.routing.block_size == 0 {
+            bail!("routing.block_size must be > 0");
+        }
+        if self.retry.max_attempts == 0 {
+            bail!("retry.max_attempts must be >= 1");
+        }
+        if self.admin.listen.is_some() && self.admin.key.as_deref().unwrap_or("").is_empty() {
+            bail!("admin.listen is set but admin.key is empty: the admin API must be protected");
+        }
+        let mut names = std::collections::HashSet::new();
+        for w in &self.workers {
+            let uri: http::Uri = w
+                .url
+                .parse()
+                .with_context(|| format!("worker url {:?}", w.url))?;
+            match uri.scheme_str() {
+                Some("http") => {}
+                Some("https") => bail!(
+                    "worker url {:?}: https to workers is not supported yet (terminate TLS in front of the worker or use http on a private network)",
+                    w.url
+                ),
+                _ => bail!("worker url {:?}: scheme must be http://", w.url),
+            }
+            if uri.authority().is_none() {
+                bail!("worker url {:?} has no host", w.url);
+            }
+            if !names.insert(worker_name(w)) {
+                bail!("duplicate worker name {:?}", worker_name(w));
+            }
+        }
+        for k in &self.auth.keys {
+            if k.key.is_empty() {
+                bail!("auth.keys: empty key");
+            }
+            if matches!(k.rate_per_s, Some(r) if r <= 0.0 || !r.is_finite()) {
+                bail!("auth.keys.rate_per_s must be > 0");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The label a worker is known by: its configured name, else `host:port`.
+pub fn worker_name(w: &WorkerConfig) -> String {
+    if let Some(n) = &w.name {
+        return n.clone();
+    }
+    w.url
+        .parse::<http::Uri>()
+        .ok()
+        .and_then(|u| u.authority().map(|a| a.to_string()))
+        .unwrap_or_else(|| w.url.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml("[routing]\npolicy = \"kv\"\nblok_size = 16\n").unwrap_err();
+        assert!(format!("{err:#}").contains("blok_size"), "{err:#}");
+        let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost = 2\n").unwrap_err();
+        assert!(format!("{err:#}").contains("cost"), "{err:#}");
+    }
+
+    #[test]
+    fn defaults_and_workers() {
+        let cfg = Config::from_toml(
+            "[[workers]]\nurl = \"http://10.0.0.1:8000\"\nmodels = [\"m\"]\ncost_per_hour = 2.5\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.routing.policy, "kv");
+        assert_eq!(cfg.workers.len(), 1);
+        assert_eq!(worker_name(&cfg.workers[0]), "10.0.0.1:8000");
+        assert!(Config::from_toml("[[workers]]\nurl = \"ftp://x\"\n").is_err());
+        assert!(Config::from_toml("[routing]\nbusy_kv_usage = 0.9\n").is_ok());
+        assert!(Config::from_toml("[admin]\nlisten = \"127.0.0.1:1\"\n").is_err());
+    }
+
+    #[test]
+    fn example_configs_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
+        for f in ["kvgate.toml", "demo.toml"] {
+            let p = root.join(f);
+            if p.exists() {
+                Config::from_file(&p).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
+            }
+        }
+    }
+}

@@ -1,0 +1,320 @@
+//! Per-request state: one struct that travels with the request from accept to the last byte
+//! (decision, timings, token counts), and `finish`, which records metrics and the request log line
+//! exactly once, whether the request succeeded, failed, or the client went away.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::metrics::{Lbl, ModelLabel, ModelWorker, RequestLabels};
+use crate::registry::Worker;
+use crate::router::DispatchGuard;
+use crate::state::AppState;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    Chat,
+    Completions,
+    Embeddings,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+/// `usage` as workers report it (fields we do not use are ignored).
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+pub struct PromptDetails {
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
+}
+
+/// How a request ended, for metrics and the log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The worker's response was delivered completely (any status).
+    Complete,
+    /// The client went away before the end.
+    Cancelled,
+    /// The worker failed after the first byte (stream ended with an SSE error event).
+    StreamError,
+    /// The gateway answered with an error itself (see `error`).
+    Rejected,
+}
+
+pub struct RequestCtx {
+    pub app: Arc<AppState>,
+    pub start: Instant,
+    pub endpoint: Endpoint,
+    /// Canonical model name (label); "unknown" until the pool is found.
+    pub model: Lbl,
+    pub stream: bool,
+    pub worker: Option<Arc<Worker>>,
+    pub attempts: u32,
+    pub queue_wait: Duration,
+    pub decision_time: Duration,
+    pub prompt_tokens_est: u32,
+    pub overlap_blocks: u32,
+    pub prompt_blocks: u32,
+    pub status: u16,
+    pub first_token: Option<Instant>,
+    pub last_token: Option<Instant>,
+    pub token_events: u32,
+    itl_sum: f64,
+    itl_sumsq: f64,
+    itl_n: u32,
+    pub usage: Option<Usage>,
+    pub error: Option<&'static str>,
+    /// Load held on the worker; released in `finish`.
+    pub guard: Option<DispatchGuard>,
+    finished: bool,
+}
+
+impl RequestCtx {
+    pub fn new(app: Arc<AppState>, endpoint: Endpoint, start: Instant) -> Self {
+        let unknown = app.unknown_model.clone();
+        RequestCtx {
+            app,
+            start,
+            endpoint,
+            model: unknown,
+            stream: false,
+            worker: None,
+            attempts: 0,
+            queue_wait: Duration::ZERO,
+            decision_time: Duration::ZERO,
+            prompt_tokens_est: 0,
+            overlap_blocks: 0,
+            prompt_blocks: 0,
+            status: 0,
+            first_token: None,
+            last_token: None,
+            token_events: 0,
+            itl_sum: 0.0,
+            itl_sumsq: 0.0,
+            itl_n: 0,
+            usage: None,
+            error: None,
+            guard: None,
+            finished: false,
+        }
+    }
+
+    /// A generated-token event arrived (stream) or the whole response did (non-stream).
+    pub fn on_token(&mut self, now: Instant) {
+        if self.first_token.is_none() {
+            self.first_token = Some(now);
+            if let Some(g) = &self.guard {
+                g.prefill_done();
+            }
+        } else if let Some(prev) = self.last_token {
+            let gap = now.duration_since(prev).as_secs_f64();
+            self.itl_sum += gap;
+            self.itl_sumsq += gap * gap;
+            self.itl_n += 1;
+            self.app
+                .metrics
+                .itl
+                .get_or_create(&ModelLabel {
+                    model: self.model.clone(),
+                })
+                .observe(gap);
+        }
+        self.last_token = Some(now);
+        self.token_events += 1;
+    }
+
+    /// Record metrics and the log line. Idempotent; also called from the observer's `Drop`.
+    pub fn finish(&mut self, outcome: Outcome) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        // Release the worker's load first: a queued request may be waiting for it.
+        drop(self.guard.take());
+        let app = &*self.app;
+        let m = &app.metrics;
+        let now = Instant::now();
+        let total = now.duration_since(self.start);
+        let worker_lbl = self
+            .worker
+            .as_ref()
+            .map(|w| w.name.clone())
+            .unwrap_or_else(|| app.no_worker.clone());
+        let status = match outcome {
+            // 499 (nginx convention) so cancelled requests are visible in the status breakdown.
+            Outcome::Cancelled => 499,
+            _ => self.status,
+        };
+        m.requests
+            .get_or_create(&RequestLabels {
+                model: self.model.clone(),
+                worker: worker_lbl.clone(),
+                status,
+            })
+            .inc();
+        let ml = ModelLabel {
+            model: self.model.clone(),
+        };
+        m.request_duration
+            .get_or_create(&ml)
+            .observe(total.as_secs_f64());
+        if let Some(kind) = self.error {
+            m.error(kind);
+        }
+        if outcome == Outcome::StreamError {
+            m.stream_errors.inc();
+        }
+        let ttft = self.first_token.map(|t| t.duration_since(self.start));
+        let mean_itl = (self.itl_n > 0).then(|| self.itl_sum / self.itl_n as f64);
+        if let Some(t) = ttft {
+            m.ttft.get_or_create(&ml).observe(t.as_secs_f64());
+        }
+        if self.itl_n >= 2 {
+            let mean = self.itl_sum / self.itl_n as f64;
+            let var = (self.itl_sumsq / self.itl_n as f64 - mean * mean).max(0.0);
+            m.jitter.get_or_create(&ml).observe(var.sqrt());
+        }
+        let (prompt, completion, cached) = match self.usage {
+            Some(u) => (
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            ),
+            None => (
+                self.prompt_tokens_est as u64,
+                self.token_events as u64,
+                None,
+            ),
+        };
+        let ok = outcome == Outcome::Complete && (200..300).contains(&status);
+        if let Some(w) = &self.worker {
+            if ok || outcome == Outcome::StreamError {
+                let mw = ModelWorker {
+                    model: self.model.clone(),
+                    worker: w.name.clone(),
+                };
+                m.prompt_tokens.get_or_create(&mw).inc_by(prompt);
+                if self.endpoint != Endpoint::Embeddings {
+                    m.completion_tokens.get_or_create(&mw).inc_by(completion);
+                }
+                if let Some(c) = cached {
+                    m.cached_tokens.get_or_create(&mw).inc_by(c);
+                    if prompt > 0 {
+                        m.realised_cached
+                            .observe((c as f64 / prompt as f64).min(1.0));
+                    }
+                }
+                app.tokens_served
+                    .fetch_add(prompt + completion, Ordering::Relaxed);
+            }
+        }
+        if ok && self.endpoint != Endpoint::Embeddings {
+            m.slo_checked.get_or_create(&ml).inc();
+            let slo = &app.slo.load();
+            let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);
+            let itl_ok = mean_itl.is_none_or(|i| i * 1000.0 <= slo.itl_ms);
+            if ttft_ok && itl_ok {
+                m.goodput.get_or_create(&ml).inc();
+            }
+        }
+        if app.request_log {
+            let line = LogLine {
+                msg: "request",
+                endpoint: self.endpoint,
+                model: &self.model,
+                worker: self.worker.as_ref().map(|w| &*w.name),
+                status,
+                outcome,
+                error: self.error,
+                stream: self.stream,
+                attempts: self.attempts,
+                overlap_blocks: self.overlap_blocks,
+                prompt_blocks: self.prompt_blocks,
+                queue_ms: ms(self.queue_wait),
+                decision_us: self.decision_time.as_secs_f64() * 1e6,
+                ttft_ms: ttft.map(ms),
+                mean_itl_ms: mean_itl.map(|s| s * 1000.0),
+                prompt_tokens: prompt,
+                completion_tokens: completion,
+                cached_tokens: cached,
+                prompt_eval_count: prompt,
+                prompt_eval_duration: ttft.map(|t| t.as_nanos() as u64),
+                eval_count: completion,
+                eval_duration: match (self.first_token, self.last_token) {
+                    (Some(a), Some(b)) => Some(b.duration_since(a).as_nanos() as u64),
+                    _ => None,
+                },
+                total_duration: total.as_nanos() as u64,
+            };
+            if let Ok(mut s) = serde_json::to_vec(&line) {
+                s.push(b'\n');
+                use std::io::Write;
+                let _ = std::io::stdout().lock().write_all(&s);
+            }
+        }
+    }
+}
+
+impl Drop for RequestCtx {
+    fn drop(&mut self) {
+        // A ctx dropped before `finish` belongs to a request whose future was dropped: the client
+        // disconnected while we were queueing or waiting for the worker's headers.
+        if !self.finished {
+            self.finish(Outcome::Cancelled);
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// One structured log line per request. Durations ending in `_duration` are nanoseconds, as in
+/// Ollama's API (`prompt_eval_duration` = TTFT, `eval_duration` = first to last token).
+#[derive(Serialize)]
+struct LogLine<'a> {
+    msg: &'static str,
+    endpoint: Endpoint,
+    model: &'a str,
+    worker: Option<&'a str>,
+    status: u16,
+    outcome: Outcome,
+    error: Option<&'static str>,
+    stream: bool,
+    attempts: u32,
+    overlap_blocks: u32,
+    prompt_blocks: u32,
+    queue_ms: f64,
+    decision_us: f64,
+    ttft_ms: Option<f64>,
+    mean_itl_ms: Option<f64>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: Option<u64>,
+    prompt_eval_count: u64,
+    prompt_eval_duration: Option<u64>,
+    eval_count: u64,
+    eval_duration: Option<u64>,
+    total_duration: u64,
+}

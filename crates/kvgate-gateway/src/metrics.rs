@@ -1,0 +1,248 @@
+//! The gateway's Prometheus metrics (`prometheus-client`), exposed at `/metrics` in the classic
+//! text format 0.0.4 so `promtool check metrics` and every Prometheus version accept it.
+//!
+//! Labels are bounded: `worker` is a configured worker name, `model` a configured/discovered model
+//! name (requests for unknown models are labelled `model="unknown"`), `kind`/`reason`/`status` are
+//! fixed sets. Label values are `Arc<str>` so recording never allocates on the hot path.
+//! docs/metrics.md lists every family with the KPI it serves.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+pub type Lbl = Arc<str>;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: Lbl,
+    pub worker: Lbl,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelWorker {
+    pub model: Lbl,
+    pub worker: Lbl,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabel {
+    pub model: Lbl,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    pub worker: Lbl,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: &'static str,
+}
+
+type HFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+type FCounter = Counter<f64, std::sync::atomic::AtomicU64>;
+
+fn latency_buckets() -> Histogram {
+    // 1 ms .. ~2 min: request duration and TTFT span prefill of long prompts.
+    Histogram::new([
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        120.0,
+    ])
+}
+fn itl_buckets() -> Histogram {
+    // Inter-token gaps: 0.5 ms .. 2 s.
+    Histogram::new([
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0,
+    ])
+}
+fn sub_ms_buckets() -> Histogram {
+    // Router decision and upstream connect: 1 µs .. 100 ms.
+    Histogram::new([
+        0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001,
+        0.0025, 0.01, 0.1,
+    ])
+}
+fn ratio_buckets() -> Histogram {
+    Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0])
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub request_duration: HFamily<ModelLabel>,
+    pub decision: Histogram,
+    pub queue_wait: Histogram,
+    pub queue_depth: Gauge,
+    pub ttft: HFamily<ModelLabel>,
+    pub itl: HFamily<ModelLabel>,
+    pub jitter: HFamily<ModelLabel>,
+    pub upstream_connect: Histogram,
+    pub prompt_tokens: Family<ModelWorker, Counter>,
+    pub completion_tokens: Family<ModelWorker, Counter>,
+    pub cached_tokens: Family<ModelWorker, Counter>,
+    pub inflight: Family<WorkerLabel, Gauge>,
+    pub active_blocks: Family<WorkerLabel, Gauge>,
+    pub pending_prefill: Family<WorkerLabel, Gauge>,
+    pub worker_healthy: Family<WorkerLabel, Gauge>,
+    pub worker_breaker: Family<WorkerLabel, Gauge>,
+    pub index_blocks: Gauge,
+    pub predicted_overlap: Histogram,
+    pub realised_cached: Histogram,
+    pub retries: Family<ReasonLabel, Counter>,
+    pub errors: Family<KindLabel, Counter>,
+    pub stream_errors: Counter,
+    pub goodput: Family<ModelLabel, Counter>,
+    pub slo_checked: Family<ModelLabel, Counter>,
+    pub cost_dollars: Family<WorkerLabel, FCounter>,
+    pub tokens_per_dollar: FGauge,
+    pub config_reloads: Family<ReasonLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut r = Registry::default();
+        macro_rules! reg {
+            ($name:literal, $help:literal, $m:expr) => {{
+                let m = $m;
+                r.register($name, $help, m.clone());
+                m
+            }};
+        }
+        Metrics {
+            requests: reg!("kvgate_requests", "Requests finished, by model, worker and HTTP status (worker=\"none\" when none was chosen).", Family::default()),
+            request_duration: reg!("kvgate_request_duration_seconds", "Time from request arrival to the last response byte.", HFamily::new_with_constructor(latency_buckets)),
+            decision: reg!("kvgate_router_decision_seconds", "Time spent tokenizing, hashing and choosing a worker.", sub_ms_buckets()),
+            queue_wait: reg!("kvgate_queue_wait_seconds", "Time requests waited in the admission queue (0 when not queued).", latency_buckets()),
+            queue_depth: reg!("kvgate_queue_depth", "Requests currently waiting in the admission queue.", Gauge::default()),
+            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token (non-stream: to the response).", HFamily::new_with_constructor(latency_buckets)),
+            itl: reg!("kvgate_inter_token_latency_seconds", "Gaps between consecutive streamed token events.", HFamily::new_with_constructor(itl_buckets)),
+            jitter: reg!("kvgate_stream_jitter_seconds", "Per-stream standard deviation of inter-token gaps.", HFamily::new_with_constructor(itl_buckets)),
+            upstream_connect: reg!("kvgate_upstream_connect_seconds", "TCP connect time to workers (new pooled connections only).", sub_ms_buckets()),
+            prompt_tokens: reg!("kvgate_prompt_tokens", "Prompt tokens reported by workers (usage), else estimated by the gateway tokenizer.", Family::default()),
+            completion_tokens: reg!("kvgate_completion_tokens", "Completion tokens reported by workers (usage), else counted stream events.", Family::default()),
+            cached_tokens: reg!("kvgate_cached_tokens", "Prompt tokens the worker served from its prefix cache (usage.prompt_tokens_details.cached_tokens).", Family::default()),
+            inflight: reg!("kvgate_inflight_requests", "Requests in flight to each worker through this gateway.", Family::default()),
+            active_blocks: reg!("kvgate_worker_active_blocks", "KV blocks held by this gateway's in-flight requests on each worker.", Family::default()),
+            pending_prefill: reg!("kvgate_worker_pending_prefill_tokens", "Prompt tokens sent to each worker whose first token has not arrived yet.", Family::default()),
+            worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining and its breaker is not open.", Family::default()),
+            worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
+            index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers).", Gauge::default()),
+            predicted_overlap: reg!("kvgate_predicted_overlap_ratio", "Fraction of the prompt's blocks the router predicted cached on the chosen worker.", ratio_buckets()),
+            realised_cached: reg!("kvgate_realised_cached_ratio", "Fraction of the prompt the worker reported as cached (cached_tokens / prompt_tokens).", ratio_buckets()),
+            retries: reg!("kvgate_retries", "Attempts on another worker, by reason.", Family::default()),
+            errors: reg!("kvgate_errors", "Failed requests by kind (client, upstream and gateway failures).", Family::default()),
+            stream_errors: reg!("kvgate_stream_errors", "Streams ended with an SSE error event because the worker failed after the first byte.", Counter::default()),
+            goodput: reg!("kvgate_goodput_requests", "Successful requests that met both the TTFT and the inter-token latency SLO.", Family::default()),
+            slo_checked: reg!("kvgate_slo_checked_requests", "Successful requests evaluated against the SLOs (goodput denominator).", Family::default()),
+            cost_dollars: reg!("kvgate_cost_dollars", "Accrued worker cost from configured cost_per_hour while the worker is in the fleet.", Family::default()),
+            tokens_per_dollar: reg!("kvgate_tokens_per_dollar", "Prompt+completion tokens served per accrued dollar since start (0 without costs).", FGauge::default()),
+            config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
+            registry: r,
+        }
+    }
+
+    pub fn error(&self, kind: &'static str) {
+        self.errors.get_or_create(&KindLabel { kind }).inc();
+    }
+
+    /// Render the registry in the classic text format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let mut om = String::with_capacity(16 << 10);
+        if prometheus_client::encoding::text::encode_registry(&mut om, &self.registry).is_err() {
+            return String::new();
+        }
+        openmetrics_to_classic(&om)
+    }
+}
+
+/// prometheus-client writes OpenMetrics, where a counter family is named without `_total`. The
+/// classic format (what `promtool check metrics` parses) wants the family named like its samples.
+fn openmetrics_to_classic(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len() + counters.len() * 12);
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let rest = line
+            .strip_prefix("# HELP ")
+            .map(|r| ("# HELP ", r))
+            .or(line.strip_prefix("# TYPE ").map(|r| ("# TYPE ", r)));
+        if let Some((prefix, r)) = rest {
+            let name = r.split(' ').next().unwrap_or("");
+            if counters.contains(name) {
+                out.push_str(prefix);
+                out.push_str(name);
+                out.push_str("_total");
+                out.push_str(&r[name.len()..]);
+                out.push('\n');
+                continue;
+            }
+        }
+        // `_created` samples are OpenMetrics-only.
+        if !line.starts_with('#') {
+            let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+            if line[..name_end].ends_with("_created") {
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_renamed_for_the_classic_format() {
+        let m = Metrics::new();
+        m.error("bad_request");
+        m.requests
+            .get_or_create(&RequestLabels {
+                model: "m".into(),
+                worker: "w".into(),
+                status: 200,
+            })
+            .inc();
+        let text = m.render();
+        assert!(
+            text.contains("# TYPE kvgate_errors_total counter"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvgate_errors_total{kind=\"bad_request\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvgate_requests_total{model=\"m\",worker=\"w\",status=\"200\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("# EOF"));
+        assert!(text.contains("# TYPE kvgate_router_decision_seconds histogram"));
+    }
+}

@@ -1,0 +1,268 @@
+//! `ObservedBody`: the worker's response body passed through to the client byte for byte, while
+//! watching it: time to first token, inter-token gaps, `usage`, mid-stream errors and the end.
+//!
+//! Ending is handled in one place whatever the cause: the worker finished (`Complete`), the worker
+//! failed or went silent after the first byte (the stream ends with an SSE `data: {"error":…}`
+//! event, never a hang — `StreamError`), or the client went away and hyper dropped the body
+//! (`Cancelled`). Dropping the inner body drops the upstream connection, which cancels the request
+//! on the worker; finishing the request context releases its load guard at once.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use memchr::memmem;
+
+use crate::body::BodyError;
+use crate::ctx::{Outcome, RequestCtx, Usage};
+use crate::error::sse_error_event;
+
+/// Non-stream bodies: bytes kept from the end of the body to find `usage` in.
+const TAIL_KEEP: usize = 8 << 10;
+/// A partial SSE line longer than this is not an OpenAI event; stop buffering it.
+const MAX_LINE: usize = 1 << 20;
+
+pub struct ObservedBody {
+    inner: Incoming,
+    ctx: RequestCtx,
+    /// Streams only: fires when the worker sends nothing for this long.
+    idle: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+    scan: Scan,
+    /// SSE error event still to deliver before the end.
+    pending: Option<Bytes>,
+    done: bool,
+}
+
+enum Scan {
+    /// `text/event-stream`: incomplete last line carried over between chunks.
+    Sse { partial: Vec<u8>, saw_done: bool },
+    /// JSON document: the last `TAIL_KEEP` bytes.
+    Json { tail: Vec<u8> },
+}
+
+impl ObservedBody {
+    pub fn new(
+        inner: Incoming,
+        ctx: RequestCtx,
+        sse: bool,
+        idle_timeout: Option<Duration>,
+    ) -> Self {
+        let idle = if sse {
+            idle_timeout.map(|d| (Box::pin(tokio::time::sleep(d)), d))
+        } else {
+            None
+        };
+        ObservedBody {
+            inner,
+            ctx,
+            idle,
+            scan: if sse {
+                Scan::Sse {
+                    partial: Vec::new(),
+                    saw_done: false,
+                }
+            } else {
+                Scan::Json { tail: Vec::new() }
+            },
+            pending: None,
+            done: false,
+        }
+    }
+
+    fn observe(&mut self, data: &[u8]) {
+        match &mut self.scan {
+            Scan::Json { tail } => {
+                if data.len() >= TAIL_KEEP {
+                    tail.clear();
+                    tail.extend_from_slice(&data[data.len() - TAIL_KEEP..]);
+                } else {
+                    let excess = (tail.len() + data.len()).saturating_sub(TAIL_KEEP);
+                    tail.drain(..excess);
+                    tail.extend_from_slice(data);
+                }
+            }
+            Scan::Sse { partial, saw_done } => {
+                let now = Instant::now();
+                let mut rest = data;
+                // Complete the carried-over line first.
+                if !partial.is_empty() {
+                    match memchr::memchr(b'\n', rest) {
+                        Some(i) => {
+                            partial.extend_from_slice(&rest[..i]);
+                            let line = std::mem::take(partial);
+                            sse_line(&line, &mut self.ctx, saw_done, now);
+                            rest = &rest[i + 1..];
+                        }
+                        None => {
+                            if partial.len() + rest.len() <= MAX_LINE {
+                                partial.extend_from_slice(rest);
+                            }
+                            return;
+                        }
+                    }
+                }
+                while let Some(i) = memchr::memchr(b'\n', rest) {
+                    sse_line(&rest[..i], &mut self.ctx, saw_done, now);
+                    rest = &rest[i + 1..];
+                }
+                if !rest.is_empty() && rest.len() <= MAX_LINE {
+                    partial.extend_from_slice(rest);
+                }
+            }
+        }
+    }
+
+    fn finish_ok(&mut self) {
+        if let Scan::Json { tail } = &self.scan {
+            if let Some(u) = usage_in(tail) {
+                self.ctx.usage = Some(u);
+            }
+            // Non-stream: the whole response is the "first token" (prefill and decode done).
+            self.ctx.on_token(Instant::now());
+        }
+        self.ctx.finish(Outcome::Complete);
+    }
+
+    fn fail_stream(&mut self, why: &str) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.done = true;
+        self.ctx.error = Some("upstream_stream");
+        self.ctx.finish(Outcome::StreamError);
+        Poll::Ready(Some(Ok(Frame::data(sse_error_event(why)))))
+    }
+}
+
+/// One SSE line: `data: {...}` events are classified; comments and other fields are ignored.
+fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant) {
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    let Some(payload) = line.strip_prefix(b"data:") else {
+        return;
+    };
+    let payload = payload.strip_prefix(b" ").unwrap_or(payload);
+    if payload == b"[DONE]" {
+        *saw_done = true;
+        return;
+    }
+    if payload.starts_with(b"{\"error\"")
+        || memmem::find(payload, b"\"object\":\"error\"").is_some()
+    {
+        ctx.error = Some("upstream_stream");
+        return;
+    }
+    if let Some(u) = usage_in(payload) {
+        ctx.usage = Some(u);
+    }
+    // The usage-only chunk (`"choices":[]`) is not a token.
+    if memmem::find(payload, b"\"choices\":[]").is_none() {
+        ctx.on_token(now);
+    }
+}
+
+/// Parse the last `"usage":{...}` object in `buf`. A raw `"usage":` cannot occur inside a JSON
+/// string (quotes are escaped there), so the last match is the document's own usage field.
+fn usage_in(buf: &[u8]) -> Option<Usage> {
+    let key = b"\"usage\":";
+    let at = memmem::rfind(buf, key)?;
+    let rest = &buf[at + key.len()..];
+    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    if rest[start] != b'{' {
+        return None;
+    }
+    let mut it = serde_json::Deserializer::from_slice(&rest[start..]).into_iter::<Usage>();
+    it.next()?.ok()
+}
+
+impl Body for ObservedBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        if let Some(ev) = this.pending.take() {
+            return Poll::Ready(Some(Ok(Frame::data(ev))));
+        }
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.observe(data);
+                }
+                if let Some((sleep, d)) = &mut this.idle {
+                    sleep.as_mut().reset(tokio::time::Instant::now() + *d);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                if matches!(this.scan, Scan::Sse { .. }) {
+                    this.fail_stream(&format!("worker connection failed mid-stream: {e}"))
+                } else {
+                    this.done = true;
+                    this.ctx.error = Some("upstream_body");
+                    this.ctx.finish(Outcome::StreamError);
+                    Poll::Ready(Some(Err(e)))
+                }
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                this.finish_ok();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if let Some((sleep, d)) = &mut this.idle {
+                    if sleep.as_mut().poll(cx).is_ready() {
+                        let secs = d.as_secs_f64();
+                        return this.fail_stream(&format!(
+                            "worker sent nothing for {secs:.0} s mid-stream"
+                        ));
+                    }
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.pending.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.idle.is_some() {
+            SizeHint::default()
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+impl Drop for ObservedBody {
+    fn drop(&mut self) {
+        // Body dropped before its end: the client disconnected. `finish` releases the load guard
+        // now; `inner` is dropped right after, closing the worker connection (cancelling it there).
+        if !self.done {
+            self.ctx.finish(Outcome::Cancelled);
+        }
+    }
+}
+
+use std::future::Future as _;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_is_found_at_the_end() {
+        let body = br#"{"id":"x","choices":[{"message":{"content":"say \"usage\": no"}}],"usage":{"prompt_tokens":12,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8}}}"#;
+        let u = usage_in(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 3));
+        assert_eq!(u.prompt_tokens_details.unwrap().cached_tokens, Some(8));
+        assert!(usage_in(br#"{"usage":null}"#).is_none());
+    }
+}

@@ -1,0 +1,330 @@
+//! The request path of the OpenAI endpoints, top to bottom in one place:
+//!
+//! auth → body (bounded, 413) → `RequestView` parse (400) → model pool (404) → tokens + block hashes
+//! → select (core policy) → admission (queue / 429 / 503) → dispatch (load guard) → forward the
+//! original body bytes → retry another worker on connect error / 429 / 5xx / timeout before the
+//! first byte → stream the response back through the observer body.
+//!
+//! Every failure is a `GatewayError`, turned into a response in `GatewayError::into_response`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{header, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use kvgate_core::WorkerId;
+use kvgate_protocol::openai::RequestView;
+
+use crate::admission::WaitError;
+use crate::body::GwBody;
+use crate::ctx::{Endpoint, Outcome, RequestCtx};
+use crate::error::{ErrorKind, GatewayError};
+use crate::forward;
+use crate::observer::ObservedBody;
+use crate::prompt::{route_input, RouteInput};
+use crate::registry::Pool;
+use crate::router::{NoPick, Pick};
+use crate::state::AppState;
+
+/// Most attempts per request whatever the config says (bounds the tried-workers list).
+const MAX_ATTEMPTS: usize = 8;
+
+pub async fn handle(
+    app: Arc<AppState>,
+    req: Request<Incoming>,
+    endpoint: Endpoint,
+    start: Instant,
+) -> Response<GwBody> {
+    let mut ctx = RequestCtx::new(app.clone(), endpoint, start);
+    match route_and_forward(&app, &mut ctx, req).await {
+        Ok(resp) => respond(&app, ctx, resp),
+        Err(e) => reject(ctx, e),
+    }
+}
+
+/// Answer with a gateway error, recording it.
+pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
+    ctx.status = e.status().as_u16();
+    ctx.error = Some(e.label());
+    ctx.finish(Outcome::Rejected);
+    e.into_response()
+}
+
+async fn route_and_forward(
+    app: &Arc<AppState>,
+    ctx: &mut RequestCtx,
+    req: Request<Incoming>,
+) -> Result<Response<Incoming>, GatewayError> {
+    let auth = app.auth.load();
+    auth.check(req.headers(), ctx.start)?;
+    let (parts, body) = req.into_parts();
+    let bytes = read_body(
+        body,
+        parts.headers.get(header::CONTENT_LENGTH),
+        app.max_body,
+    )
+    .await?;
+
+    let t_decide = Instant::now();
+    let view = RequestView::parse(&bytes).map_err(|e| {
+        let param = e.param();
+        GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
+    })?;
+    ctx.stream = view.stream;
+    let fleet = app.registry.load_full();
+    let Some(pool) = fleet.pool(&view.model).cloned() else {
+        return Err(GatewayError::new(
+            ErrorKind::ModelNotFound,
+            format!(
+                "The model `{}` does not exist or no worker serves it.",
+                view.model
+            ),
+        ));
+    };
+    ctx.model = pool.model.clone();
+    let ri = TOKENS
+        .with(|t| route_input(&view, ctx.endpoint, pool.block_size, &mut t.borrow_mut()))
+        .map_err(|e| {
+            GatewayError::new(ErrorKind::BadRequest { param: e.param() }, e.to_string())
+        })?;
+    drop(view);
+    ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
+    ctx.prompt_blocks = ri.hashes.len() as u32;
+    app.retry.on_request(ctx.start);
+
+    let max_attempts = (app.max_attempts.load(std::sync::atomic::Ordering::Relaxed) as usize)
+        .clamp(1, MAX_ATTEMPTS);
+    let mut tried = [WorkerId(0); MAX_ATTEMPTS];
+    let mut n_tried = 0usize;
+    loop {
+        let pick = pick(app, ctx, &pool, &ri, &tried[..n_tried]).await?;
+        if n_tried == 0 {
+            ctx.decision_time = t_decide.elapsed() - ctx.queue_wait;
+            app.metrics
+                .decision
+                .observe(ctx.decision_time.as_secs_f64());
+            app.metrics.queue_wait.observe(ctx.queue_wait.as_secs_f64());
+            app.metrics
+                .predicted_overlap
+                .observe(pick.decision.predicted_hit_ratio);
+            ctx.overlap_blocks = pick.decision.overlap_blocks;
+        }
+        let now = Instant::now();
+        let mut guard = app
+            .router
+            .dispatch(&pick, &ri.hashes, ri.isl, pool.block_size, now);
+        guard.on_release = Some(app.admission.clone());
+        tried[n_tried] = pick.worker.id;
+        n_tried += 1;
+        ctx.attempts += 1;
+        let worker = pick.worker;
+
+        let up =
+            forward::upstream_request(&worker, &parts, &bytes, auth.enabled()).map_err(|e| {
+                GatewayError::new(
+                    ErrorKind::UpstreamIo,
+                    format!("building worker request: {e}"),
+                )
+            })?;
+        let result = match tokio::time::timeout(app.response_timeout, app.client.request(up)).await
+        {
+            Err(_) => Err(GatewayError::new(
+                ErrorKind::UpstreamTimeout,
+                format!(
+                    "worker {} sent no response within {:?}",
+                    worker.name, app.response_timeout
+                ),
+            )),
+            Ok(Err(e)) if e.is_connect() => Err(GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                format!(
+                    "cannot connect to worker {}: {}",
+                    worker.name,
+                    source_chain(&e)
+                ),
+            )),
+            Ok(Err(e)) => Err(GatewayError::new(
+                ErrorKind::UpstreamIo,
+                format!(
+                    "worker {} failed before responding: {}",
+                    worker.name,
+                    source_chain(&e)
+                ),
+            )),
+            Ok(Ok(resp)) => Ok(resp),
+        };
+        let can_retry = |now: Instant| {
+            n_tried < max_attempts
+                && pool
+                    .workers
+                    .iter()
+                    .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
+                && app.retry.try_retry(now)
+        };
+        let now = Instant::now();
+        match result {
+            Ok(resp) => {
+                let s = resp.status();
+                let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
+                // A worker shedding load (429) is alive; 5xx counts against its breaker.
+                worker.state.record_outcome(!s.is_server_error(), now);
+                if retryable && can_retry(now) {
+                    app.metrics
+                        .retries
+                        .get_or_create(&crate::metrics::ReasonLabel {
+                            reason: status_reason(s),
+                        })
+                        .inc();
+                    continue;
+                }
+                // Success, or nowhere else to go: the worker's own response goes to the client.
+                ctx.worker = Some(worker);
+                ctx.guard = Some(guard);
+                return Ok(resp);
+            }
+            Err(e) => {
+                worker.state.record_outcome(false, now);
+                if e.retry_safe() && can_retry(now) {
+                    app.metrics
+                        .retries
+                        .get_or_create(&crate::metrics::ReasonLabel { reason: e.label() })
+                        .inc();
+                    continue;
+                }
+                ctx.worker = Some(worker);
+                return Err(e);
+            }
+        }
+    }
+}
+
+thread_local! {
+    static TOKENS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn status_reason(s: StatusCode) -> &'static str {
+    match s.as_u16() {
+        429 => "status_429",
+        503 => "status_503",
+        _ => "status_5xx",
+    }
+}
+
+/// Choose a worker, waiting in the admission queue while every candidate is busy.
+async fn pick(
+    app: &Arc<AppState>,
+    ctx: &mut RequestCtx,
+    pool: &Pool,
+    ri: &RouteInput,
+    tried: &[WorkerId],
+) -> Result<Pick, GatewayError> {
+    let mut queued_at: Option<Instant> = None;
+    let mut woken = false;
+    loop {
+        match app
+            .router
+            .select(pool, &ri.hashes, ri.isl, ri.affinity, tried, Instant::now())
+        {
+            Ok(p) => {
+                if let Some(q) = queued_at {
+                    ctx.queue_wait += q.elapsed();
+                }
+                return Ok(p);
+            }
+            Err(NoPick::NoWorker) => {
+                return Err(GatewayError::new(
+                    ErrorKind::NoWorker,
+                    format!("no routable worker for model `{}`", pool.model),
+                ))
+            }
+            Err(NoPick::AllBusy) => {}
+        }
+        if woken {
+            // The capacity we were woken for went elsewhere: pass the wake-up on.
+            app.admission.wake_one();
+        }
+        let q0 = *queued_at.get_or_insert_with(Instant::now);
+        let deadline = tokio::time::Instant::from_std(q0 + app.admission.timeout());
+        match app.admission.wait(woken, deadline).await {
+            Ok(()) => woken = true,
+            Err(WaitError::Full) => {
+                return Err(GatewayError::new(
+                    ErrorKind::QueueFull,
+                    "all workers are busy and the queue is full; retry later",
+                ))
+            }
+            Err(WaitError::Timeout) => {
+                ctx.queue_wait += q0.elapsed();
+                return Err(GatewayError::new(
+                    ErrorKind::QueueTimeout,
+                    "all workers stayed busy; retry later",
+                ));
+            }
+        }
+    }
+}
+
+/// Collect the request body up to `max` bytes (413 beyond).
+async fn read_body(
+    body: Incoming,
+    len: Option<&header::HeaderValue>,
+    max: usize,
+) -> Result<Bytes, GatewayError> {
+    let too_large = || {
+        GatewayError::new(
+            ErrorKind::PayloadTooLarge { limit: max },
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+    };
+    if let Some(n) = len
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        if n > max as u64 {
+            return Err(too_large());
+        }
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large())
+        }
+        Err(e) => Err(GatewayError::new(
+            ErrorKind::BadRequest { param: None },
+            format!("reading request body: {e}"),
+        )),
+    }
+}
+
+/// Pass the worker's response through the observer.
+fn respond(app: &AppState, mut ctx: RequestCtx, resp: Response<Incoming>) -> Response<GwBody> {
+    let (mut parts, incoming) = resp.into_parts();
+    ctx.status = parts.status.as_u16();
+    forward::strip_hop_by_hop(&mut parts.headers);
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if sse {
+        // We may append an error event; the length would then be wrong.
+        parts.headers.remove(header::CONTENT_LENGTH);
+    }
+    let body = ObservedBody::new(incoming, ctx, sse, app.stream_idle_timeout);
+    Response::from_parts(parts, GwBody::Observed(body))
+}
+
+fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

@@ -1,0 +1,446 @@
+//! The worker registry: an immutable [`Fleet`] snapshot behind `ArcSwap`, rebuilt whenever the
+//! config is reloaded, the admin API changes the worker set, or model discovery finds a change.
+//!
+//! Request handlers `load()` the snapshot once and never lock. Everything that changes per request
+//! or per health probe lives in [`WorkerState`] (atomics and short non-async locks), which is shared
+//! by successive snapshots as long as the worker's URL stays in the fleet, so a reload never resets
+//! load accounting of in-flight requests.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use http::uri::{Authority, Scheme};
+use parking_lot::Mutex;
+
+use crate::config::{worker_name, Config, WorkerConfig};
+use crate::metrics::Lbl;
+
+/// Dense worker id, stable for the life of the process (never reused), shared with kvgate-core.
+pub use kvgate_core::WorkerId;
+
+/// Worker-reported load older than this is ignored (routing falls back to router-side load).
+pub const SCRAPE_STALE: Duration = Duration::from_secs(10);
+
+/// Consecutive request/probe failures that open a worker's breaker, and how long it stays open.
+const BREAKER_THRESHOLD: u32 = 5;
+const BREAKER_COOLDOWN: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed = 0,
+    HalfOpen = 1,
+    Open = 2,
+}
+
+#[derive(Debug)]
+struct BreakerInner {
+    failures: u32,
+    opened_at: Option<Instant>,
+}
+
+/// Mutable per-worker state. Fed by the request path (in-flight, breaker outcomes) and by the
+/// fleet monitors (health, discovered models, scraped load).
+#[derive(Debug)]
+pub struct WorkerState {
+    pub id: WorkerId,
+    pub inflight: AtomicU32,
+    /// Set by health checks (kvgate-fleet); workers start healthy (fail open).
+    pub healthy: AtomicBool,
+    /// Draining workers get no new requests; in-flight ones finish.
+    pub draining: AtomicBool,
+    /// False after a block-size mismatch: the worker's overlap is ignored (load-balanced only).
+    pub kv_scoring: AtomicBool,
+    breaker: Mutex<BreakerInner>,
+    /// Models from the worker's `/v1/models` (used when the config lists none).
+    pub discovered_models: Mutex<Vec<Lbl>>,
+    /// Requests dispatched to this worker (for admin state).
+    pub dispatched: AtomicU64,
+    /// When the worker joined the fleet, and up to when its cost has been accrued (ms since added).
+    pub added: Instant,
+    pub cost_accrued_ms: AtomicU64,
+    /// Latest worker-reported load and when it was read (fed by kvgate-fleet's scraper).
+    pub scraped: Mutex<Option<(Instant, kvgate_core::ScrapedLoad)>>,
+}
+
+impl WorkerState {
+    fn new(id: WorkerId) -> Self {
+        WorkerState {
+            id,
+            inflight: AtomicU32::new(0),
+            healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            kv_scoring: AtomicBool::new(true),
+            breaker: Mutex::new(BreakerInner {
+                failures: 0,
+                opened_at: None,
+            }),
+            discovered_models: Mutex::new(Vec::new()),
+            dispatched: AtomicU64::new(0),
+            added: Instant::now(),
+            cost_accrued_ms: AtomicU64::new(0),
+            scraped: Mutex::new(None),
+        }
+    }
+
+    /// The scraped load if it is recent enough to trust.
+    pub fn fresh_scraped(&self, now: Instant) -> Option<kvgate_core::ScrapedLoad> {
+        match *self.scraped.lock() {
+            Some((at, l)) if now.saturating_duration_since(at) < SCRAPE_STALE => Some(l),
+            _ => None,
+        }
+    }
+
+    pub fn breaker_state(&self, now: Instant) -> BreakerState {
+        let b = self.breaker.lock();
+        match b.opened_at {
+            None => BreakerState::Closed,
+            Some(t) if now.duration_since(t) >= BREAKER_COOLDOWN => BreakerState::HalfOpen,
+            Some(_) => BreakerState::Open,
+        }
+    }
+
+    /// Record a request or probe outcome. A success closes the breaker; `BREAKER_THRESHOLD`
+    /// consecutive failures open it; a failure while half-open re-opens it for another cooldown.
+    pub fn record_outcome(&self, ok: bool, now: Instant) {
+        let mut b = self.breaker.lock();
+        if ok {
+            b.failures = 0;
+            b.opened_at = None;
+            return;
+        }
+        b.failures = b.failures.saturating_add(1);
+        let half_open = matches!(b.opened_at, Some(t) if now.duration_since(t) >= BREAKER_COOLDOWN);
+        if b.failures >= BREAKER_THRESHOLD || half_open {
+            b.opened_at = Some(now);
+        }
+    }
+
+    /// Healthy, not draining, breaker not open (half-open lets traffic probe the worker).
+    pub fn routable(&self, now: Instant) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+            && !self.draining.load(Ordering::Relaxed)
+            && self.breaker_state(now) != BreakerState::Open
+    }
+}
+
+/// One worker in a snapshot.
+#[derive(Debug)]
+pub struct Worker {
+    pub id: WorkerId,
+    pub name: Lbl,
+    pub scheme: Scheme,
+    pub authority: Authority,
+    /// Path prefix of the base URL without trailing slash (usually empty).
+    pub path_prefix: String,
+    pub cfg: WorkerConfig,
+    /// Bearer header value sent to the worker, prepared once.
+    pub auth_header: Option<http::HeaderValue>,
+    pub models: Vec<Lbl>,
+    pub state: Arc<WorkerState>,
+}
+
+/// The workers serving one model name.
+#[derive(Debug)]
+pub struct Pool {
+    /// The canonical model name (metric label).
+    pub model: Lbl,
+    pub workers: Vec<Arc<Worker>>,
+    pub block_size: u32,
+}
+
+/// An immutable view of the fleet.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    pub workers: Vec<Arc<Worker>>,
+    /// Model name or alias → pool.
+    pub pools: HashMap<Lbl, Arc<Pool>>,
+    pub generation: u64,
+}
+
+impl Fleet {
+    pub fn pool(&self, model: &str) -> Option<&Arc<Pool>> {
+        self.pools.get(model)
+    }
+
+    pub fn worker(&self, id: WorkerId) -> Option<&Arc<Worker>> {
+        self.workers.iter().find(|w| w.id == id)
+    }
+
+    /// At least one worker can take traffic (for `/ready`).
+    pub fn any_routable(&self) -> bool {
+        let now = Instant::now();
+        self.workers.iter().any(|w| w.state.routable(now))
+    }
+}
+
+/// Owner of the snapshot and of the worker-set overlays the admin API applies on top of config.
+pub struct Registry {
+    fleet: ArcSwap<Fleet>,
+    inner: Mutex<RegistryInner>,
+}
+
+struct RegistryInner {
+    states: HashMap<String, Arc<WorkerState>>,
+    next_id: u32,
+    generation: u64,
+    config: Arc<Config>,
+    admin_added: Vec<WorkerConfig>,
+    admin_removed: HashSet<String>,
+}
+
+/// What changed in a rebuild (so the caller can clear index entries of removed workers).
+#[derive(Debug, Default)]
+pub struct Rebuilt {
+    pub added: Vec<(WorkerId, Lbl)>,
+    pub removed: Vec<(WorkerId, Lbl)>,
+}
+
+impl Registry {
+    pub fn new(config: Arc<Config>) -> anyhow::Result<(Self, Rebuilt)> {
+        let reg = Registry {
+            fleet: ArcSwap::from_pointee(Fleet::default()),
+            inner: Mutex::new(RegistryInner {
+                states: HashMap::new(),
+                next_id: 0,
+                generation: 0,
+                config,
+                admin_added: Vec::new(),
+                admin_removed: HashSet::new(),
+            }),
+        };
+        let r = reg.rebuild_with(|_| Ok(()))?;
+        Ok((reg, r))
+    }
+
+    pub fn snapshot(&self) -> arc_swap::Guard<Arc<Fleet>> {
+        self.fleet.load()
+    }
+
+    pub fn load_full(&self) -> Arc<Fleet> {
+        self.fleet.load_full()
+    }
+
+    pub fn config(&self) -> Arc<Config> {
+        self.inner.lock().config.clone()
+    }
+
+    /// Replace the config (hot reload) and rebuild.
+    pub fn set_config(&self, config: Arc<Config>) -> anyhow::Result<Rebuilt> {
+        self.rebuild_with(|inner| {
+            inner.config = config;
+            Ok(())
+        })
+    }
+
+    /// Admin: add a worker (kept across config reloads).
+    pub fn add_worker(&self, w: WorkerConfig) -> anyhow::Result<Rebuilt> {
+        self.rebuild_with(|inner| {
+            let name = worker_name(&w);
+            inner.admin_removed.remove(&name);
+            inner.admin_added.retain(|x| worker_name(x) != name);
+            inner.admin_added.push(w);
+            Ok(())
+        })
+    }
+
+    /// Admin: remove a worker by name (kept removed across config reloads).
+    pub fn remove_worker(&self, name: &str) -> anyhow::Result<Rebuilt> {
+        self.rebuild_with(|inner| {
+            inner.admin_added.retain(|x| worker_name(x) != name);
+            inner.admin_removed.insert(name.to_string());
+            Ok(())
+        })
+    }
+
+    /// Rebuild the snapshot, e.g. after model discovery changed a worker's model list.
+    pub fn refresh(&self) -> anyhow::Result<Rebuilt> {
+        self.rebuild_with(|_| Ok(()))
+    }
+
+    fn rebuild_with(
+        &self,
+        change: impl FnOnce(&mut RegistryInner) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Rebuilt> {
+        let mut inner = self.inner.lock();
+        let mut next = RegistryInner {
+            states: inner.states.clone(),
+            next_id: inner.next_id,
+            generation: inner.generation,
+            config: inner.config.clone(),
+            admin_added: inner.admin_added.clone(),
+            admin_removed: inner.admin_removed.clone(),
+        };
+        change(&mut next)?;
+        let (fleet, rebuilt) = build_fleet(&mut next)?;
+        *inner = next;
+        self.fleet.store(Arc::new(fleet));
+        Ok(rebuilt)
+    }
+}
+
+fn build_fleet(inner: &mut RegistryInner) -> anyhow::Result<(Fleet, Rebuilt)> {
+    let cfg = inner.config.clone();
+    let mut seen = HashSet::new();
+    let mut wanted: Vec<WorkerConfig> = Vec::new();
+    for w in cfg.workers.iter().chain(inner.admin_added.iter()) {
+        let name = worker_name(w);
+        if inner.admin_removed.contains(&name) || !seen.insert(name) {
+            continue;
+        }
+        wanted.push(w.clone());
+    }
+    let mut rebuilt = Rebuilt::default();
+    let mut states = HashMap::new();
+    let mut workers = Vec::with_capacity(wanted.len());
+    for w in wanted {
+        let uri: http::Uri = w.url.parse()?;
+        let parts = uri.into_parts();
+        let scheme = parts.scheme.unwrap_or(Scheme::HTTP);
+        let authority = parts
+            .authority
+            .ok_or_else(|| anyhow::anyhow!("worker url {} has no host", w.url))?;
+        let path_prefix = parts
+            .path_and_query
+            .map(|p| p.path().trim_end_matches('/').to_string())
+            .unwrap_or_default();
+        let name: Lbl = worker_name(&w).into();
+        let state = match inner.states.get(&w.url) {
+            Some(s) => s.clone(),
+            None => {
+                let id = WorkerId(inner.next_id);
+                inner.next_id += 1;
+                rebuilt.added.push((id, name.clone()));
+                Arc::new(WorkerState::new(id))
+            }
+        };
+        states.insert(w.url.clone(), state.clone());
+        let models: Vec<Lbl> = if w.models.is_empty() {
+            state.discovered_models.lock().clone()
+        } else {
+            w.models.iter().map(|m| Lbl::from(m.as_str())).collect()
+        };
+        let auth_header =
+            match &w.api_key {
+                Some(k) => Some(http::HeaderValue::from_str(&format!("Bearer {k}")).map_err(
+                    |_| anyhow::anyhow!("worker {name}: api_key has invalid characters"),
+                )?),
+                None => None,
+            };
+        workers.push(Arc::new(Worker {
+            id: state.id,
+            name,
+            scheme,
+            authority,
+            path_prefix,
+            cfg: w,
+            auth_header,
+            models,
+            state,
+        }));
+    }
+    for (url, s) in &inner.states {
+        if !states.contains_key(url) {
+            let name = inner
+                .config
+                .workers
+                .iter()
+                .chain(inner.admin_added.iter())
+                .find(|w| &w.url == url)
+                .map(|w| Lbl::from(worker_name(w)))
+                .unwrap_or_else(|| Lbl::from(url.as_str()));
+            rebuilt.removed.push((s.id, name));
+        }
+    }
+    inner.states = states;
+
+    let mut pools: HashMap<Lbl, Arc<Pool>> = HashMap::new();
+    let mut by_model: HashMap<Lbl, Vec<Arc<Worker>>> = HashMap::new();
+    for w in &workers {
+        for m in &w.models {
+            by_model.entry(m.clone()).or_default().push(w.clone());
+        }
+    }
+    for (model, ws) in by_model {
+        let mcfg = cfg.models.get(&*model);
+        let pool = Arc::new(Pool {
+            model: model.clone(),
+            workers: ws,
+            block_size: mcfg
+                .and_then(|m| m.block_size)
+                .unwrap_or(cfg.routing.block_size),
+        });
+        if let Some(mc) = mcfg {
+            for alias in &mc.aliases {
+                pools
+                    .entry(Lbl::from(alias.as_str()))
+                    .or_insert_with(|| pool.clone());
+            }
+        }
+        pools.insert(model, pool);
+    }
+    inner.generation += 1;
+    Ok((
+        Fleet {
+            workers,
+            pools,
+            generation: inner.generation,
+        },
+        rebuilt,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(workers: &[(&str, &[&str])]) -> Arc<Config> {
+        let mut c = Config::default();
+        for (url, models) in workers {
+            let mut w = WorkerConfig::from_url(url);
+            w.models = models.iter().map(|s| s.to_string()).collect();
+            c.workers.push(w);
+        }
+        Arc::new(c)
+    }
+
+    #[test]
+    fn reload_keeps_state_of_surviving_workers() {
+        let (reg, r) =
+            Registry::new(cfg(&[("http://a:1", &["m"]), ("http://b:1", &["m", "n"])])).unwrap();
+        assert_eq!(r.added.len(), 2);
+        let a = reg.snapshot().workers[0].state.clone();
+        a.inflight.store(3, Ordering::Relaxed);
+        let r = reg
+            .set_config(cfg(&[("http://a:1", &["m"]), ("http://c:1", &["n"])]))
+            .unwrap();
+        assert_eq!(r.removed.len(), 1);
+        assert_eq!(r.added.len(), 1);
+        let f = reg.snapshot();
+        assert!(Arc::ptr_eq(&f.workers[0].state, &a));
+        assert_eq!(f.pool("n").unwrap().workers.len(), 1);
+        assert_eq!(f.workers[1].id, WorkerId(2), "ids are never reused");
+        reg.remove_worker("a:1").unwrap();
+        assert!(reg.snapshot().pool("m").is_none());
+    }
+
+    #[test]
+    fn breaker_opens_and_half_opens() {
+        let s = WorkerState::new(WorkerId(0));
+        let t0 = Instant::now();
+        for _ in 0..BREAKER_THRESHOLD {
+            assert!(s.routable(t0));
+            s.record_outcome(false, t0);
+        }
+        assert_eq!(s.breaker_state(t0), BreakerState::Open);
+        assert!(!s.routable(t0));
+        let later = t0 + BREAKER_COOLDOWN;
+        assert_eq!(s.breaker_state(later), BreakerState::HalfOpen);
+        s.record_outcome(false, later);
+        assert_eq!(s.breaker_state(later), BreakerState::Open);
+        s.record_outcome(true, later);
+        assert_eq!(s.breaker_state(later), BreakerState::Closed);
+    }
+}

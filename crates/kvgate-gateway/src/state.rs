@@ -1,0 +1,188 @@
+//! `AppState`: everything the request path shares, built once at start and updated in place on
+//! reload (each reloadable part is an `ArcSwap` or atomics).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::Admission;
+use crate::auth::Auth;
+use crate::config::{Config, SloConfig};
+use crate::forward::{self, RetryBudget, UpstreamClient};
+use crate::metrics::{Lbl, Metrics, WorkerLabel};
+use crate::registry::{Rebuilt, Registry};
+use crate::router::{RoutePolicy, Router};
+
+pub struct AppState {
+    pub registry: Registry,
+    pub metrics: Metrics,
+    pub router: Router,
+    pub admission: Arc<Admission>,
+    pub client: UpstreamClient,
+    pub auth: ArcSwap<Auth>,
+    pub retry: RetryBudget,
+    pub max_attempts: AtomicU32,
+    pub slo: ArcSwap<SloConfig>,
+    pub request_log: bool,
+    pub max_body: usize,
+    pub response_timeout: Duration,
+    pub stream_idle_timeout: Option<Duration>,
+    pub unknown_model: Lbl,
+    pub no_worker: Lbl,
+    pub tokens_served: AtomicU64,
+    pub started: Instant,
+    pub shutdown: CancellationToken,
+    /// kvgate-fleet monitors (scrape, KV events, health) per worker; off with `upstream.monitor = false`.
+    pub monitors: crate::fleet::Monitors,
+    monitor_workers: bool,
+    me: Weak<AppState>,
+}
+
+impl AppState {
+    pub fn new(config: Arc<Config>, shutdown: CancellationToken) -> anyhow::Result<Arc<Self>> {
+        let metrics = Metrics::new();
+        let router = Router::new(RoutePolicy::from_config(&config.routing)?);
+        let (registry, rebuilt) = Registry::new(config.clone())?;
+        let client = forward::client(&config.upstream, metrics.upstream_connect.clone());
+        let app = Arc::new_cyclic(|me| AppState {
+            registry,
+            router,
+            admission: Arc::new(Admission::new(
+                config.admission.queue_size,
+                Duration::from_millis(config.admission.queue_timeout_ms),
+            )),
+            client,
+            auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),
+            retry: RetryBudget::new(
+                config.retry.budget_ratio,
+                config.retry.budget_min_per_window,
+            ),
+            max_attempts: AtomicU32::new(config.retry.max_attempts),
+            slo: ArcSwap::from_pointee(config.slo.clone()),
+            request_log: config.server.request_log,
+            max_body: config.server.max_body_bytes,
+            response_timeout: Duration::from_secs(config.upstream.response_timeout_s),
+            stream_idle_timeout: (config.upstream.stream_idle_timeout_s > 0)
+                .then(|| Duration::from_secs(config.upstream.stream_idle_timeout_s)),
+            unknown_model: Lbl::from("unknown"),
+            no_worker: Lbl::from("none"),
+            tokens_served: AtomicU64::new(0),
+            started: Instant::now(),
+            shutdown,
+            metrics,
+            monitors: Default::default(),
+            monitor_workers: config.upstream.monitor,
+            me: me.clone(),
+        });
+        app.apply_rebuild(&rebuilt);
+        Ok(app)
+    }
+
+    /// Register new workers with the index, forget removed ones.
+    pub fn apply_rebuild(&self, r: &Rebuilt) {
+        let fleet = self.registry.snapshot();
+        let cfg = self.registry.config();
+        let me = self.me.upgrade();
+        for (id, _) in &r.added {
+            let exact = fleet.worker(*id).is_some_and(|w| w.cfg.kv_events.is_some());
+            self.router.add_worker(*id, exact, &cfg.routing);
+            if let (true, Some(me), Some(w)) = (self.monitor_workers, &me, fleet.worker(*id)) {
+                self.monitors.start(me, w, cfg.routing.block_size);
+            }
+        }
+        for (id, name) in &r.removed {
+            self.monitors.stop(*id);
+            self.router.remove_worker(*id);
+            let l = WorkerLabel {
+                worker: name.clone(),
+            };
+            let m = &self.metrics;
+            m.inflight.remove(&l);
+            m.active_blocks.remove(&l);
+            m.pending_prefill.remove(&l);
+            m.worker_healthy.remove(&l);
+            m.worker_breaker.remove(&l);
+        }
+    }
+
+    /// Apply a reloaded config: workers, policy, admission, retries, SLOs, keys. Listener, TLS,
+    /// limits and the admin listener need a restart.
+    pub fn apply_config(&self, config: Arc<Config>) -> anyhow::Result<()> {
+        let policy = RoutePolicy::from_config(&config.routing)?;
+        let rebuilt = self.registry.set_config(config.clone())?;
+        self.apply_rebuild(&rebuilt);
+        self.router.policy.store(Arc::new(policy));
+        self.admission
+            .max_len
+            .store(config.admission.queue_size, Ordering::Relaxed);
+        self.admission
+            .timeout_ms
+            .store(config.admission.queue_timeout_ms, Ordering::Relaxed);
+        self.retry.ratio_milli.store(
+            (config.retry.budget_ratio * 1000.0) as u32,
+            Ordering::Relaxed,
+        );
+        self.retry
+            .min
+            .store(config.retry.budget_min_per_window, Ordering::Relaxed);
+        self.max_attempts
+            .store(config.retry.max_attempts, Ordering::Relaxed);
+        self.slo.store(Arc::new(config.slo.clone()));
+        self.auth.store(Arc::new(Auth::from_config(&config.auth)));
+        Ok(())
+    }
+
+    /// Bring scrape-time gauges up to date (called by `/metrics`).
+    pub fn refresh_gauges(&self) {
+        let m = &self.metrics;
+        let now = Instant::now();
+        let fleet = self.registry.snapshot();
+        let loads = self.router.active.all();
+        let mut dollars_total = 0.0;
+        for w in &fleet.workers {
+            let l = WorkerLabel {
+                worker: w.name.clone(),
+            };
+            let load = loads
+                .iter()
+                .find(|(id, _)| *id == w.id)
+                .map(|(_, l)| *l)
+                .unwrap_or_default();
+            m.inflight
+                .get_or_create(&l)
+                .set(i64::from(w.state.inflight.load(Ordering::Relaxed)));
+            m.active_blocks
+                .get_or_create(&l)
+                .set(i64::from(load.active_blocks));
+            m.pending_prefill
+                .get_or_create(&l)
+                .set(load.pending_prefill_tokens as i64);
+            m.worker_healthy
+                .get_or_create(&l)
+                .set(i64::from(w.state.routable(now)));
+            m.worker_breaker
+                .get_or_create(&l)
+                .set(w.state.breaker_state(now) as i64);
+            // Cost accrues while the worker is in the fleet; add what accrued since last scrape.
+            let alive_ms = now.duration_since(w.state.added).as_millis() as u64;
+            let prev = w.state.cost_accrued_ms.swap(alive_ms, Ordering::Relaxed);
+            let c = m.cost_dollars.get_or_create(&l);
+            if w.cfg.cost_per_hour > 0.0 && alive_ms > prev {
+                c.inc_by(w.cfg.cost_per_hour * (alive_ms - prev) as f64 / 3_600_000.0);
+            }
+            dollars_total += c.get();
+        }
+        let tokens = self.tokens_served.load(Ordering::Relaxed) as f64;
+        m.tokens_per_dollar.set(if dollars_total > 0.0 {
+            tokens / dollars_total
+        } else {
+            0.0
+        });
+        m.index_blocks
+            .set(self.router.index.read().total_entries() as i64);
+        m.queue_depth.set(self.admission.len() as i64);
+    }
+}

@@ -1,0 +1,498 @@
+//! End-to-end tests of the data path: real sockets on 127.0.0.1 port 0, the gateway in-process in
+//! front of in-process mock workers.
+
+#[path = "support.rs"]
+mod support;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvgate_gateway::mock::MockWorker;
+use support::*;
+
+#[tokio::test]
+async fn chat_and_completions_stream_and_non_stream() {
+    let w = MockWorker::builder()
+        .tokens(5)
+        .cached_tokens(3)
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config_for(&[&w], "round_robin")).await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+
+    let r = post(&c, &url, chat_body("sys", "hi", false)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let j = r.json();
+    assert_eq!(j["object"], "chat.completion");
+    assert_eq!(j["usage"]["completion_tokens"], 5);
+
+    let r = post(&c, &url, chat_body("sys", "hi", true)).await;
+    assert_eq!(r.status, 200);
+    assert!(r.headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let t = r.text();
+    assert_eq!(t.matches("data: {").count(), 5, "{t}");
+    assert!(t.ends_with("data: [DONE]\n\n"), "{t}");
+
+    let body = r#"{"model":"mock-model","prompt":"once upon a time","stream":true,"stream_options":{"include_usage":true}}"#;
+    let r = post(&c, &format!("{}/v1/completions", gw.url()), body).await;
+    assert_eq!(r.status, 200);
+    assert!(r.text().contains("\"usage\":{"), "{}", r.text());
+
+    let r = post(
+        &c,
+        &format!("{}/v1/completions", gw.url()),
+        r#"{"model":"mock-model","prompt":[1,2,3]}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["object"], "text_completion");
+
+    let r = post(
+        &c,
+        &format!("{}/v1/embeddings", gw.url()),
+        r#"{"model":"mock-model","input":"x"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["object"], "list");
+
+    // Metrics saw the usage the worker reported.
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_requests_total{model=\"mock-model\",worker=\""),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvgate_completion_tokens_total{model=\"mock-model\""),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvgate_cached_tokens_total{model=\"mock-model\""),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 5"),
+        "{m}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn body_bytes_and_unknown_fields_reach_the_worker_unchanged() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let gw = gateway(config_for(&[&w], "kv")).await;
+    let c = client();
+    // Odd spacing, key order, unknown and vendor fields, unicode escapes: all must survive.
+    let body = "{ \"messages\":[{\"role\":\"user\",\"content\":\"h\\u00e9llo\"}], \"model\" : \"mock-model\",\n \"guided_json\":{\"type\":\"object\"},\"return_token_ids\":true,\"kv_transfer_params\":null,\"user\":\"u1\",\"max_tokens\":7}";
+    let req = http::Request::post(format!("{}/v1/chat/completions", gw.url()))
+        .header("content-type", "application/json")
+        .header("x-request-id", "abc")
+        .header("connection", "keep-alive, x-hop")
+        .header("x-hop", "must-not-pass")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let r = send(&c, req).await;
+    assert_eq!(r.status, 200);
+    let got = w.received();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].body, body.as_bytes(), "body forwarded byte-exact");
+    assert_eq!(got[0].headers["x-request-id"], "abc");
+    assert!(
+        got[0].headers.get("x-hop").is_none(),
+        "headers named in Connection are hop-by-hop"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn error_statuses_and_shapes() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let mut cfg = config_for(&[&w], "kv");
+    cfg.server.max_body_bytes = 1024;
+    let gw = gateway(cfg).await;
+    let c = client();
+    let chat = format!("{}/v1/chat/completions", gw.url());
+
+    assert_openai_error(&post(&c, &chat, "{not json").await, 400);
+    let e = assert_openai_error(&post(&c, &chat, r#"{"messages":[]}"#).await, 400);
+    assert_eq!(e["param"], "model");
+    let e = assert_openai_error(&post(&c, &chat, r#"{"model":"mock-model"}"#).await, 400);
+    assert_eq!(e["param"], "messages");
+    let e = assert_openai_error(
+        &post(
+            &c,
+            &chat,
+            chat_body("s", "u", false).replace("mock-model", "nope"),
+        )
+        .await,
+        404,
+    );
+    assert_eq!(e["code"], "model_not_found");
+    assert_openai_error(
+        &post(
+            &c,
+            &chat,
+            format!(r#"{{"model":"mock-model","x":"{}"}}"#, "a".repeat(2000)),
+        )
+        .await,
+        413,
+    );
+    let r = get(&c, &chat).await;
+    assert_openai_error(&r, 405);
+    assert_eq!(r.headers["allow"], "POST");
+    assert_openai_error(&get(&c, &format!("{}/v2/nothing", gw.url())).await, 404);
+    assert_eq!(w.completions(), 0, "no bad request reached the worker");
+
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"bad_request\"} 3"),
+        "{m}"
+    );
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"payload_too_large\"} 1"),
+        "{m}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn no_routable_worker_is_503_with_retry_after() {
+    // A worker that is down (nothing listens): connect fails, no other worker → 502; after the
+    // breaker opens (5 failures) the pool has no routable worker → 503 + Retry-After.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead = format!("http://{}", l.local_addr().unwrap());
+    drop(l);
+    let mut cfg = config_for(&[], "round_robin");
+    // Without health checks, so the request path's own breaker is what takes the worker out.
+    cfg.upstream.monitor = false;
+    let mut wc = kvgate_gateway::config::WorkerConfig::from_url(&dead);
+    wc.models = vec!["mock-model".into()];
+    cfg.workers.push(wc);
+    let gw = gateway(cfg).await;
+    let c = client();
+    let chat = format!("{}/v1/chat/completions", gw.url());
+    for _ in 0..5 {
+        assert_openai_error(&post(&c, &chat, chat_body("s", "u", false)).await, 502);
+    }
+    let r = post(&c, &chat, chat_body("s", "u", false)).await;
+    let e = assert_openai_error(&r, 503);
+    assert_eq!(e["code"], "no_worker_available");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(get(&c, &format!("{}/ready", gw.url())).await.status, 503);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn worker_503_is_retried_on_another_worker() {
+    let bad = MockWorker::builder().status(503).spawn().await.unwrap();
+    let good = MockWorker::builder().spawn().await.unwrap();
+    let gw = gateway(config_for(&[&bad, &good], "round_robin")).await;
+    let c = client();
+    for i in 0..6 {
+        let r = post(
+            &c,
+            &format!("{}/v1/chat/completions", gw.url()),
+            chat_body("s", &format!("u{i}"), i % 2 == 0),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(good.completions(), 6);
+    assert!(bad.completions() >= 1, "round robin tried the bad worker");
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains(&format!(
+            "kvgate_retries_total{{reason=\"status_503\"}} {}",
+            bad.completions()
+        )),
+        "{m}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn worker_dying_mid_stream_yields_an_sse_error_event() {
+    let w = MockWorker::builder()
+        .tokens(10)
+        .die_after(3)
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config_for(&[&w], "kv")).await;
+    let c = client();
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", true),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    let t = r.text();
+    assert_eq!(t.matches("\"chat.completion.chunk\"").count(), 3, "{t}");
+    let last = t.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("data: {\"error\":"), "{t}");
+    let ev: serde_json::Value = serde_json::from_str(last.trim_start_matches("data: ")).unwrap();
+    assert!(ev["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("mid-stream"));
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(m.contains("kvgate_stream_errors_total 1"), "{m}");
+    assert!(gw
+        .app
+        .router
+        .active
+        .all()
+        .iter()
+        .all(|(_, l)| l.inflight == 0));
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn client_disconnect_frees_load_at_once_and_cancels_upstream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = MockWorker::builder()
+        .tokens(1000)
+        .itl(Duration::from_millis(10))
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config_for(&[&w], "kv")).await;
+    let body = chat_body(&"a long shared system prompt ".repeat(20), "u", true);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{}",
+        body.len(),
+        body
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: {") {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let app = gw.app.clone();
+    let busy = |app: &kvgate_gateway::AppState| {
+        app.router
+            .active
+            .all()
+            .iter()
+            .any(|(_, l)| l.inflight > 0 || l.active_blocks > 0)
+            || app
+                .registry
+                .snapshot()
+                .workers
+                .iter()
+                .any(|w| w.state.inflight.load(Ordering::Relaxed) > 0)
+    };
+    assert!(busy(&app), "the stream holds load while it runs");
+    drop(s);
+    assert!(
+        eventually(Duration::from_millis(100), || !busy(&app)).await,
+        "load freed within 100 ms"
+    );
+    assert!(
+        eventually(Duration::from_millis(500), || w.active_streams() == 0).await,
+        "upstream request cancelled"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn shared_prefix_sticks_to_one_worker_and_distinct_prefixes_spread() {
+    let ws = [
+        MockWorker::builder().spawn().await.unwrap(),
+        MockWorker::builder().spawn().await.unwrap(),
+        MockWorker::builder().spawn().await.unwrap(),
+    ];
+    let gw = gateway(config_for(&[&ws[0], &ws[1], &ws[2]], "kv")).await;
+    let c = client();
+    let chat = format!("{}/v1/chat/completions", gw.url());
+    let shared = "You are the shared assistant of team alpha. ".repeat(30);
+    for i in 0..8 {
+        assert_eq!(
+            post(
+                &c,
+                &chat,
+                chat_body(&shared, &format!("question {i}"), false)
+            )
+            .await
+            .status,
+            200
+        );
+    }
+    let counts: Vec<usize> = ws.iter().map(|w| w.completions()).collect();
+    assert_eq!(
+        counts.iter().filter(|&&n| n == 8).count(),
+        1,
+        "shared prefix on one worker: {counts:?}"
+    );
+    for i in 0..9 {
+        let distinct = format!("Distinct system prompt number {i} with its own text. ").repeat(30);
+        assert_eq!(
+            post(&c, &chat, chat_body(&distinct, "q", false))
+                .await
+                .status,
+            200
+        );
+    }
+    let after: Vec<usize> = ws
+        .iter()
+        .zip(&counts)
+        .map(|(w, c)| w.completions() - c)
+        .collect();
+    assert!(
+        after.iter().all(|&n| n >= 1),
+        "distinct prefixes spread over all workers: {after:?}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn busy_fleet_queues_then_sheds_with_429() {
+    let w = MockWorker::builder()
+        .tokens(2)
+        .ttft(Duration::from_millis(300))
+        .spawn()
+        .await
+        .unwrap();
+    let mut cfg = config_for(&[&w], "round_robin");
+    cfg.routing.max_inflight_per_worker = 1;
+    cfg.admission.queue_size = 1;
+    cfg.admission.queue_timeout_ms = 5000;
+    let gw = gateway(cfg).await;
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let c = client();
+    let (c1, c2, u1, u2) = (c.clone(), c.clone(), url.clone(), url.clone());
+    let first = tokio::spawn(async move { post(&c1, &u1, chat_body("s", "1", false)).await });
+    assert!(eventually(Duration::from_secs(2), || w.completions() == 1).await);
+    let second = tokio::spawn(async move { post(&c2, &u2, chat_body("s", "2", false)).await });
+    assert!(
+        eventually(Duration::from_secs(2), || gw.app.admission.len() == 1).await,
+        "second request queued"
+    );
+    let r = post(&c, &url, chat_body("s", "3", false)).await;
+    let e = assert_openai_error(&r, 429);
+    assert_eq!(e["code"], "gateway_overloaded");
+    assert!(r.headers.contains_key("retry-after"));
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(
+        second.await.unwrap().status,
+        200,
+        "queued request served when capacity freed"
+    );
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(m.contains("kvgate_queue_wait_seconds_count 2"), "{m}");
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn models_health_ready() {
+    let a = MockWorker::builder()
+        .models(&["m-a", "shared"])
+        .spawn()
+        .await
+        .unwrap();
+    let b = MockWorker::builder()
+        .models(&["m-b", "shared"])
+        .spawn()
+        .await
+        .unwrap();
+    let mut cfg = config_for(&[&a, &b], "kv");
+    cfg.models.insert(
+        "shared".into(),
+        kvgate_gateway::config::ModelConfig {
+            aliases: vec!["alias-1".into()],
+            ..Default::default()
+        },
+    );
+    let gw = gateway(cfg).await;
+    let c = client();
+    let j = get(&c, &format!("{}/v1/models", gw.url())).await.json();
+    assert_eq!(j["object"], "list");
+    let ids: Vec<&str> = j["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["alias-1", "m-a", "m-b", "shared"]);
+    assert_eq!(get(&c, &format!("{}/health", gw.url())).await.status, 200);
+    assert_eq!(get(&c, &format!("{}/ready", gw.url())).await.status, 200);
+    let body = r#"{"model":"m-b","messages":[{"role":"user","content":"x"}]}"#;
+    assert_eq!(
+        post(&c, &format!("{}/v1/chat/completions", gw.url()), body)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        (a.completions(), b.completions()),
+        (0, 1),
+        "m-b only on worker b"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn metrics_pass_promtool() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let mut cfg = config_for(&[&w], "kv");
+    cfg.workers[0].cost_per_hour = 2.0;
+    let gw = gateway(cfg).await;
+    let c = client();
+    post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", true),
+    )
+    .await;
+    post(&c, &format!("{}/v1/chat/completions", gw.url()), "bad").await;
+    let r = get(&c, &format!("{}/metrics", gw.url())).await;
+    assert_eq!(
+        r.headers["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let text = r.text();
+    assert!(text.contains("kvgate_cost_dollars_total{worker="), "{text}");
+    assert!(
+        text.contains("kvgate_router_decision_seconds_bucket{le=\"0.000001\"}"),
+        "{text}"
+    );
+    gw.shutdown().await;
+
+    let Ok(mut child) = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    else {
+        if std::env::var_os("CI").is_some() {
+            panic!("promtool not found (CI must install the prometheus package)");
+        }
+        eprintln!("skipped: promtool not installed");
+        return;
+    };
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool: {}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

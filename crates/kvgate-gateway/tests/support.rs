@@ -1,0 +1,115 @@
+//! Helpers shared by the gateway's end-to-end tests: start mock workers and a gateway in-process on
+//! port 0, and a tiny HTTP client.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvgate_gateway::config::{Config, WorkerConfig};
+use kvgate_gateway::mock::MockHandle;
+use kvgate_gateway::Gateway;
+
+pub fn config_for(workers: &[&MockHandle], policy: &str) -> Config {
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.server.request_log = false;
+    cfg.routing.policy = policy.into();
+    for w in workers {
+        cfg.workers.push(WorkerConfig::from_url(&w.url()));
+    }
+    cfg
+}
+
+pub async fn gateway(cfg: Config) -> Gateway {
+    Gateway::start(cfg).await.expect("gateway starts")
+}
+
+pub type TestClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+pub fn client() -> TestClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+pub async fn send(c: &TestClient, req: Request<Full<Bytes>>) -> Resp {
+    let resp: Response<_> = tokio::time::timeout(Duration::from_secs(10), c.request(req))
+        .await
+        .expect("response in time")
+        .expect("request ok");
+    let (parts, body) = resp.into_parts();
+    let body = tokio::time::timeout(Duration::from_secs(10), body.collect())
+        .await
+        .expect("body in time")
+        .expect("body ok")
+        .to_bytes();
+    Resp {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn post(c: &TestClient, url: &str, body: impl Into<Bytes>) -> Resp {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(body.into()))
+        .unwrap();
+    send(c, req).await
+}
+
+pub async fn get(c: &TestClient, url: &str) -> Resp {
+    send(c, Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
+}
+
+/// Assert the OpenAI error shape and return the error object.
+pub fn assert_openai_error(r: &Resp, status: u16) -> serde_json::Value {
+    assert_eq!(r.status.as_u16(), status, "body: {}", r.text());
+    let j = r.json();
+    let e = j["error"].clone();
+    assert!(e["message"].is_string(), "{j}");
+    assert!(e["type"].is_string(), "{j}");
+    assert!(e.get("param").is_some() && e.get("code").is_some(), "{j}");
+    e
+}
+
+pub fn chat_body(system: &str, user: &str, stream: bool) -> String {
+    serde_json::json!({
+        "model": "mock-model",
+        "stream": stream,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    })
+    .to_string()
+}
+
+/// Poll `f` every 5 ms until true or `within` passes.
+pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = tokio::time::Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
