@@ -49,6 +49,10 @@ pub struct CompareArgs {
     /// Where the table, JSON, plots and child logs go.
     #[arg(long, default_value = "bench-out")]
     pub out_dir: PathBuf,
+    /// Give the gateways `--worker` URLs only (approximate index) even when the sim's KV-event
+    /// endpoints are known.
+    #[arg(long)]
+    pub approx_index: bool,
     /// Load sampling period (ms) of each worker's /metrics.
     #[arg(long, default_value_t = 250)]
     pub sample_ms: u64,
@@ -105,6 +109,8 @@ struct CompareJson<'a> {
 /// A fleet the comparison owns (spawned) or borrows (`--worker`).
 pub struct Fleet {
     pub urls: Vec<String>,
+    /// Each worker's KV-event endpoint (`tcp://...`) when known (a fleet we started).
+    pub kv_events: Vec<Option<String>>,
     _child: Option<ChildGuard>,
 }
 
@@ -126,7 +132,12 @@ impl Fleet {
                     "--worker must be http://host:port (got {u:?})"
                 );
             }
-            return Ok(Self { urls, _child: None });
+            let kv_events = vec![None; urls.len()];
+            return Ok(Self {
+                urls,
+                kv_events,
+                _child: None,
+            });
         }
         anyhow::ensure!(f.workers > 0, "--workers must be > 0");
         anyhow::ensure!(
@@ -152,7 +163,7 @@ impl Fleet {
         ];
         args.extend(f.sim_args.iter().cloned());
         let mut child = ChildGuard::spawn(&exe, &args, "sim", log_dir)?;
-        let urls = sim_urls(&mut child, f.workers).await?;
+        let (urls, kv_events) = sim_urls(&mut child, f.workers).await?;
         for u in &urls {
             child
                 .wait_http_ok(&format!("{u}/health"), Duration::from_secs(60))
@@ -160,6 +171,7 @@ impl Fleet {
         }
         Ok(Self {
             urls,
+            kv_events,
             _child: Some(child),
         })
     }
@@ -187,8 +199,12 @@ fn kvgate_exe(f: &FleetArgs) -> anyhow::Result<PathBuf> {
 }
 
 /// Worker URLs from the sim's `worker I http=HOST:PORT ...` lines (it prints `ready` after them).
-async fn sim_urls(child: &mut ChildGuard, n: usize) -> anyhow::Result<Vec<String>> {
+async fn sim_urls(
+    child: &mut ChildGuard,
+    n: usize,
+) -> anyhow::Result<(Vec<String>, Vec<Option<String>>)> {
     let mut found: Vec<Option<String>> = vec![None; n];
+    let mut events: Vec<Option<String>> = vec![None; n];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while found.iter().any(Option::is_none) {
         child.check_alive()?;
@@ -206,10 +222,15 @@ async fn sim_urls(child: &mut ChildGuard, n: usize) -> anyhow::Result<Vec<String
         if let Some((i, addr)) = parse_worker_line(&line) {
             if i < n {
                 found[i] = Some(format!("http://{addr}"));
+                events[i] = line
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("kv_events="))
+                    .filter(|e| e.starts_with("tcp://"))
+                    .map(str::to_owned);
             }
         }
     }
-    Ok(found.into_iter().flatten().collect())
+    Ok((found.into_iter().flatten().collect(), events))
 }
 
 /// `worker 3 http=127.0.0.1:18003 kv_events=...` → (3, "127.0.0.1:18003").
@@ -224,8 +245,16 @@ pub fn parse_worker_line(line: &str) -> Option<(usize, String)> {
     Some((i, addr.trim_end_matches('/').to_owned()))
 }
 
-/// Arguments for one `kvgate serve` in front of `workers`.
-fn serve_args(listen: &str, workers: &[String], policy: &str, a: &CompareArgs) -> Vec<String> {
+/// Arguments for one `kvgate serve` in front of the fleet. With every worker's KV-event endpoint
+/// known (and not `--approx-index`), the workers go into a generated config file so the gateway
+/// subscribes to their events (exact index); otherwise `--worker` flags (approximate index).
+fn serve_args(
+    listen: &str,
+    fleet: &Fleet,
+    policy: &str,
+    a: &CompareArgs,
+    dir: &std::path::Path,
+) -> anyhow::Result<Vec<String>> {
     let mut args: Vec<String> = vec![
         "serve".into(),
         "--listen".into(),
@@ -233,16 +262,45 @@ fn serve_args(listen: &str, workers: &[String], policy: &str, a: &CompareArgs) -
         "--policy".into(),
         policy.into(),
     ];
-    for w in workers {
-        args.push("--worker".into());
-        args.push(w.clone());
+    let events: Option<Vec<&String>> = fleet.kv_events.iter().map(Option::as_ref).collect();
+    match events.filter(|_| !a.approx_index) {
+        Some(events) => {
+            let path = dir.join(format!("serve-{policy}.toml"));
+            std::fs::write(&path, workers_toml(&fleet.urls, &events, &a.traffic.model))
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+            args.push("--config".into());
+            args.push(path.to_string_lossy().into_owned());
+        }
+        None => {
+            for w in &fleet.urls {
+                args.push("--worker".into());
+                args.push(w.clone());
+            }
+            args.push("--model".into());
+            args.push(a.traffic.model.clone());
+        }
     }
-    args.push("--model".into());
-    args.push(a.traffic.model.clone());
     args.push("--block-size".into());
     args.push(a.fleet.block_size.to_string());
+    // The per-request log line goes to stdout, which nobody reads here.
+    args.push("--no-request-log".into());
     args.extend(a.serve_args.iter().cloned());
-    args
+    Ok(args)
+}
+
+/// `[[workers]]` tables with KV-event endpoints (flags still set listen/policy/block size).
+fn workers_toml(urls: &[String], events: &[&String], model: &str) -> String {
+    let q = |s: &str| serde_json::to_string(s).expect("strings serialize");
+    let mut t = String::from("# Generated by kvgate bench compare.\n");
+    for (i, (u, e)) in urls.iter().zip(events).enumerate() {
+        t.push_str(&format!(
+            "\n[[workers]]\nurl = {}\nname = \"sim-{i}\"\nmodels = [{}]\nkv_events = {}\n",
+            q(u),
+            q(model),
+            q(e)
+        ));
+    }
+    t
 }
 
 pub async fn run(a: CompareArgs) -> anyhow::Result<()> {
@@ -302,7 +360,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
             None => {
                 let port = children::free_port()?;
                 let listen = format!("127.0.0.1:{port}");
-                let args = serve_args(&listen, &fleet.urls, &name, a);
+                let args = serve_args(&listen, &fleet, &name, a, &log_dir)?;
                 let mut g = ChildGuard::spawn(&exe, &args, &format!("serve-{name}"), &log_dir)?;
                 let url = format!("http://{listen}");
                 g.wait_http_ok(&format!("{url}/ready"), Duration::from_secs(60))
@@ -396,5 +454,7 @@ mod tests {
         );
         assert!(parse_external("nourl").is_err());
         assert!(parse_external("=http://x").is_err());
+        let t = workers_toml(&["http://a:1".into()], &[&"tcp://a:2".to_string()], "m");
+        assert!(t.contains("[[workers]]\nurl = \"http://a:1\"\nname = \"sim-0\"\nmodels = [\"m\"]\nkv_events = \"tcp://a:2\"\n"), "{t}");
     }
 }
