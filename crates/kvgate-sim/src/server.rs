@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use kvgate_tokenize::Tokenizer;
+use kvgate_tokenize::ModelTokenizer;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -25,7 +25,7 @@ const GRACE: Duration = Duration::from_secs(5);
 /// State shared by the HTTP handlers of one worker.
 pub struct Shared {
     pub cfg: SimConfig,
-    pub tokenizer: Arc<dyn Tokenizer>,
+    pub tokenizer: ModelTokenizer,
     pub cmd: mpsc::UnboundedSender<Command>,
     pub metrics: Arc<Mutex<Metrics>>,
     pub draining: AtomicBool,

@@ -1,112 +1,85 @@
-//! Tokenizer selection for the sim: a real `tokenizer.json` through the shared `kvgate-tokenize`
-//! crate, or a cheap deterministic word-piece approximation. Also the chat template (ChatML).
+//! Tokenization exactly as the gateway does it: `kvgate-tokenize`'s [`ModelTokenizer`] (by default
+//! its deterministic `ApproxTokenizer` with ChatML; a HuggingFace `tokenizer.json` with
+//! `--tokenizer`) applied to the same `RequestView`. Identical token ids on both sides are what let a
+//! router match its own prefix hashes against the blocks this engine reports.
 
 use std::sync::Arc;
 
-use kvgate_tokenize::Tokenizer;
+use kvgate_protocol::openai::RequestView;
+use kvgate_tokenize::{ChatTemplate, HfTokenizer, ModelTokenizer, PromptTokens, TokenizeError};
+use serde_json::Value;
 
-/// Deterministic stand-in when no tokenizer.json is given: every whitespace-separated word becomes
-/// one token per 4 bytes, ids from a hash so equal text gives equal ids. Roughly the token counts
-/// of a BPE model on English text, which is all the cache model needs.
-#[derive(Debug, Default)]
-pub struct WordPieceTokenizer;
-
-const VOCAB: u64 = 32_000;
-const FIRST_ID: u64 = 256;
-
-impl Tokenizer for WordPieceTokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
-        let mut out = Vec::with_capacity(text.len() / 4 + 1);
-        for word in text.split_whitespace() {
-            for piece in word.as_bytes().chunks(4) {
-                let h = xxhash_rust::xxh3::xxh3_64(piece);
-                out.push((FIRST_ID + h % (VOCAB - FIRST_ID)) as u32);
-            }
+/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json (rendered with ChatML).
+pub fn load(path: Option<&std::path::Path>) -> anyhow::Result<ModelTokenizer> {
+    Ok(match path {
+        None => ModelTokenizer::default(),
+        Some(p) => {
+            ModelTokenizer::new(Arc::new(HfTokenizer::from_file(p)?), ChatTemplate::chatml())
         }
-        out
-    }
-
-    fn decode(&self, ids: &[u32]) -> String {
-        let mut s = String::with_capacity(ids.len() * 6);
-        for id in ids {
-            s.push_str(" t");
-            s.push_str(&id.to_string());
-        }
-        s
-    }
-
-    fn name(&self) -> &str {
-        "approx"
-    }
+    })
 }
 
-/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json.
-pub fn load(path: Option<&std::path::Path>) -> anyhow::Result<Arc<dyn Tokenizer>> {
-    match path {
-        None => Ok(Arc::new(WordPieceTokenizer)),
-        Some(p) => hf::load(p),
-    }
+/// A tokenization failure with the request parameter at fault.
+#[derive(Debug)]
+pub struct PromptError {
+    pub message: String,
+    pub param: Option<&'static str>,
 }
 
-mod hf {
-    use super::*;
-
-    pub fn load(p: &std::path::Path) -> anyhow::Result<Arc<dyn Tokenizer>> {
-        anyhow::bail!(
-            "--tokenizer {}: tokenizer.json support needs kvgate-tokenize's HfTokenizer",
-            p.display()
-        )
+/// Token ids of every prompt in a chat (`messages`) or completions (`prompt`) body.
+pub fn encode_body(mt: &ModelTokenizer, v: &Value) -> Result<Vec<Vec<u32>>, PromptError> {
+    // `model` is optional here (vLLM defaults it) but required by the gateway's request view.
+    let bytes = if v.get("model").is_some_and(Value::is_string) {
+        serde_json::to_vec(v)
+    } else {
+        let mut c = v.clone();
+        c["model"] = Value::String(String::new());
+        serde_json::to_vec(&c)
     }
-}
-
-/// One chat message's text: a string, or the text parts of a content array.
-pub fn message_text(content: &serde_json::Value) -> Option<String> {
-    match content {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Null => Some(String::new()),
-        serde_json::Value::Array(parts) => {
-            let mut s = String::new();
-            for p in parts {
-                if let Some(t) = p.get("text").and_then(|t| t.as_str()) {
-                    s.push_str(t);
-                }
-            }
-            Some(s)
-        }
-        _ => None,
+    .map_err(|e| PromptError {
+        message: e.to_string(),
+        param: None,
+    })?;
+    let view = RequestView::parse(&bytes).map_err(|e| PromptError {
+        message: e.to_string(),
+        param: e.param(),
+    })?;
+    match mt.encode_prompt(&view) {
+        Ok(PromptTokens::One(t)) => Ok(vec![t]),
+        Ok(PromptTokens::Batch(b)) => Ok(b),
+        Err(TokenizeError::Request(e)) => Err(PromptError {
+            message: e.to_string(),
+            param: e.param(),
+        }),
+        Err(e) => Err(PromptError {
+            message: e.to_string(),
+            param: None,
+        }),
     }
-}
-
-/// ChatML rendering (`<|im_start|>role\ncontent<|im_end|>\n`, then the assistant header).
-pub fn render_chat(messages: &[(String, String)], add_generation_prompt: bool) -> String {
-    let mut s = String::new();
-    for (role, content) in messages {
-        s.push_str("<|im_start|>");
-        s.push_str(role);
-        s.push('\n');
-        s.push_str(content);
-        s.push_str("<|im_end|>\n");
-    }
-    if add_generation_prompt {
-        s.push_str("<|im_start|>assistant\n");
-    }
-    s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
-    fn approx_is_deterministic_and_prefix_stable() {
-        let t = WordPieceTokenizer;
-        let a = t.encode("hello wonderful world");
+    fn chat_and_completion_bodies_tokenize_like_the_gateway() {
+        let mt = ModelTokenizer::default();
+        let chat = encode_body(
+            &mt,
+            &json!({"messages": [{"role": "user", "content": "hello world"}]}),
+        )
+        .unwrap();
+        assert_eq!(chat.len(), 1);
+        assert!(chat[0].len() > 2, "ChatML adds its markers");
+        let text = encode_body(&mt, &json!({"prompt": ["a b", "c"]})).unwrap();
+        assert_eq!(text.len(), 2);
         assert_eq!(
-            a.len(),
-            2 + 3 + 2,
-            "one token per 4-byte piece of each word"
+            encode_body(&mt, &json!({"prompt": [7, 8, 9]})).unwrap(),
+            vec![vec![7, 8, 9]]
         );
-        assert_eq!(t.encode("hello wonderful world again")[..7], a[..]);
-        assert!(t.decode(&a).starts_with(" t"));
+        let e = encode_body(&mt, &json!({"messages": "hi"})).unwrap_err();
+        assert_eq!(e.param, Some("messages"));
     }
 }

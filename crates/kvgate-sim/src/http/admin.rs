@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use super::{error, full, json as json_resp, Body};
 use crate::metrics::{render, Labels};
 use crate::server::Shared;
-use crate::tokenizer::{message_text, render_chat};
+use crate::tokenizer::encode_body;
 use crate::worker::Command;
 
 pub fn models(sh: &Shared) -> Response<Body> {
@@ -44,44 +44,23 @@ pub fn tokenize(sh: &Shared, body: &[u8]) -> Response<Body> {
             )
         }
     };
-    let tokens = if let Some(p) = v.get("prompt") {
-        match p.as_str() {
-            Some(s) => sh.tokenizer.encode(s),
-            None => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "`prompt` must be a string",
-                    Some("prompt"),
-                )
-            }
-        }
-    } else if let Some(msgs) = v.get("messages").and_then(|m| m.as_array()) {
-        let mut pairs = Vec::new();
-        for m in msgs {
-            let role = m.get("role").and_then(|r| r.as_str());
-            let content = message_text(m.get("content").unwrap_or(&Value::Null));
-            match (role, content) {
-                (Some(r), Some(c)) => pairs.push((r.to_owned(), c)),
-                _ => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        "every message needs `role` and `content`",
-                        Some("messages"),
-                    )
-                }
-            }
-        }
-        let add = v
-            .get("add_generation_prompt")
-            .and_then(|b| b.as_bool())
-            .unwrap_or(true);
-        sh.tokenizer.encode(&render_chat(&pairs, add))
-    } else {
+    if v.get("prompt").is_none() && v.get("messages").is_none() {
         return error(
             StatusCode::BAD_REQUEST,
             "either `prompt` or `messages` is required",
             None,
         );
+    }
+    let tokens = match encode_body(&sh.tokenizer, &v) {
+        Ok(mut t) if t.len() == 1 => t.remove(0),
+        Ok(_) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "`prompt` must be a single prompt",
+                Some("prompt"),
+            )
+        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.message, e.param),
     };
     json_resp(
         StatusCode::OK,

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use super::{error, json as json_resp, sse::SseBody, Body};
 use crate::engine::{FinishReason, NewRequest};
 use crate::server::Shared;
-use crate::tokenizer::{message_text, render_chat};
+use crate::tokenizer::encode_body;
 use crate::worker::{Command, ReqEvent};
 
 /// What both the streaming and the collected answer need to know.
@@ -48,70 +48,6 @@ type Bad = Box<Response<Body>>;
 
 fn bad(msg: impl Into<String>, param: &str) -> Bad {
     Box::new(error(StatusCode::BAD_REQUEST, msg, Some(param)))
-}
-
-fn chat_prompt(sh: &Shared, v: &Value) -> Result<Vec<u32>, Bad> {
-    let msgs = v
-        .get("messages")
-        .and_then(|m| m.as_array())
-        .ok_or_else(|| bad("`messages` must be a non-empty array", "messages"))?;
-    if msgs.is_empty() {
-        return Err(bad("`messages` must be a non-empty array", "messages"));
-    }
-    let mut pairs = Vec::with_capacity(msgs.len());
-    for m in msgs {
-        let role = m
-            .get("role")
-            .and_then(|r| r.as_str())
-            .ok_or_else(|| bad("every message needs a string `role`", "messages"))?;
-        let content = message_text(m.get("content").unwrap_or(&Value::Null)).ok_or_else(|| {
-            bad(
-                "message `content` must be a string or an array of parts",
-                "messages",
-            )
-        })?;
-        pairs.push((role.to_owned(), content));
-    }
-    let add_gen = v
-        .get("add_generation_prompt")
-        .and_then(|b| b.as_bool())
-        .unwrap_or(true);
-    Ok(sh.tokenizer.encode(&render_chat(&pairs, add_gen)))
-}
-
-fn token_array(a: &[Value]) -> Option<Vec<u32>> {
-    a.iter()
-        .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
-        .collect()
-}
-
-fn completion_prompts(sh: &Shared, v: &Value) -> Result<Vec<Vec<u32>>, Bad> {
-    let msg = "`prompt` must be a string, an array of strings, an array of token ids or an array of token-id arrays";
-    match v.get("prompt") {
-        Some(Value::String(s)) => Ok(vec![sh.tokenizer.encode(s)]),
-        Some(Value::Array(a)) if a.is_empty() => Err(bad("`prompt` must not be empty", "prompt")),
-        Some(Value::Array(a)) => match &a[0] {
-            Value::String(_) => a
-                .iter()
-                .map(|s| {
-                    s.as_str()
-                        .map(|s| sh.tokenizer.encode(s))
-                        .ok_or_else(|| bad(msg, "prompt"))
-                })
-                .collect(),
-            Value::Number(_) => Ok(vec![token_array(a).ok_or_else(|| bad(msg, "prompt"))?]),
-            Value::Array(_) => a
-                .iter()
-                .map(|x| {
-                    x.as_array()
-                        .and_then(|x| token_array(x))
-                        .ok_or_else(|| bad(msg, "prompt"))
-                })
-                .collect(),
-            _ => Err(bad(msg, "prompt")),
-        },
-        _ => Err(bad(msg, "prompt")),
-    }
 }
 
 fn opt_u64(v: &Value, key: &str) -> Result<Option<u64>, Bad> {
@@ -157,11 +93,10 @@ async fn prepare(
             )))
         }
     }
-    let prompts = if chat {
-        vec![chat_prompt(sh, &v)?]
-    } else {
-        completion_prompts(sh, &v)?
-    };
+    let prompts = encode_body(&sh.tokenizer, &v).map_err(|e| {
+        let param = e.param.unwrap_or(if chat { "messages" } else { "prompt" });
+        bad(e.message, param)
+    })?;
     let n = opt_u64(&v, "n")?.unwrap_or(1);
     if !(1..=128).contains(&n) {
         return Err(bad("`n` must be between 1 and 128", "n"));
@@ -285,7 +220,7 @@ async fn prepare(
         prompt_lens,
         n: n as usize,
         include_usage,
-        tokenizer: sh.tokenizer.clone(),
+        tokenizer: sh.tokenizer.tokenizer().clone(),
     };
     if stream {
         return Ok(Ok(SseBody::response(meta, rx)));

@@ -95,12 +95,13 @@ def main():
 
     # Traffic: a long prompt twice (stores, then hits), many distinct prompts (evictions),
     # a cache reset (AllBlocksCleared), then one more prompt (stores after the reset).
-    words = " ".join(f"w{i:05d}" for i in range(160))
+    # Token-id prompts: exact lengths (320 tokens = 20 blocks of 16) whatever the tokenizer.
+    words = list(range(1000, 1320))
     for _ in range(2):
         st, _ = post(a.http, "/v1/completions", {"prompt": words, "max_tokens": 2, "ignore_eos": True})
         check(st == 200, f"completion status {st}")
     for k in range(6):
-        p = " ".join(f"x{k}-{i:04d}" for i in range(160))
+        p = list(range(10_000 * (k + 1), 10_000 * (k + 1) + 320))
         post(a.http, "/v1/completions", {"prompt": p, "max_tokens": 2, "ignore_eos": True})
     post(a.http, "/reset_prefix_cache", {})
     post(a.http, "/v1/completions", {"prompt": words, "max_tokens": 2, "ignore_eos": True})
