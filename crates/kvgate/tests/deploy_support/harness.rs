@@ -1,0 +1,433 @@
+//! Shared by the `deploy_*` tests: start `kvgate sim` and `kvgate serve` as real processes on
+//! loopback ephemeral ports, a tiny HTTP/1.1 client, the skip-or-fail rule for external tools, and
+//! a PromQL metric-name extractor. Included with `#[path]` (not a test target of its own).
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("repo root")
+}
+
+/// The common brief's rule for external tools: missing locally → print "skipped" and return
+/// false; missing under CI → fail.
+pub fn tool_missing(why: &str) -> bool {
+    if std::env::var_os("CI").is_some() {
+        panic!("CI is set but {why}");
+    }
+    eprintln!("skipped: {why}");
+    true
+}
+
+/// A child process killed (and reaped) on drop, so a failing assertion leaks nothing.
+pub struct Proc {
+    pub name: &'static str,
+    child: Child,
+    pub lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    /// Spawn the kvgate binary with `args`; stdout and stderr lines both arrive on `lines`
+    /// (ANSI colour codes removed).
+    pub fn kvgate(name: &'static str, args: &[&str]) -> Proc {
+        Self::kvgate_env(name, args, &[])
+    }
+
+    /// As [`Proc::kvgate`] with extra environment variables. Inherited `KVGATE_*` variables are
+    /// removed so the developer's shell cannot change what the test runs.
+    pub fn kvgate_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        cmd.args(args).env("NO_COLOR", "1");
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("KVGATE_") && k != "KVGATE_PYTHON" {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(env.iter().copied());
+        Self::spawn(name, cmd)
+    }
+
+    /// Spawn any command with its output collected line by line on `lines`.
+    pub fn spawn(name: &'static str, mut cmd: Command) -> Proc {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let (tx, rx) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        for pipe in [Box::new(out) as Box<dyn Read + Send>, Box::new(err)] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    if tx.send(strip_ansi(&line)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Proc {
+            name,
+            child,
+            lines: rx,
+        }
+    }
+
+    /// Wait for a line for which `f` returns Some, up to `limit`; panics with what was seen.
+    pub fn wait_for<T>(&mut self, limit: Duration, mut f: impl FnMut(&str) -> Option<T>) -> T {
+        let end = Instant::now() + limit;
+        let mut seen = Vec::new();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                while let Ok(l) = self.lines.try_recv() {
+                    seen.push(l);
+                }
+                panic!(
+                    "{} exited ({status}) before it was ready; output:\n{}",
+                    self.name,
+                    seen.join("\n")
+                );
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                panic!(
+                    "{} not ready within {limit:?}; output:\n{}",
+                    self.name,
+                    seen.join("\n")
+                );
+            }
+            match self
+                .lines
+                .recv_timeout(left.min(Duration::from_millis(200)))
+            {
+                Ok(line) => {
+                    if let Some(v) = f(&line) {
+                        return v;
+                    }
+                    seen.push(line);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ params final-byte (0x40..=0x7e)
+            for d in chars.by_ref() {
+                if ('@'..='~').contains(&d) && d != '[' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The first `key=<socket addr>` token in a line.
+pub fn addr_after(line: &str, key: &str) -> Option<SocketAddr> {
+    let i = line.find(key)?;
+    let rest = &line[i + key.len()..];
+    let end = rest
+        .find(|c: char| c.is_whitespace() || c == ',' || c == '"')
+        .unwrap_or(rest.len());
+    rest[..end].parse().ok()
+}
+
+/// A simulated vLLM worker (`kvgate sim`, no step delay, no KV events) and its HTTP address.
+pub fn start_sim(model: &str) -> (Proc, SocketAddr) {
+    start_sim_with(model, &[])
+}
+
+/// As [`start_sim`] with extra `kvgate sim` flags (faults, ...).
+pub fn start_sim_with(model: &str, extra: &[&str]) -> (Proc, SocketAddr) {
+    let mut args = vec![
+        "sim",
+        "--port",
+        "0",
+        "--no-kv-events",
+        "--speedup",
+        "0",
+        "--model",
+        model,
+    ];
+    args.extend_from_slice(extra);
+    let mut sim = Proc::kvgate("kvgate sim", &args);
+    let addr = sim.wait_for(Duration::from_secs(20), |l| addr_after(l, "http="));
+    sim.wait_for(Duration::from_secs(20), |l| {
+        (l.trim() == "ready").then_some(())
+    });
+    (sim, addr)
+}
+
+/// `kvgate serve` in front of `worker`, listening on an ephemeral loopback port.
+pub fn start_gateway(worker: SocketAddr, model: &str) -> (Proc, SocketAddr) {
+    let url = format!("http://{worker}");
+    let mut gw = Proc::kvgate(
+        "kvgate serve",
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--worker",
+            &url,
+            "--model",
+            model,
+            "--no-request-log",
+            "--log",
+            "info",
+        ],
+    );
+    let addr = gw.wait_for(Duration::from_secs(20), serving_addr);
+    (gw, addr)
+}
+
+/// The data-path address in `kvgate serve`'s startup log line.
+pub fn serving_addr(line: &str) -> Option<SocketAddr> {
+    if line.contains("kvgate serving") {
+        addr_after(line, "addr=")
+    } else {
+        None
+    }
+}
+
+/// One HTTP/1.1 request (Connection: close); returns status and body.
+pub fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    try_http(addr, method, path, body)
+        .unwrap_or_else(|e| panic!("{method} http://{addr}{path}: {e}"))
+}
+
+/// A GET that may fail (server still starting): None on any I/O error.
+pub fn http_maybe(addr: SocketAddr, method: &str, path: &str) -> Option<(u16, String)> {
+    try_http(addr, method, path, None).ok()
+}
+
+fn try_http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain;version=0.0.4\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes())?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase().starts_with("transfer-encoding:")
+            && l.to_ascii_lowercase().contains("chunked")
+    });
+    Ok((
+        status,
+        if chunked {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        },
+    ))
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Names a Prometheus text exposition declares: every sample name, plus for each `# TYPE` family
+/// the names its samples may carry (histograms: `_bucket`, `_sum`, `_count`), so a family with no
+/// sample yet (a labelled counter nothing has incremented) still counts as exported.
+pub fn exported_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut it = rest.split_whitespace();
+            if let (Some(name), Some(kind)) = (it.next(), it.next()) {
+                names.insert(name.to_string());
+                if kind == "histogram" {
+                    for suffix in ["_bucket", "_sum", "_count"] {
+                        names.insert(format!("{name}{suffix}"));
+                    }
+                }
+            }
+        } else if !line.starts_with('#') && !line.trim().is_empty() {
+            let end = line.find(['{', ' ']).unwrap_or(line.len());
+            names.insert(line[..end].to_string());
+        }
+    }
+    names
+}
+
+/// Metric names referenced by a PromQL expression: identifiers that are not functions (followed by
+/// `(`), not aggregations or keywords, not inside label matchers `{...}`, ranges `[...]` or strings, and not the
+/// label lists of `by`/`without`/`on`/`ignoring`/`group_left`/`group_right`.
+pub fn promql_metric_names(expr: &str) -> Vec<String> {
+    const KEYWORDS: &[&str] = &[
+        "and", "or", "unless", "bool", "offset", "inf", "nan", "atan2",
+    ];
+    const LABEL_LISTS: &[&str] = &[
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+    ];
+    // Aggregations may put `by (...)` between their name and `(`: `sum by (le) (rate(x[5m]))`.
+    const AGGREGATIONS: &[&str] = &[
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "count",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+        "group",
+    ];
+    let b = expr.as_bytes();
+    let mut names = Vec::new();
+    let mut i = 0;
+    let mut skip_next_parens = false;
+    while i < b.len() {
+        let c = b[i] as char;
+        match c {
+            '"' | '\'' | '`' => {
+                i += 1;
+                while i < b.len() && b[i] as char != c {
+                    if b[i] == b'\\' {
+                        i += 1;
+                    }
+                    i += 1;
+                }
+                i += 1;
+            }
+            '{' | '[' => {
+                let close = if c == '{' { b'}' } else { b']' };
+                while i < b.len() && b[i] != close {
+                    i += 1;
+                }
+                i += 1;
+            }
+            '(' if skip_next_parens => {
+                while i < b.len() && b[i] != b')' {
+                    i += 1;
+                }
+                i += 1;
+                skip_next_parens = false;
+            }
+            c if c.is_ascii_digit() || c == '.' => {
+                // numbers and durations: 0.99, 1e6, 5m
+                while i < b.len() && ((b[i] as char).is_ascii_alphanumeric() || b[i] == b'.') {
+                    i += 1;
+                }
+            }
+            c if c.is_ascii_alphabetic() || c == '_' || c == ':' => {
+                let start = i;
+                while i < b.len()
+                    && ((b[i] as char).is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b':')
+                {
+                    i += 1;
+                }
+                let word = &expr[start..i];
+                let mut j = i;
+                while j < b.len() && (b[j] as char).is_whitespace() {
+                    j += 1;
+                }
+                let is_call = j < b.len() && b[j] == b'(';
+                let lower = word.to_ascii_lowercase();
+                if LABEL_LISTS.contains(&lower.as_str()) {
+                    skip_next_parens = true;
+                } else if !is_call
+                    && !KEYWORDS.contains(&lower.as_str())
+                    && !AGGREGATIONS.contains(&lower.as_str())
+                {
+                    names.push(word.to_string());
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    names
+}
+
+/// Every `expr:` of a Prometheus rules file (single-line or `|`/`>` block scalars).
+pub fn rule_exprs(yaml: &str) -> Vec<String> {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let trimmed = line.trim_start();
+        if let Some(rest) = trimmed.strip_prefix("expr:") {
+            let rest = rest.trim();
+            if rest.starts_with('|') || rest.starts_with('>') {
+                let indent = line.len() - trimmed.len();
+                let mut block = String::new();
+                i += 1;
+                while i < lines.len() {
+                    let l = lines[i];
+                    let ind = l.len() - l.trim_start().len();
+                    if !l.trim().is_empty() && ind <= indent {
+                        break;
+                    }
+                    block.push_str(l.trim());
+                    block.push('\n');
+                    i += 1;
+                }
+                out.push(block);
+                continue;
+            }
+            out.push(rest.trim_matches(|c| c == '\'' || c == '"').to_string());
+        }
+        i += 1;
+    }
+    out
+}
