@@ -169,7 +169,9 @@ pub async fn run(args: SimArgs) -> anyhow::Result<()> {
     println!("ready");
     wait_for_signal().await;
     eprintln!("kvgate sim: stopping");
+    let t = std::time::Instant::now();
     fleet.shutdown().await;
+    eprintln!("kvgate sim: stopped in {} ms", t.elapsed().as_millis());
     Ok(())
 }
 

@@ -94,7 +94,7 @@ impl SimWorker {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let shared = Arc::new(Shared {
-            rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0xfa01_75)),
+            rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             cfg: config,
             tokenizer,
             cmd: cmd_tx,
