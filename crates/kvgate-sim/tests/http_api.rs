@@ -458,3 +458,36 @@ async fn preemption_under_block_pressure_completes_every_request() {
     );
     w.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn stall_and_metrics_delay_faults_delay_the_answer() {
+    let mut cfg = fast();
+    cfg.faults.stall = std::time::Duration::from_millis(700);
+    cfg.faults.metrics_delay = std::time::Duration::from_millis(300);
+    let w = SimWorker::spawn(cfg, local(), None).await.unwrap();
+    let c = client();
+    let t = tokio::time::Instant::now();
+    let (st, _) = post(
+        &c,
+        &format!("{}/v1/completions", w.base_url()),
+        &json!({"prompt": "a", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(st, 200);
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(700),
+        "{:?}",
+        t.elapsed()
+    );
+    let t = tokio::time::Instant::now();
+    assert_eq!(
+        get_text(&c, &format!("{}/metrics", w.base_url())).await.0,
+        200
+    );
+    assert!(
+        t.elapsed() >= std::time::Duration::from_millis(300),
+        "{:?}",
+        t.elapsed()
+    );
+    w.shutdown().await;
+}
