@@ -177,3 +177,40 @@ fn image_config_and_healthcheck_work_against_a_running_gateway() {
         "healthcheck passed with the gateway stopped"
     );
 }
+
+#[test]
+fn every_alert_has_a_runbook_section_in_operations_md() {
+    let root = repo_root();
+    let rules = std::fs::read_to_string(root.join("deploy/prometheus/alerts.yml")).unwrap();
+    let ops = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
+    // GitHub's anchor for a heading: lower-cased, spaces to dashes, other punctuation dropped.
+    let anchors: Vec<String> = ops
+        .lines()
+        .filter_map(|l| l.strip_prefix('#'))
+        .map(|h| {
+            h.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let mut alerts = 0;
+    for line in rules.lines() {
+        if let Some(name) = line.trim().strip_prefix("- alert: ") {
+            alerts += 1;
+            let want = format!("runbook: docs/operations.md#{}", name.to_lowercase());
+            assert!(rules.contains(&want), "{name}: no `{want}` annotation");
+            assert!(
+                anchors.contains(&name.to_lowercase()),
+                "{name}: no section in docs/operations.md"
+            );
+        }
+    }
+    assert!(alerts >= 10, "{alerts} alerts");
+}
