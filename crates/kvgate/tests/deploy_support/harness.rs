@@ -208,13 +208,16 @@ pub fn start_gateway(worker: SocketAddr, model: &str) -> (Proc, SocketAddr) {
     (gw, addr)
 }
 
-/// The data-path address in `kvgate serve`'s startup log line.
+/// The data-path address in `kvgate serve`'s startup line on stderr,
+/// `kvgate serve: listening on http://ADDR` (earlier builds: a log line `kvgate serving addr=ADDR`).
 pub fn serving_addr(line: &str) -> Option<SocketAddr> {
-    if line.contains("kvgate serving") {
-        addr_after(line, "addr=")
-    } else {
-        None
+    if let Some(rest) = line.strip_prefix("kvgate serve: listening on http://") {
+        return rest.trim().parse().ok();
     }
+    if line.contains("kvgate serving") {
+        return addr_after(line, "addr=");
+    }
+    None
 }
 
 /// One HTTP/1.1 request (Connection: close); returns status and body.
