@@ -1,8 +1,12 @@
-//! A real Prometheus (Debian's `prometheus` package) scrapes a running `kvgate serve` and its
-//! `kvgate sim` worker on loopback at a 1 s interval with deploy/prometheus/alerts.yml loaded; the
-//! query `kvgate_requests_total` must return data, the worker's `vllm:*` gauges must arrive, and
-//! every alert rule must evaluate without error against the real series. Bounded to ~30 s of
-//! waiting; every process is killed on exit (also on failure: `Proc` kills on drop).
+//! A real Prometheus (Debian's `prometheus` package) runs the shipped deploy/prometheus/prometheus.yml
+//! and alerts.yml against a running `kvgate serve` and its `kvgate sim` worker on loopback. The
+//! config is adapted in three documented ways only (see `adapt_config`): DNS discovery is replaced
+//! by static loopback targets (Prometheus' DNS SD asks the DNS server, not /etc/hosts), intervals
+//! shrink to 1 s, and the Prometheus-3-only keys are dropped when the binary is 2.x. The query
+//! `kvgate_requests_total` must return data, the worker job must be up with its `engine` label and
+//! its `vllm:*` gauges, and every alert rule must evaluate without error against the real series.
+//! Bounded to ~30 s of waiting; every process is killed on exit (also on failure: `Proc` kills on
+//! drop).
 
 #[path = "deploy_support/harness.rs"]
 mod harness;
@@ -41,17 +45,86 @@ struct Prom {
     addr: SocketAddr,
 }
 
+/// The shipped prometheus.yml with each job's `dns_sd_configs` block replaced by a static target
+/// (`targets` maps job name → address), every interval and timeout shortened, and (for a 2.x
+/// binary) `scrape_protocols` / `fallback_scrape_protocol` removed. Everything else — job names,
+/// relabelling, rule_files — is exactly what operators deploy.
+fn adapt_config(shipped: &str, targets: &[(&str, SocketAddr)], prometheus_3: bool) -> String {
+    let mut out = String::new();
+    let mut job: Option<&str> = None;
+    let mut skip_indent: Option<usize> = None;
+    for line in shipped.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let t = line.trim_start();
+        if let Some(si) = skip_indent {
+            if t.is_empty() || t.starts_with('#') || indent > si {
+                continue;
+            }
+            skip_indent = None;
+        }
+        if let Some(name) = t.strip_prefix("- job_name:") {
+            job = targets.iter().map(|(j, _)| *j).find(|j| *j == name.trim());
+            assert!(job.is_some(), "unexpected job {name} in prometheus.yml");
+        }
+        if t.starts_with("dns_sd_configs:") {
+            let addr = targets
+                .iter()
+                .find(|(j, _)| Some(*j) == job)
+                .map(|(_, a)| *a)
+                .expect("job before dns_sd_configs");
+            out.push_str(&format!(
+                "{}static_configs: [{{targets: ['{addr}']}}]\n",
+                " ".repeat(indent)
+            ));
+            skip_indent = Some(indent);
+            continue;
+        }
+        if !prometheus_3
+            && (t.starts_with("scrape_protocols:") || t.starts_with("fallback_scrape_protocol:"))
+        {
+            continue;
+        }
+        let key = t.split(':').next().unwrap_or("");
+        let line = match key {
+            "scrape_interval" | "evaluation_interval" => format!("{}{key}: 1s", " ".repeat(indent)),
+            "scrape_timeout" => format!("{}{key}: 900ms", " ".repeat(indent)),
+            _ => line.to_string(),
+        };
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+fn is_prometheus_3(bin: &str) -> bool {
+    let out = std::process::Command::new(bin)
+        .arg("--version")
+        .output()
+        .expect("prometheus --version");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let major = text
+        .split("version ")
+        .nth(1)
+        .and_then(|v| v.split('.').next())
+        .and_then(|m| m.parse::<u32>().ok());
+    major.unwrap_or(0) >= 3
+}
+
 fn start_prometheus(bin: &str, gateway: SocketAddr, worker: SocketAddr) -> Prom {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        repo_root().join("deploy/prometheus/alerts.yml"),
-        dir.path().join("alerts.yml"),
-    )
-    .unwrap();
-    let cfg = format!(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\n  evaluation_interval: 1s\nrule_files: [alerts.yml]\n\
-         scrape_configs:\n  - job_name: kvgate\n    static_configs: [{{targets: ['{gateway}']}}]\n\
-         \x20 - job_name: llm-workers\n    static_configs: [{{targets: ['{worker}'], labels: {{engine: vllm}}}}]\n"
+    let shipped = repo_root().join("deploy/prometheus");
+    std::fs::copy(shipped.join("alerts.yml"), dir.path().join("alerts.yml")).unwrap();
+    let cfg = adapt_config(
+        &std::fs::read_to_string(shipped.join("prometheus.yml")).unwrap(),
+        &[("kvgate", gateway), ("llm-workers", worker)],
+        is_prometheus_3(bin),
+    );
+    assert!(
+        !cfg.lines()
+            .any(|l| l.trim_start().starts_with("dns_sd_configs:"))
+            && cfg.matches("static_configs: [").count() == 2,
+        "{cfg}"
     );
     std::fs::write(dir.path().join("prometheus.yml"), cfg).unwrap();
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -140,7 +213,13 @@ fn real_prometheus_scrapes_kvgate_and_evaluates_the_alert_rules() {
     assert_eq!(ok["metric"]["job"], "kvgate");
     assert_eq!(ok["value"][1], "3", "three requests were counted: {ok}");
 
-    // The worker's own gauges (used by the dashboard's per-worker panels) arrive under their names.
+    // The worker job of the shipped config: up, labelled by engine, and its own gauges (used by
+    // the dashboard's per-worker panels) under their `vllm:` names.
+    let up = wait_until(Duration::from_secs(10), "up of the worker job", || {
+        query(prom.addr, "up{job=\"llm-workers\"} == 1")
+            .filter(|r| r.as_array().is_some_and(|a| !a.is_empty()))
+    });
+    assert_eq!(up[0]["metric"]["engine"], "vllm", "{up}");
     wait_until(Duration::from_secs(10), "vllm:kv_cache_usage_perc", || {
         query(prom.addr, "vllm:kv_cache_usage_perc")
             .filter(|r| r.as_array().is_some_and(|a| !a.is_empty()))
@@ -169,4 +248,20 @@ fn real_prometheus_scrapes_kvgate_and_evaluates_the_alert_rules() {
         .collect();
     assert!(bad.is_empty(), "rules failing to evaluate: {bad:?}");
     assert!(rules.len() >= 10, "{} rules loaded", rules.len());
+}
+
+#[test]
+fn adapt_config_replaces_only_discovery_and_timing() {
+    let shipped = "global:\n  scrape_interval: 15s\n  scrape_timeout: 10s\nscrape_configs:\n  - job_name: kvgate\n    fallback_scrape_protocol: PrometheusText0.0.4\n    dns_sd_configs:\n      - names: [a.b]\n        type: A\n        port: 8080\n    # static_configs:\n    #   - targets: [x]\n  - job_name: llm-workers\n    scrape_interval: 5s\n    dns_sd_configs:\n      - names: [c.d]\n    relabel_configs:\n      - target_label: engine\n        replacement: vllm\n";
+    let gw: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let w: SocketAddr = "127.0.0.1:2".parse().unwrap();
+    let out = adapt_config(shipped, &[("kvgate", gw), ("llm-workers", w)], false);
+    assert_eq!(
+        out,
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\nscrape_configs:\n  - job_name: kvgate\n    static_configs: [{targets: ['127.0.0.1:1']}]\n  - job_name: llm-workers\n    scrape_interval: 1s\n    static_configs: [{targets: ['127.0.0.1:2']}]\n    relabel_configs:\n      - target_label: engine\n        replacement: vllm\n"
+    );
+    assert!(
+        adapt_config(shipped, &[("kvgate", gw), ("llm-workers", w)], true)
+            .contains("fallback_scrape_protocol")
+    );
 }
