@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// KV block size in tokens (must match the workers').
     #[arg(long, env = "KVGATE_BLOCK_SIZE")]
     pub block_size: Option<u32>,
+    /// HF tokenizer.json for every model without its own `[models."name"] tokenizer`.
+    #[arg(long, env = "KVGATE_TOKENIZER_JSON")]
+    pub tokenizer_json: Option<PathBuf>,
     /// Admin API listen address (off unless set; needs --admin-key).
     #[arg(long, env = "KVGATE_ADMIN_LISTEN")]
     pub admin_listen: Option<SocketAddr>,
@@ -74,6 +77,12 @@ impl ServeArgs {
         }
         if let Some(b) = self.block_size {
             cfg.routing.block_size = b;
+        }
+        if let Some(p) = &self.tokenizer_json {
+            cfg.routing.tokenizer = Some(kvgate_tokenize::TokenizerSpec::Hf {
+                tokenizer_json: p.clone(),
+                tokenizer_config: None,
+            });
         }
         if let Some(a) = self.admin_listen {
             cfg.admin.listen = Some(a);
@@ -123,7 +132,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         overrides,
     })
     .await?;
-    tracing::info!(addr = %gw.addr, admin = ?gw.admin_addr, "kvgate serving");
+    // A fixed line on stderr, so scripts and tests can find the address when listening on port 0.
+    eprintln!("kvgate serve: listening on http://{}", gw.addr);
+    if let Some(a) = gw.admin_addr {
+        eprintln!("kvgate serve: admin on http://{a}");
+    }
     let stop = gw.shutdown_token();
     tokio::spawn(async move {
         shutdown_signal().await;

@@ -126,6 +126,8 @@ pub struct RoutingConfig {
     pub approx_ttl_s: u64,
     /// Approximate-index capacity per worker, in blocks.
     pub approx_capacity_blocks: usize,
+    /// Tokenizer of pools without `[models."name"] tokenizer` (default: approximate + ChatML).
+    pub tokenizer: Option<kvgate_tokenize::TokenizerSpec>,
 }
 
 impl Default for RoutingConfig {
@@ -142,6 +144,7 @@ impl Default for RoutingConfig {
             busy_waiting: None,
             approx_ttl_s: 120,
             approx_capacity_blocks: 1 << 16,
+            tokenizer: None,
         }
     }
 }
@@ -236,8 +239,9 @@ impl Default for SloConfig {
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `hf:/path/tokenizer.json`, `tiktoken:cl100k_base` or `approx` (default).
-    pub tokenizer: Option<String>,
+    /// `{ kind = "hf", tokenizer_json = "…" }`, `{ kind = "tiktoken", encoding = "o200k_base" }` or
+    /// `{ kind = "approx" }`; default `routing.tokenizer`.
+    pub tokenizer: Option<kvgate_tokenize::TokenizerSpec>,
     /// Override of `routing.block_size` for this model's pool.
     pub block_size: Option<u32>,
     /// Other names clients may use for this model (listed by /v1/models, routed to the same pool).

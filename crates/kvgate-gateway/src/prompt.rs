@@ -1,14 +1,15 @@
 //! From a parsed request to what the router needs: prompt token ids → chained block hashes, the
 //! prompt length, and the affinity key. Token-id prompts are used as given; text goes through the
-//! model pool's tokenizer (chat through its chat template).
+//! model pool's tokenizer (chat through its chat template) from kvgate-tokenize. Without a
+//! configured tokenizer that is kvgate-tokenize's approximate tokenizer with the ChatML template:
+//! not the worker's exact tokens, but deterministic and prefix-preserving, which is what prefix
+//! routing needs (`kvgate_realised_cached_ratio` vs `kvgate_predicted_overlap_ratio` shows how well).
 //!
-//! Until a pool has a configured tokenizer, the *approximate* tokenizer is used: one token per 4
-//! bytes of UTF-8, each message prefixed by a role marker token. It is not the worker's tokenization,
-//! but it is deterministic and prefix-preserving (a shared text prefix gives shared leading blocks),
-//! which is what prefix routing needs; `cached_tokens` vs predicted overlap shows its accuracy.
+//! A tokenizer *backend* failure does not fail the request: it is routed on load alone (no hashes).
 
 use kvgate_core::{block_hashes_into, hash_seed};
-use kvgate_protocol::openai::{PromptInput, RequestError, RequestView};
+use kvgate_protocol::openai::{RequestError, RequestView};
+use kvgate_tokenize::{ModelTokenizer, TokenizeError};
 
 use crate::ctx::Endpoint;
 
@@ -21,33 +22,32 @@ pub struct RouteInput {
 }
 
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
+/// Client errors (bad `messages`/`prompt`, a template that rejects the conversation) are returned.
 pub fn route_input(
     view: &RequestView<'_>,
     endpoint: Endpoint,
     block_size: u32,
-    tokens: &mut Vec<u32>,
-) -> Result<RouteInput, RequestError> {
-    tokens.clear();
-    match endpoint {
-        Endpoint::Embeddings => {}
-        Endpoint::Chat => {
-            for m in view.messages()? {
-                tokens.push(role_marker(&m.role));
-                if let Some(c) = &m.content {
-                    approx_encode(&c.text(), tokens);
-                }
-            }
+    tokenizer: &ModelTokenizer,
+) -> Result<RouteInput, TokenizeError> {
+    let prompt = match endpoint {
+        Endpoint::Embeddings => None,
+        Endpoint::Chat if view.messages.is_none() => {
+            return Err(RequestError::Missing("messages").into())
         }
-        Endpoint::Completions => match view.prompt_input()? {
-            PromptInput::Text(t) => approx_encode(&t, tokens),
-            // A batch is routed as a whole to one worker: route on its first prompt.
-            PromptInput::Texts(v) => approx_encode(v.first().map(|s| &**s).unwrap_or(""), tokens),
-            PromptInput::Tokens(t) => tokens.extend_from_slice(&t),
-            PromptInput::TokenBatches(v) => {
-                tokens.extend_from_slice(v.first().map(|t| &t[..]).unwrap_or(&[]))
+        Endpoint::Completions if view.prompt.is_none() => {
+            return Err(RequestError::Missing("prompt").into())
+        }
+        _ => match tokenizer.encode_prompt(view) {
+            Ok(p) => Some(p),
+            Err(e) if e.is_client_error() => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "tokenizer failed; routing on load only");
+                None
             }
         },
-    }
+    };
+    // A batch goes to one worker as a whole: route on its first prompt.
+    let tokens: &[u32] = prompt.as_ref().map(|p| p.first()).unwrap_or(&[]);
     // LoRA adapters are requested by model name, so the model name is not folded in: pools are
     // per model name already. cache_salt changes the worker's hashes, so it changes ours.
     let seed = hash_seed(None, view.cache_salt.as_deref());
@@ -64,27 +64,6 @@ pub fn route_input(
     })
 }
 
-fn role_marker(role: &str) -> u32 {
-    // High ids so they never collide with 4-byte text tokens of ASCII text.
-    0xF000_0000 | (xxhash_rust::xxh3::xxh3_64(role.as_bytes()) as u32 & 0x0FFF_FFFF)
-}
-
-/// One token per 4 bytes (little-endian), last partial chunk zero-padded.
-pub fn approx_encode(text: &str, out: &mut Vec<u32>) {
-    let b = text.as_bytes();
-    out.reserve(b.len().div_ceil(4));
-    let mut chunks = b.chunks_exact(4);
-    for c in &mut chunks {
-        out.push(u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
-    }
-    let r = chunks.remainder();
-    if !r.is_empty() {
-        let mut buf = [0u8; 4];
-        buf[..r.len()].copy_from_slice(r);
-        out.push(u32::from_le_bytes(buf));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,19 +77,19 @@ mod tests {
         let b = format!(
             r#"{{"model":"m","messages":[{{"role":"system","content":"{sys}"}},{{"role":"user","content":"b"}}]}}"#
         );
-        let mut t = Vec::new();
+        let t = ModelTokenizer::default();
         let ra = route_input(
             &RequestView::parse(a.as_bytes()).unwrap(),
             Endpoint::Chat,
             16,
-            &mut t,
+            &t,
         )
         .unwrap();
         let rb = route_input(
             &RequestView::parse(b.as_bytes()).unwrap(),
             Endpoint::Chat,
             16,
-            &mut t,
+            &t,
         )
         .unwrap();
         assert!(ra.hashes.len() >= 8);
@@ -120,15 +99,15 @@ mod tests {
     #[test]
     fn token_prompts_are_used_as_is() {
         let body = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8]}"#;
-        let mut t = Vec::new();
+        let t = ModelTokenizer::default();
         let r = route_input(
             &RequestView::parse(body).unwrap(),
             Endpoint::Completions,
             4,
-            &mut t,
+            &t,
         )
         .unwrap();
-        assert_eq!(t, [1, 2, 3, 4, 5, 6, 7, 8]);
+        let t = [1, 2, 3, 4, 5, 6, 7, 8];
         assert_eq!(
             r.hashes,
             kvgate_core::block_hashes(&t, 4, kvgate_core::BASE_SEED)

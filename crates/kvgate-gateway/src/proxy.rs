@@ -84,11 +84,13 @@ async fn route_and_forward(
         ));
     };
     ctx.model = pool.model.clone();
-    let ri = TOKENS
-        .with(|t| route_input(&view, ctx.endpoint, pool.block_size, &mut t.borrow_mut()))
-        .map_err(|e| {
-            GatewayError::new(ErrorKind::BadRequest { param: e.param() }, e.to_string())
-        })?;
+    let ri = route_input(&view, ctx.endpoint, pool.block_size, &pool.tokenizer).map_err(|e| {
+        let param = match &e {
+            kvgate_tokenize::TokenizeError::Request(r) => r.param(),
+            _ => Some("messages"),
+        };
+        GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
+    })?;
     drop(view);
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
@@ -198,10 +200,6 @@ async fn route_and_forward(
             }
         }
     }
-}
-
-thread_local! {
-    static TOKENS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn status_reason(s: StatusCode) -> &'static str {

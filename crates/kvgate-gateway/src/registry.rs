@@ -149,6 +149,8 @@ pub struct Pool {
     pub model: Lbl,
     pub workers: Vec<Arc<Worker>>,
     pub block_size: u32,
+    /// Tokenizer + chat template of this model.
+    pub tokenizer: Arc<kvgate_tokenize::ModelTokenizer>,
 }
 
 /// An immutable view of the fleet.
@@ -189,6 +191,8 @@ struct RegistryInner {
     config: Arc<Config>,
     admin_added: Vec<WorkerConfig>,
     admin_removed: HashSet<String>,
+    /// Loaded tokenizers by spec (loading an HF tokenizer takes a while; reloads reuse it).
+    tokenizers: HashMap<String, Arc<kvgate_tokenize::ModelTokenizer>>,
 }
 
 /// What changed in a rebuild (so the caller can clear index entries of removed workers).
@@ -209,6 +213,7 @@ impl Registry {
                 config,
                 admin_added: Vec::new(),
                 admin_removed: HashSet::new(),
+                tokenizers: HashMap::new(),
             }),
         };
         let r = reg.rebuild_with(|_| Ok(()))?;
@@ -272,6 +277,7 @@ impl Registry {
             config: inner.config.clone(),
             admin_added: inner.admin_added.clone(),
             admin_removed: inner.admin_removed.clone(),
+            tokenizers: inner.tokenizers.clone(),
         };
         change(&mut next)?;
         let (fleet, rebuilt) = build_fleet(&mut next)?;
@@ -363,14 +369,29 @@ fn build_fleet(inner: &mut RegistryInner) -> anyhow::Result<(Fleet, Rebuilt)> {
             by_model.entry(m.clone()).or_default().push(w.clone());
         }
     }
+    let mut tokenizers = HashMap::new();
     for (model, ws) in by_model {
         let mcfg = cfg.models.get(&*model);
+        let spec = mcfg
+            .and_then(|m| m.tokenizer.clone())
+            .or_else(|| cfg.routing.tokenizer.clone())
+            .unwrap_or_default();
+        let key = format!("{spec:?}");
+        let tokenizer = match inner.tokenizers.get(&key) {
+            Some(t) => t.clone(),
+            None => Arc::new(
+                spec.load()
+                    .map_err(|e| anyhow::anyhow!("tokenizer of model {model}: {e}"))?,
+            ),
+        };
+        tokenizers.insert(key, tokenizer.clone());
         let pool = Arc::new(Pool {
             model: model.clone(),
             workers: ws,
             block_size: mcfg
                 .and_then(|m| m.block_size)
                 .unwrap_or(cfg.routing.block_size),
+            tokenizer,
         });
         if let Some(mc) = mcfg {
             for alias in &mc.aliases {
@@ -381,6 +402,7 @@ fn build_fleet(inner: &mut RegistryInner) -> anyhow::Result<(Fleet, Rebuilt)> {
         }
         pools.insert(model, pool);
     }
+    inner.tokenizers = tokenizers;
     inner.generation += 1;
     Ok((
         Fleet {

@@ -93,6 +93,19 @@ impl AppState {
                 self.monitors.start(me, w, cfg.routing.block_size);
             }
         }
+        // New workers without a models list: ask them now, not at the next refresh tick.
+        let undiscovered = r
+            .added
+            .iter()
+            .any(|(id, _)| fleet.worker(*id).is_some_and(|w| w.cfg.models.is_empty()));
+        if let (true, Some(me)) = (undiscovered, &me) {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let me = me.clone();
+                rt.spawn(async move {
+                    crate::discovery::refresh_once(&me).await;
+                });
+            }
+        }
         for (id, name) in &r.removed {
             self.monitors.stop(*id);
             self.router.remove_worker(*id);

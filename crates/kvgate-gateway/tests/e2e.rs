@@ -1,7 +1,7 @@
 //! End-to-end tests of the data path: real sockets on 127.0.0.1 port 0, the gateway in-process in
 //! front of in-process mock workers.
 
-#[path = "support.rs"]
+#[path = "helpers/support.rs"]
 mod support;
 
 use std::sync::atomic::Ordering;

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Overhead benchmark (NOT part of CI): the same fast mock backend reached directly and through
+# nginx, kvgate (kv policy with a real tokenizer if available, and round_robin) and sglang-router,
+# side by side in one run, driven by wrk with a 1.3 KB chat body (shared/tools/peers/chat.lua).
+# Reports per target and concurrency: requests/s, p50/p99 latency, latency added over direct, and
+# CPU µs per request of the proxy process(es) (utime+stime from /proc over the run / requests).
+#
+# Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
+# Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there),
+#      TOKENIZER_JSON (default /work/real/tokenizer.json), PEERS (dir of setup.sh, default /work/peers),
+#      CHAT_LUA (default /work/shared/tools/peers/chat.lua).
+set -euo pipefail
+DUR=${1:-5}
+ROUNDS=${2:-1}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TGT=${CARGO_TARGET_DIR:-$ROOT/target}
+TOKENIZER_JSON=${TOKENIZER_JSON:-/work/real/tokenizer.json}
+PEERS=${PEERS:-/work/peers}
+CHAT_LUA=${CHAT_LUA:-/work/shared/tools/peers/chat.lua}
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+(cd "$ROOT" && cargo build -q --release -p kvgate-gateway --example serve --example mock_worker)
+SERVE=$TGT/release/examples/serve
+MOCK=$TGT/release/examples/mock_worker
+HZ=$(getconf CLK_TCK)
+
+wait_port() { for _ in $(seq 1 200); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
+# CPU ticks of a process and all its descendants.
+tree_pids() { local p=$1; echo "$p"; for c in $(pgrep -P "$p" 2>/dev/null); do tree_pids "$c"; done; }
+cpu_ticks() { local t=0; for p in $(tree_pids "$1"); do [ -r /proc/$p/stat ] && t=$((t + $(awk '{print $14+$15}' /proc/$p/stat))); done; echo $t; }
+
+"$MOCK" 127.0.0.1:18001 16 1 2>/dev/null & PIDS+=($!); MOCK_PID=$!
+wait_port 18001
+
+declare -A PORT PID
+PORT[direct]=18001; PID[direct]=""
+
+mkdir -p "$WORK/nginx/tmp"
+cat > "$WORK/nginx/nginx.conf" <<NG
+worker_processes 2;
+pid nginx.pid;
+error_log error.log warn;
+daemon off;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
+  upstream workers { server 127.0.0.1:18001; keepalive 64; }
+  server { listen 127.0.0.1:30030;
+    location / { proxy_pass http://workers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
+}
+NG
+nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" & PIDS+=($!); PID[nginx]=$!; PORT[nginx]=30030
+wait_port 30030
+
+TOK_ARGS=(); KV_LABEL="kvgate-kv(approx-tok)"
+if [ -f "$TOKENIZER_JSON" ]; then TOK_ARGS=(--tokenizer-json "$TOKENIZER_JSON"); KV_LABEL="kvgate-kv(hf-tok)"; fi
+"$SERVE" --listen 127.0.0.1:30101 --worker http://127.0.0.1:18001 --model mock-model --policy kv \
+  "${TOK_ARGS[@]}" --no-request-log --log warn & PIDS+=($!); PID[$KV_LABEL]=$!; PORT[$KV_LABEL]=30101
+"$SERVE" --listen 127.0.0.1:30102 --worker http://127.0.0.1:18001 --model mock-model --policy round_robin \
+  --no-request-log --log warn & PIDS+=($!); PID[kvgate-rr]=$!; PORT[kvgate-rr]=30102
+wait_port 30101; wait_port 30102
+
+TARGETS=(direct nginx "$KV_LABEL" kvgate-rr)
+if [ -x "$PEERS/venv/bin/smg" ]; then
+  "$PEERS/venv/bin/smg" launch --host 127.0.0.1 --port 30000 --worker-urls http://127.0.0.1:18001 \
+    --policy cache_aware --prometheus-host 127.0.0.1 --prometheus-port 29000 --log-level warn \
+    --worker-startup-check-interval 1 >"$WORK/smg.log" 2>&1 & PIDS+=($!); PID[sglang-router]=$!; PORT[sglang-router]=30000
+  if wait_port 30000; then
+    # ready once a request goes through
+    for _ in $(seq 1 100); do
+      curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' \
+        -d '{"model":"mock-model","messages":[{"role":"user","content":"x"}]}' http://127.0.0.1:30000/v1/chat/completions | grep -q 200 && break
+      sleep 0.2
+    done
+    TARGETS+=(sglang-router)
+  fi
+else
+  echo "sglang-router not installed (shared/tools/peers/setup.sh $PEERS); skipping it" >&2
+fi
+
+# warm-up
+for t in "${TARGETS[@]}"; do wrk -t1 -c4 -d1s -s "$CHAT_LUA" "http://127.0.0.1:${PORT[$t]}" >/dev/null 2>&1 || true; done
+
+to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else if (v ~ /s$/) {sub(/s$/,"",v); print v*1000000} else print v }'; }
+
+declare -A P50 P99 RPS CPU N
+for round in $(seq 1 "$ROUNDS"); do
+  for c in 1 32; do
+    for t in "${TARGETS[@]}"; do
+      pid=${PID[$t]}; before=0; [ -n "$pid" ] && before=$(cpu_ticks "$pid")
+      out=$(wrk -t1 -c$c -d${DUR}s --latency -s "$CHAT_LUA" "http://127.0.0.1:${PORT[$t]}")
+      after=0; [ -n "$pid" ] && after=$(cpu_ticks "$pid")
+      reqs=$(echo "$out" | awk '/requests in/{print $1}')
+      non2xx=$(echo "$out" | awk '/Non-2xx/{print $NF}'); [ -n "$non2xx" ] && echo "WARN $t c=$c: $non2xx non-2xx responses" >&2
+      k="$t|$c"
+      P50[$k]="${P50[$k]:-} $(to_us "$(echo "$out" | awk '$1=="50%"{print $2}')")"
+      P99[$k]="${P99[$k]:-} $(to_us "$(echo "$out" | awk '$1=="99%"{print $2}')")"
+      RPS[$k]="${RPS[$k]:-} $(echo "$out" | awk '/Requests\/sec/{print $2}')"
+      if [ -n "$pid" ] && [ "${reqs:-0}" -gt 0 ]; then
+        CPU[$k]="${CPU[$k]:-} $(awk -v d=$((after-before)) -v hz=$HZ -v n=$reqs 'BEGIN{printf "%.1f", d/hz*1e6/n}')"
+      fi
+    done
+  done
+done
+
+median() { echo "$@" | tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END{ if (NR==0) print "-"; else if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2 }'; }
+
+echo
+echo "overhead: ${DUR}s per point, ${ROUNDS} round(s), medians; $(nproc) CPUs, load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+echo "| target | c | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs | proxy CPU µs/req |"
+echo "|---|---|---|---|---|---|---|---|"
+for c in 1 32; do
+  d50=$(median ${P50["direct|$c"]}); d99=$(median ${P99["direct|$c"]})
+  for t in "${TARGETS[@]}"; do
+    k="$t|$c"; p50=$(median ${P50[$k]}); p99=$(median ${P99[$k]})
+    if [ "$t" = direct ]; then a50="-"; a99="-"; else a50=$(awk -v a=$p50 -v b=$d50 'BEGIN{printf "%.0f", a-b}'); a99=$(awk -v a=$p99 -v b=$d99 'BEGIN{printf "%.0f", a-b}'); fi
+    echo "| $t | $c | $(median ${RPS[$k]}) | $p50 | $p99 | $a50 | $a99 | $(median ${CPU[$k]:-}) |"
+  done
+done

@@ -1,0 +1,325 @@
+//! End-to-end tests of the control plane: hot reload, the admin API, API keys and TLS.
+
+#[path = "helpers/support.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use kvgate_gateway::mock::MockWorker;
+use kvgate_gateway::{Gateway, StartOptions};
+use support::*;
+
+fn models_of(j: &serde_json::Value) -> Vec<String> {
+    j["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn config_file_reload_swaps_workers_without_dropping_streams() {
+    let a = MockWorker::builder()
+        .models(&["m-a"])
+        .tokens(30)
+        .itl(Duration::from_millis(10))
+        .spawn()
+        .await
+        .unwrap();
+    let b = MockWorker::builder()
+        .models(&["m-b"])
+        .spawn()
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvgate.toml");
+    let file = |url: &str| {
+        format!("[server]\nlisten = \"127.0.0.1:0\"\nreload_poll_ms = 20\nrequest_log = false\n[upstream]\nmonitor = false\n[[workers]]\nurl = \"{url}\"\n")
+    };
+    std::fs::write(&path, file(&a.url())).unwrap();
+    let cfg = kvgate_gateway::Config::from_file(&path).unwrap();
+    let gw = Gateway::start(StartOptions {
+        config: cfg,
+        config_path: Some(path.clone()),
+        overrides: Arc::new(|_| {}),
+    })
+    .await
+    .unwrap();
+    let c = client();
+    assert_eq!(
+        models_of(&get(&c, &format!("{}/v1/models", gw.url())).await.json()),
+        ["m-a"]
+    );
+
+    // A 300 ms stream on worker a, in flight across the reload that removes a.
+    let (c2, url) = (c.clone(), format!("{}/v1/chat/completions", gw.url()));
+    let stream = tokio::spawn(async move {
+        post(
+            &c2,
+            &url,
+            r#"{"model":"m-a","stream":true,"messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .await
+    });
+    assert!(eventually(Duration::from_secs(2), || a.active_streams() == 1).await);
+
+    // A bad file is rejected and the running config stays.
+    std::fs::write(&path, "[routing]\nno_such_key = 1\n").unwrap();
+    assert!(
+        eventually(Duration::from_secs(2), || gw
+            .app
+            .metrics
+            .render()
+            .contains("kvgate_config_reloads_total{reason=\"error\"} 1"))
+        .await
+    );
+    assert_eq!(
+        models_of(&get(&c, &format!("{}/v1/models", gw.url())).await.json()),
+        ["m-a"]
+    );
+
+    std::fs::write(&path, file(&b.url())).unwrap();
+    let mut swapped = false;
+    for _ in 0..200 {
+        if models_of(&get(&c, &format!("{}/v1/models", gw.url())).await.json()) == ["m-b"] {
+            swapped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(swapped, "reload picked up the new worker list");
+    let r = stream.await.unwrap();
+    assert_eq!(r.status, 200);
+    assert!(
+        r.text().ends_with("data: [DONE]\n\n"),
+        "in-flight stream completed across the reload"
+    );
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        r#"{"model":"m-a","messages":[{"role":"user","content":"x"}]}"#,
+    )
+    .await;
+    assert_openai_error(&r, 404);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn admin_api_state_drain_remove_add() {
+    let a = MockWorker::builder().spawn().await.unwrap();
+    let b = MockWorker::builder().spawn().await.unwrap();
+    let mut cfg = config_for(&[&a, &b], "round_robin");
+    cfg.upstream.monitor = false;
+    cfg.admin.listen = Some("127.0.0.1:0".parse().unwrap());
+    cfg.admin.key = Some("adm".into());
+    cfg.workers[0].name = Some("a".into());
+    cfg.workers[1].name = Some("b".into());
+    let gw = gateway(cfg).await;
+    let admin = format!("http://{}", gw.admin_addr.unwrap());
+    let c = client();
+    let call = |method: &str, path: &str, key: Option<&str>, body: &str| {
+        let mut r = http::Request::builder()
+            .method(method)
+            .uri(format!("{admin}{path}"));
+        if let Some(k) = key {
+            r = r.header("authorization", format!("Bearer {k}"));
+        }
+        r.body(Full::new(Bytes::from(body.to_string()))).unwrap()
+    };
+    assert_eq!(
+        send(&c, call("GET", "/admin/state", None, "")).await.status,
+        401
+    );
+    assert_eq!(
+        send(&c, call("GET", "/admin/state", Some("wrong"), ""))
+            .await
+            .status,
+        401
+    );
+    let st = send(&c, call("GET", "/admin/state", Some("adm"), ""))
+        .await
+        .json();
+    assert_eq!(st["workers"].as_array().unwrap().len(), 2);
+    for key in [
+        "healthy",
+        "breaker",
+        "inflight",
+        "active_blocks",
+        "index_blocks",
+    ] {
+        assert!(st["workers"][0].get(key).is_some(), "{key} in {st}");
+    }
+    assert!(st.get("index_entries").is_some());
+
+    assert_eq!(
+        send(&c, call("POST", "/admin/workers/a/drain", Some("adm"), ""))
+            .await
+            .status,
+        200
+    );
+    for i in 0..4 {
+        post(
+            &c,
+            &format!("{}/v1/chat/completions", gw.url()),
+            chat_body("s", &i.to_string(), false),
+        )
+        .await;
+    }
+    assert_eq!(
+        (a.completions(), b.completions()),
+        (0, 4),
+        "drained worker gets no new requests"
+    );
+
+    assert_eq!(
+        send(&c, call("DELETE", "/admin/workers/b", Some("adm"), ""))
+            .await
+            .status,
+        200
+    );
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "x", false),
+    )
+    .await;
+    assert_openai_error(&r, 503);
+
+    let d = MockWorker::builder().spawn().await.unwrap();
+    let add = format!(r#"{{"url":"{}","name":"d"}}"#, d.url());
+    assert_eq!(
+        send(&c, call("POST", "/admin/workers", Some("adm"), &add))
+            .await
+            .status,
+        200
+    );
+    let bad = send(
+        &c,
+        call(
+            "POST",
+            "/admin/workers",
+            Some("adm"),
+            r#"{"url":"http://x:1","bogus":1}"#,
+        ),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "x", false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(d.completions(), 1);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn api_keys_rate_limits_and_worker_credentials() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let mut cfg = config_for(&[&w], "kv");
+    cfg.upstream.monitor = false;
+    cfg.workers[0].api_key = Some("worker-secret".into());
+    cfg.auth.keys = vec![
+        kvgate_gateway::config::ApiKeyConfig {
+            key: "sk-one".into(),
+            name: None,
+            rate_per_s: None,
+            burst: None,
+        },
+        kvgate_gateway::config::ApiKeyConfig {
+            key: "sk-slow".into(),
+            name: None,
+            rate_per_s: Some(0.01),
+            burst: Some(1.0),
+        },
+    ];
+    let gw = gateway(cfg).await;
+    let c = client();
+    let req = |key: Option<&str>| {
+        let mut r = http::Request::post(format!("{}/v1/chat/completions", gw.url()))
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            r = r.header("authorization", format!("Bearer {k}"));
+        }
+        r.body(Full::new(Bytes::from(chat_body("s", "u", false))))
+            .unwrap()
+    };
+    assert_openai_error(&send(&c, req(None)).await, 401);
+    assert_openai_error(&send(&c, req(Some("sk-wrong"))).await, 401);
+    assert_eq!(send(&c, req(Some("sk-one"))).await.status, 200);
+    assert_eq!(send(&c, req(Some("sk-slow"))).await.status, 200);
+    let r = send(&c, req(Some("sk-slow"))).await;
+    assert_openai_error(&r, 429);
+    assert!(r.headers.contains_key("retry-after"));
+    let got = w.received();
+    assert_eq!(got.len(), 2);
+    assert!(
+        got.iter()
+            .all(|r| r.headers["authorization"] == "Bearer worker-secret"),
+        "client keys never reach workers"
+    );
+    let m = get(&c, &format!("{}/v1/models", gw.url())).await;
+    assert_eq!(m.status, 401, "/v1/models needs a key too");
+    assert_eq!(get(&c, &format!("{}/health", gw.url())).await.status, 200);
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn tls_termination() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut cfg = config_for(&[&w], "kv");
+    cfg.upstream.monitor = false;
+    cfg.server.tls = Some(kvgate_gateway::config::TlsConfig {
+        cert: fixtures.join("cert.pem"),
+        key: fixtures.join("key.pem"),
+    });
+    let gw = gateway(cfg).await;
+
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fixtures.join("cert.pem")).unwrap();
+    for cert in rustls_pemfile::certs(&mut &pem[..]) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let cc = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cc));
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = connector.connect(name, tcp).await.expect("TLS handshake");
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post("/v1/chat/completions")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(chat_body("s", "u", false))))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // Plain HTTP on the TLS port fails.
+    let plain = tokio::time::timeout(
+        Duration::from_secs(5),
+        client().request(
+            http::Request::get(format!("{}/health", gw.url()))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(plain.is_err());
+    gw.shutdown().await;
+}
