@@ -98,7 +98,9 @@ def main():
         if k not in full_kinds:
             sys.exit(f"all-options render lacks a {k}")
     dep = full["deployment.yaml"]
-    for needle in ("KVGATE_ADMIN_KEY", "KVGATE_API_KEYS", "/etc/kvgate-tls", "containerPort: 9091"):
+    if "scheme: HTTPS" in render()["deployment.yaml"]:
+        sys.exit("default render: probes must use plain HTTP without TLS")
+    for needle in ("KVGATE_ADMIN_KEY", "KVGATE_API_KEYS", "/etc/kvgate-tls", "containerPort: 9091", "scheme: HTTPS"):
         if needle not in dep:
             sys.exit(f"all-options render: deployment lacks {needle!r}")
     if "[server.tls]" not in full["configmap.yaml"]:
