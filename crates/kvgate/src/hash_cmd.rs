@@ -39,6 +39,7 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[derive(Debug)]
 struct Rendered {
     hashes: String,
     note: Option<String>,
