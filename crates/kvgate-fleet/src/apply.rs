@@ -124,6 +124,9 @@ pub struct WorkerView {
     pub last_seq: Option<u64>,
     /// Batches delivered.
     pub batches: u64,
+    /// Blocks added and removed over the worker's lifetime.
+    pub stored_total: usize,
+    pub removed_total: usize,
     pub kind: Option<crate::WorkerKind>,
 }
 
@@ -170,6 +173,8 @@ impl FleetSink for IndexSink {
             v.last = out;
             v.last_seq = Some(batch.seq);
             v.batches += 1;
+            v.stored_total += out.stored_blocks;
+            v.removed_total += out.removed_blocks;
         });
     }
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason) {

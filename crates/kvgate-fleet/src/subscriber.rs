@@ -4,6 +4,9 @@
 //! Every decoded batch goes to [`FleetSink::on_kv_events`] in sequence order. A malformed message is
 //! counted and dropped; a sequence regression resets the worker's index entries; a gap the replay
 //! buffer no longer covers does too (the state is unknown), and so does a gap with no replay endpoint.
+//! A publisher that disconnected and came back is treated as restarted (a fast restart can outrun
+//! the old sequence number, so a regression alone would miss it); the first batch after any reset
+//! replays the buffer from 0 to recover what was published while we were not listening.
 
 mod replay;
 
@@ -137,19 +140,22 @@ impl State {
         }
     }
 
+    /// The first batch after joining (or after a reset): fetch the history the replay buffer still
+    /// holds (best effort; nothing to clear), then apply.
+    async fn first(&mut self, b: KvEventBatch, missed_history: bool, cancel: &CancellationToken) {
+        if missed_history && self.s.source.replay_endpoint.is_some() {
+            self.fill(0, true, cancel).await;
+        }
+        if self.seq.last().is_none_or(|l| b.seq > l) {
+            self.apply(&b);
+        }
+    }
+
     async fn on_batch(&mut self, b: KvEventBatch, cancel: &CancellationToken) {
         match self.seq.check(b.seq) {
             SeqVerdict::InOrder => self.apply(&b),
             SeqVerdict::Duplicate => {}
-            SeqVerdict::First { missed_history } => {
-                // Joined late: fetch what the buffer still holds (best effort; nothing to clear).
-                if missed_history && self.s.source.replay_endpoint.is_some() {
-                    self.fill(0, true, cancel).await;
-                }
-                if self.seq.last().is_none_or(|l| b.seq > l) {
-                    self.apply(&b);
-                }
-            }
+            SeqVerdict::First { missed_history } => self.first(b, missed_history, cancel).await,
             SeqVerdict::Gap { expected, got } => {
                 inc(&self.stats.kv_gaps);
                 tracing::info!(worker = %self.name, expected, got, "KV event gap");
@@ -163,7 +169,8 @@ impl State {
             SeqVerdict::Regression { last, got } => {
                 tracing::info!(worker = %self.name, last, got, "KV event sequence went back: publisher restarted");
                 self.reset(ResetReason::SeqRegression);
-                self.apply(&b);
+                // The new process's first batches may have been missed while reconnecting.
+                self.first(b, got > 0, cancel).await;
             }
         }
     }
@@ -201,6 +208,8 @@ pub(crate) async fn run(
         }
         first = false;
         let mut sock = zeromq::SubSocket::new();
+        // zeromq reconnects a lost peer by itself; the monitor tells us it happened.
+        let mut monitor = sock.monitor();
         let ep = st.s.source.endpoint.clone();
         let connected = tokio::select! {
             _ = cancel.cancelled() => return,
@@ -235,6 +244,16 @@ pub(crate) async fn run(
                 }
             };
             backoff = st.s.backoff_min;
+            let mut reconnected = false;
+            while let Ok(ev) = monitor.try_recv() {
+                reconnected |= matches!(ev, zeromq::SocketEvent::Disconnected(_));
+            }
+            if reconnected && st.seq.last().is_some() {
+                // vLLM's PUB socket closes only when the process exits: the cache we mirrored is
+                // gone. (After a mere network blip this under-reports until replay refills it.)
+                tracing::info!(worker = %st.name, "KV event publisher reconnected: treating it as a restart");
+                st.reset(ResetReason::Restart);
+            }
             let frames = msg.into_vec();
             match decode_multipart(&frames) {
                 Ok(b) => st.on_batch(b, &cancel).await,

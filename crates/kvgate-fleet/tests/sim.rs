@@ -1,0 +1,236 @@
+//! End to end against `kvgate_sim` workers in-process (vLLM-compatible engine, paged KV cache with
+//! LRU eviction, ZMQ KV events in both encodings, garbage injection): after traffic, the exact index
+//! holds exactly the sim's cached blocks, with router hashes recomputed from tokens; a restarted
+//! worker is cleared and rebuilt.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvgate_core::{hash_seed, next_hash, KvIndex, WorkerId};
+use kvgate_fleet::http::HttpClient;
+use kvgate_fleet::{
+    IndexSink, KvEventsSource, MonitorConfig, ResetReason, WorkerKind, WorkerMonitor,
+};
+use kvgate_sim::{EventEncoding, Faults, SimConfig, SimHandle, SimWorker};
+use parking_lot::RwLock;
+
+const BS: usize = 16;
+
+fn any_port() -> SocketAddr {
+    "127.0.0.1:0".parse().unwrap()
+}
+
+/// A port p with p and p + 100 both free right now.
+fn free_port_pair() -> SocketAddr {
+    for _ in 0..50 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = l.local_addr().unwrap().port();
+        if p < 65_000 && std::net::TcpListener::bind(("127.0.0.1", p + 100)).is_ok() {
+            return SocketAddr::from(([127, 0, 0, 1], p));
+        }
+    }
+    panic!("no free port pair");
+}
+
+async fn sim(encoding: EventEncoding, seed: u64) -> SimHandle {
+    let cfg = SimConfig::default()
+        .block_size(BS)
+        .num_gpu_blocks(40usize) // small: the workload below evicts
+        .speedup(200.0)
+        .mean_output_tokens(2u32)
+        .seed(seed)
+        .kv_events_encoding(encoding)
+        .faults(Faults {
+            garbage_events: 0.05,
+            ..Faults::default()
+        });
+    SimWorker::spawn(cfg, any_port(), Some(any_port()))
+        .await
+        .unwrap()
+}
+
+/// Shared-prefix prompts as token arrays (3 system prefixes × several users).
+fn prompts(round: u32) -> Vec<Vec<u32>> {
+    (0..12u32)
+        .map(|i| {
+            let prefix = (i % 3) * 10_000;
+            let mut p: Vec<u32> = (prefix..prefix + 64).collect();
+            p.extend((0..40).map(|t| 50_000 + round * 1000 + i * 50 + t));
+            p
+        })
+        .collect()
+}
+
+async fn drive(client: &HttpClient, base: &str, round: u32) {
+    for p in prompts(round) {
+        let body = serde_json::json!({"model": "kvgate-sim", "prompt": p, "max_tokens": 2});
+        let r = client
+            .post_json(
+                base,
+                "/v1/completions",
+                Bytes::from(body.to_string()),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        assert!(r.status.is_success(), "{:?}", r.body);
+    }
+}
+
+/// The sim's cache as (engine hashes, router hashes rebuilt by chaining tokens through parents).
+async fn sim_view(h: &SimHandle) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    let snap = h.cache_snapshot().await;
+    let by_hash: std::collections::HashMap<u64, _> = snap.iter().map(|e| (e.hash, e)).collect();
+    let seed = hash_seed(None, None);
+    let mut router = BTreeSet::new();
+    for e in &snap {
+        // Walk up to the root, then hash down; a block whose ancestor is gone cannot be rebuilt.
+        let mut chain = vec![e];
+        let mut ok = true;
+        while let Some(p) = chain.last().unwrap().parent_hash {
+            match by_hash.get(&p) {
+                Some(pe) => chain.push(*pe),
+                None => {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if ok {
+            let mut h = None;
+            for b in chain.iter().rev() {
+                h = Some(next_hash(h, &b.token_ids, seed));
+            }
+            router.insert(h.unwrap());
+        }
+    }
+    (snap.iter().map(|e| e.hash).collect(), router)
+}
+
+async fn agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) -> bool {
+    let (engine, router) = sim_view(h).await;
+    let idx = sink.index.read();
+    let got_engine: BTreeSet<u64> = idx.engine_hashes(w).into_iter().collect();
+    let got_router: BTreeSet<u64> = idx.router_hashes(w).into_iter().collect();
+    !engine.is_empty() && got_engine == engine && router.is_subset(&got_router)
+}
+
+async fn until_agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !agrees(sink, w, h).await {
+        if tokio::time::Instant::now() > deadline {
+            let (engine, _) = sim_view(h).await;
+            let got = sink.index.read().engine_hashes(w).len();
+            panic!(
+                "index ({got} blocks) never matched the sim cache ({} blocks)",
+                engine.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn monitor(w: WorkerId, h: &SimHandle) -> MonitorConfig {
+    let mut c = MonitorConfig::new(w, h.base_url(), WorkerKind::Vllm);
+    c.block_size = Some(BS as u32);
+    c.kv_events = KvEventsSource::Discover;
+    c.scrape_interval = Duration::from_millis(50);
+    c.health_interval = Duration::from_millis(50);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_index_matches_sim_cache_under_eviction_both_encodings() {
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let a = sim(EventEncoding::Map, 1).await;
+    let b = sim(EventEncoding::Array, 2).await;
+    let ha = WorkerMonitor::spawn(monitor(WorkerId(0), &a), sink.clone());
+    let hb = WorkerMonitor::spawn(monitor(WorkerId(1), &b), sink.clone());
+    let client = HttpClient::new();
+    // Wait until both subscribers are connected: discovery + connect; the first batches after that
+    // arrive live, anything earlier is recovered by replay.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for round in 0..3 {
+        drive(&client, &a.base_url(), round).await;
+        drive(&client, &b.base_url(), round + 10).await;
+    }
+    until_agrees(&sink, WorkerId(0), &a).await;
+    until_agrees(&sink, WorkerId(1), &b).await;
+    let sa = ha.stats().snapshot();
+    assert!(sa.kv_batches > 0);
+    for w in [WorkerId(0), WorkerId(1)] {
+        let v = sink.view(w);
+        assert!(v.removed_total > 0, "the workload must evict ({w})");
+        assert!(v.load.is_some(), "metrics were scraped too");
+    }
+    assert_eq!(sink.view(WorkerId(0)).block_size_mismatch, None);
+    eprintln!("worker a stats: {sa:?}");
+    eprintln!("worker b stats: {:?}", hb.stats().snapshot());
+    ha.shutdown().await;
+    hb.shutdown().await;
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_sim_worker_is_cleared_and_rebuilt() {
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    // Fixed event ports (as in a real deployment), so the restarted worker publishes and replays
+    // where discovery found the first one (the sim's replay port is the events port + 100).
+    let kv = free_port_pair();
+    let cfg = SimConfig::default()
+        .block_size(BS)
+        .num_gpu_blocks(40usize)
+        .speedup(200.0)
+        .mean_output_tokens(2u32)
+        .seed(3u64);
+    let a = SimWorker::spawn(cfg, any_port(), Some(kv)).await.unwrap();
+    let http = a.http_addr();
+    let w = WorkerId(5);
+    let h = WorkerMonitor::spawn(monitor(w, &a), sink.clone());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let client = HttpClient::new();
+    drive(&client, &a.base_url(), 0).await;
+    until_agrees(&sink, w, &a).await;
+    // Restart on the same addresses: a fresh engine (empty cache, seq from 0).
+    a.shutdown().await;
+    let cfg = SimConfig::default()
+        .block_size(BS)
+        .num_gpu_blocks(40usize)
+        .speedup(200.0)
+        .mean_output_tokens(2u32)
+        .seed(4u64);
+    let a2 = SimWorker::spawn(cfg, http, Some(kv)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        drive(&client, &a2.base_url(), 1).await;
+        let resets = sink.view(w).resets;
+        if resets
+            .iter()
+            .any(|r| matches!(r, ResetReason::SeqRegression | ResetReason::Restart))
+            && agrees(&sink, w, &a2).await
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "index was not rebuilt: {resets:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Nothing of the old engine's cache survives.
+    let (engine_now, _) = sim_view(&a2).await;
+    let got: BTreeSet<u64> = sink.index.read().engine_hashes(w).into_iter().collect();
+    assert_eq!(got, engine_now);
+    h.shutdown().await;
+    a2.shutdown().await;
+}
