@@ -187,7 +187,8 @@ impl RequestCtx {
         }
         let ttft = self.first_token.map(|t| t.duration_since(self.start));
         let mean_itl = (self.itl_n > 0).then(|| self.itl_sum / self.itl_n as f64);
-        if let Some(t) = ttft {
+        // Embeddings have no tokens to wait for: their latency is in the request duration only.
+        if let (Some(t), false) = (ttft, self.endpoint == Endpoint::Embeddings) {
             m.ttft.get_or_create(&ml).observe(t.as_secs_f64());
         }
         if self.itl_n >= 2 {

@@ -103,7 +103,7 @@ async fn route_and_forward(
     loop {
         let pick = pick(app, ctx, &pool, &ri, &tried[..n_tried]).await?;
         if n_tried == 0 {
-            ctx.decision_time = t_decide.elapsed() - ctx.queue_wait;
+            ctx.decision_time = t_decide.elapsed().saturating_sub(ctx.queue_wait);
             app.metrics
                 .decision
                 .observe(ctx.decision_time.as_secs_f64());

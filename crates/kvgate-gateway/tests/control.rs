@@ -323,3 +323,20 @@ async fn tls_termination() {
     assert!(plain.is_err());
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn graceful_shutdown_drains_in_flight_streams() {
+    let w = MockWorker::builder().tokens(20).itl(Duration::from_millis(10)).spawn().await.unwrap();
+    let mut cfg = config_for(&[&w], "kv");
+    cfg.upstream.monitor = false;
+    let gw = gateway(cfg).await;
+    let (c, url) = (client(), format!("{}/v1/chat/completions", gw.url()));
+    let stream = tokio::spawn(async move { post(&c, &url, chat_body("s", "u", true)).await });
+    assert!(eventually(Duration::from_secs(2), || w.active_streams() == 1).await);
+    let addr = gw.addr;
+    gw.shutdown().await;
+    let r = stream.await.unwrap();
+    assert_eq!(r.status, 200);
+    assert!(r.text().ends_with("data: [DONE]\n\n"), "stream finished before shutdown completed");
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener closed");
+}

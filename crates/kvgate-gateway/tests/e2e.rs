@@ -76,7 +76,7 @@ async fn chat_and_completions_stream_and_non_stream() {
         "{m}"
     );
     assert!(
-        m.contains("kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 5"),
+        m.contains("kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 4"),
         "{m}"
     );
     gw.shutdown().await;
