@@ -104,7 +104,8 @@ pub struct TrafficArgs {
     /// Model name sent in every request.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
-    /// Endpoint: completions (token-id prompts, exact hashing) or chat (prompts as text).
+    /// completions (token-id prompts, exact hashing), text (completions with a string prompt) or
+    /// chat (prompts as text; the server re-tokenizes, so the oracle is indicative).
     #[arg(long, value_enum, default_value_t = Api::Completions)]
     pub api: Api,
     /// Open loop: Poisson arrivals at this many requests per second.

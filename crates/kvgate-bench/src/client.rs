@@ -20,8 +20,21 @@ use crate::workload::Request;
 pub enum Api {
     /// `/v1/completions` with the prompt as token ids (exact: the router hashes what we hashed).
     Completions,
+    /// `/v1/completions` with the tokens rendered as words in a string prompt (for routers that
+    /// accept only string prompts; the server re-tokenizes them).
+    Text,
     /// `/v1/chat/completions` with the tokens rendered as words (the server re-tokenizes them).
     Chat,
+}
+
+/// Token ids as text: one word per token, so shared token prefixes are shared text prefixes.
+pub fn words(tokens: &[u32]) -> String {
+    use std::fmt::Write;
+    let mut text = String::with_capacity(tokens.len() * 6);
+    for t in tokens {
+        let _ = write!(text, "w{t} ");
+    }
+    text
 }
 
 /// A pooled HTTP client bound to one server and model.
@@ -42,7 +55,7 @@ impl Target {
             "--url must be an http:// URL (got {base_url:?})"
         );
         let path = match api {
-            Api::Completions => "/v1/completions",
+            Api::Completions | Api::Text => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
         };
         let base = base.strip_suffix("/v1").unwrap_or(base);
@@ -77,13 +90,9 @@ impl Target {
         });
         match self.api {
             Api::Completions => v["prompt"] = serde_json::json!(r.prompt),
+            Api::Text => v["prompt"] = serde_json::json!(words(&r.prompt)),
             Api::Chat => {
-                let mut text = String::with_capacity(r.prompt.len() * 6);
-                for t in &r.prompt {
-                    use std::fmt::Write;
-                    let _ = write!(text, "w{t} ");
-                }
-                v["messages"] = serde_json::json!([{"role": "user", "content": text}]);
+                v["messages"] = serde_json::json!([{"role": "user", "content": words(&r.prompt)}])
             }
         }
         serde_json::to_vec(&v).expect("JSON values always serialize")
@@ -278,6 +287,10 @@ mod tests {
         let t = Target::new("http://127.0.0.1:1", "m", Api::Chat, Duration::from_secs(1)).unwrap();
         let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
         assert_eq!(v["messages"][0]["content"], "w1001 w1002 ");
+        let t = Target::new("http://127.0.0.1:1", "m", Api::Text, Duration::from_secs(1)).unwrap();
+        assert_eq!(t.uri.path(), "/v1/completions");
+        let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
+        assert_eq!(v["prompt"], "w1001 w1002 ");
         assert!(Target::new("https://x", "m", Api::Chat, Duration::from_secs(1)).is_err());
     }
 }

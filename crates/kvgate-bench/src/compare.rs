@@ -67,7 +67,7 @@ pub struct FleetArgs {
     /// KV block size of the fleet (also the oracle's).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// KV blocks per worker.
+    /// KV blocks per worker (also assumed for `--worker` fleets, for the capacity oracle).
     #[arg(long, default_value_t = 2048)]
     pub num_gpu_blocks: usize,
     /// Simulated speed-up of the timing model.
@@ -79,6 +79,10 @@ pub struct FleetArgs {
     /// Use this running worker instead of starting a fleet (repeatable; http://host:port).
     #[arg(long = "worker")]
     pub worker_urls: Vec<String>,
+    /// KV-event endpoint (tcp://host:port) of each `--worker`, in the same order (optional; gives
+    /// the gateways an exact index).
+    #[arg(long = "worker-kv-events")]
+    pub worker_kv_events: Vec<String>,
     /// The kvgate executable to start children from (default: this one).
     #[arg(long)]
     pub kvgate_bin: Option<PathBuf>,
@@ -132,7 +136,11 @@ impl Fleet {
                     "--worker must be http://host:port (got {u:?})"
                 );
             }
-            let kv_events = vec![None; urls.len()];
+            let kv_events = match f.worker_kv_events.len() {
+                0 => vec![None; urls.len()],
+                n if n == urls.len() => f.worker_kv_events.iter().cloned().map(Some).collect(),
+                n => anyhow::bail!("{n} --worker-kv-events for {} --worker URLs", urls.len()),
+            };
             return Ok(Self {
                 urls,
                 kv_events,
@@ -323,8 +331,16 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     std::fs::create_dir_all(&a.out_dir)
         .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", a.out_dir.display()))?;
     let log_dir = a.out_dir.join("logs");
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", log_dir.display()))?;
     let owned_fleet = a.fleet.worker_urls.is_empty();
-    let capacity = owned_fleet.then(|| a.fleet.workers * a.fleet.num_gpu_blocks);
+    // Borrowed fleets (--worker) are assumed to have --num-gpu-blocks per worker too.
+    let n_workers = if owned_fleet {
+        a.fleet.workers
+    } else {
+        a.fleet.worker_urls.len()
+    };
+    let capacity = Some(n_workers * a.fleet.num_gpu_blocks);
     let n_sent = cfg
         .max_requests
         .unwrap_or(usize::MAX)
@@ -414,7 +430,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         requests: n_sent,
         workers: fleet.urls.clone(),
         block_size: a.fleet.block_size,
-        num_gpu_blocks: owned_fleet.then_some(a.fleet.num_gpu_blocks),
+        num_gpu_blocks: Some(a.fleet.num_gpu_blocks),
         oracle: &oracle,
         rows: &rows,
         load_samples: loads

@@ -20,11 +20,11 @@ pub fn demo_args(out_dir: PathBuf) -> CompareArgs {
         "--workload",
         "shared-prefix",
         "--groups",
-        "24",
+        "16",
         "--prompts-per-group",
-        "10",
+        "12",
         "--system-tokens",
-        "512",
+        "1536",
         "--question-tokens",
         "64",
         "--output-len",
@@ -36,9 +36,9 @@ pub fn demo_args(out_dir: PathBuf) -> CompareArgs {
         "--num-gpu-blocks",
         "400",
         "--speedup",
-        "4",
+        "1",
         "--rate",
-        "12",
+        "30",
         "--policies",
         "round_robin,least_loaded,kv",
         "--quiet",
@@ -74,6 +74,6 @@ mod tests {
         let a = super::demo_args("/tmp/x".into());
         assert_eq!(a.policies, vec!["round_robin", "least_loaded", "kv"]);
         assert_eq!(a.fleet.workers, 6);
-        assert_eq!(a.traffic.rate, Some(12.0));
+        assert_eq!(a.traffic.rate, Some(30.0));
     }
 }
