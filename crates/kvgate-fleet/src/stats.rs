@@ -14,8 +14,6 @@ pub struct FleetStats {
     pub kv_events: AtomicU64,
     /// Messages that failed to decode: counted and dropped.
     pub kv_malformed: AtomicU64,
-    /// Stored events the index could not apply (unknown parent, block-size mismatch).
-    pub kv_rejected: AtomicU64,
     /// Offload-tier events (hashes only) recorded as tier information.
     pub kv_tier_only: AtomicU64,
     pub kv_gaps: AtomicU64,
@@ -37,7 +35,6 @@ pub struct StatsSnapshot {
     pub kv_batches: u64,
     pub kv_events: u64,
     pub kv_malformed: u64,
-    pub kv_rejected: u64,
     pub kv_tier_only: u64,
     pub kv_gaps: u64,
     pub kv_replays_ok: u64,
@@ -62,7 +59,6 @@ impl FleetStats {
             kv_batches: g(&self.kv_batches),
             kv_events: g(&self.kv_events),
             kv_malformed: g(&self.kv_malformed),
-            kv_rejected: g(&self.kv_rejected),
             kv_tier_only: g(&self.kv_tier_only),
             kv_gaps: g(&self.kv_gaps),
             kv_replays_ok: g(&self.kv_replays_ok),
