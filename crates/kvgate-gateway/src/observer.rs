@@ -197,6 +197,13 @@ impl Body for ObservedBody {
                 if let Some((sleep, d)) = &mut this.idle {
                     sleep.as_mut().reset(tokio::time::Instant::now() + *d);
                 }
+                // A body of known length ends with its last data frame: hyper stops polling once
+                // it has sent content-length bytes, so waiting for `None` would record a complete
+                // response as cancelled when the body is dropped.
+                if this.inner.is_end_stream() {
+                    this.done = true;
+                    this.finish_ok();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
