@@ -1,14 +1,29 @@
 //! HF `tokenizer.json` backend over the `tokenizers` crate (default features off, `fancy-regex`
 //! instead of the C `onig` library, so no C build).
 
+mod pretok;
+
 use std::path::Path;
 
+use tokenizers::{
+    DecoderWrapper, ModelWrapper, NormalizerWrapper, PostProcessorWrapper, TokenizerBuilder,
+    TokenizerImpl,
+};
+
 use crate::{TokenizeError, Tokenizer};
+use pretok::FastPre;
+
+/// The loaded tokenizer with the regex pre-tokenizer swapped for [`FastPre`].
+type FastImpl =
+    TokenizerImpl<ModelWrapper, NormalizerWrapper, FastPre, PostProcessorWrapper, DecoderWrapper>;
 
 /// A `tokenizer.json` (BPE, WordPiece, WordLevel or Unigram model; any pre-tokenizer the
 /// pure-Rust regex engine handles, which covers GPT-2, Llama-3, Qwen, SmolLM and Mistral files).
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
+    /// Used for encoding when the pre-tokenizer has a regex `ByteLevel` we can replace (same ids,
+    /// see `hf/pretok.rs`); `None` means encode with `inner`.
+    fast: Option<FastImpl>,
     name: String,
 }
 
@@ -41,8 +56,10 @@ impl HfTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TokenizeError> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TokenizeError::Backend(e.to_string()))?;
+        let fast = fast_impl(&inner)?;
         Ok(Self {
             inner,
+            fast,
             name: "hf".to_owned(),
         })
     }
@@ -59,6 +76,46 @@ impl HfTokenizer {
 
     fn encode_ids(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         // `encode_fast` skips char-offset bookkeeping we never read.
+        let enc = match &self.fast {
+            Some(fast) => fast.encode_fast(text, special),
+            None => self.inner.encode_fast(text, special),
+        }
+        .map_err(|e| TokenizeError::Backend(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+}
+
+/// The same pipeline as `inner` with [`FastPre`], when any regex `ByteLevel` was replaced.
+fn fast_impl(inner: &tokenizers::Tokenizer) -> Result<Option<FastImpl>, TokenizeError> {
+    let Some(pre) = inner.get_pre_tokenizer() else {
+        return Ok(None);
+    };
+    let (fast_pre, replaced) = FastPre::from_wrapper(pre);
+    if !replaced {
+        return Ok(None);
+    }
+    let built = TokenizerBuilder::new()
+        .with_model(inner.get_model().clone())
+        .with_normalizer(inner.get_normalizer().cloned())
+        .with_pre_tokenizer(Some(fast_pre))
+        .with_post_processor(inner.get_post_processor().cloned())
+        .with_decoder(inner.get_decoder().cloned())
+        .with_added_vocabulary(inner.get_added_vocabulary().clone())
+        .with_truncation(inner.get_truncation().cloned())
+        .with_padding(inner.get_padding().cloned())
+        .build()
+        .map_err(|e| TokenizeError::Backend(e.to_string()))?;
+    Ok(Some(built))
+}
+
+impl HfTokenizer {
+    /// Whether encoding uses the regex-free pre-tokenizer (see `hf/pretok.rs`).
+    pub fn uses_fast_pretokenizer(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Ids through the stock `tokenizers` pipeline (regex pre-tokenizer), for equality checks.
+    pub fn encode_reference(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         let enc = self
             .inner
             .encode_fast(text, special)

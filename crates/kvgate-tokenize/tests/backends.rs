@@ -244,3 +244,57 @@ fn encode_throughput_8k_tokens() {
         hf_path.display()
     );
 }
+
+/// Prose, chat markup, contractions, digits, whitespace runs, non-Latin scripts and emoji.
+const CORPUS: &[&str] = &[
+    "Hello world! The router hashes the prompt.",
+    "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n",
+    "I'm sure it's fine; they'll say we've done what you'd expect, 'cause THEY'RE right.",
+    "    indented code:\n\tfn main() { let x = 1_024 + 3.14159; }\n\n\n   trailing   ",
+    "東京は日本の首都です。 서울은 한국의 수도입니다. Москва — столица России. 🙂👍🏽🚀",
+    "\u{3000}wide\u{3000}\u{3000}space, nbsp\u{a0}here, Ⅻ ½ ٣ 2026-11-22T03:25:54Z",
+    "",
+    " ",
+    "\n\n",
+];
+
+#[test]
+fn hf_fast_pretokenizer_matches_regex_path_on_fixture() {
+    let t = HfTokenizer::from_file(fixture("tokenizer.json")).unwrap();
+    assert!(t.uses_fast_pretokenizer());
+    let mut long = String::new();
+    for s in CORPUS {
+        long.push_str(s);
+        assert_eq!(
+            t.try_encode(s).unwrap(),
+            t.encode_reference(s, false).unwrap(),
+            "{s:?}"
+        );
+        assert_eq!(
+            t.encode_with_special_tokens(s).unwrap(),
+            t.encode_reference(s, true).unwrap(),
+            "{s:?}"
+        );
+    }
+    assert_eq!(t.encode(&long), t.encode_reference(&long, false).unwrap());
+}
+
+/// Manual: the real tokenizer (Digits + ByteLevel sequence) gives the same ids on both paths.
+#[test]
+#[ignore]
+fn real_tokenizer_fast_path_matches_regex_path() {
+    let Some(p) = real_tokenizer() else {
+        println!("skipped: no real tokenizer.json");
+        return;
+    };
+    let t = HfTokenizer::from_file(&p).unwrap();
+    assert!(t.uses_fast_pretokenizer());
+    let text = prose(32 * 1024);
+    for s in CORPUS.iter().copied().chain([text.as_str()]) {
+        assert_eq!(
+            t.try_encode(s).unwrap(),
+            t.encode_reference(s, false).unwrap(),
+            "{s:?}"
+        );
+    }
+}
