@@ -326,7 +326,12 @@ async fn tls_termination() {
 
 #[tokio::test]
 async fn graceful_shutdown_drains_in_flight_streams() {
-    let w = MockWorker::builder().tokens(20).itl(Duration::from_millis(10)).spawn().await.unwrap();
+    let w = MockWorker::builder()
+        .tokens(20)
+        .itl(Duration::from_millis(10))
+        .spawn()
+        .await
+        .unwrap();
     let mut cfg = config_for(&[&w], "kv");
     cfg.upstream.monitor = false;
     let gw = gateway(cfg).await;
@@ -337,6 +342,12 @@ async fn graceful_shutdown_drains_in_flight_streams() {
     gw.shutdown().await;
     let r = stream.await.unwrap();
     assert_eq!(r.status, 200);
-    assert!(r.text().ends_with("data: [DONE]\n\n"), "stream finished before shutdown completed");
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "listener closed");
+    assert!(
+        r.text().ends_with("data: [DONE]\n\n"),
+        "stream finished before shutdown completed"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "listener closed"
+    );
 }

@@ -64,7 +64,10 @@ async fn chat_and_completions_stream_and_non_stream() {
     // Metrics saw the usage the worker reported.
     let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
     // Non-stream bodies of known length complete as 200, not as a client cancel (499).
-    assert!(!m.contains("status=\"499\""), "no request was cancelled: {m}");
+    assert!(
+        !m.contains("status=\"499\""),
+        "no request was cancelled: {m}"
+    );
     assert!(
         m.contains("kvgate_requests_total{model=\"mock-model\",worker=\""),
         "{m}"

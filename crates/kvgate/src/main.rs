@@ -8,7 +8,11 @@ mod hash_cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "kvgate", version, about = "KV-cache-aware router and gateway for LLM inference fleets")]
+#[command(
+    name = "kvgate",
+    version,
+    about = "KV-cache-aware router and gateway for LLM inference fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

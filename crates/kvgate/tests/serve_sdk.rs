@@ -34,7 +34,11 @@ fn python_with_openai() -> Option<String> {
 }
 
 /// Read lines from `r` until `f` returns Some, or panic after `within`.
-fn wait_line<R: BufRead>(r: &mut R, within: Duration, mut f: impl FnMut(&str) -> Option<String>) -> String {
+fn wait_line<R: BufRead>(
+    r: &mut R,
+    within: Duration,
+    mut f: impl FnMut(&str) -> Option<String>,
+) -> String {
     let end = Instant::now() + within;
     let mut line = String::new();
     while Instant::now() < end {
@@ -79,10 +83,22 @@ print(json.dumps(out))
 
 #[test]
 fn openai_sdk_through_kvgate_serve_and_three_sims() {
-    let Some(py) = python_with_openai() else { return };
+    let Some(py) = python_with_openai() else {
+        return;
+    };
     let bin = env!("CARGO_BIN_EXE_kvgate");
     let mut sim = Command::new(bin)
-        .args(["sim", "--workers", "3", "--port", "0", "--model", "sim-model", "--speedup", "20"])
+        .args([
+            "sim",
+            "--workers",
+            "3",
+            "--port",
+            "0",
+            "--model",
+            "sim-model",
+            "--speedup",
+            "20",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -92,7 +108,10 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     let mut urls = Vec::new();
     wait_line(&mut sim_out, Duration::from_secs(20), |l| {
         if let Some(rest) = l.strip_prefix("worker ") {
-            let http = rest.split_whitespace().find_map(|f| f.strip_prefix("http=")).expect("http=");
+            let http = rest
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix("http="))
+                .expect("http=");
             urls.push(format!("http://{http}"));
         }
         (l == "ready").then(|| String::new())
@@ -100,7 +119,16 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     assert_eq!(urls.len(), 3);
 
     let mut serve = Command::new(bin)
-        .args(["serve", "--listen", "127.0.0.1:0", "--policy", "kv", "--no-request-log", "--worker", &urls.join(",")])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--policy",
+            "kv",
+            "--no-request-log",
+            "--worker",
+            &urls.join(","),
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -108,19 +136,33 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     let mut serve_err = BufReader::new(serve.stderr.take().unwrap());
     let _serve = Proc(serve);
     let base = wait_line(&mut serve_err, Duration::from_secs(20), |l| {
-        l.strip_prefix("kvgate serve: listening on ").map(str::to_string)
+        l.strip_prefix("kvgate serve: listening on ")
+            .map(str::to_string)
     });
     // Keep draining stderr so the gateway never blocks on a full pipe.
     std::thread::spawn(move || for _ in serve_err.lines() {});
 
-    let out = Command::new(&py).args(["-c", SDK_SCRIPT, &base]).output().expect("python runs");
-    assert!(out.status.success(), "sdk script failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(&py)
+        .args(["-c", SDK_SCRIPT, &base])
+        .output()
+        .expect("python runs");
+    assert!(
+        out.status.success(),
+        "sdk script failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json from script");
     assert!(j["chat"]["completion_tokens"].as_u64().unwrap() > 0, "{j}");
     assert!(j["chat_stream"]["chunks"].as_u64().unwrap() >= 2, "{j}");
     assert!(j["chat_stream"]["usage"].as_u64().unwrap() > 0, "{j}");
-    assert!(j["completion"]["completion_tokens"].as_u64().unwrap() > 0, "{j}");
-    assert!(j["completion_stream"]["chunks"].as_u64().unwrap() >= 1, "{j}");
+    assert!(
+        j["completion"]["completion_tokens"].as_u64().unwrap() > 0,
+        "{j}"
+    );
+    assert!(
+        j["completion_stream"]["chunks"].as_u64().unwrap() >= 1,
+        "{j}"
+    );
     assert_eq!(j["unknown_model"], 404, "{j}");
     assert_eq!(j["bad_body"], 400, "{j}");
     drop(sim);
