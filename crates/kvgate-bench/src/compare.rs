@@ -49,8 +49,8 @@ pub struct CompareArgs {
     /// Where the table, JSON, plots and child logs go.
     #[arg(long, default_value = "bench-out")]
     pub out_dir: PathBuf,
-    /// Give the gateways `--worker` URLs only (approximate index) even when the sim's KV-event
-    /// endpoints are known.
+    /// Approximate index: the started sims publish no KV events (`--no-kv-events`) and the
+    /// gateways get `--worker` URLs only.
     #[arg(long)]
     pub approx_index: bool,
     /// Load sampling period (ms) of each worker's /metrics.
@@ -351,7 +351,13 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     };
     let oracle = crate::oracle::compute(&sent, a.fleet.block_size, capacity);
 
-    let fleet = Fleet::start(&a.fleet, &a.traffic.model, &log_dir).await?;
+    // An approximate-index comparison needs sims that publish no events: the gateway would
+    // otherwise discover the publishers through /kv_event_sources and subscribe anyway.
+    let mut fleet_args = a.fleet.clone();
+    if a.approx_index && !fleet_args.sim_args.iter().any(|s| s == "--no-kv-events") {
+        fleet_args.sim_args.push("--no-kv-events".into());
+    }
+    let fleet = Fleet::start(&fleet_args, &a.traffic.model, &log_dir).await?;
     eprintln!(
         "fleet: {} workers ({})",
         fleet.urls.len(),
