@@ -1,10 +1,12 @@
 //! The integration point with kvgate-fleet: one `WorkerMonitor` per worker (scraper, KV-event
 //! subscriber, health checks), reporting through [`GatewaySink`] into the worker's registry state
 //! and the router's KV index. Monitors start and stop with the fleet snapshot (config reload,
-//! admin add/remove).
+//! admin add/remove). The latest worker-reported figures and the monitors' counters are
+//! re-exported as `kvgate_worker_*` metrics at scrape time ([`Monitors::export`]), so recording
+//! costs nothing per event.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -16,13 +18,40 @@ use kvgate_fleet::{
 use kvgate_protocol::kv_events::KvEventBatch;
 use parking_lot::Mutex;
 
+use crate::metrics::{Lbl, Metrics, ModelWorker, WorkerLabel, WorkerResult};
 use crate::registry::Worker;
 use crate::state::AppState;
 
 /// Running monitors by worker.
 #[derive(Default)]
 pub struct Monitors {
-    running: Mutex<HashMap<WorkerId, MonitorHandle>>,
+    running: Mutex<HashMap<WorkerId, Running>>,
+    /// Serialises [`Monitors::export`]: it clears and re-adds series, so two concurrent scrapes
+    /// must not interleave (counters would be added twice).
+    export: Mutex<()>,
+}
+
+struct Running {
+    handle: MonitorHandle,
+    signals: Arc<Signals>,
+}
+
+/// Running, waiting and KV usage as scraped (each `None` when the kind lacks it).
+#[derive(Clone, Copy)]
+struct LastLoad {
+    running: Option<u32>,
+    waiting: Option<u32>,
+    kv_usage: Option<f64>,
+}
+
+/// What the worker last reported, kept for the metrics scrape.
+#[derive(Default)]
+struct Signals {
+    /// Figures of the last successful scrape; `None` before the first one.
+    load: Mutex<Option<LastLoad>>,
+    /// True after `on_load_stale` until the next successful scrape.
+    stale: AtomicBool,
+    block_size_mismatch: AtomicBool,
 }
 
 impl Monitors {
@@ -39,12 +68,91 @@ impl Monitors {
                 topic: String::new(),
             }]);
         }
+        let signals = Arc::new(Signals::default());
         let sink = Arc::new(GatewaySink {
             app: Arc::downgrade(app),
             block_size,
+            signals: signals.clone(),
         });
-        let h = kvgate_fleet::WorkerMonitor::spawn(mc, sink);
-        self.running.lock().insert(w.id, h);
+        let handle = kvgate_fleet::WorkerMonitor::spawn(mc, sink);
+        self.running
+            .lock()
+            .insert(w.id, Running { handle, signals });
+    }
+
+    /// Set the `kvgate_worker_*` families from every running monitor (called by `GET /metrics`).
+    /// Series of workers no longer monitored disappear.
+    pub fn export(&self, app: &AppState) {
+        let _serial = self.export.lock();
+        let m: &Metrics = &app.metrics;
+        let ws = &m.worker;
+        ws.clear();
+        let fleet = app.registry.snapshot();
+        let running = self.running.lock();
+        for w in &fleet.workers {
+            let Some(r) = running.get(&w.id) else {
+                continue;
+            };
+            let worker = WorkerLabel {
+                worker: w.name.clone(),
+            };
+            let stale = r.signals.stale.load(Ordering::Relaxed);
+            let load = *r.signals.load.lock();
+            // The monitor's own verdict (no successful scrape within its bound), not "never scraped":
+            // kinds without a load endpoint must not look stale forever.
+            ws.load_stale.get_or_create(&worker).set(i64::from(stale));
+            ws.block_size_mismatch.get_or_create(&worker).set(i64::from(
+                r.signals.block_size_mismatch.load(Ordering::Relaxed),
+            ));
+            if let (Some(l), false) = (load, stale) {
+                let mw = ModelWorker {
+                    model: primary_model(w),
+                    worker: w.name.clone(),
+                };
+                if let Some(v) = l.running {
+                    ws.running.get_or_create(&mw).set(f64::from(v));
+                }
+                if let Some(v) = l.waiting {
+                    ws.waiting.get_or_create(&mw).set(f64::from(v));
+                }
+                if let Some(v) = l.kv_usage {
+                    ws.kv_usage.get_or_create(&mw).set(v.clamp(0.0, 1.0));
+                }
+            }
+            let s = r.handle.stats().snapshot();
+            let by = |result| WorkerResult {
+                worker: w.name.clone(),
+                result,
+            };
+            ws.scrapes.get_or_create(&by("ok")).inc_by(s.scrapes_ok);
+            ws.scrapes
+                .get_or_create(&by("failed"))
+                .inc_by(s.scrapes_failed);
+            ws.health_checks
+                .get_or_create(&by("ok"))
+                .inc_by(s.health_ok);
+            ws.health_checks
+                .get_or_create(&by("failed"))
+                .inc_by(s.health_failed);
+            ws.kv_replays
+                .get_or_create(&by("ok"))
+                .inc_by(s.kv_replays_ok);
+            ws.kv_replays
+                .get_or_create(&by("failed"))
+                .inc_by(s.kv_replays_failed);
+            ws.kv_events.get_or_create(&worker).inc_by(s.kv_events);
+            ws.kv_malformed
+                .get_or_create(&worker)
+                .inc_by(s.kv_malformed);
+            ws.kv_tier_only
+                .get_or_create(&worker)
+                .inc_by(s.kv_tier_only);
+            ws.kv_gaps.get_or_create(&worker).inc_by(s.kv_gaps);
+            ws.kv_resets.get_or_create(&worker).inc_by(s.kv_resets);
+            ws.kv_reconnects
+                .get_or_create(&worker)
+                .inc_by(s.kv_reconnects);
+        }
     }
 
     /// Stop a removed worker's monitor (dropping the handle cancels its tasks).
@@ -57,10 +165,25 @@ impl Monitors {
     }
 }
 
+/// The `model` label of a worker's load: its first configured model, else the first discovered one.
+/// One series per worker, so `sum by (model)` does not count a multi-model worker twice.
+fn primary_model(w: &Worker) -> Lbl {
+    if let Some(m) = w.models.first() {
+        return m.clone();
+    }
+    w.state
+        .discovered_models
+        .lock()
+        .first()
+        .cloned()
+        .unwrap_or_else(|| Lbl::from("unknown"))
+}
+
 /// Feeds monitor reports into the gateway. Holds the state weakly: the monitors are owned by it.
 pub struct GatewaySink {
     app: Weak<AppState>,
     block_size: u32,
+    signals: Arc<Signals>,
 }
 
 impl GatewaySink {
@@ -76,6 +199,12 @@ impl GatewaySink {
 
 impl FleetSink for GatewaySink {
     fn on_load(&self, worker: WorkerId, load: &ScrapedLoad) {
+        *self.signals.load.lock() = Some(LastLoad {
+            running: load.running,
+            waiting: load.waiting,
+            kv_usage: load.kv_usage,
+        });
+        self.signals.stale.store(false, Ordering::Relaxed);
         self.with(worker, |app, w| {
             *w.state.scraped.lock() = load
                 .core()
@@ -91,10 +220,14 @@ impl FleetSink for GatewaySink {
     }
 
     fn on_load_stale(&self, worker: WorkerId) {
+        self.signals.stale.store(true, Ordering::Relaxed);
         self.with(worker, |_, w| *w.state.scraped.lock() = None);
     }
 
     fn on_block_size(&self, worker: WorkerId, engine: u32, configured: u32) {
+        self.signals
+            .block_size_mismatch
+            .store(true, Ordering::Relaxed);
         self.with(worker, |_, w| {
             tracing::error!(worker = %w.name, engine, configured, "KV block size mismatch: worker excluded from KV scoring (still load-balanced)");
             w.state.kv_scoring.store(false, Ordering::Relaxed);

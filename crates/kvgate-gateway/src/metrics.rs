@@ -40,6 +40,13 @@ pub struct WorkerLabel {
     pub worker: Lbl,
 }
 
+/// A worker-reported count by outcome (`result` is a fixed set: `ok`/`failed`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerResult {
+    pub worker: Lbl,
+    pub result: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: &'static str,
@@ -108,6 +115,47 @@ pub struct Metrics {
     pub cost_dollars: Family<WorkerLabel, FCounter>,
     pub tokens_per_dollar: FGauge,
     pub config_reloads: Family<ReasonLabel, Counter>,
+    /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
+    pub worker: WorkerSignals,
+}
+
+/// Families re-exporting what the fleet monitors read from workers. Series are rebuilt on every
+/// scrape from the running monitors, so removed workers disappear.
+pub struct WorkerSignals {
+    pub running: Family<ModelWorker, FGauge>,
+    pub waiting: Family<ModelWorker, FGauge>,
+    pub kv_usage: Family<ModelWorker, FGauge>,
+    pub load_stale: Family<WorkerLabel, Gauge>,
+    pub block_size_mismatch: Family<WorkerLabel, Gauge>,
+    pub scrapes: Family<WorkerResult, Counter>,
+    pub health_checks: Family<WorkerResult, Counter>,
+    pub kv_events: Family<WorkerLabel, Counter>,
+    pub kv_malformed: Family<WorkerLabel, Counter>,
+    pub kv_tier_only: Family<WorkerLabel, Counter>,
+    pub kv_gaps: Family<WorkerLabel, Counter>,
+    pub kv_replays: Family<WorkerResult, Counter>,
+    pub kv_resets: Family<WorkerLabel, Counter>,
+    pub kv_reconnects: Family<WorkerLabel, Counter>,
+}
+
+impl WorkerSignals {
+    /// Drop every series (before re-setting them from the current monitors).
+    pub fn clear(&self) {
+        self.running.clear();
+        self.waiting.clear();
+        self.kv_usage.clear();
+        self.load_stale.clear();
+        self.block_size_mismatch.clear();
+        self.scrapes.clear();
+        self.health_checks.clear();
+        self.kv_events.clear();
+        self.kv_malformed.clear();
+        self.kv_tier_only.clear();
+        self.kv_gaps.clear();
+        self.kv_replays.clear();
+        self.kv_resets.clear();
+        self.kv_reconnects.clear();
+    }
 }
 
 impl Default for Metrics {
@@ -155,6 +203,22 @@ impl Metrics {
             cost_dollars: reg!("kvgate_cost_dollars", "Accrued worker cost from configured cost_per_hour while the worker is in the fleet.", Family::default()),
             tokens_per_dollar: reg!("kvgate_tokens_per_dollar", "Prompt+completion tokens served per accrued dollar since start (0 without costs).", FGauge::default()),
             config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
+            worker: WorkerSignals {
+                running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),
+                waiting: reg!("kvgate_worker_waiting_requests", "Requests queued inside the worker, as the worker reports (last successful scrape)", Family::default()),
+                kv_usage: reg!("kvgate_worker_kv_usage_ratio", "Worker-reported KV-cache usage, 0 to 1 (last successful scrape)", Family::default()),
+                load_stale: reg!("kvgate_worker_load_stale", "1 when the worker's scraped load is stale or missing and routing ignores it (fail open)", Family::default()),
+                block_size_mismatch: reg!("kvgate_worker_block_size_mismatch", "1 when the worker's KV block size differs from its pool's: excluded from KV scoring", Family::default()),
+                scrapes: reg!("kvgate_worker_scrapes", "Load scrapes of the worker's metrics endpoint, by result", Family::default()),
+                health_checks: reg!("kvgate_worker_health_checks", "Health probes of the worker, by result", Family::default()),
+                kv_events: reg!("kvgate_worker_kv_events", "KV events received from the worker and applied to the index", Family::default()),
+                kv_malformed: reg!("kvgate_worker_kv_malformed_messages", "KV-event messages from the worker that failed to decode (dropped)", Family::default()),
+                kv_tier_only: reg!("kvgate_worker_kv_tier_only_events", "Offload-tier KV events without tokens (recorded as tier information only)", Family::default()),
+                kv_gaps: reg!("kvgate_worker_kv_event_gaps", "Sequence gaps detected in the worker's KV-event stream", Family::default()),
+                kv_replays: reg!("kvgate_worker_kv_replays", "Replay requests for missed KV events, by result", Family::default()),
+                kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
+                kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
+            },
             registry: r,
         }
     }
