@@ -1,4 +1,5 @@
-//! `GET /health` (the process is alive) and `GET /ready` (at least one routable worker).
+//! `GET /health` (the process is alive) and `GET /ready` (at least one routable worker that serves
+//! a known model).
 
 use http::{header, HeaderValue, Response, StatusCode};
 
@@ -16,7 +17,16 @@ pub fn ready(app: &AppState) -> Response<GwBody> {
             r#"{"status":"shutting_down"}"#,
         );
     }
-    if app.registry.snapshot().any_routable() {
+    // Ready means a request can be routed: a routable worker that serves at least one model
+    // (configured, or already discovered from its /v1/models). Before discovery finishes, every
+    // request would get 404 model_not_found, so a load balancer must not send traffic yet.
+    let fleet = app.registry.snapshot();
+    let now = std::time::Instant::now();
+    if fleet
+        .workers
+        .iter()
+        .any(|w| !w.models.is_empty() && w.state.routable(now))
+    {
         json(StatusCode::OK, r#"{"status":"ready"}"#)
     } else {
         json(
