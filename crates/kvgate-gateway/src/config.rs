@@ -2,7 +2,7 @@
 //!
 //! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
 //! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
-//! Reloadable: `[[workers]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`.
+//! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`.
 //! Restart needed: `[server]` (listen address, TLS, limits) and `[admin]`.
 
 use std::collections::BTreeMap;
@@ -26,6 +26,8 @@ pub struct Config {
     /// Per-model settings keyed by the model name clients send.
     pub models: BTreeMap<String, ModelConfig>,
     pub workers: Vec<WorkerConfig>,
+    /// Worker pools given as a DNS name (e.g. a headless Service), re-resolved periodically.
+    pub worker_pools: Vec<WorkerPoolConfig>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -276,6 +278,94 @@ pub struct WorkerConfig {
     pub metrics_url: Option<String>,
 }
 
+/// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
+/// (`http://addr`, named `{name}-{addr}`), added and removed as the records change.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerPoolConfig {
+    /// `host:port` to resolve, e.g. `vllm-headless.default.svc.cluster.local:8000`.
+    pub dns: String,
+    /// Prefix of the workers' names; default: the host part of `dns`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// URL scheme of the workers; only `http` is supported.
+    #[serde(default = "default_scheme")]
+    pub scheme: String,
+    /// Worker kind of every address (as `workers[].kind`).
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// Port of each address's KV-event publisher (`tcp://addr-ip:port`); absent = no events.
+    #[serde(default)]
+    pub kv_events_port: Option<u16>,
+    /// Seconds between lookups.
+    #[serde(default = "default_refresh_s")]
+    pub refresh_s: u64,
+    /// Models served; empty = discovered from each worker's `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Dollars per hour each worker of the pool costs.
+    #[serde(default)]
+    pub cost_per_hour: f64,
+}
+
+fn default_scheme() -> String {
+    "http".into()
+}
+
+fn default_refresh_s() -> u64 {
+    5
+}
+
+impl WorkerPoolConfig {
+    /// The workers' name prefix: `name`, else the host part of `dns`.
+    pub fn prefix(&self) -> &str {
+        match &self.name {
+            Some(n) => n,
+            None => self
+                .dns
+                .rsplit_once(':')
+                .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+                .unwrap_or(&self.dns),
+        }
+    }
+
+    /// The worker one resolved address stands for.
+    pub fn worker_for(&self, addr: std::net::SocketAddr) -> WorkerConfig {
+        WorkerConfig {
+            url: format!("{}://{addr}", self.scheme),
+            name: Some(format!("{}-{addr}", self.prefix())),
+            models: self.models.clone(),
+            kind: self.kind.clone(),
+            cost_per_hour: self.cost_per_hour,
+            api_key: None,
+            kv_events: self
+                .kv_events_port
+                .map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
+            metrics_url: None,
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        let Some((host, port)) = self.dns.rsplit_once(':') else {
+            bail!("worker_pools.dns {:?} must be host:port", self.dns);
+        };
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            bail!("worker_pools.dns {:?} must be host:port", self.dns);
+        }
+        if self.scheme != "http" {
+            bail!(
+                "worker_pools.scheme {:?} (pool {:?}): only http is supported",
+                self.scheme,
+                self.dns
+            );
+        }
+        if self.refresh_s == 0 {
+            bail!("worker_pools.refresh_s must be >= 1 (pool {:?})", self.dns);
+        }
+        Ok(())
+    }
+}
+
 fn default_kind() -> String {
     "vllm".into()
 }
@@ -340,6 +430,16 @@ impl Config {
                 bail!("duplicate worker name {:?}", worker_name(w));
             }
         }
+        let mut prefixes = std::collections::HashSet::new();
+        for p in &self.worker_pools {
+            p.validate()?;
+            if !prefixes.insert(p.prefix()) {
+                bail!(
+                    "duplicate worker_pools name {:?} (set `name` to tell pools apart)",
+                    p.prefix()
+                );
+            }
+        }
         for k in &self.auth.keys {
             if k.key.is_empty() {
                 bail!("auth.keys: empty key");
@@ -388,6 +488,39 @@ mod tests {
         assert!(Config::from_toml("[[workers]]\nurl = \"ftp://x\"\n").is_err());
         assert!(Config::from_toml("[routing]\nbusy_kv_usage = 0.9\n").is_ok());
         assert!(Config::from_toml("[admin]\nlisten = \"127.0.0.1:1\"\n").is_err());
+    }
+
+    #[test]
+    fn worker_pools_parse_and_validate() {
+        let cfg = Config::from_toml(
+            "[[worker_pools]]\ndns = \"vllm.default.svc:8000\"\nkv_events_port = 5557\n",
+        )
+        .unwrap();
+        let p = &cfg.worker_pools[0];
+        assert_eq!(
+            (p.refresh_s, p.scheme.as_str(), p.kind.as_str()),
+            (5, "http", "vllm")
+        );
+        assert_eq!(p.prefix(), "vllm.default.svc");
+        let w = p.worker_for("10.0.0.7:8000".parse().unwrap());
+        assert_eq!(w.url, "http://10.0.0.7:8000");
+        assert_eq!(w.name.as_deref(), Some("vllm.default.svc-10.0.0.7:8000"));
+        assert_eq!(w.kv_events.as_deref(), Some("tcp://10.0.0.7:5557"));
+        let w6 = p.worker_for("[::1]:8000".parse().unwrap());
+        assert_eq!(w6.url, "http://[::1]:8000");
+        assert!(w6.url.parse::<http::Uri>().is_ok());
+        for bad in [
+            "dns = \"nohost\"",
+            "dns = \"h:notaport\"",
+            "dns = \"h:1\"\nscheme = \"https\"",
+            "dns = \"h:1\"\nrefresh_s = 0",
+            "dns = \"h:1\"\nrefesh_s = 3",
+        ] {
+            let err = Config::from_toml(&format!("[[worker_pools]]\n{bad}\n"));
+            assert!(err.is_err(), "{bad}");
+        }
+        let dup = "[[worker_pools]]\ndns = \"h:1\"\n[[worker_pools]]\ndns = \"h:2\"\n";
+        assert!(format!("{:#}", Config::from_toml(dup).unwrap_err()).contains("duplicate"));
     }
 
     #[test]

@@ -11,7 +11,7 @@
 //!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
 //!   the end), `error.rs` (the one error type and its one mapping to HTTP).
 //! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
-//!   (models from workers' `/v1/models`), `fleet.rs` (kvgate-fleet monitors feeding worker state
+//!   (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS), `fleet.rs` (kvgate-fleet monitors feeding worker state
 //!   and the KV index).
 //! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
 //! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
@@ -27,6 +27,7 @@ pub mod cli;
 pub mod config;
 pub mod ctx;
 pub mod discovery;
+pub mod dns_pool;
 pub mod error;
 pub mod fleet;
 pub mod forward;
@@ -137,6 +138,7 @@ impl Gateway {
             )));
         }
         tasks.push(tokio::spawn(discovery::run(app.clone(), refresh)));
+        tasks.push(tokio::spawn(dns_pool::run(app.clone())));
         if let Some(path) = config_path {
             let poll = Duration::from_millis(server_cfg.reload_poll_ms);
             tasks.push(tokio::spawn(reload::watch(

@@ -191,6 +191,8 @@ struct RegistryInner {
     config: Arc<Config>,
     admin_added: Vec<WorkerConfig>,
     admin_removed: HashSet<String>,
+    /// Workers resolved from `[[worker_pools]]`, by pool name prefix (see `dns_pool.rs`).
+    dns: HashMap<String, Vec<WorkerConfig>>,
     /// Loaded tokenizers by spec (loading an HF tokenizer takes a while; reloads reuse it).
     tokenizers: HashMap<String, Arc<kvgate_tokenize::ModelTokenizer>>,
 }
@@ -213,6 +215,7 @@ impl Registry {
                 config,
                 admin_added: Vec::new(),
                 admin_removed: HashSet::new(),
+                dns: HashMap::new(),
                 tokenizers: HashMap::new(),
             }),
         };
@@ -235,7 +238,26 @@ impl Registry {
     /// Replace the config (hot reload) and rebuild.
     pub fn set_config(&self, config: Arc<Config>) -> anyhow::Result<Rebuilt> {
         self.rebuild_with(|inner| {
+            // A pool dropped from the config takes its workers with it at once.
+            inner
+                .dns
+                .retain(|k, _| config.worker_pools.iter().any(|p| p.prefix() == k));
             inner.config = config;
+            Ok(())
+        })
+    }
+
+    /// DNS discovery: the workers pool `pool` (its name prefix) resolves to now. Workers that are
+    /// new get fresh state, gone ones are removed; a pool no longer in the config is ignored (a
+    /// late answer from a stopped resolver must not bring its workers back).
+    pub fn set_dns_pool(&self, pool: &str, workers: Vec<WorkerConfig>) -> anyhow::Result<Rebuilt> {
+        self.rebuild_with(|inner| {
+            let configured = inner.config.worker_pools.iter().any(|p| p.prefix() == pool);
+            if !configured || workers.is_empty() {
+                inner.dns.remove(pool);
+            } else {
+                inner.dns.insert(pool.to_string(), workers);
+            }
             Ok(())
         })
     }
@@ -277,21 +299,35 @@ impl Registry {
             config: inner.config.clone(),
             admin_added: inner.admin_added.clone(),
             admin_removed: inner.admin_removed.clone(),
+            dns: inner.dns.clone(),
             tokenizers: inner.tokenizers.clone(),
         };
         change(&mut next)?;
-        let (fleet, rebuilt) = build_fleet(&mut next)?;
+        let prev = self.fleet.load_full();
+        let (fleet, rebuilt) = build_fleet(&mut next, &prev)?;
         *inner = next;
         self.fleet.store(Arc::new(fleet));
         Ok(rebuilt)
     }
 }
 
-fn build_fleet(inner: &mut RegistryInner) -> anyhow::Result<(Fleet, Rebuilt)> {
+fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet, Rebuilt)> {
     let cfg = inner.config.clone();
     let mut seen = HashSet::new();
     let mut wanted: Vec<WorkerConfig> = Vec::new();
-    for w in cfg.workers.iter().chain(inner.admin_added.iter()) {
+    // DNS pools in config order (so names and ids are assigned deterministically).
+    let dns: Vec<&WorkerConfig> = cfg
+        .worker_pools
+        .iter()
+        .filter_map(|p| inner.dns.get(p.prefix()))
+        .flatten()
+        .collect();
+    for w in cfg
+        .workers
+        .iter()
+        .chain(inner.admin_added.iter())
+        .chain(dns)
+    {
         let name = worker_name(w);
         if inner.admin_removed.contains(&name) || !seen.insert(name) {
             continue;
@@ -349,13 +385,13 @@ fn build_fleet(inner: &mut RegistryInner) -> anyhow::Result<(Fleet, Rebuilt)> {
     }
     for (url, s) in &inner.states {
         if !states.contains_key(url) {
-            let name = inner
-                .config
+            // The name it had in the previous snapshot (its config entry may be gone by now),
+            // so the caller can drop the right metric series.
+            let name = prev
                 .workers
                 .iter()
-                .chain(inner.admin_added.iter())
-                .find(|w| &w.url == url)
-                .map(|w| Lbl::from(worker_name(w)))
+                .find(|w| &w.cfg.url == url)
+                .map(|w| w.name.clone())
                 .unwrap_or_else(|| Lbl::from(url.as_str()));
             rebuilt.removed.push((s.id, name));
         }
@@ -446,6 +482,54 @@ mod tests {
         assert_eq!(f.workers[1].id, WorkerId(2), "ids are never reused");
         reg.remove_worker("a:1").unwrap();
         assert!(reg.snapshot().pool("m").is_none());
+    }
+
+    #[test]
+    fn dns_pool_adds_and_removes_workers_keeping_survivors_state() {
+        let mut c = (*cfg(&[("http://static:1", &["m"])])).clone();
+        c.worker_pools =
+            Config::from_toml("[[worker_pools]]\ndns = \"svc:80\"\nmodels = [\"m\"]\n")
+                .unwrap()
+                .worker_pools;
+        let (reg, _) = Registry::new(Arc::new(c.clone())).unwrap();
+        let p = c.worker_pools[0].clone();
+        let at = |a: &str| p.worker_for(a.parse().unwrap());
+        let r = reg
+            .set_dns_pool("svc", vec![at("10.0.0.1:80"), at("10.0.0.2:80")])
+            .unwrap();
+        assert_eq!(r.added.len(), 2);
+        assert_eq!(reg.snapshot().pool("m").unwrap().workers.len(), 3);
+        let kept = reg.snapshot().workers[1].state.clone();
+        assert_eq!(&*reg.snapshot().workers[1].name, "svc-10.0.0.1:80");
+        kept.inflight.store(2, Ordering::Relaxed);
+        let r = reg
+            .set_dns_pool("svc", vec![at("10.0.0.1:80"), at("10.0.0.3:80")])
+            .unwrap();
+        assert_eq!(
+            r.added.iter().map(|(_, n)| &**n).collect::<Vec<_>>(),
+            ["svc-10.0.0.3:80"]
+        );
+        assert_eq!(
+            r.removed.iter().map(|(_, n)| &**n).collect::<Vec<_>>(),
+            ["svc-10.0.0.2:80"]
+        );
+        assert!(Arc::ptr_eq(&reg.snapshot().workers[1].state, &kept));
+        // A pool that is not (or no longer) configured cannot add workers.
+        assert!(reg
+            .set_dns_pool("other", vec![at("10.0.0.9:80")])
+            .unwrap()
+            .added
+            .is_empty());
+        let mut c2 = c.clone();
+        c2.worker_pools.clear();
+        let r = reg.set_config(Arc::new(c2)).unwrap();
+        assert_eq!(r.removed.len(), 2);
+        assert!(reg
+            .set_dns_pool("svc", vec![at("10.0.0.1:80")])
+            .unwrap()
+            .added
+            .is_empty());
+        assert_eq!(reg.snapshot().workers.len(), 1);
     }
 
     #[test]
