@@ -11,8 +11,8 @@
 //!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
 //!   the end), `error.rs` (the one error type and its one mapping to HTTP).
 //! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
-//!   (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS), `fleet.rs` (kvgate-fleet monitors feeding worker state
-//!   and the KV index).
+//!   (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS),
+//!   `fleet.rs` (kvgate-fleet monitors feeding worker state and the KV index).
 //! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
 //! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
 //! - `mock.rs`: a mock OpenAI worker for tests and the overhead benchmark.
