@@ -253,7 +253,14 @@ impl Drop for ObservedBody {
         // Body dropped before its end: the client disconnected. `finish` releases the load guard
         // now; `inner` is dropped right after, closing the worker connection (cancelling it there).
         if !self.done {
-            self.ctx.finish(Outcome::Cancelled);
+            // A client that hangs up right after `data: [DONE]` (before the chunked terminator)
+            // received the whole answer: that is a completed request, not a cancel.
+            if matches!(self.scan, Scan::Sse { saw_done: true, .. }) {
+                self.done = true;
+                self.finish_ok();
+            } else {
+                self.ctx.finish(Outcome::Cancelled);
+            }
         }
     }
 }
