@@ -209,7 +209,20 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
         .speedup(200.0)
         .mean_output_tokens(2u32)
         .seed(4u64);
-    let a2 = SimWorker::spawn(cfg, http, Some(kv)).await.unwrap();
+    // The old sockets may take a moment to release their ports (ZMQ closes asynchronously):
+    // give them a moment, then retry the bind for a bounded time instead of racing it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let bind_deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let a2 = loop {
+        match SimWorker::spawn(cfg.clone(), http, Some(kv)).await {
+            Ok(a2) => break a2,
+            Err(e) if tokio::time::Instant::now() < bind_deadline => {
+                eprintln!("restart bind retry: {e:#}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("sim did not restart on its old ports: {e:#}"),
+        }
+    };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
         drive(&client, &a2.base_url(), 1).await;
