@@ -232,37 +232,5 @@ async fn worker_load_is_exported_and_a_stalled_worker_shows_stale() {
 
     gw.shutdown().await;
     stop.cancel();
-    promtool_check(&again);
-}
-
-/// `promtool check metrics` on the scrape with the worker series filled in.
-fn promtool_check(text: &str) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let Ok(mut child) = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-    else {
-        if std::env::var_os("CI").is_some() {
-            panic!("promtool not found (CI must install the prometheus package)");
-        }
-        eprintln!("skipped: promtool not installed");
-        return;
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool: {}{}\n{text}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::promtool_check(&again);
 }
