@@ -202,8 +202,7 @@ pub struct RunArgs {
     pub out: Option<PathBuf>,
 }
 
-#[derive(Args, Debug)]
-pub struct DemoArgs {}
+pub use crate::demo::DemoArgs;
 
 pub async fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
@@ -241,6 +240,6 @@ async fn run_once(a: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn run_demo(_args: DemoArgs) -> anyhow::Result<()> {
-    crate::demo::run().await
+pub async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    crate::demo::run(args).await
 }

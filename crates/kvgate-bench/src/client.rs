@@ -144,7 +144,8 @@ impl Target {
                 continue;
             };
             let now = start.elapsed();
-            sse.feed(data, |ev| st.on_event(ev, now));
+            sse.feed(data, |ev| st.on_event(ev, now))
+                .map_err(|_| "bad_chunk".to_string())?;
             if st.error.is_some() || st.done {
                 break;
             }

@@ -115,7 +115,7 @@ pub struct Fleet {
     pub urls: Vec<String>,
     /// Each worker's KV-event endpoint (`tcp://...`) when known (a fleet we started).
     pub kv_events: Vec<Option<String>>,
-    _child: Option<ChildGuard>,
+    child: Option<ChildGuard>,
 }
 
 impl Fleet {
@@ -144,7 +144,7 @@ impl Fleet {
             return Ok(Self {
                 urls,
                 kv_events,
-                _child: None,
+                child: None,
             });
         }
         anyhow::ensure!(f.workers > 0, "--workers must be > 0");
@@ -180,8 +180,15 @@ impl Fleet {
         Ok(Self {
             urls,
             kv_events,
-            _child: Some(child),
+            child: Some(child),
         })
+    }
+
+    /// Stops the fleet we started (and waits for it to exit); a borrowed fleet is left running.
+    pub async fn stop(self) {
+        if let Some(c) = self.child {
+            c.stop().await;
+        }
     }
 
     /// Empties every worker's prefix cache (vLLM `POST /reset_prefix_cache`).
@@ -447,6 +454,8 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     std::fs::write(&json, serde_json::to_vec_pretty(&doc)?)?;
     crate::plot::ttft_cdf(&cdf, &ttfts)?;
     crate::plot::worker_load(&load, &loads)?;
+    // Dropping would kill it too; stopping here also reaps it before we report.
+    fleet.stop().await;
     println!("{table}");
     println!(
         "wrote {}, {}, {}, {}",

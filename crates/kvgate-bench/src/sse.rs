@@ -1,53 +1,30 @@
-//! A small incremental `text/event-stream` splitter: feed bytes as they arrive, get back the
-//! `data:` payload of every complete event. Handles `\n` and `\r\n` line ends, multi-line data,
-//! comments and events split across reads.
+//! The bench's view of a `text/event-stream`: kvgate-protocol's [`SseScanner`] (the gateway's
+//! tested, allocation-light splitter) yields each event's `data`, plus the end-of-stream flush
+//! a load generator needs for servers that omit the last blank line.
 
+use kvgate_protocol::sse::{SseError, SseScanner};
+
+/// Feed bytes as they arrive, get back the `data:` payload of every complete event.
 #[derive(Default)]
 pub struct SseSplitter {
-    buf: Vec<u8>,
-    /// Start of the line not yet terminated.
-    line_start: usize,
-    data: Vec<u8>,
-    has_data: bool,
+    scanner: SseScanner,
 }
 
 impl SseSplitter {
     /// Feeds bytes; calls `on_event` with each complete event's data (lines joined by `\n`).
-    pub fn feed(&mut self, bytes: &[u8], mut on_event: impl FnMut(&[u8])) {
-        self.buf.extend_from_slice(bytes);
-        while let Some(nl) = self.buf[self.line_start..].iter().position(|&b| b == b'\n') {
-            let end = self.line_start + nl;
-            let mut line = &self.buf[self.line_start..end];
-            if line.last() == Some(&b'\r') {
-                line = &line[..line.len() - 1];
-            }
-            if line.is_empty() {
-                if self.has_data {
-                    on_event(&self.data);
-                }
-                self.data.clear();
-                self.has_data = false;
-            } else if let Some(rest) = line.strip_prefix(b"data:") {
-                let rest = rest.strip_prefix(b" ").unwrap_or(rest);
-                if self.has_data {
-                    self.data.push(b'\n');
-                }
-                self.data.extend_from_slice(rest);
-                self.has_data = true;
-            }
-            // Other fields (event:, id:, retry:) and `:` comments carry nothing we measure.
-            self.line_start = end + 1;
-        }
-        // Drop consumed lines so the buffer stays as small as one partial line.
-        self.buf.drain(..self.line_start);
-        self.line_start = 0;
+    /// Fails only on an event larger than the scanner's bound (8 MiB).
+    pub fn feed(&mut self, bytes: &[u8], mut on_event: impl FnMut(&[u8])) -> Result<(), SseError> {
+        self.scanner.feed(bytes, |ev| on_event(ev.data))
     }
 
     /// Data of an event left unterminated at end of stream (servers that omit the last blank line).
     pub fn finish(&mut self) -> Option<Vec<u8>> {
         let mut out = None;
-        // Terminating the pending line and the pending event emits exactly what is left, if anything.
-        self.feed(b"\n\n", |d| out = Some(d.to_vec()));
+        // Two line ends terminate the pending line and then the pending event, whatever state
+        // the scanner is in (including a chunk that ended on `\r`); nothing else is emitted.
+        let _ = self
+            .scanner
+            .feed(b"\n\n", |ev| out = Some(ev.data.to_vec()));
         out
     }
 }
@@ -60,7 +37,8 @@ mod tests {
         let mut s = SseSplitter::default();
         let mut out = vec![];
         for c in chunks {
-            s.feed(c, |d| out.push(String::from_utf8_lossy(d).into_owned()));
+            s.feed(c, |d| out.push(String::from_utf8_lossy(d).into_owned()))
+                .unwrap();
         }
         if let Some(d) = s.finish() {
             out.push(String::from_utf8_lossy(&d).into_owned());
@@ -78,5 +56,19 @@ mod tests {
         let got = split_all(&[b"da", b"ta:z\n", b"\n", b"data: tail"]);
         assert_eq!(got, vec!["z", "tail"]);
         assert!(split_all(&[b"event: ping\n\n"]).is_empty());
+        // A stream cut right after a `\r` line end, and after a complete line without the blank.
+        assert_eq!(split_all(&[b"data: a\r"]), vec!["a"]);
+        assert_eq!(split_all(&[b"data: b\n"]), vec!["b"]);
+        assert!(split_all(&[b"data: c\n\n"]) == vec!["c"]);
+    }
+
+    #[test]
+    fn oversized_event_is_an_error_not_unbounded_memory() {
+        let mut s = SseSplitter::default();
+        let big = vec![b'x'; kvgate_protocol::sse::DEFAULT_MAX_EVENT_BYTES + 1];
+        let mut r = s.feed(b"data: ", |_| {});
+        assert!(r.is_ok());
+        r = s.feed(&big, |_| {});
+        assert!(r.is_err());
     }
 }

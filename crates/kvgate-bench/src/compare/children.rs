@@ -43,6 +43,12 @@ impl ChildGuard {
             .map_err(|e| {
                 anyhow::anyhow!("cannot start {} {}: {e}", exe.display(), args.join(" "))
             })?;
+        // Printed so an operator (and the end-to-end test) can check no child outlives us.
+        eprintln!(
+            "started {name} (pid {}), log {}",
+            child.id().map_or_else(|| "?".into(), |p| p.to_string()),
+            log.display()
+        );
         let (tx, rx) = mpsc::unbounded_channel();
         if let Some(out) = child.stdout.take() {
             // Ends by itself when the child's stdout closes (the child exited or was killed).

@@ -1,0 +1,260 @@
+//! End-to-end: `kvgate bench compare` and `kvgate demo` through the real binary on a tiny
+//! simulated fleet. Checks the markdown table, the JSON (every request accounted for, sane TTFT
+//! percentiles, no policy above the oracle), the SVG plots, and that every child process the
+//! command started (the sim fleet, one gateway per policy) is gone when it returns.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Runs `kvgate ARGS`, output to files in `dir`; kills it after `limit`. Returns (exit ok,
+/// stdout, stderr).
+fn run_kvgate(args: &[&str], dir: &Path, limit: Duration) -> (bool, String, String) {
+    let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .env_remove("KVGATE_BENCH_CHILD_LOG")
+        .spawn()
+        .expect("spawn kvgate");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = std::fs::read_to_string(out_path).unwrap();
+    let err = std::fs::read_to_string(err_path).unwrap();
+    assert!(
+        status.is_some(),
+        "kvgate {} did not finish within {limit:?}\nstdout:\n{out}\nstderr:\n{err}",
+        args.join(" ")
+    );
+    (status.unwrap().success(), out, err)
+}
+
+/// Pids from the `started NAME (pid N), log ...` lines the comparison prints per child.
+fn child_pids(stderr: &str) -> Vec<(String, u32)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("started ")?;
+            let (name, rest) = rest.split_once(" (pid ")?;
+            let pid = rest.split_once(')')?.0.parse().ok()?;
+            Some((name.to_owned(), pid))
+        })
+        .collect()
+}
+
+/// A process (live or zombie) with this pid that is a kvgate; a reused pid of some other program
+/// does not count.
+fn kvgate_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| s.contains("(kvgate)"))
+        .unwrap_or(false)
+}
+
+fn assert_children_gone(stderr: &str, expect: &[&str]) {
+    let pids = child_pids(stderr);
+    let names: Vec<&str> = pids.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, expect, "children started:\n{stderr}");
+    if !Path::new("/proc/self/stat").exists() {
+        eprintln!("skipped the pid check: no /proc");
+        return;
+    }
+    for (name, pid) in &pids {
+        assert!(
+            !kvgate_alive(*pid),
+            "{name} (pid {pid}) outlived the command"
+        );
+    }
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn assert_svg(path: &Path) {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    assert!(
+        text.contains("<svg") && text.contains("</svg>"),
+        "{}",
+        path.display()
+    );
+    assert!(text.len() > 1000, "{} is nearly empty", path.display());
+}
+
+/// The compare outputs in `out`: one row per name, `n` requests each, all succeeded, sane numbers.
+/// Returns each row's hit rate.
+fn check_outputs(out: &Path, stdout: &str, names: &[&str], n: u64) -> Vec<f64> {
+    let md = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(
+        md.starts_with("| policy | hit | hit/oracle | TTFT p50 ms | TTFT p99 ms |"),
+        "{md}"
+    );
+    assert!(stdout.contains(&md), "the table is printed:\n{stdout}");
+    let json = read_json(&out.join("compare.json"));
+    let oracle = json["oracle"]["infinite_hit_rate"].as_f64().unwrap();
+    // Shared prefixes: the demo's first 20 of 192 shuffled prompts still repeat some groups.
+    assert!(oracle > 0.2 && oracle <= 1.0, "shared prefixes: {oracle}");
+    assert!(md.contains(&format!("infinite cache {oracle:.3}")), "{md}");
+    assert_eq!(json["requests"], n);
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), names.len());
+    let mut hits = vec![];
+    for (row, name) in rows.iter().zip(names) {
+        assert_eq!(row["policy"], *name);
+        assert!(
+            md.lines()
+                .any(|l| l.starts_with(&format!("| {name} | ")) && l.trim_end().ends_with("| 0 |")),
+            "{name} row with 0 errors:\n{md}"
+        );
+        let s = &row["summary"];
+        assert_eq!(s["requests"], n, "{name}: every request accounted for");
+        assert_eq!(s["succeeded"], n, "{name}: {}", s["errors"]);
+        assert_eq!(s["errors"], serde_json::json!({}), "{name}");
+        assert!(s["output_tokens"].as_u64().unwrap() > 0);
+        let t = &s["ttft_ms"];
+        assert_eq!(t["count"], n, "{name}: one TTFT per request");
+        let f = |k: &str| t[k].as_f64().unwrap();
+        assert!(f("p50") > 0.0, "{name}: {t}");
+        assert!(
+            f("p50") <= f("p90") && f("p90") <= f("p95") && f("p95") <= f("p99"),
+            "{name}: {t}"
+        );
+        assert!(f("p99") <= f("max") && f("max") < 30_000.0, "{name}: {t}");
+        // TTFT is part of each request's end-to-end time.
+        assert!(
+            f("max") <= s["e2e_ms"]["max"].as_f64().unwrap() + 1.0,
+            "{name}: {s}"
+        );
+        let hit = s["hit_rate"].as_f64().unwrap();
+        assert!(
+            (0.0..=oracle + 1e-9).contains(&hit),
+            "{name}: hit {hit} above the oracle {oracle}"
+        );
+        let per_worker = row["worker_mean_running"].as_array().unwrap();
+        assert!(!per_worker.is_empty(), "{name}: load sampled");
+        hits.push(hit);
+    }
+    assert_svg(&out.join("ttft_cdf.svg"));
+    assert_svg(&out.join("worker_load.svg"));
+    hits
+}
+
+#[test]
+fn bench_compare_two_policies_on_two_sims() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out_s = out.to_string_lossy().into_owned();
+    let (ok, stdout, stderr) = run_kvgate(
+        &[
+            "bench",
+            "compare",
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "4",
+            "--prompts-per-group",
+            "5",
+            "--system-tokens",
+            "256",
+            "--question-tokens",
+            "32",
+            "--output-len",
+            "8",
+            "--workers",
+            "2",
+            "--block-size",
+            "16",
+            "--num-gpu-blocks",
+            "256",
+            "--speedup",
+            "20",
+            "--rate",
+            "40",
+            "--policies",
+            "round_robin,kv",
+            "--sample-ms",
+            "50",
+            "--quiet",
+            "--out-dir",
+            &out_s,
+        ],
+        dir.path(),
+        Duration::from_secs(90),
+    );
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    // 20 = 4 groups x 5 prompts (the whole workload).
+    let hits = check_outputs(&out, &stdout, &["round_robin", "kv"], 20);
+    // The kv gateway routes a group's later prompts to the worker holding its prefix.
+    assert!(hits[1] > 0.0, "kv hit rate {hits:?}");
+    assert!(out.join("logs/sim.log").exists());
+    assert_children_gone(&stderr, &["sim", "serve-round_robin", "serve-kv"]);
+}
+
+#[test]
+fn demo_with_small_knobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("demo");
+    let out_s = out.to_string_lossy().into_owned();
+    let (ok, stdout, stderr) = run_kvgate(
+        &[
+            "demo",
+            "--workers",
+            "2",
+            "--requests",
+            "20",
+            "--rate",
+            "40",
+            "--speedup",
+            "20",
+            "--out-dir",
+            &out_s,
+        ],
+        dir.path(),
+        Duration::from_secs(90),
+    );
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    check_outputs(&out, &stdout, &["round_robin", "least_loaded", "kv"], 20);
+    assert!(
+        stdout.contains(&format!("plots: {out_s}/ttft_cdf.svg")),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("kvgate demo: 2 simulated workers"),
+        "{stderr}"
+    );
+    assert_children_gone(
+        &stderr,
+        &["sim", "serve-round_robin", "serve-least_loaded", "serve-kv"],
+    );
+}
+
+#[test]
+fn demo_rejects_bad_knobs() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, msg) in [
+        (&["demo", "--workers", "0"][..], "--workers must be > 0"),
+        (&["demo", "--rate", "0"][..], "--rate must be a number > 0"),
+        (&["demo", "--requests", "0"][..], "--requests must be > 0"),
+    ] {
+        let (ok, _, stderr) = run_kvgate(args, dir.path(), Duration::from_secs(30));
+        assert!(!ok, "{args:?}");
+        assert!(stderr.contains(msg), "{args:?}: {stderr}");
+        assert!(child_pids(&stderr).is_empty(), "nothing started: {stderr}");
+    }
+}
