@@ -3,7 +3,10 @@
 //! - **Exact** workers are fed by the engine's KV events ([`KvIndex::apply_stored`],
 //!   [`KvIndex::apply_removed`], [`KvIndex::clear_worker`]). The engine's block hash is opaque: we keep a
 //!   per-worker map engine hash → router hash, and recompute router hashes from the event's token ids,
-//!   chained from the parent's router hash.
+//!   chained from the parent's router hash. [`KvIndex::record_predicted`] also inserts the blocks of
+//!   a request routed there as *predicted*: they count for queries for a short TTL
+//!   ([`KvIndex::set_predicted_ttl`]) until a `BlockStored` event confirms them (then they are ordinary
+//!   exact entries), so requests that arrive during the first prefill already see the prefix.
 //! - **Approximate** workers publish no events; [`KvIndex::record_routed`] inserts the blocks of every
 //!   request we route there, alive for a TTL after last use and bounded by an LRU capacity.
 //!
@@ -113,12 +116,31 @@ impl std::fmt::Display for IndexError {
 
 impl std::error::Error for IndexError {}
 
-#[derive(Debug, Default)]
+/// Default lifetime of a predicted block on an exact worker (see [`KvIndex::set_predicted_ttl`]).
+pub const DEFAULT_PREDICTED_TTL: Duration = Duration::from_secs(5);
+
+/// Most predicted (unconfirmed) blocks kept per exact worker; least recently routed go first.
+const PREDICTED_CAPACITY: usize = 1 << 16;
+
+#[derive(Debug)]
 struct ExactWorker {
     engine_to_router: MixKeyed<BlockHash>,
     /// Router hashes held through more than one engine hash: extra references beyond the first.
     /// Empty in practice (engines hash content too), but it keeps removal correct if they differ.
     extra_refs: HashKeyed<u32>,
+    /// Predicted blocks not (yet) confirmed by an event. Disjoint from the confirmed set: a block
+    /// the worker holds in `blocks` is confirmed exactly when it is not in here.
+    predicted: ApproxWorker,
+}
+
+impl Default for ExactWorker {
+    fn default() -> Self {
+        Self {
+            engine_to_router: MixKeyed::default(),
+            extra_refs: HashKeyed::default(),
+            predicted: ApproxWorker::new(0, PREDICTED_CAPACITY),
+        }
+    }
 }
 
 impl ExactWorker {
@@ -134,16 +156,35 @@ enum WorkerIndex {
 }
 
 /// The KV block index. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KvIndex {
     blocks: HashKeyed<WorkerSet>,
     workers: Vec<Option<WorkerIndex>>,
-    /// (block, worker) pairs.
+    /// (block, worker) pairs, predicted ones included.
     entries: usize,
+    /// Predicted (unconfirmed) (block, worker) pairs of exact workers, expired ones not yet dropped
+    /// included; when 0, queries skip the predicted-TTL check.
+    predicted_entries: usize,
+    /// Lifetime of a predicted block; 0 = predictions off.
+    predicted_ttl_ns: u64,
     /// Time origin for approximate timestamps (set by the first approximate insert).
     epoch: Option<Instant>,
     /// Approximate workers; when 0, queries skip the per-match TTL check.
     approx_workers: usize,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self {
+            blocks: HashKeyed::default(),
+            workers: Vec::new(),
+            entries: 0,
+            predicted_entries: 0,
+            predicted_ttl_ns: duration_ns(DEFAULT_PREDICTED_TTL),
+            epoch: None,
+            approx_workers: 0,
+        }
+    }
 }
 
 fn link(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
@@ -235,7 +276,7 @@ impl KvIndex {
     /// `token_ids[i*block_size..(i+1)*block_size]`, chained after `parent_engine_hash` (`None` = the
     /// sequence's first block). Router hashes are recomputed from the tokens with `seed` (see
     /// [`crate::hash_seed`]). Idempotent. An unknown worker is registered as exact. Returns the number
-    /// of (block, worker) entries newly added.
+    /// of (block, worker) entries newly confirmed (new, or predicted until now).
     pub fn apply_stored(
         &mut self,
         worker: WorkerId,
@@ -270,6 +311,7 @@ impl KvIndex {
             },
         };
         let mut added = 0;
+        let mut confirmed = 0;
         for (&e, block) in engine_hashes.iter().zip(token_ids.chunks_exact(block_size)) {
             let r = next_hash(parent, block, seed);
             parent = Some(r);
@@ -285,12 +327,16 @@ impl KvIndex {
             }
             if link(&mut self.blocks, r, worker) {
                 added += 1;
+            } else if ex.predicted.remove(r) {
+                // A prediction came true: same entry, now confirmed (and no longer subject to TTL).
+                confirmed += 1;
             } else {
                 *ex.extra_refs.entry(r).or_insert(0) += 1;
             }
         }
         self.entries += added;
-        Ok(added)
+        self.predicted_entries -= confirmed;
+        Ok(added + confirmed)
     }
 
     /// Applies a `BlockRemoved` event. Unknown hashes are ignored (already removed, or never seen).
@@ -326,6 +372,14 @@ impl KvIndex {
                     }
                 }
                 ex.extra_refs.clear();
+                let mut p = 0;
+                ex.predicted.drain(|h| {
+                    if unlink(blocks, h, worker) {
+                        p += 1;
+                    }
+                });
+                n += p;
+                self.predicted_entries -= p;
             }
             WorkerIndex::Approx(a) => a.drain(|h| {
                 if unlink(blocks, h, worker) {
@@ -378,21 +432,95 @@ impl KvIndex {
         added
     }
 
-    /// Approximate mode: drops blocks whose TTL has passed. Returns how many.
+    /// Drops approximate blocks and unconfirmed predicted blocks whose TTL has passed. Returns how
+    /// many (block, worker) entries went.
     pub fn expire(&mut self, now: Instant) -> usize {
         let now_ns = self.ns(now);
         let blocks = &mut self.blocks;
         let mut gone = 0;
+        let mut predicted_gone = 0;
         for (i, slot) in self.workers.iter_mut().enumerate() {
-            if let Some(WorkerIndex::Approx(a)) = slot {
-                let w = WorkerId(i as u32);
-                gone += a.expire(now_ns, |h| {
-                    unlink(blocks, h, w);
-                });
+            let w = WorkerId(i as u32);
+            match slot {
+                Some(WorkerIndex::Approx(a)) => {
+                    gone += a.expire(now_ns, |h| {
+                        unlink(blocks, h, w);
+                    });
+                }
+                Some(WorkerIndex::Exact(ex)) if ex.predicted.len() > 0 => {
+                    predicted_gone += ex.predicted.expire(now_ns, |h| {
+                        unlink(blocks, h, w);
+                    });
+                }
+                _ => {}
             }
         }
-        self.entries -= gone;
-        gone
+        self.entries -= gone + predicted_gone;
+        self.predicted_entries -= predicted_gone;
+        gone + predicted_gone
+    }
+
+    /// Sets how long a predicted block of an exact worker counts without an event confirming it
+    /// (default [`DEFAULT_PREDICTED_TTL`]; zero turns predictions off). Applies to existing
+    /// predictions too: their deadline becomes last prediction + `ttl` (with zero they stop counting
+    /// at once and go at the next [`KvIndex::expire`]).
+    pub fn set_predicted_ttl(&mut self, ttl: Duration) {
+        self.predicted_ttl_ns = duration_ns(ttl);
+        for slot in self.workers.iter_mut().flatten() {
+            if let WorkerIndex::Exact(ex) = slot {
+                ex.predicted.ttl_ns = self.predicted_ttl_ns;
+            }
+        }
+    }
+
+    /// The predicted-block lifetime (zero = predictions off).
+    pub fn predicted_ttl(&self) -> Duration {
+        Duration::from_nanos(self.predicted_ttl_ns)
+    }
+
+    /// Exact mode: predicts that the request with these chained hashes, just routed to `worker` at
+    /// `now`, will make the worker hold its blocks. Blocks the worker does not hold yet count as
+    /// held for queries for [`KvIndex::predicted_ttl`] (refreshed when predicted again) unless a
+    /// `BlockStored` event confirms them first, or the worker is cleared or removed. Confirmed
+    /// blocks are left alone. No effect (returns 0) on approximate or unknown workers, or when
+    /// predictions are off. Returns the number of newly predicted blocks.
+    pub fn record_predicted(
+        &mut self,
+        worker: WorkerId,
+        hashes: &[BlockHash],
+        now: Instant,
+    ) -> usize {
+        if self.predicted_ttl_ns == 0 || hashes.is_empty() {
+            return 0;
+        }
+        if self.epoch.is_none() {
+            self.epoch = Some(now);
+        }
+        let now_ns = self.ns(now);
+        let Some(Some(WorkerIndex::Exact(ex))) = self.workers.get_mut(worker.index()) else {
+            return 0;
+        };
+        let blocks = &mut self.blocks;
+        let p = &mut ex.predicted;
+        p.ttl_ns = self.predicted_ttl_ns;
+        let mut gone = p.expire(now_ns, |h| {
+            unlink(blocks, h, worker);
+        });
+        let mut added = 0;
+        for &h in hashes {
+            if p.contains(h) {
+                p.touch(h, now_ns);
+            } else if link(blocks, h, worker) {
+                p.touch(h, now_ns);
+                added += 1;
+            } // else: held and not predicted, i.e. confirmed
+        }
+        gone += p.enforce_capacity(|h| {
+            unlink(blocks, h, worker);
+        });
+        self.entries = self.entries + added - gone;
+        self.predicted_entries = self.predicted_entries + added - gone;
+        added
     }
 
     /// For the request's chained hashes, each worker's longest consecutive run of held blocks from
@@ -401,7 +529,7 @@ impl KvIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
         out.clear();
         let now_ns = self.ns(now);
-        let check_ttl = self.approx_workers > 0;
+        let check_ttl = self.approx_workers > 0 || self.predicted_entries > 0;
         for (i, h) in hashes.iter().enumerate() {
             let Some(set) = self.blocks.get(h) else {
                 break;
@@ -413,10 +541,14 @@ impl KvIndex {
                     continue; // its run broke earlier
                 }
                 if check_ttl {
-                    if let Some(WorkerIndex::Approx(a)) = self.slot(w) {
-                        if !a.is_live(*h, now_ns) {
-                            continue;
+                    match self.slot(w) {
+                        Some(WorkerIndex::Approx(a)) if !a.is_live(*h, now_ns) => continue,
+                        Some(WorkerIndex::Exact(ex))
+                            if ex.predicted.len() > 0 && ex.predicted.is_expired(*h, now_ns) =>
+                        {
+                            continue
                         }
+                        _ => {}
                     }
                 }
                 out.set(w, i + 1);
@@ -428,7 +560,8 @@ impl KvIndex {
         }
     }
 
-    /// Distinct blocks the worker holds.
+    /// Distinct blocks the worker holds; for an exact worker only the confirmed ones (see
+    /// [`KvIndex::predicted_blocks_for`]).
     pub fn blocks_for(&self, worker: WorkerId) -> usize {
         match self.slot(worker) {
             None => 0,
@@ -437,9 +570,23 @@ impl KvIndex {
         }
     }
 
-    /// (block, worker) pairs over all workers.
+    /// Predicted, not yet confirmed blocks of an exact worker (expired ones that [`KvIndex::expire`]
+    /// has not dropped yet included). 0 for other workers.
+    pub fn predicted_blocks_for(&self, worker: WorkerId) -> usize {
+        match self.slot(worker) {
+            Some(WorkerIndex::Exact(ex)) => ex.predicted.len(),
+            _ => 0,
+        }
+    }
+
+    /// (block, worker) pairs over all workers, predicted ones included.
     pub fn total_entries(&self) -> usize {
         self.entries
+    }
+
+    /// The predicted (unconfirmed) part of [`KvIndex::total_entries`].
+    pub fn predicted_entries(&self) -> usize {
+        self.predicted_entries
     }
 
     /// Distinct blocks over all workers.
@@ -462,7 +609,8 @@ impl KvIndex {
         v
     }
 
-    /// The router hashes the worker holds, sorted and deduplicated. For tests and debugging.
+    /// The router hashes the worker holds, sorted and deduplicated; for an exact worker only the
+    /// confirmed ones (what its events said). For tests and debugging.
     pub fn router_hashes(&self, worker: WorkerId) -> Vec<BlockHash> {
         let mut v: Vec<u64> = match self.slot(worker) {
             Some(WorkerIndex::Exact(ex)) => ex.engine_to_router.values().copied().collect(),
@@ -505,6 +653,7 @@ impl KvIndex {
                 WorkerIndex::Exact(ex) => {
                     table_bytes(ex.engine_to_router.capacity(), 16)
                         + table_bytes(ex.extra_refs.capacity(), 16)
+                        + ex.predicted.heap_bytes()
                 }
                 WorkerIndex::Approx(a) => a.heap_bytes(),
             };
@@ -534,5 +683,7 @@ fn duration_ns(d: Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
 }
 
+#[cfg(test)]
+mod predicted_tests;
 #[cfg(test)]
 mod tests;

@@ -51,7 +51,9 @@ pub use hash::next_hash;
 pub use hash::{
     block_hashes, block_hashes_into, chain_hash, hash_seed, local_block_hash, BASE_SEED,
 };
-pub use index::{ApproxConfig, IndexError, IndexMode, KvIndex, OverlapScores};
+pub use index::{
+    ApproxConfig, IndexError, IndexMode, KvIndex, OverlapScores, DEFAULT_PREDICTED_TTL,
+};
 pub use load::{ActiveSequences, LoadGuard, WorkerLoad};
 pub use policy::{
     policy_by_name, CacheAwareConfig, ConsistentHashConfig, Policy, PolicyConfig, UnknownPolicy,

@@ -128,6 +128,9 @@ pub struct RoutingConfig {
     pub approx_ttl_s: u64,
     /// Approximate-index capacity per worker, in blocks.
     pub approx_capacity_blocks: usize,
+    /// Exact-index workers: seconds a routed request's blocks count as held before the worker's KV
+    /// events confirm them (predicted insertion); 0 = off.
+    pub predicted_ttl_s: u64,
     /// Tokenizer of pools without `[models."name"] tokenizer` (default: approximate + ChatML).
     pub tokenizer: Option<kvgate_tokenize::TokenizerSpec>,
 }
@@ -146,6 +149,7 @@ impl Default for RoutingConfig {
             busy_waiting: None,
             approx_ttl_s: 120,
             approx_capacity_blocks: 1 << 16,
+            predicted_ttl_s: 5,
             tokenizer: None,
         }
     }

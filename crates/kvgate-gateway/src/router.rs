@@ -101,7 +101,9 @@ impl Router {
                 capacity_blocks: routing.approx_capacity_blocks,
             })
         };
-        self.index.write().set_mode(id, mode);
+        let mut index = self.index.write();
+        index.set_predicted_ttl(std::time::Duration::from_secs(routing.predicted_ttl_s));
+        index.set_mode(id, mode);
     }
 
     pub fn remove_worker(&self, id: WorkerId) {
@@ -201,9 +203,17 @@ impl Router {
             .active
             .add_at(pick.worker.id, id, hashes, isl, cached, now);
         if !hashes.is_empty() {
+            // Approximate workers learn only from routing; exact workers get a short-lived
+            // prediction so requests arriving before the worker's BlockStored events see the prefix.
             let mut index = self.index.write();
-            if matches!(index.mode(pick.worker.id), Some(IndexMode::Approximate(_))) {
-                index.record_routed(pick.worker.id, hashes, now);
+            match index.mode(pick.worker.id) {
+                Some(IndexMode::Approximate(_)) => {
+                    index.record_routed(pick.worker.id, hashes, now);
+                }
+                Some(IndexMode::Exact) => {
+                    index.record_predicted(pick.worker.id, hashes, now);
+                }
+                None => {}
             }
         }
         pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);

@@ -6,6 +6,9 @@
 //! leaves the old one behind as stale (detected because its stamp no longer matches the map's; a
 //! per-touch counter, not the time, so two touches in the same instant are still ordered); the queue
 //! is compacted when stale entries outnumber live ones.
+//!
+//! Exact workers use the same structure for their *predicted* blocks (inserted on route, alive for
+//! the predicted TTL unless a KV event confirms them first).
 
 use crate::nohash::{table_bytes, HashKeyed};
 use crate::BlockHash;
@@ -44,6 +47,28 @@ impl ApproxWorker {
         self.last_use
             .get(&h)
             .is_some_and(|&(t, _)| t.saturating_add(self.ttl_ns) > now_ns)
+    }
+
+    #[inline]
+    pub(crate) fn contains(&self, h: BlockHash) -> bool {
+        self.last_use.contains_key(&h)
+    }
+
+    /// True when `h` is present but its TTL has passed at `now_ns` (absent → false).
+    #[inline]
+    pub(crate) fn is_expired(&self, h: BlockHash, now_ns: u64) -> bool {
+        self.last_use
+            .get(&h)
+            .is_some_and(|&(t, _)| t.saturating_add(self.ttl_ns) <= now_ns)
+    }
+
+    /// Forgets `h` (its queue entry becomes stale); true when it was present.
+    pub(crate) fn remove(&mut self, h: BlockHash) -> bool {
+        let removed = self.last_use.remove(&h).is_some();
+        if removed {
+            self.maybe_compact();
+        }
+        removed
     }
 
     /// Inserts or refreshes `h`; true when it is new.
