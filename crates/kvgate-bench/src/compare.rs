@@ -7,10 +7,12 @@
 //! `ttft_cdf.svg` and `worker_load.svg` to `--out-dir`.
 //!
 //! Files: `children.rs` (process guards, ports, readiness), `http.rs` (control calls),
-//! `sampler.rs` (load sampling).
+//! `policy_spec.rs` (`--policies` entries with per-gateway routing keys), `sampler.rs` (load
+//! sampling).
 
 pub mod children;
 pub mod http;
+pub mod policy_spec;
 pub mod sampler;
 
 use std::path::PathBuf;
@@ -23,6 +25,7 @@ use crate::cli::{TrafficArgs, WorkloadArgs};
 use crate::oracle::Oracle;
 use crate::report::{self, PolicyRow};
 use children::ChildGuard;
+use policy_spec::PolicySpec;
 use sampler::{Sample, Sampler};
 
 #[derive(Args, Debug, Clone)]
@@ -33,7 +36,8 @@ pub struct CompareArgs {
     pub traffic: TrafficArgs,
     #[command(flatten)]
     pub fleet: FleetArgs,
-    /// Gateway policies to compare (each gets its own `kvgate serve`).
+    /// Gateway policies to compare (each gets its own `kvgate serve`): `[LABEL=]POLICY[:KEY=VALUE]...`,
+    /// KEY a `[routing]` config key (e.g. `kv:prefill_weight=4`, `kv_t=kv:temperature=0.2`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -262,11 +266,12 @@ pub fn parse_worker_line(line: &str) -> Option<(usize, String)> {
 
 /// Arguments for one `kvgate serve` in front of the fleet. With every worker's KV-event endpoint
 /// known (and not `--approx-index`), the workers go into a generated config file so the gateway
-/// subscribes to their events (exact index); otherwise `--worker` flags (approximate index).
+/// subscribes to their events (exact index); otherwise `--worker` flags (approximate index). The
+/// spec's routing keys go into the same file's `[routing]` table.
 fn serve_args(
     listen: &str,
     fleet: &Fleet,
-    policy: &str,
+    spec: &PolicySpec,
     a: &CompareArgs,
     dir: &std::path::Path,
 ) -> anyhow::Result<Vec<String>> {
@@ -275,17 +280,13 @@ fn serve_args(
         "--listen".into(),
         listen.into(),
         "--policy".into(),
-        policy.into(),
+        spec.policy.clone(),
     ];
     let events: Option<Vec<&String>> = fleet.kv_events.iter().map(Option::as_ref).collect();
-    match events.filter(|_| !a.approx_index) {
-        Some(events) => {
-            let path = dir.join(format!("serve-{policy}.toml"));
-            std::fs::write(&path, workers_toml(&fleet.urls, &events, &a.traffic.model))
-                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
-            args.push("--config".into());
-            args.push(path.to_string_lossy().into_owned());
-        }
+    let events = events.filter(|_| !a.approx_index);
+    let mut toml = String::new();
+    match &events {
+        Some(events) => toml = workers_toml(&fleet.urls, events, &a.traffic.model),
         None => {
             for w in &fleet.urls {
                 args.push("--worker".into());
@@ -294,6 +295,14 @@ fn serve_args(
             args.push("--model".into());
             args.push(a.traffic.model.clone());
         }
+    }
+    toml.push_str(&spec.routing_toml());
+    if !toml.is_empty() {
+        let path = dir.join(format!("serve-{}.toml", spec.file_stem()));
+        std::fs::write(&path, toml)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+        args.push("--config".into());
+        args.push(path.to_string_lossy().into_owned());
     }
     args.push("--block-size".into());
     args.push(a.fleet.block_size.to_string());
@@ -318,6 +327,14 @@ fn workers_toml(urls: &[String], events: &[&String], model: &str) -> String {
     t
 }
 
+/// What one row of the comparison measures.
+enum Router {
+    /// A `kvgate serve` we start.
+    Gateway(PolicySpec),
+    /// A router already running at this URL.
+    External(String),
+}
+
 pub async fn run(a: CompareArgs) -> anyhow::Result<()> {
     tokio::select! {
         r = compare(&a) => r.map(|_| ()),
@@ -332,6 +349,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         !a.policies.is_empty() || !a.externals.is_empty(),
         "nothing to compare: give --policies and/or --external"
     );
+    let specs = policy_spec::parse_all(&a.policies)?;
     let wl = a.workload.load()?;
     let cfg = a.traffic.run_config(&wl, a.workload.seed)?;
     let slo = a.traffic.slo()?;
@@ -370,67 +388,92 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         fleet.urls.len(),
         fleet.urls.join(" ")
     );
-    let exe = kvgate_exe(&a.fleet)?;
-    let mut rows = Vec::new();
-    let mut ttfts: Vec<(String, Vec<f64>)> = Vec::new();
-    let mut loads: Vec<(String, Vec<Sample>)> = Vec::new();
+    // Every exit from here on, error or not, stops (and reaps) the fleet before returning;
+    // dropping it would only send the kill.
+    let measured = async {
+        let exe = kvgate_exe(&a.fleet)?;
+        let mut rows = Vec::new();
+        let mut ttfts: Vec<(String, Vec<f64>)> = Vec::new();
+        let mut loads: Vec<(String, Vec<Sample>)> = Vec::new();
 
-    let mut targets: Vec<(String, Option<String>)> =
-        a.policies.iter().map(|p| (p.clone(), None)).collect();
-    targets.extend(
-        a.externals
-            .iter()
-            .map(|(n, u)| (n.clone(), Some(u.clone()))),
-    );
-    for (name, external) in targets {
-        fleet.reset_caches().await?;
-        let (url, gateway) = match external {
-            Some(u) => (u, None),
-            None => {
-                let port = children::free_port()?;
-                let listen = format!("127.0.0.1:{port}");
-                let args = serve_args(&listen, &fleet, &name, a, &log_dir)?;
-                let mut g = ChildGuard::spawn(&exe, &args, &format!("serve-{name}"), &log_dir)?;
-                let url = format!("http://{listen}");
-                g.wait_http_ok(&format!("{url}/ready"), Duration::from_secs(60))
-                    .await?;
-                (url, Some(g))
-            }
-        };
-        eprintln!("running {name} against {url} ...");
-        let target = a.traffic.target(&url)?;
-        let sampler = Sampler::start(
-            fleet.urls.clone(),
-            Duration::from_millis(a.sample_ms.max(10)),
-        );
-        let res = crate::runner::run(&target, &wl, &cfg).await;
-        let samples = sampler.finish().await;
-        if let Some(g) = gateway {
-            g.stop().await;
-        }
-        let res = res?;
-        let summary = crate::stats::summarize(&res.outcomes, res.duration, slo);
-        let per_worker = sampler::mean_per_worker(&samples, fleet.urls.len());
-        rows.push(PolicyRow {
-            policy: name.clone(),
-            hit_over_oracle: summary
-                .hit_rate
-                .filter(|_| oracle.infinite_hit_rate > 0.0)
-                .map(|h| h / oracle.infinite_hit_rate),
-            load_max_over_mean: report::max_over_mean(&per_worker),
-            worker_mean_running: per_worker,
-            summary,
-        });
-        ttfts.push((
-            name.clone(),
-            res.outcomes
+        let mut routers: Vec<(String, Router)> = specs
+            .into_iter()
+            .map(|p| (p.label.clone(), Router::Gateway(p)))
+            .collect();
+        routers.extend(
+            a.externals
                 .iter()
-                .filter_map(|o| o.ttft)
-                .map(|t| t.as_secs_f64() * 1e3)
-                .collect(),
-        ));
-        loads.push((name, samples));
+                .map(|(n, u)| (n.clone(), Router::External(u.clone()))),
+        );
+        for (name, router) in routers {
+            fleet.reset_caches().await?;
+            let (url, gateway) = match router {
+                Router::External(url) => (url, None),
+                Router::Gateway(spec) => {
+                    let port = children::free_port()?;
+                    let listen = format!("127.0.0.1:{port}");
+                    let args = serve_args(&listen, &fleet, &spec, a, &log_dir)?;
+                    let child_name = format!("serve-{}", spec.file_stem());
+                    let mut g = ChildGuard::spawn(&exe, &args, &child_name, &log_dir)?;
+                    let url = format!("http://{listen}");
+                    let ready = g
+                        .wait_http_ok(&format!("{url}/ready"), Duration::from_secs(60))
+                        .await;
+                    if let Err(e) = ready {
+                        g.stop().await;
+                        return Err(e);
+                    }
+                    (url, Some(g))
+                }
+            };
+            eprintln!("running {name} against {url} ...");
+            let target = match a.traffic.target(&url) {
+                Ok(t) => t,
+                Err(e) => {
+                    if let Some(g) = gateway {
+                        g.stop().await;
+                    }
+                    return Err(e);
+                }
+            };
+            let sampler = Sampler::start(
+                fleet.urls.clone(),
+                Duration::from_millis(a.sample_ms.max(10)),
+            );
+            let res = crate::runner::run(&target, &wl, &cfg).await;
+            let samples = sampler.finish().await;
+            if let Some(g) = gateway {
+                g.stop().await;
+            }
+            let res = res?;
+            let summary = crate::stats::summarize(&res.outcomes, res.duration, slo);
+            let per_worker = sampler::mean_per_worker(&samples, fleet.urls.len());
+            rows.push(PolicyRow {
+                policy: name.clone(),
+                hit_over_oracle: summary
+                    .hit_rate
+                    .filter(|_| oracle.infinite_hit_rate > 0.0)
+                    .map(|h| h / oracle.infinite_hit_rate),
+                load_max_over_mean: report::max_over_mean(&per_worker),
+                worker_mean_running: per_worker,
+                summary,
+            });
+            ttfts.push((
+                name.clone(),
+                res.outcomes
+                    .iter()
+                    .filter_map(|o| o.ttft)
+                    .map(|t| t.as_secs_f64() * 1e3)
+                    .collect(),
+            ));
+            loads.push((name, samples));
+        }
+        Ok::<_, anyhow::Error>((rows, ttfts, loads))
     }
+    .await;
+    let worker_urls = fleet.urls.clone();
+    fleet.stop().await;
+    let (rows, ttfts, loads) = measured?;
 
     let table = report::compare_table(&rows, &oracle);
     let md = a.out_dir.join("compare.md");
@@ -441,7 +484,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     let doc = CompareJson {
         workload: &a.workload.workload,
         requests: n_sent,
-        workers: fleet.urls.clone(),
+        workers: worker_urls,
         block_size: a.fleet.block_size,
         num_gpu_blocks: Some(a.fleet.num_gpu_blocks),
         oracle: &oracle,
@@ -454,8 +497,6 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     std::fs::write(&json, serde_json::to_vec_pretty(&doc)?)?;
     crate::plot::ttft_cdf(&cdf, &ttfts)?;
     crate::plot::worker_load(&load, &loads)?;
-    // Dropping would kill it too; stopping here also reaps it before we report.
-    fleet.stop().await;
     println!("{table}");
     println!(
         "wrote {}, {}, {}, {}",

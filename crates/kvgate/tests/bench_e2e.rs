@@ -161,49 +161,82 @@ fn bench_compare_two_policies_on_two_sims() {
     let out = dir.path().join("out");
     let out_s = out.to_string_lossy().into_owned();
     let (ok, stdout, stderr) = run_kvgate(
-        &[
-            "bench",
-            "compare",
-            "--workload",
-            "shared-prefix",
-            "--groups",
-            "4",
-            "--prompts-per-group",
-            "5",
-            "--system-tokens",
-            "256",
-            "--question-tokens",
-            "32",
-            "--output-len",
-            "8",
-            "--workers",
-            "2",
-            "--block-size",
-            "16",
-            "--num-gpu-blocks",
-            "256",
-            "--speedup",
-            "20",
-            "--rate",
-            "40",
-            "--policies",
-            "round_robin,kv",
-            "--sample-ms",
-            "50",
-            "--quiet",
-            "--out-dir",
-            &out_s,
-        ],
+        &compare_args(&out_s, "round_robin,kv:prefill_weight=4"),
         dir.path(),
         Duration::from_secs(90),
     );
     assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
     // 20 = 4 groups x 5 prompts (the whole workload).
-    let hits = check_outputs(&out, &stdout, &["round_robin", "kv"], 20);
+    let hits = check_outputs(&out, &stdout, &["round_robin", "kv:prefill_weight=4"], 20);
     // The kv gateway routes a group's later prompts to the worker holding its prefix.
     assert!(hits[1] > 0.0, "kv hit rate {hits:?}");
     assert!(out.join("logs/sim.log").exists());
-    assert_children_gone(&stderr, &["sim", "serve-round_robin", "serve-kv"]);
+    // The spec's routing key reached that gateway's config.
+    let cfg = std::fs::read_to_string(out.join("logs/serve-kv_prefill_weight_4.toml")).unwrap();
+    assert!(cfg.ends_with("\n[routing]\nprefill_weight = 4\n"), "{cfg}");
+    assert_children_gone(
+        &stderr,
+        &["sim", "serve-round_robin", "serve-kv_prefill_weight_4"],
+    );
+}
+
+/// A gateway that refuses its config (unknown routing key) fails the comparison clearly, and
+/// the fleet started before it is stopped too.
+#[test]
+fn bench_compare_fails_cleanly_on_a_bad_routing_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_s = dir.path().join("out").to_string_lossy().into_owned();
+    let (ok, stdout, stderr) = run_kvgate(
+        &compare_args(&out_s, "kv:prefill_wieght=4"),
+        dir.path(),
+        Duration::from_secs(90),
+    );
+    assert!(!ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains("serve-kv_prefill_wieght_4 exited early"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("prefill_wieght"),
+        "the gateway's reason is shown: {stderr}"
+    );
+    assert_children_gone(&stderr, &["sim", "serve-kv_prefill_wieght_4"]);
+}
+
+fn compare_args<'a>(out_s: &'a str, policies: &'a str) -> Vec<&'a str> {
+    vec![
+        "bench",
+        "compare",
+        "--workload",
+        "shared-prefix",
+        "--groups",
+        "4",
+        "--prompts-per-group",
+        "5",
+        "--system-tokens",
+        "256",
+        "--question-tokens",
+        "32",
+        "--output-len",
+        "8",
+        "--workers",
+        "2",
+        "--block-size",
+        "16",
+        "--num-gpu-blocks",
+        "256",
+        "--speedup",
+        "20",
+        "--rate",
+        "40",
+        "--policies",
+        policies,
+        "--sample-ms",
+        "50",
+        "--quiet",
+        "--out-dir",
+        out_s,
+    ]
 }
 
 #[test]

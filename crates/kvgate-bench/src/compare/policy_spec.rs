@@ -1,0 +1,163 @@
+//! `--policies` entries: `[LABEL=]POLICY[:KEY=VALUE]...`, e.g. `kv`, `kv:prefill_weight=4`,
+//! `kv_pw4=kv:prefill_weight=4:temperature=0.1`. Each KEY=VALUE becomes a `[routing]` key of that
+//! gateway's generated config (the gateway rejects unknown keys, so a typo fails loudly).
+
+/// One gateway to compare.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicySpec {
+    /// The row name in the table and JSON (default: the whole spec).
+    pub label: String,
+    /// `kvgate serve --policy`.
+    pub policy: String,
+    /// `[routing]` keys and their TOML values, in the order given.
+    pub routing: Vec<(String, String)>,
+}
+
+impl PolicySpec {
+    pub fn parse(spec: &str) -> anyhow::Result<Self> {
+        let bad = |why: &str| {
+            anyhow::anyhow!(
+                "bad --policies entry {spec:?}: {why} (expected [LABEL=]POLICY[:KEY=VALUE]...)"
+            )
+        };
+        let mut parts = spec.split(':');
+        let head = parts.next().unwrap_or_default();
+        let (label, policy) = match head.split_once('=') {
+            Some((l, p)) => (l.to_owned(), p),
+            None => (spec.to_owned(), head),
+        };
+        if label.is_empty() || policy.is_empty() {
+            return Err(bad("empty label or policy"));
+        }
+        if !policy
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            return Err(bad("the policy is a name like kv or round_robin"));
+        }
+        let mut routing = Vec::new();
+        for kv in parts {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| bad("KEY=VALUE expected"))?;
+            if k.is_empty() || !k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+                return Err(bad("keys are [routing] keys like prefill_weight"));
+            }
+            if v.is_empty() {
+                return Err(bad("empty value"));
+            }
+            if k == "policy" {
+                return Err(bad("give the policy before the first ':'"));
+            }
+            routing.push((k.to_owned(), toml_value(v)));
+        }
+        Ok(Self {
+            label,
+            policy: policy.to_owned(),
+            routing,
+        })
+    }
+
+    /// A file-name-safe form of the label (logs, generated configs).
+    pub fn file_stem(&self) -> String {
+        self.label
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect()
+    }
+
+    /// The `[routing]` table for the generated config, empty when there are no keys.
+    pub fn routing_toml(&self) -> String {
+        if self.routing.is_empty() {
+            return String::new();
+        }
+        let mut t = String::from("\n[routing]\n");
+        for (k, v) in &self.routing {
+            t.push_str(&format!("{k} = {v}\n"));
+        }
+        t
+    }
+}
+
+/// Numbers and booleans as they are, anything else as a TOML string.
+fn toml_value(v: &str) -> String {
+    if v == "true" || v == "false" || v.parse::<f64>().is_ok_and(f64::is_finite) {
+        v.to_owned()
+    } else {
+        serde_json::to_string(v).expect("strings serialize")
+    }
+}
+
+/// Parses every entry; labels must be unique (they name rows and files).
+pub fn parse_all(specs: &[String]) -> anyhow::Result<Vec<PolicySpec>> {
+    let parsed: Vec<PolicySpec> = specs
+        .iter()
+        .map(|s| PolicySpec::parse(s))
+        .collect::<anyhow::Result<_>>()?;
+    for (i, p) in parsed.iter().enumerate() {
+        anyhow::ensure!(
+            !parsed[..i]
+                .iter()
+                .any(|q| q.label == p.label || q.file_stem() == p.file_stem()),
+            "--policies: two entries are named {:?}; give one a LABEL= prefix",
+            p.label
+        );
+    }
+    Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_plain_keyed_and_labelled_specs() {
+        let p = PolicySpec::parse("kv").unwrap();
+        assert_eq!((p.label.as_str(), p.policy.as_str()), ("kv", "kv"));
+        assert!(p.routing.is_empty() && p.routing_toml().is_empty());
+
+        let p = PolicySpec::parse("kv:prefill_weight=4:temperature=0.1").unwrap();
+        assert_eq!(p.label, "kv:prefill_weight=4:temperature=0.1");
+        assert_eq!(p.policy, "kv");
+        assert_eq!(
+            p.routing_toml(),
+            "\n[routing]\nprefill_weight = 4\ntemperature = 0.1\n"
+        );
+        assert_eq!(p.file_stem(), "kv_prefill_weight_4_temperature_0.1");
+
+        let p = PolicySpec::parse("pw4=kv:prefill_weight=4:tokenizer=x").unwrap();
+        assert_eq!((p.label.as_str(), p.policy.as_str()), ("pw4", "kv"));
+        assert_eq!(p.routing[1], ("tokenizer".into(), "\"x\"".into()));
+
+        for bad in [
+            "",
+            "=kv",
+            "l=",
+            "kv:prefill_weight",
+            "kv:=4",
+            "kv:Weight=1",
+            "kv:policy=rr",
+            "k v",
+        ] {
+            let e = PolicySpec::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("bad --policies entry"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn duplicate_labels_are_rejected() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            parse_all(&s(&["kv", "kv:prefill_weight=4"])).unwrap().len(),
+            2
+        );
+        assert!(parse_all(&s(&["kv", "kv"])).is_err());
+        assert!(parse_all(&s(&["a=kv", "a=round_robin"])).is_err());
+    }
+}
