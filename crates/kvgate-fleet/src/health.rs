@@ -1,5 +1,6 @@
 //! Periodic health probe: feeds the worker's [`Breaker`], reports up/down transitions, and treats
-//! "down, then up again" as a restart (the worker's KV cache is gone: reset its index entries).
+//! "down, then up again" as a restart (the worker's KV cache is gone: its index entries are cleared
+//! through the [`ResetBus`], so its KV-event subscribers rebuild and its endpoints are re-discovered).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,7 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::breaker::Breaker;
 use crate::http::HttpClient;
-use crate::sink::{FleetSink, ResetReason};
+use crate::reset::ResetBus;
+use crate::sink::FleetSink;
 use crate::stats::{inc, FleetStats};
 
 pub(crate) struct HealthSettings {
@@ -20,6 +22,7 @@ pub(crate) struct HealthSettings {
     /// Consecutive failed probes before the worker is reported down (one timeout is not an outage).
     pub down_after: u32,
     pub breaker: Arc<Breaker>,
+    pub bus: Arc<ResetBus>,
 }
 
 /// The up/down state machine, separate from I/O so it can be tested directly.
@@ -95,9 +98,8 @@ pub(crate) async fn run(
         }
         let t = state.observe(ok, s.down_after);
         if t.restarted {
-            inc(&stats.kv_resets);
             tracing::info!(worker = %name, "worker came back: treating it as restarted");
-            sink.on_kv_reset(worker, ResetReason::Restart);
+            s.bus.restarted();
         }
         if let Some(up) = t.report {
             match &r {

@@ -13,8 +13,11 @@
 //!   and [`IndexSink`], a ready-made sink around a shared index.
 //! - `monitor.rs`: config, spawn, handle (the supervisor of the tasks below).
 //! - `scrape.rs` + `scrape/<kind>.rs`: load scraping (pure parsers per kind + the periodic task).
-//! - `subscriber.rs` + `subscriber/replay.rs`: ZMQ KV-event subscriber with gap replay;
-//!   `seq.rs`: the sequence state machine; `trtllm_poll.rs`: TRT-LLM `POST /kv_cache_events`.
+//! - `kv_feed.rs`: a worker's publishers (configured or discovered, re-discovered after a restart)
+//!   and their subscribers; `subscriber.rs` + `subscriber/{state,replay}.rs`: ZMQ KV-event
+//!   subscriber with history and gap replay; `seq.rs`: the sequence state machine;
+//!   `reset.rs`: the one path that clears a worker's entries (every subscriber hears of it);
+//!   `trtllm_poll.rs`: TRT-LLM `POST /kv_cache_events`.
 //! - `health.rs`: health probes; `breaker.rs`: the circuit breaker.
 //! - `discover.rs`: `kind = auto` probing and KV-event endpoint discovery.
 //! - `http.rs`: the small pooled HTTP client with per-call deadlines; `stats.rs`: [`FleetStats`].
@@ -28,7 +31,9 @@ pub mod dns;
 mod health;
 pub mod http;
 mod kind;
+mod kv_feed;
 mod monitor;
+mod reset;
 pub mod scrape;
 mod seq;
 mod sink;

@@ -13,13 +13,15 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::{Breaker, BreakerConfig};
-use crate::discover::{discover_kv_sources, probe_kind, KvSource};
+use crate::discover::{probe_kind, KvSource};
 use crate::health::{self, HealthSettings};
 use crate::http::HttpClient;
+use crate::kv_feed::{Feed, FeedSettings};
+use crate::reset::ResetBus;
 use crate::scrape::{self, ScrapeSettings, Scraper};
 use crate::sink::FleetSink;
 use crate::stats::FleetStats;
-use crate::subscriber::{self, SubscriberSettings};
+use crate::subscriber::SubscriberSettings;
 use crate::trtllm_poll::{self, PollSettings};
 use crate::WorkerKind;
 
@@ -172,6 +174,7 @@ async fn supervise(
     let client = HttpClient::new();
     let name: Arc<str> = cfg.name.clone().into();
     let mut tasks = JoinSet::new();
+    let bus = Arc::new(ResetBus::new(cfg.worker, sink.clone(), stats.clone()));
 
     let mut kind = cfg.kind;
     // Health first, so an unreachable worker is reported while the kind is still unknown.
@@ -191,6 +194,7 @@ async fn supervise(
             timeout: cfg.health_timeout,
             down_after: cfg.health_down_after,
             breaker,
+            bus: bus.clone(),
         },
         sink.clone(),
         stats.clone(),
@@ -237,8 +241,8 @@ async fn supervise(
         ));
     }
 
-    let sources = match (&cfg.kv_events, kind) {
-        (KvEventsSource::Off, _) => Vec::new(),
+    let configured = match (&cfg.kv_events, kind) {
+        (KvEventsSource::Off, _) => None,
         (_, WorkerKind::Trtllm) => {
             let poll = PollSettings {
                 base: cfg.base_url.clone(),
@@ -253,64 +257,46 @@ async fn supervise(
                 stats.clone(),
                 cancel.child_token(),
             ));
-            Vec::new()
+            None
         }
-        (KvEventsSource::Endpoints(e), _) => e.clone(),
-        (KvEventsSource::Discover, k) if k.has_kv_events() => {
-            let mut wait = cfg.scrape_interval;
-            loop {
-                match discover_kv_sources(
-                    &client,
-                    &cfg.base_url,
-                    kind,
-                    cfg.scrape_timeout.max(Duration::from_secs(1)),
-                )
-                .await
-                {
-                    Ok(s) => {
-                        if s.is_empty() {
-                            tracing::info!(worker = %name, "worker publishes no KV events: approximate index");
-                        }
-                        break s;
-                    }
-                    Err(e) if e.contains("HTTP 404") => {
-                        tracing::info!(worker = %name, error = %e, "no KV event discovery endpoint: approximate index");
-                        break Vec::new();
-                    }
-                    Err(e) => {
-                        tracing::debug!(worker = %name, error = %e, "KV event discovery failed; retrying")
-                    }
-                }
-                tokio::select! {
-                    _ = cancel.cancelled() => return drain(tasks).await,
-                    _ = tokio::time::sleep(wait) => {}
-                }
-                wait = (wait * 2).min(Duration::from_secs(30));
-            }
-        }
-        (KvEventsSource::Discover, _) => Vec::new(),
+        (KvEventsSource::Endpoints(e), _) => Some(Some(e.clone())),
+        (KvEventsSource::Discover, k) if k.has_kv_events() => Some(None),
+        (KvEventsSource::Discover, _) => None,
     };
-    for source in sources {
-        let mut s = SubscriberSettings::new(source);
-        s.block_size = cfg.block_size;
-        s.backoff_min = cfg.reconnect_min;
-        s.backoff_max = cfg.reconnect_max;
-        s.replay_timeout = cfg.replay_timeout;
-        tasks.spawn(subscriber::run(
-            cfg.worker,
-            name.clone(),
-            s,
-            sink.clone(),
-            stats.clone(),
-            cancel.child_token(),
-        ));
+    if let Some(configured) = configured {
+        let mut template = SubscriberSettings::new(KvSource {
+            endpoint: String::new(),
+            replay_endpoint: None,
+            topic: String::new(),
+        });
+        template.block_size = cfg.block_size;
+        template.backoff_min = cfg.reconnect_min;
+        template.backoff_max = cfg.reconnect_max;
+        template.replay_timeout = cfg.replay_timeout;
+        let feed = Feed {
+            worker: cfg.worker,
+            name: name.clone(),
+            client: client.clone(),
+            sink: sink.clone(),
+            stats: stats.clone(),
+            bus,
+        };
+        let settings = FeedSettings {
+            base_url: cfg.base_url.clone(),
+            kind,
+            configured,
+            discover_timeout: cfg.scrape_timeout.max(Duration::from_secs(1)),
+            retry: cfg.scrape_interval,
+            subscriber: template,
+        };
+        tasks.spawn(feed.run(settings, cancel.child_token()));
     }
 
     cancel.cancelled().await;
     drain(tasks).await;
 }
 
-async fn drain(mut tasks: JoinSet<()>) {
+pub(crate) async fn drain(mut tasks: JoinSet<()>) {
     while let Some(r) = tasks.join_next().await {
         if let Err(e) = r {
             if e.is_panic() {

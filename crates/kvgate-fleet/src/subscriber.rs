@@ -1,27 +1,39 @@
 //! KV-event subscriber: one ZMQ SUB socket per publisher (DP rank), sequence checks, replay of gaps
-//! over the publisher's ROUTER socket (`subscriber/replay.rs`), reconnect with backoff.
+//! over the publisher's ROUTER socket (`subscriber/replay.rs`), reconnect with backoff. The
+//! bookkeeping (applied seqs, history, what a reconnect means) is in `subscriber/state.rs`.
 //!
 //! Every decoded batch goes to [`FleetSink::on_kv_events`] in sequence order. A malformed message is
-//! counted and dropped; a sequence regression resets the worker's index entries; a gap the replay
-//! buffer no longer covers does too (the state is unknown), and so does a gap with no replay endpoint.
-//! A publisher that disconnected and came back is treated as restarted (a fast restart can outrun
-//! the old sequence number, so a regression alone would miss it); the first batch after any reset
-//! replays the buffer from 0 to recover what was published while we were not listening.
+//! counted and dropped. Clears go through the worker's `ResetBus`, so a subscriber always knows when
+//! its part of the index is gone (whoever cleared it) and rebuilds it from the replay buffer.
+//!
+//! - On connect (and after any clear) the whole replay buffer is fetched first ("history"); live
+//!   batches wait until it is applied, and a failed fetch is retried with backoff.
+//! - A lost connection is re-established here, not by the zeromq crate (its internal reconnect backs
+//!   off to 30 s and would hide the restart): the socket is dropped and rebuilt with our backoff,
+//!   cut short when the worker is seen coming back.
+//! - After a reconnect, a replay from the last applied seq tells the same process (that batch is
+//!   still buffered with the same timestamp: resume, nothing cleared) from a restarted one (clear,
+//!   rebuild from its history).
+//! - A gap is replayed; if the buffer no longer covers it, the worker is cleared and rebuilt. A
+//!   sequence regression is a restart.
+//! - Repeated connect failures ask the monitor to re-discover the worker's endpoints.
 
 mod replay;
+mod state;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvgate_core::WorkerId;
-use kvgate_protocol::kv_events::{decode_multipart, KvEvent, KvEventBatch};
+use kvgate_protocol::kv_events::decode_multipart;
 use tokio_util::sync::CancellationToken;
 use zeromq::{Socket, SocketRecv};
 
 use crate::discover::KvSource;
-use crate::seq::{SeqTracker, SeqVerdict};
-use crate::sink::{FleetSink, ResetReason};
+use crate::reset::ResetBus;
+use crate::sink::FleetSink;
 use crate::stats::{inc, FleetStats};
+use state::State;
 
 pub use replay::{replay, ReplayError};
 
@@ -36,6 +48,9 @@ pub struct SubscriberSettings {
     pub backoff_max: Duration,
     /// Bound on one whole replay exchange.
     pub replay_timeout: Duration,
+    /// Connect failures in a row after which the endpoints are re-discovered (and every further
+    /// such run of failures).
+    pub rediscover_after: u32,
 }
 
 impl SubscriberSettings {
@@ -47,134 +62,13 @@ impl SubscriberSettings {
             backoff_min: Duration::from_millis(100),
             backoff_max: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(5),
+            rediscover_after: 3,
         }
     }
 }
 
-struct State {
-    worker: WorkerId,
-    name: Arc<str>,
-    s: SubscriberSettings,
-    sink: Arc<dyn FleetSink>,
-    stats: Arc<FleetStats>,
-    seq: SeqTracker,
-    reported_bs: Option<u32>,
-}
-
-impl State {
-    fn reset(&mut self, reason: ResetReason) {
-        inc(&self.stats.kv_resets);
-        tracing::warn!(worker = %self.name, reason = reason.as_str(), "clearing the worker's KV index entries");
-        self.sink.on_kv_reset(self.worker, reason);
-        self.seq.reset();
-    }
-
-    fn apply(&mut self, b: &KvEventBatch) {
-        inc(&self.stats.kv_batches);
-        self.stats
-            .kv_events
-            .fetch_add(b.events.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        for ev in &b.events {
-            match ev {
-                KvEvent::AllCleared => inc(&self.stats.kv_resets),
-                e if e.is_tier_only() => inc(&self.stats.kv_tier_only),
-                KvEvent::Stored {
-                    block_hashes,
-                    token_ids,
-                    block_size,
-                    ..
-                } => self.check_block_size(*block_size, block_hashes.len(), token_ids.len()),
-                _ => {}
-            }
-        }
-        self.sink.on_kv_events(self.worker, b);
-        self.seq.applied(b.seq);
-    }
-
-    fn check_block_size(&mut self, bs: u32, blocks: usize, tokens: usize) {
-        let Some(cfg) = self.s.block_size else { return };
-        // Only full blocks say anything about the block size (SGLang's last page may be short).
-        if bs == cfg || bs == 0 || tokens != blocks * bs as usize || self.reported_bs == Some(bs) {
-            return;
-        }
-        self.reported_bs = Some(bs);
-        tracing::error!(worker = %self.name, engine_block_size = bs, configured = cfg,
-            "KV events use another block size: worker excluded from KV scoring");
-        self.sink.on_block_size(self.worker, bs, cfg);
-    }
-
-    /// Replays `[from, ..]` and applies what is newer than the last applied batch. Returns false
-    /// when the gap could not be filled; with `partial_ok` whatever the buffer still holds is applied
-    /// anyway (history after joining late: nothing is lost by taking part of it).
-    async fn fill(&mut self, from: u64, partial_ok: bool, cancel: &CancellationToken) -> bool {
-        let Some(ep) = self.s.source.replay_endpoint.clone() else {
-            return false;
-        };
-        let r = tokio::select! {
-            _ = cancel.cancelled() => return false,
-            r = replay(&ep, from, self.s.replay_timeout) => r,
-        };
-        match r {
-            Ok(batches) if partial_ok || batches.first().is_some_and(|b| b.seq <= from) => {
-                inc(&self.stats.kv_replays_ok);
-                self.seq
-                    .replayed_from(batches.first().map_or(from, |b| b.seq.max(from)));
-                for b in &batches {
-                    if b.seq >= from && self.seq.last().is_none_or(|l| b.seq > l) {
-                        self.apply(b);
-                    }
-                }
-                true
-            }
-            Ok(batches) => {
-                inc(&self.stats.kv_replays_failed);
-                tracing::warn!(worker = %self.name, from, first = ?batches.first().map(|b| b.seq),
-                    "replay no longer covers the gap");
-                false
-            }
-            Err(e) => {
-                inc(&self.stats.kv_replays_failed);
-                tracing::warn!(worker = %self.name, from, error = %e, "replay failed");
-                false
-            }
-        }
-    }
-
-    /// The first batch after joining (or after a reset): fetch the history the replay buffer still
-    /// holds (best effort; nothing to clear), then apply.
-    async fn first(&mut self, b: KvEventBatch, missed_history: bool, cancel: &CancellationToken) {
-        if missed_history && self.s.source.replay_endpoint.is_some() {
-            self.fill(0, true, cancel).await;
-        }
-        if self.seq.last().is_none_or(|l| b.seq > l) {
-            self.apply(&b);
-        }
-    }
-
-    async fn on_batch(&mut self, b: KvEventBatch, cancel: &CancellationToken) {
-        match self.seq.check(b.seq) {
-            SeqVerdict::InOrder => self.apply(&b),
-            SeqVerdict::Duplicate => {}
-            SeqVerdict::First { missed_history } => self.first(b, missed_history, cancel).await,
-            SeqVerdict::Gap { expected, got } => {
-                inc(&self.stats.kv_gaps);
-                tracing::info!(worker = %self.name, expected, got, "KV event gap");
-                if !self.fill(expected, false, cancel).await {
-                    self.reset(ResetReason::GapUnrecoverable);
-                }
-                if self.seq.last().is_none_or(|l| b.seq > l) {
-                    self.apply(&b);
-                }
-            }
-            SeqVerdict::Regression { last, got } => {
-                tracing::info!(worker = %self.name, last, got, "KV event sequence went back: publisher restarted");
-                self.reset(ResetReason::SeqRegression);
-                // The new process's first batches may have been missed while reconnecting.
-                self.first(b, got > 0, cancel).await;
-            }
-        }
-    }
-}
+/// How often the connection's monitor events and the history retry are looked at.
+const TICK: Duration = Duration::from_millis(100);
 
 /// Runs until `cancel` fires.
 pub(crate) async fn run(
@@ -183,85 +77,154 @@ pub(crate) async fn run(
     s: SubscriberSettings,
     sink: Arc<dyn FleetSink>,
     stats: Arc<FleetStats>,
+    bus: Arc<ResetBus>,
     cancel: CancellationToken,
 ) {
-    let mut st = State {
-        worker,
-        name,
-        s,
-        sink,
-        stats,
-        seq: SeqTracker::new(),
-        reported_bs: None,
-    };
+    let mut st = State::new(worker, name, s, sink, stats, bus);
     let mut backoff = st.s.backoff_min;
-    let mut first = true;
+    let mut failures = 0u32;
+    let mut attempt = 0u64;
+    let mut had_session = false;
     loop {
-        if !first {
+        if attempt > 0 {
             inc(&st.stats.kv_reconnects);
             let wait = crate::scrape::jittered(backoff, 0.2);
             backoff = (backoff * 2).min(st.s.backoff_max);
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
+                // The worker was seen restarting: it is worth trying now.
+                r = st.epochs.changed() => if r.is_err() { return },
             }
         }
-        first = false;
+        attempt += 1;
         let mut sock = zeromq::SubSocket::new();
-        // zeromq reconnects a lost peer by itself; the monitor tells us it happened.
         let mut monitor = sock.monitor();
+        // Whether the socket's monitor reported the publisher gone (drains the events).
+        let mut lost = move || {
+            let mut gone = false;
+            while let Ok(ev) = monitor.try_recv() {
+                gone |= matches!(ev, zeromq::SocketEvent::Disconnected(_));
+            }
+            gone
+        };
         let ep = st.s.source.endpoint.clone();
         let connected = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = tokio::time::timeout(st.s.connect_timeout, sock.connect(&ep)) => r,
+            r = tokio::time::timeout(st.s.connect_timeout, connect(&mut sock, &ep)) => r,
         };
-        match connected {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                tracing::debug!(worker = %st.name, endpoint = %ep, error = %e, "KV event connect failed");
-                continue;
+        let error = match connected {
+            Ok(Ok(())) => match sock.subscribe(&st.s.source.topic).await {
+                Ok(()) => None,
+                Err(e) => Some(e.to_string()),
+            },
+            Ok(Err(e)) => Some(e),
+            Err(_) => Some("connect timed out".to_owned()),
+        };
+        if let Some(error) = error {
+            failures += 1;
+            tracing::debug!(worker = %st.name, endpoint = %ep, %error, failures, "KV event connect failed");
+            // A publisher that was there and now refuses may have moved (restart on other ports):
+            // look at once; otherwise after every run of failures.
+            if (had_session && failures == 1) || failures % st.s.rediscover_after.max(1) == 0 {
+                st.bus.ask_rediscover();
             }
-            Err(_) => {
-                tracing::debug!(worker = %st.name, endpoint = %ep, "KV event connect timed out");
-                continue;
-            }
-        }
-        if let Err(e) = sock.subscribe(&st.s.source.topic).await {
-            tracing::debug!(worker = %st.name, error = %e, "KV event subscribe failed");
             continue;
         }
+        failures = 0;
+        had_session = true;
         tracing::info!(worker = %st.name, endpoint = %ep, "subscribed to KV events");
-        loop {
-            let msg = tokio::select! {
-                _ = cancel.cancelled() => return,
-                m = sock.recv() => m,
-            };
-            let msg = match msg {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::info!(worker = %st.name, error = %e, "KV event socket lost; reconnecting");
-                    break;
+        if st.epochs.has_changed().unwrap_or(false) {
+            st.epochs.borrow_and_update();
+            st.cleared_elsewhere();
+        } else if st.seq.last().is_some() {
+            st.resume(&cancel).await;
+        } else {
+            st.forget();
+        }
+        if session(&mut st, &mut sock, &mut lost, &cancel).await {
+            return;
+        }
+        backoff = if st.seq.last().is_some() {
+            st.s.backoff_min
+        } else {
+            backoff
+        };
+    }
+}
+
+/// Connects the socket. zeromq's `connect` retries a refused TCP port internally until our timeout;
+/// a plain TCP connect first makes "nothing listens there" an immediate failure, so a publisher that
+/// moved is re-discovered in a moment, not after several timeouts.
+async fn connect(sock: &mut zeromq::SubSocket, ep: &str) -> Result<(), String> {
+    if let Some(addr) = ep.strip_prefix("tcp://") {
+        // `host:port` or `[v6]:port`: both parse as tokio addresses.
+        tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("{ep}: {e}"))?;
+    }
+    sock.connect(ep).await.map_err(|e| e.to_string())
+}
+
+/// One connection's life: live batches, history fetches, clears elsewhere. Returns true when
+/// cancelled, false when the connection was lost.
+async fn session(
+    st: &mut State,
+    sock: &mut zeromq::SubSocket,
+    lost: &mut impl FnMut() -> bool,
+    cancel: &CancellationToken,
+) -> bool {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if st
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.next_try <= tokio::time::Instant::now())
+        {
+            st.fetch_history(cancel).await;
+        }
+        let msg = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return true,
+            r = st.epochs.changed() => {
+                if r.is_err() {
+                    return true;
                 }
-            };
-            backoff = st.s.backoff_min;
-            let mut reconnected = false;
-            while let Ok(ev) = monitor.try_recv() {
-                reconnected |= matches!(ev, zeromq::SocketEvent::Disconnected(_));
+                st.epochs.borrow_and_update();
+                st.cleared_elsewhere();
+                continue;
             }
-            if reconnected && st.seq.last().is_some() {
-                // vLLM's PUB socket closes only when the process exits: the cache we mirrored is
-                // gone. (After a mere network blip this under-reports until replay refills it.)
-                tracing::info!(worker = %st.name, "KV event publisher reconnected: treating it as a restart");
-                st.reset(ResetReason::Restart);
+            _ = tick.tick() => {
+                if lost() {
+                    tracing::info!(worker = %st.name, "KV event publisher disconnected; reconnecting");
+                    return false;
+                }
+                continue;
             }
-            let frames = msg.into_vec();
-            match decode_multipart(&frames) {
-                Ok(b) => st.on_batch(b, &cancel).await,
+            m = sock.recv() => m,
+        };
+        // A message after a disconnect comes from zeromq's own reconnect, maybe to a new process:
+        // drop it and reconnect ourselves (the replay on resume recovers it).
+        if lost() {
+            tracing::info!(worker = %st.name, "KV event publisher disconnected; reconnecting");
+            return false;
+        }
+        match msg {
+            Ok(m) => match decode_multipart(&m.into_vec()) {
+                Ok(b) => st.on_batch(b, cancel).await,
                 Err(e) => {
                     inc(&st.stats.kv_malformed);
                     tracing::debug!(worker = %st.name, error = %e, "malformed KV event message dropped");
                 }
+            },
+            Err(e) => {
+                tracing::info!(worker = %st.name, error = %e, "KV event socket lost; reconnecting");
+                return false;
             }
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

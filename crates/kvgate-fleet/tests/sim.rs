@@ -247,3 +247,115 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
     h.shutdown().await;
     a2.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_restarted_on_new_event_ports_is_rediscovered() {
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let cfg = |seed: u64| {
+        SimConfig::default()
+            .block_size(BS)
+            .num_gpu_blocks(40usize)
+            .speedup(200.0)
+            .mean_output_tokens(2u32)
+            .seed(seed)
+    };
+    let a = SimWorker::spawn(cfg(5), any_port(), Some(any_port()))
+        .await
+        .unwrap();
+    let (http, old_kv) = (a.http_addr(), a.kv_events_addr().unwrap());
+    let w = WorkerId(6);
+    let h = WorkerMonitor::spawn(monitor(w, &a), sink.clone());
+    let client = HttpClient::new();
+    drive(&client, &a.base_url(), 0).await;
+    until_agrees(&sink, w, &a).await;
+    a.shutdown().await;
+    // Same HTTP address, new ephemeral event and replay ports: only re-discovery finds them.
+    let a2 = loop {
+        match SimWorker::spawn(cfg(6), http, Some(any_port())).await {
+            Ok(a2) => break a2,
+            Err(e) => {
+                eprintln!("restart bind retry: {e:#}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_ne!(a2.kv_events_addr().unwrap(), old_kv);
+    drive(&client, &a2.base_url(), 1).await;
+    until_agrees(&sink, w, &a2).await;
+    let (engine_now, _) = sim_view(&a2).await;
+    let got: BTreeSet<u64> = sink.index.read().engine_hashes(w).into_iter().collect();
+    assert_eq!(got, engine_now, "nothing of the old engine survives");
+    h.shutdown().await;
+    a2.shutdown().await;
+}
+
+/// A TCP relay whose connections can be cut (a network blip between kvgate and the publisher).
+async fn relay(
+    target: SocketAddr,
+) -> (
+    SocketAddr,
+    tokio::sync::watch::Sender<u64>,
+    tokio::task::JoinHandle<()>,
+) {
+    let l = tokio::net::TcpListener::bind(any_port()).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (cut, rx) = tokio::sync::watch::channel(0u64);
+    let task = tokio::spawn(async move {
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut c, _)) = l.accept().await {
+            let mut rx = rx.clone();
+            rx.borrow_and_update();
+            conns.spawn(async move {
+                let Ok(mut s) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut c, &mut s) => {}
+                    _ = rx.changed() => {}
+                }
+            });
+        }
+    });
+    (addr, cut, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_reconnect_after_a_blip_resumes_without_clearing() {
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let a = sim(EventEncoding::Map, 7).await;
+    let (relay_addr, cut, relay_task) = relay(a.kv_events_addr().unwrap()).await;
+    let w = WorkerId(7);
+    let mut c = monitor(w, &a);
+    c.kv_events = KvEventsSource::Endpoints(vec![kvgate_fleet::KvSource {
+        endpoint: format!("tcp://{relay_addr}"),
+        replay_endpoint: Some(format!("tcp://{}", a.replay_addr().unwrap())),
+        topic: String::new(),
+    }]);
+    let h = WorkerMonitor::spawn(c, sink.clone());
+    let client = HttpClient::new();
+    drive(&client, &a.base_url(), 0).await;
+    until_agrees(&sink, w, &a).await;
+    let replays = h.stats().snapshot().kv_replays_ok;
+    cut.send_modify(|e| *e += 1);
+    // Published while the subscriber is away or reconnecting: recovered by the resume replay.
+    drive(&client, &a.base_url(), 1).await;
+    until_agrees(&sink, w, &a).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while h.stats().snapshot().kv_replays_ok == replays {
+        assert!(tokio::time::Instant::now() < deadline, "no resume replay");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drive(&client, &a.base_url(), 2).await;
+    until_agrees(&sink, w, &a).await;
+    assert_eq!(sink.view(w).resets, [], "same process: nothing cleared");
+    assert!(h.stats().snapshot().kv_reconnects >= 1);
+    h.shutdown().await;
+    relay_task.abort();
+    a.shutdown().await;
+}

@@ -1,0 +1,108 @@
+//! The subscriber against a real (in-process) `kvgate sim` publisher.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kvgate_core::{KvIndex, WorkerId};
+use kvgate_sim::{SimConfig, SimHandle, SimWorker};
+use parking_lot::RwLock;
+use tokio_util::sync::CancellationToken;
+
+use super::{run, SubscriberSettings};
+use crate::discover::KvSource;
+use crate::http::HttpClient;
+use crate::reset::ResetBus;
+use crate::{FleetStats, IndexSink, ResetReason};
+
+const BS: usize = 16;
+
+async fn sim() -> SimHandle {
+    let cfg = SimConfig::default()
+        .block_size(BS)
+        .num_gpu_blocks(64usize)
+        .speedup(200.0)
+        .mean_output_tokens(2u32)
+        .seed(9u64);
+    let any = "127.0.0.1:0".parse().unwrap();
+    SimWorker::spawn(cfg, any, Some(any)).await.unwrap()
+}
+
+async fn drive(h: &SimHandle) {
+    let client = HttpClient::new();
+    for i in 0..6u32 {
+        let p: Vec<u32> = (0..48).chain((0..24).map(|t| 1000 + i * 100 + t)).collect();
+        let body = serde_json::json!({"model": "kvgate-sim", "prompt": p, "max_tokens": 2});
+        let r = client
+            .post_json(
+                &h.base_url(),
+                "/v1/completions",
+                Bytes::from(body.to_string()),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        assert!(r.status.is_success());
+    }
+}
+
+async fn wait_agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let engine: BTreeSet<u64> = h.cache_snapshot().await.iter().map(|e| e.hash).collect();
+        let got: BTreeSet<u64> = sink.index.read().engine_hashes(w).into_iter().collect();
+        if !engine.is_empty() && got == engine {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "index {} blocks, sim {} blocks",
+            got.len(),
+            engine.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The flake behind `restarted_sim_worker_is_cleared_and_rebuilt`: the health checker's "came
+/// back" clear landed after the subscriber had rebuilt from replay; the subscriber did not know,
+/// and with no new traffic the index stayed empty. Now every clear reaches the subscriber, which
+/// rebuilds from the replay buffer on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clear_from_elsewhere_is_rebuilt_from_replay_without_new_traffic() {
+    let h = sim().await;
+    let w = WorkerId(3);
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let stats = Arc::new(FleetStats::default());
+    let bus = Arc::new(ResetBus::new(w, sink.clone(), stats.clone()));
+    let mut s = SubscriberSettings::new(KvSource {
+        endpoint: format!("tcp://{}", h.kv_events_addr().unwrap()),
+        replay_endpoint: Some(format!("tcp://{}", h.replay_addr().unwrap())),
+        topic: String::new(),
+    });
+    s.block_size = Some(BS as u32);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run(
+        w,
+        "sim".into(),
+        s,
+        sink.clone(),
+        stats.clone(),
+        bus.clone(),
+        cancel.clone(),
+    ));
+    drive(&h).await;
+    wait_agrees(&sink, w, &h).await;
+    // Joining after the traffic works too: the history replay found it all.
+    bus.restarted();
+    assert_eq!(sink.view(w).resets, [ResetReason::Restart]);
+    wait_agrees(&sink, w, &h).await;
+    assert!(stats.snapshot().kv_replays_ok >= 2);
+    cancel.cancel();
+    task.await.unwrap();
+    h.shutdown().await;
+}
