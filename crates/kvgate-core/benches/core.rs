@@ -365,6 +365,24 @@ fn report() {
         "  (picked a max-overlap worker in {:.1}% of calls)",
         picked_best as f64 / 200.0
     );
+    // The same prompts through the index query alone (where the selection's time goes).
+    let mut q_undisturbed = Vec::with_capacity(20_000);
+    for i in 0..20_000 {
+        let h = &prompts[i % prompts.len()];
+        let s0 = sched.read();
+        let t = Instant::now();
+        ix.find_matches(black_box(h), now, &mut scores);
+        let el = t.elapsed();
+        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
+            q_undisturbed.push(el);
+        }
+    }
+    if q_undisturbed.len() > 100 {
+        println!(
+            "  of which find_matches alone, calls not descheduled: {}",
+            percentiles(q_undisturbed)
+        );
+    }
     drop(guards);
 
     let events = ingest_events(256);

@@ -20,6 +20,7 @@
 
 mod approx;
 mod overlap;
+mod query;
 mod worker_set;
 
 pub use overlap::OverlapScores;
@@ -171,6 +172,12 @@ pub struct KvIndex {
     epoch: Option<Instant>,
     /// Approximate workers; when 0, queries skip the per-match TTL check.
     approx_workers: usize,
+    /// The approximate workers as a bitset over worker ids (64 per word), for the query's TTL check.
+    approx_mask: Vec<u64>,
+    /// Block → exact workers holding it only as a prediction (unconfirmed, expired ones not yet
+    /// dropped included). Small (recent routes only); lets a query find the predicted (block,
+    /// worker) pairs it must TTL-check with one lookup per block.
+    pred_blocks: HashKeyed<WorkerSet>,
 }
 
 impl Default for KvIndex {
@@ -183,6 +190,8 @@ impl Default for KvIndex {
             predicted_ttl_ns: duration_ns(DEFAULT_PREDICTED_TTL),
             epoch: None,
             approx_workers: 0,
+            approx_mask: Vec::new(),
+            pred_blocks: HashKeyed::default(),
         }
     }
 }
@@ -254,11 +263,15 @@ impl KvIndex {
     }
 
     fn count_approx(&mut self) {
-        self.approx_workers = self
-            .workers
-            .iter()
-            .filter(|s| matches!(s, Some(WorkerIndex::Approx(_))))
-            .count();
+        self.approx_mask.clear();
+        self.approx_mask.resize(self.workers.len().div_ceil(64), 0);
+        self.approx_workers = 0;
+        for (i, s) in self.workers.iter().enumerate() {
+            if matches!(s, Some(WorkerIndex::Approx(_))) {
+                self.approx_mask[i / 64] |= 1 << (i % 64);
+                self.approx_workers += 1;
+            }
+        }
     }
 
     /// The worker's mode, `None` if unknown.
@@ -329,6 +342,7 @@ impl KvIndex {
                 added += 1;
             } else if ex.predicted.remove(r) {
                 // A prediction came true: same entry, now confirmed (and no longer subject to TTL).
+                unlink(&mut self.pred_blocks, r, worker);
                 confirmed += 1;
             } else {
                 *ex.extra_refs.entry(r).or_insert(0) += 1;
@@ -373,7 +387,9 @@ impl KvIndex {
                 }
                 ex.extra_refs.clear();
                 let mut p = 0;
+                let pred_blocks = &mut self.pred_blocks;
                 ex.predicted.drain(|h| {
+                    unlink(pred_blocks, h, worker);
                     if unlink(blocks, h, worker) {
                         p += 1;
                     }
@@ -448,7 +464,9 @@ impl KvIndex {
                     });
                 }
                 Some(WorkerIndex::Exact(ex)) if ex.predicted.len() > 0 => {
+                    let pred_blocks = &mut self.pred_blocks;
                     predicted_gone += ex.predicted.expire(now_ns, |h| {
+                        unlink(pred_blocks, h, w);
                         unlink(blocks, h, w);
                     });
                 }
@@ -500,10 +518,11 @@ impl KvIndex {
         let Some(Some(WorkerIndex::Exact(ex))) = self.workers.get_mut(worker.index()) else {
             return 0;
         };
-        let blocks = &mut self.blocks;
+        let (blocks, pred_blocks) = (&mut self.blocks, &mut self.pred_blocks);
         let p = &mut ex.predicted;
         p.ttl_ns = self.predicted_ttl_ns;
         let mut gone = p.expire(now_ns, |h| {
+            unlink(pred_blocks, h, worker);
             unlink(blocks, h, worker);
         });
         let mut added = 0;
@@ -512,52 +531,17 @@ impl KvIndex {
                 p.touch(h, now_ns);
             } else if link(blocks, h, worker) {
                 p.touch(h, now_ns);
+                link(pred_blocks, h, worker);
                 added += 1;
             } // else: held and not predicted, i.e. confirmed
         }
         gone += p.enforce_capacity(|h| {
+            unlink(pred_blocks, h, worker);
             unlink(blocks, h, worker);
         });
         self.entries = self.entries + added - gone;
         self.predicted_entries = self.predicted_entries + added - gone;
         added
-    }
-
-    /// For the request's chained hashes, each worker's longest consecutive run of held blocks from
-    /// block 0, written to `out` (cleared first). Approximate blocks past their TTL at `now` do not
-    /// count even before [`KvIndex::expire`] runs.
-    pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
-        out.clear();
-        let now_ns = self.ns(now);
-        let check_ttl = self.approx_workers > 0 || self.predicted_entries > 0;
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(set) = self.blocks.get(h) else {
-                break;
-            };
-            let i = i as u32;
-            let mut extended = false;
-            for w in set.iter() {
-                if out.get(w) != i {
-                    continue; // its run broke earlier
-                }
-                if check_ttl {
-                    match self.slot(w) {
-                        Some(WorkerIndex::Approx(a)) if !a.is_live(*h, now_ns) => continue,
-                        Some(WorkerIndex::Exact(ex))
-                            if ex.predicted.len() > 0 && ex.predicted.is_expired(*h, now_ns) =>
-                        {
-                            continue
-                        }
-                        _ => {}
-                    }
-                }
-                out.set(w, i + 1);
-                extended = true;
-            }
-            if !extended {
-                break;
-            }
-        }
     }
 
     /// Distinct blocks the worker holds; for an exact worker only the confirmed ones (see
@@ -647,6 +631,10 @@ impl KvIndex {
             .values()
             .map(WorkerSet::heap_bytes)
             .sum::<usize>();
+        n += table_bytes(
+            self.pred_blocks.capacity(),
+            8 + std::mem::size_of::<WorkerSet>(),
+        );
         n += self.workers.capacity() * std::mem::size_of::<Option<WorkerIndex>>();
         for slot in self.workers.iter().flatten() {
             n += match slot {

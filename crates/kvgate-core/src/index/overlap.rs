@@ -8,6 +8,8 @@ use crate::WorkerId;
 pub struct OverlapScores {
     runs: Vec<u32>,
     touched: Vec<WorkerId>,
+    /// Scratch of the query: workers whose run is still unbroken, 64 per word.
+    pub(crate) alive: Vec<u64>,
 }
 
 impl OverlapScores {

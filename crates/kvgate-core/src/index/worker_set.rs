@@ -1,14 +1,23 @@
-//! The set of workers holding one block: inline for up to three workers (the common case: a prefix
-//! lives on one or a few workers), spilled to the heap beyond. 16 bytes either way.
+//! The set of workers holding one block, always 16 bytes:
+//! - up to three ids inline (the common case: a prefix lives on one or a few workers);
+//! - a 64-bit mask once more share it and every id is below 64 (a fleet of ≤ 64 workers never
+//!   allocates, however widely a block is shared);
+//! - a heap bitset beyond.
+//!
+//! Queries read it one 64-worker word at a time ([`WorkerSet::word`]), so the prefix walk intersects
+//! whole words instead of visiting each (block, worker) pair.
 
 use crate::WorkerId;
 
 const INLINE: usize = 3;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum WorkerSet {
     Inline { len: u8, ids: [u32; INLINE] },
-    Heap(Box<Vec<u32>>),
+    Mask(u64),
+    /// Boxed so the enum stays 16 bytes (a bare `Vec` would make every entry 32).
+    #[allow(clippy::box_collection)]
+    Bits(Box<Vec<u64>>),
 }
 
 impl Default for WorkerSet {
@@ -20,27 +29,91 @@ impl Default for WorkerSet {
     }
 }
 
+/// Bit of worker `w` within its word, and the word's index.
+#[inline]
+fn split(w: u32) -> (usize, u64) {
+    ((w >> 6) as usize, 1u64 << (w & 63))
+}
+
+/// The ids of the set bits of `word` number `k`, ascending.
+#[inline]
+pub(crate) fn bits(k: usize, mut word: u64) -> impl Iterator<Item = WorkerId> {
+    std::iter::from_fn(move || {
+        if word == 0 {
+            return None;
+        }
+        let b = word.trailing_zeros();
+        word &= word - 1;
+        Some(WorkerId((k as u32) << 6 | b))
+    })
+}
+
 impl WorkerSet {
+    /// Workers `64k..64k+63` of the set as a bit mask.
     #[inline]
-    pub(crate) fn as_slice(&self) -> &[u32] {
+    pub(crate) fn word(&self, k: usize) -> u64 {
         match self {
-            WorkerSet::Inline { len, ids } => &ids[..*len as usize],
-            WorkerSet::Heap(v) => v,
+            WorkerSet::Inline { len, ids } => {
+                let mut m = 0;
+                for &w in &ids[..*len as usize] {
+                    let (kw, b) = split(w);
+                    if kw == k {
+                        m |= b;
+                    }
+                }
+                m
+            }
+            WorkerSet::Mask(m) => {
+                if k == 0 {
+                    *m
+                } else {
+                    0
+                }
+            }
+            WorkerSet::Bits(v) => v.get(k).copied().unwrap_or(0),
         }
     }
 
-    #[inline]
+    /// Every member.
     pub(crate) fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
-        self.as_slice().iter().map(|&w| WorkerId(w))
+        let (inline, words): (&[u32], &[u64]) = match self {
+            WorkerSet::Inline { len, ids } => (&ids[..*len as usize], &[]),
+            WorkerSet::Mask(m) => (&[], std::slice::from_ref(m)),
+            WorkerSet::Bits(v) => (&[], v),
+        };
+        inline.iter().map(|&w| WorkerId(w)).chain(
+            words
+                .iter()
+                .enumerate()
+                .flat_map(|(k, &word)| bits(k, word)),
+        )
     }
 
     #[inline]
     pub(crate) fn contains(&self, w: WorkerId) -> bool {
-        self.as_slice().contains(&w.0)
+        match self {
+            WorkerSet::Inline { len, ids } => ids[..*len as usize].contains(&w.0),
+            _ => {
+                let (k, b) = split(w.0);
+                self.word(k) & b != 0
+            }
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            WorkerSet::Inline { len, .. } => *len as usize,
+            WorkerSet::Mask(m) => m.count_ones() as usize,
+            WorkerSet::Bits(v) => v.iter().map(|w| w.count_ones() as usize).sum(),
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.as_slice().is_empty()
+        match self {
+            WorkerSet::Inline { len, .. } => *len == 0,
+            // Bitsets shrink back to inline below four members, so they are never empty.
+            _ => false,
+        }
     }
 
     /// Adds `w`; false if it was already present.
@@ -48,24 +121,51 @@ impl WorkerSet {
         if self.contains(w) {
             return false;
         }
+        let (k, b) = split(w.0);
         match self {
             WorkerSet::Inline { len, ids } if (*len as usize) < INLINE => {
                 ids[*len as usize] = w.0;
                 *len += 1;
             }
             WorkerSet::Inline { ids, .. } => {
-                let mut v = Vec::with_capacity(INLINE * 2);
-                v.extend_from_slice(ids);
-                v.push(w.0);
-                *self = WorkerSet::Heap(Box::new(v));
+                let all = [ids[0], ids[1], ids[2], w.0];
+                *self = Self::from_ids(&all);
             }
-            WorkerSet::Heap(v) => v.push(w.0),
+            WorkerSet::Mask(m) if k == 0 => *m |= b,
+            WorkerSet::Mask(m) => {
+                let mut v = vec![0; k + 1];
+                v[0] = *m;
+                v[k] = b;
+                *self = WorkerSet::Bits(Box::new(v));
+            }
+            WorkerSet::Bits(v) => {
+                if v.len() <= k {
+                    v.resize(k + 1, 0);
+                }
+                v[k] |= b;
+            }
         }
         true
     }
 
-    /// Removes `w`; false if it was absent. Order is not preserved.
+    /// A bitset holding `ids` (more than [`INLINE`] of them).
+    fn from_ids(ids: &[u32]) -> Self {
+        let words = ids.iter().map(|&w| split(w).0).max().unwrap_or(0) + 1;
+        if words == 1 {
+            WorkerSet::Mask(ids.iter().fold(0, |m, &w| m | split(w).1))
+        } else {
+            let mut v = vec![0u64; words];
+            for &w in ids {
+                let (k, b) = split(w);
+                v[k] |= b;
+            }
+            WorkerSet::Bits(Box::new(v))
+        }
+    }
+
+    /// Removes `w`; false if it was absent.
     pub(crate) fn remove(&mut self, w: WorkerId) -> bool {
+        let (k, b) = split(w.0);
         match self {
             WorkerSet::Inline { len, ids } => {
                 let n = *len as usize;
@@ -74,21 +174,39 @@ impl WorkerSet {
                 };
                 ids[pos] = ids[n - 1];
                 *len -= 1;
+                return true;
             }
-            WorkerSet::Heap(v) => {
-                let Some(pos) = v.iter().position(|&x| x == w.0) else {
+            WorkerSet::Mask(m) => {
+                if k != 0 || *m & b == 0 {
                     return false;
-                };
-                v.swap_remove(pos);
-                if v.len() <= INLINE {
-                    let mut ids = [0; INLINE];
-                    ids[..v.len()].copy_from_slice(v);
-                    *self = WorkerSet::Inline {
-                        len: v.len() as u8,
-                        ids,
-                    };
+                }
+                *m &= !b;
+            }
+            WorkerSet::Bits(v) => {
+                match v.get_mut(k) {
+                    Some(x) if *x & b != 0 => *x &= !b,
+                    _ => return false,
+                }
+                while v.last() == Some(&0) {
+                    v.pop();
+                }
+                if v.len() == 1 {
+                    *self = WorkerSet::Mask(v[0]);
                 }
             }
+        }
+        // Back to inline once small enough (keeps the common case allocation-free).
+        if self.len() <= INLINE {
+            let mut ids = [0; INLINE];
+            let mut len = 0;
+            for w in self.iter() {
+                ids[len] = w.0;
+                len += 1;
+            }
+            *self = WorkerSet::Inline {
+                len: len as u8,
+                ids,
+            };
         }
         true
     }
@@ -96,8 +214,8 @@ impl WorkerSet {
     /// Heap bytes owned beyond the inline 16 bytes.
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {
-            WorkerSet::Inline { .. } => 0,
-            WorkerSet::Heap(v) => std::mem::size_of::<Vec<u32>>() + v.capacity() * 4,
+            WorkerSet::Bits(v) => std::mem::size_of::<Vec<u64>>() + v.capacity() * 8,
+            _ => 0,
         }
     }
 }
@@ -105,6 +223,8 @@ impl WorkerSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn sixteen_bytes() {
@@ -112,21 +232,55 @@ mod tests {
     }
 
     #[test]
-    fn spill_and_shrink() {
+    fn inline_mask_and_bits() {
         let mut s = WorkerSet::default();
         for w in 0..10 {
             assert!(s.insert(WorkerId(w)));
             assert!(!s.insert(WorkerId(w)));
         }
-        assert!(matches!(s, WorkerSet::Heap(_)));
+        assert!(matches!(s, WorkerSet::Mask(0x3ff)));
+        assert!(s.insert(WorkerId(200)));
+        assert!(matches!(s, WorkerSet::Bits(_)));
+        assert_eq!(s.word(3), 1 << 8);
+        assert!(s.remove(WorkerId(200)) && !s.remove(WorkerId(200)));
+        assert!(matches!(s, WorkerSet::Mask(0x3ff)));
         for w in 0..8 {
             assert!(s.remove(WorkerId(w)));
             assert!(!s.remove(WorkerId(w)));
         }
         assert!(matches!(s, WorkerSet::Inline { len: 2, .. }));
-        let mut left: Vec<u32> = s.as_slice().to_vec();
-        left.sort();
-        assert_eq!(left, [8, 9]);
+        assert_eq!(s.iter().map(|w| w.0).collect::<Vec<_>>(), [9, 8]);
         assert!(s.remove(WorkerId(8)) && s.remove(WorkerId(9)) && s.is_empty());
+    }
+
+    proptest! {
+        /// Any sequence of inserts and removes behaves like a `BTreeSet`, through every accessor.
+        #[test]
+        fn equals_btreeset(ops in prop::collection::vec((any::<bool>(), prop_oneof![0..8u32, 0..70u32, 0..300u32]), 0..80)) {
+            let mut s = WorkerSet::default();
+            let mut m = BTreeSet::new();
+            for (ins, w) in ops {
+                if ins {
+                    prop_assert_eq!(s.insert(WorkerId(w)), m.insert(w));
+                } else {
+                    prop_assert_eq!(s.remove(WorkerId(w)), m.remove(&w));
+                }
+                prop_assert_eq!(s.len(), m.len());
+                prop_assert_eq!(s.is_empty(), m.is_empty());
+                let got: BTreeSet<u32> = s.iter().map(|w| w.0).collect();
+                prop_assert_eq!(&got, &m);
+                for k in 0..6 {
+                    let want = m.iter().filter(|&&w| (w >> 6) as usize == k).fold(0u64, |a, &w| a | 1 << (w & 63));
+                    prop_assert_eq!(s.word(k), want);
+                }
+                for w in [0u32, 5, 63, 64, 129, 299] {
+                    prop_assert_eq!(s.contains(WorkerId(w)), m.contains(&w));
+                }
+                // Small sets never allocate; sets within the first 64 ids never allocate either.
+                if m.len() <= 3 || m.iter().all(|&w| w < 64) {
+                    prop_assert_eq!(s.heap_bytes(), 0);
+                }
+            }
+        }
     }
 }

@@ -1,0 +1,185 @@
+//! [`KvIndex::find_matches`]: each worker's longest prefix run, a 64-worker word at a time.
+//!
+//! The walk keeps the set of workers whose run is still unbroken as a bitset (`alive`, one `u64` per
+//! 64 worker ids). At block `i` it intersects `alive` with the block's [`WorkerSet`] word by word;
+//! workers that drop out get run `i`, and the walk stops when no word is left. So a block costs one
+//! map lookup plus O(words) — not O(workers holding it) — and the worst case (a long prefix held by
+//! every worker) is no longer a visit per (block, worker) pair. Only pairs that need a TTL check
+//! (approximate workers, unconfirmed predictions) are looked at one by one.
+//!
+//! The map lookups are issued a few blocks ahead of their use, in growing batches (1, 2, 4, … 16):
+//! they do not depend on each other, so the CPU overlaps their cache misses (the index is far larger
+//! than the caches; one miss per block dominated the latency), while a walk that stops early wastes
+//! fewer lookups than it made.
+
+use super::worker_set::{bits, WorkerSet};
+use super::{KvIndex, OverlapScores, WorkerIndex};
+use crate::BlockHash;
+use std::time::Instant;
+
+/// Largest lookup batch.
+const BATCH: usize = 16;
+
+impl KvIndex {
+    /// For the request's chained hashes, each worker's longest consecutive run of held blocks from
+    /// block 0, written to `out` (cleared first). Approximate blocks and unconfirmed predicted blocks
+    /// past their TTL at `now` do not count even before [`KvIndex::expire`] runs.
+    pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
+        out.clear();
+        let words = self.workers.len().div_ceil(64);
+        if hashes.is_empty() || words == 0 {
+            return;
+        }
+        let now_ns = self.ns(now);
+        let mut alive = std::mem::take(&mut out.alive);
+        alive.clear();
+        // Before block 0 every worker's run is unbroken (empty).
+        alive.resize(words, u64::MAX);
+        let mut walked = 0usize;
+        let mut batch = 1;
+        let mut sets: [Option<&WorkerSet>; BATCH] = [None; BATCH];
+        'walk: while walked < hashes.len() {
+            let chunk = &hashes[walked..hashes.len().min(walked + batch)];
+            for (s, h) in sets.iter_mut().zip(chunk) {
+                *s = self.blocks.get(h);
+            }
+            for (set, h) in sets.iter().zip(chunk) {
+                let Some(set) = set else {
+                    break 'walk;
+                };
+                if !self.step(set, *h, walked, now_ns, &mut alive, out) {
+                    out.alive = alive;
+                    return;
+                }
+                walked += 1;
+            }
+            batch = (batch * 2).min(BATCH);
+        }
+        // The request ended, or its next block is held by nobody: the survivors' runs are complete.
+        if walked > 0 {
+            for (k, &a) in alive.iter().enumerate() {
+                for w in bits(k, a) {
+                    out.set(w, walked as u32);
+                }
+            }
+        }
+        out.alive = alive;
+    }
+
+    /// Block `i` (hash `h`, holders `set`): keeps in `alive` the workers that hold it, records run
+    /// `i` for those that drop out. False when nobody is left.
+    #[inline]
+    fn step(
+        &self,
+        set: &WorkerSet,
+        h: BlockHash,
+        i: usize,
+        now_ns: u64,
+        alive: &mut [u64],
+        out: &mut OverlapScores,
+    ) -> bool {
+        let pred = if self.pred_blocks.is_empty() {
+            None
+        } else {
+            self.pred_blocks.get(&h)
+        };
+        let mut any = false;
+        for (k, a) in alive.iter_mut().enumerate() {
+            if *a == 0 {
+                continue;
+            }
+            let mut m = set.word(k) & *a;
+            if m != 0 {
+                let approx = self.approx_mask.get(k).copied().unwrap_or(0) & m;
+                let predicted = pred.map_or(0, |p| p.word(k)) & m;
+                for w in bits(k, approx | predicted) {
+                    let counts = match self.slot(w) {
+                        Some(WorkerIndex::Approx(ap)) => ap.is_live(h, now_ns),
+                        Some(WorkerIndex::Exact(ex)) => !ex.predicted.is_expired(h, now_ns),
+                        None => false,
+                    };
+                    if !counts {
+                        m &= !(1u64 << (w.0 & 63));
+                    }
+                }
+            }
+            if i > 0 {
+                for w in bits(k, *a & !m) {
+                    out.set(w, i as u32);
+                }
+            }
+            *a = m;
+            any |= m != 0;
+        }
+        any
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::hash::{block_hashes, BASE_SEED};
+    use crate::{ApproxConfig, IndexMode, KvIndex, OverlapScores, WorkerId};
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+    use std::time::{Duration, Instant};
+
+    /// Ids on both sides of word boundaries.
+    const IDS: [u32; 8] = [0, 1, 2, 63, 64, 65, 130, 200];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+        /// Workers in several words, each exact (events; optionally predictions too) or approximate,
+        /// holding arbitrary (not only prefix-shaped) subsets of a 6-block chain: the word-wise walk
+        /// gives every worker exactly its naive longest run, for any request length and query time.
+        #[test]
+        fn word_walk_equals_naive_runs(
+            workers in prop::collection::vec((0..4u8, prop::collection::vec(any::<bool>(), 6), prop::collection::vec(any::<bool>(), 6)), 8),
+            len in 0..7usize,
+            probe in 0..4u64,
+        ) {
+            const TTL: u64 = 2;
+            let t: Vec<u32> = (1..=12).collect();
+            let h = block_hashes(&t, 2, BASE_SEED);
+            let engine: Vec<u64> = (100..106).collect();
+            let t0 = Instant::now();
+            let mut ix = KvIndex::new();
+            ix.set_predicted_ttl(Duration::from_secs(TTL));
+            let mut want = BTreeMap::new();
+            for (&id, (kind, a, b)) in IDS.iter().zip(&workers) {
+                let w = WorkerId(id);
+                let pick = |m: &[bool]| -> Vec<u64> { (0..6).filter(|&i| m[i]).map(|i| h[i]).collect() };
+                let live = probe < TTL;
+                let held: Vec<bool> = match kind {
+                    0 => continue, // unknown worker
+                    1 => {
+                        ix.set_mode(w, IndexMode::Approximate(ApproxConfig { ttl: Duration::from_secs(TTL), capacity_blocks: 100 }));
+                        ix.record_routed(w, &pick(a), t0);
+                        a.iter().map(|&x| x && live).collect()
+                    }
+                    _ => {
+                        ix.apply_stored(w, None, &engine, &t, 2, BASE_SEED).unwrap();
+                        let gone: Vec<u64> = (0..6).filter(|&i| !a[i]).map(|i| engine[i]).collect();
+                        ix.apply_removed(w, &gone);
+                        if *kind == 3 {
+                            ix.record_predicted(w, &pick(b), t0);
+                            a.iter().zip(b).map(|(&x, &y)| x || (y && live)).collect()
+                        } else {
+                            a.clone()
+                        }
+                    }
+                };
+                let run = held[..len].iter().take_while(|&&x| x).count() as u32;
+                if run > 0 {
+                    want.insert(id, run);
+                }
+            }
+            let mut out = OverlapScores::new();
+            // Twice with the same buffer: scratch state must not leak between queries.
+            for _ in 0..2 {
+                ix.find_matches(&h[..len], t0 + Duration::from_secs(probe), &mut out);
+                let got: BTreeMap<u32, u32> = out.iter().map(|(w, r)| (w.0, r)).collect();
+                prop_assert_eq!(&got, &want);
+            }
+        }
+    }
+}
