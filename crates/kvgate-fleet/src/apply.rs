@@ -166,6 +166,9 @@ impl FleetSink for IndexSink {
     fn on_block_size(&self, worker: WorkerId, engine_block_size: u32, _configured: u32) {
         self.with(worker, |v| v.block_size_mismatch = Some(engine_block_size));
     }
+    fn on_block_size_agrees(&self, worker: WorkerId) {
+        self.with(worker, |v| v.block_size_mismatch = None);
+    }
     fn on_kv_events(&self, worker: WorkerId, batch: &KvEventBatch) {
         let out = apply_batch(&mut self.index.write(), worker, batch, self.block_size);
         self.with(worker, |v| {

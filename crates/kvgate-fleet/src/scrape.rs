@@ -112,7 +112,7 @@ impl Scraper {
     /// One scrape.
     pub async fn scrape(&mut self) -> Result<ScrapedLoad, ScrapeError> {
         let p = |path, err| ScrapeError::Parse { path, err };
-        let mut load = match self.kind {
+        let load = match self.kind {
             WorkerKind::Vllm => {
                 let t = self.fetch_prom("/metrics").await?;
                 vllm::parse(&prom_text::parse(&t)).map_err(|e| p("/metrics", e))?
@@ -167,15 +167,16 @@ impl Scraper {
                         .map_err(|e| p("/metrics", e))?,
                     // Without --metrics, the busy slots are the running requests.
                     Err(ScrapeError::Status { .. }) if slots.is_some() => ScrapedLoad {
-                        running: slots.map(|s| s.1),
+                        running: slots.map(|s| s.busy),
                         waiting: Some(0),
                         ..ScrapedLoad::default()
                     },
                     Err(e) => return Err(e),
                 };
-                if let Some((total, busy)) = slots {
-                    l.slots_total = Some(total);
-                    l.slots_busy = Some(busy);
+                if let Some(sl) = slots {
+                    l.slots_total = Some(sl.total);
+                    l.slots_busy = Some(sl.busy);
+                    l.kv_capacity_tokens = (sl.ctx_tokens > 0).then_some(sl.ctx_tokens);
                 }
                 l
             }
@@ -185,13 +186,17 @@ impl Scraper {
             }
             k @ (WorkerKind::Openai | WorkerKind::Auto) => return Err(ScrapeError::NoEndpoint(k)),
         };
-        load.scraped_at = Some(std::time::Instant::now());
-        Ok(load)
+        Ok(stamp(load))
     }
 }
 
 fn stamp(mut l: ScrapedLoad) -> ScrapedLoad {
     l.scraped_at = Some(std::time::Instant::now());
+    if l.kv_capacity_tokens.is_none() {
+        if let (Some(n), Some(bs)) = (l.num_gpu_blocks, l.block_size) {
+            l.kv_capacity_tokens = Some(n.saturating_mul(u64::from(bs)));
+        }
+    }
     l
 }
 
@@ -244,6 +249,10 @@ pub(crate) async fn run(
                         tracing::error!(worker = %name, engine_block_size = engine, configured = cfg,
                             "block size mismatch: worker excluded from KV scoring (still load-balanced)");
                         sink.on_block_size(worker, engine, cfg);
+                    } else if engine == cfg && reported_bs.is_some_and(|b| b != cfg) {
+                        tracing::info!(worker = %name, block_size = engine,
+                            "block size agrees again: worker back in KV scoring");
+                        sink.on_block_size_agrees(worker);
                     }
                     reported_bs = Some(engine);
                 }

@@ -19,6 +19,9 @@ pub struct ScrapedLoad {
     pub block_size: Option<u32>,
     /// KV capacity in blocks (summed over DP engines).
     pub num_gpu_blocks: Option<u64>,
+    /// KV capacity in tokens: blocks × block size, or llama.cpp's Σ slot `n_ctx` (one cached
+    /// prompt per slot). Sizes the approximate index in the pool's own blocks.
+    pub kv_capacity_tokens: Option<u64>,
     /// Prefix-cache counters in tokens (monotonic): queries and hits.
     pub prefix_cache_queries: Option<f64>,
     pub prefix_cache_hits: Option<f64>,
@@ -76,6 +79,9 @@ pub trait FleetSink: Send + Sync + 'static {
     /// The engine's block size differs from the configured one: exclude the worker from KV scoring
     /// (it is still load-balanced). Called once per distinct value seen.
     fn on_block_size(&self, worker: WorkerId, engine_block_size: u32, configured: u32);
+    /// After a mismatch, the engine reports the configured block size again (it was restarted with
+    /// the right setting, or the pool's block size changed): include it in KV scoring again.
+    fn on_block_size_agrees(&self, _worker: WorkerId) {}
     /// A decoded batch of KV events, in sequence order, gaps already replayed where possible.
     fn on_kv_events(&self, worker: WorkerId, batch: &KvEventBatch);
     /// Drop every index entry of the worker.

@@ -164,6 +164,44 @@ async fn fresh_load_stale_worker_and_block_size_mismatch() {
     .expect("shutdown does not hang on a stalled scrape");
 }
 
+/// The mismatch flag is not sticky: once the engine reports the pool's block size (restarted with
+/// the right setting), the worker is back in KV scoring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_size_mismatch_clears_when_a_later_scrape_agrees() {
+    let fixed = Arc::new(AtomicBool::new(false));
+    let f = fixed.clone();
+    let addr = serve(Arc::new(move |_, p| match p {
+        "/metrics" if f.load(Ordering::Relaxed) => ok(
+            "text/plain; version=0.0.4",
+            &fixture!("metrics_vllm_0.33.prom").replace("block_size=\"16\"", "block_size=\"32\""),
+        ),
+        "/metrics" => ok(
+            "text/plain; version=0.0.4",
+            fixture!("metrics_vllm_0.33.prom"),
+        ),
+        "/health" => ok("text/plain", ""),
+        _ => not_found(),
+    }))
+    .await;
+    let s = sink(32);
+    let mut c = MonitorConfig::new(WorkerId(0), format!("http://{addr}"), WorkerKind::Vllm);
+    fast(&mut c);
+    c.block_size = Some(32);
+    c.kv_events = KvEventsSource::Off;
+    let h = WorkerMonitor::spawn(c, s.clone());
+    until("mismatch reported", || {
+        s.view(WorkerId(0)).block_size_mismatch == Some(16)
+    })
+    .await;
+    fixed.store(true, Ordering::Relaxed);
+    until("mismatch cleared", || {
+        s.view(WorkerId(0)).block_size_mismatch.is_none()
+    })
+    .await;
+    assert_eq!(s.view(WorkerId(0)).load.unwrap().block_size, Some(32));
+    h.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_probe_llamacpp_and_trtllm_json_fallback() {
     let llama = serve(Arc::new(|_, p| match p {
@@ -202,10 +240,16 @@ async fn auto_probe_llamacpp_and_trtllm_json_fallback() {
         (l.running, l.slots_total, l.slots_busy),
         (Some(1), Some(2), Some(1))
     );
+    assert_eq!(l.kv_capacity_tokens, Some(8192), "two slots of n_ctx 4096");
     let t = s.view(WorkerId(1)).load.unwrap();
     assert_eq!(
         (t.running, t.waiting, t.block_size),
         (Some(4), Some(2), Some(32))
+    );
+    assert_eq!(
+        t.kv_capacity_tokens,
+        t.num_gpu_blocks.map(|n| n * 32),
+        "blocks × tokens per block"
     );
     ha.shutdown().await;
     hb.shutdown().await;

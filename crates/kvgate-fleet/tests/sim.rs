@@ -123,10 +123,19 @@ async fn until_agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) {
     while !agrees(sink, w, h).await {
         if tokio::time::Instant::now() > deadline {
             let (engine, _) = sim_view(h).await;
-            let got = sink.index.read().engine_hashes(w).len();
+            let got: BTreeSet<u64> = sink.index.read().engine_hashes(w).into_iter().collect();
+            let v = sink.view(w);
             panic!(
-                "index ({got} blocks) never matched the sim cache ({} blocks)",
-                engine.len()
+                "index ({} blocks) never matched the sim cache ({} blocks): {} missing, {} extra; \
+                 resets {:?}, last seq {:?}, batches {}, unknown parents {}",
+                got.len(),
+                engine.len(),
+                engine.difference(&got).count(),
+                got.difference(&engine).count(),
+                v.resets,
+                v.last_seq,
+                v.batches,
+                v.unknown_parents
             );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -305,7 +314,11 @@ async fn relay(
     let (cut, rx) = tokio::sync::watch::channel(0u64);
     let task = tokio::spawn(async move {
         let mut conns = tokio::task::JoinSet::new();
-        while let Ok((mut c, _)) = l.accept().await {
+        loop {
+            // A peer that closes before accept (ECONNABORTED) must not end the relay.
+            let Ok((mut c, _)) = l.accept().await else {
+                continue;
+            };
             let mut rx = rx.clone();
             rx.borrow_and_update();
             conns.spawn(async move {

@@ -28,12 +28,27 @@ pub fn parse_metrics(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
 struct Slot {
     #[serde(default)]
     is_processing: bool,
+    /// The slot's context (tokens): `--ctx-size` ÷ `--parallel`.
+    #[serde(default)]
+    n_ctx: u64,
 }
 
-/// `(slots_total, slots_busy)` from `/slots`.
-pub fn parse_slots(body: &[u8]) -> Result<(u32, u32), ParseError> {
+/// What `/slots` says about capacity and use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slots {
+    pub total: u32,
+    pub busy: u32,
+    /// Σ `n_ctx`: the most tokens the server's KV cache can hold. llama.cpp keeps one prompt per
+    /// slot (the last one it served), so this bounds what a router may believe it has cached.
+    pub ctx_tokens: u64,
+}
+
+pub fn parse_slots(body: &[u8]) -> Result<Slots, ParseError> {
     let slots: Vec<Slot> =
         serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
-    let busy = slots.iter().filter(|s| s.is_processing).count();
-    Ok((slots.len() as u32, busy as u32))
+    Ok(Slots {
+        total: slots.len() as u32,
+        busy: slots.iter().filter(|s| s.is_processing).count() as u32,
+        ctx_tokens: slots.iter().map(|s| s.n_ctx).sum(),
+    })
 }

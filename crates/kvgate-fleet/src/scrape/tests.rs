@@ -79,7 +79,11 @@ fn llamacpp_metrics_and_slots() {
     assert_eq!((l.running, l.waiting), (Some(1), Some(0)));
     assert_eq!(
         llamacpp::parse_slots(fixture!("llamacpp_slots.json").as_bytes()).unwrap(),
-        (2, 1)
+        llamacpp::Slots {
+            total: 2,
+            busy: 1,
+            ctx_tokens: 8192
+        }
     );
     assert!(llamacpp::parse_slots(b"{}").is_err());
 }
@@ -126,10 +130,18 @@ fn real_llamacpp_samples() {
     );
     assert_eq!(
         llamacpp::parse_slots(fixture!("llamacpp_slots_real_busy.json").as_bytes()).unwrap(),
-        (2, 1)
+        llamacpp::Slots {
+            total: 2,
+            busy: 1,
+            ctx_tokens: 4096
+        }
     );
     assert_eq!(
         llamacpp::parse_slots(fixture!("llamacpp_slots_real.json").as_bytes()).unwrap(),
-        (2, 0)
+        llamacpp::Slots {
+            total: 2,
+            busy: 0,
+            ctx_tokens: 4096
+        }
     );
 }

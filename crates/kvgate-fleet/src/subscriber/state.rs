@@ -140,7 +140,15 @@ impl State {
     fn check_block_size(&mut self, bs: u32, blocks: usize, tokens: usize) {
         let Some(cfg) = self.s.block_size else { return };
         // Only full blocks say anything about the block size (SGLang's last page may be short).
-        if bs == cfg || bs == 0 || tokens != blocks * bs as usize || self.reported_bs == Some(bs) {
+        if bs == 0 || tokens != blocks * bs as usize || self.reported_bs == Some(bs) {
+            return;
+        }
+        if bs == cfg {
+            if self.reported_bs.take().is_some() {
+                tracing::info!(worker = %self.name, block_size = bs,
+                    "KV events use the configured block size again: worker back in KV scoring");
+                self.sink.on_block_size_agrees(self.worker);
+            }
             return;
         }
         self.reported_bs = Some(bs);
