@@ -32,20 +32,32 @@ pub fn hash_seed(lora: Option<&str>, salt: Option<&str>) -> u64 {
 
 /// The local (unchained) hash of one block: xxh3-64 over the tokens as little-endian `u32`.
 pub fn local_block_hash(tokens: &[u32], seed: u64) -> u64 {
-    let mut buf = [0u8; STACK_TOKENS * 4];
-    if tokens.len() <= STACK_TOKENS {
-        let bytes = fill_le(&mut buf, tokens);
-        return xxh3_64_with_seed(bytes, seed);
+    // A stack buffer just large enough for the common block sizes: zeroing a 1 KiB buffer for a
+    // 16-token block cost more than hashing it.
+    match tokens.len() {
+        0..=16 => hash_le::<64>(tokens, seed),
+        17..=64 => hash_le::<256>(tokens, seed),
+        65..=STACK_TOKENS => hash_le::<{ STACK_TOKENS * 4 }>(tokens, seed),
+        _ => {
+            // Large blocks (e.g. 512-token blocks, hybrid models): stream, still allocation-free.
+            let mut buf = [0u8; STACK_TOKENS * 4];
+            let mut h = Xxh3::with_seed(seed);
+            for chunk in tokens.chunks(STACK_TOKENS) {
+                h.update(fill_le(&mut buf, chunk));
+            }
+            h.digest()
+        }
     }
-    // Large blocks (e.g. 512-token blocks, hybrid models): stream, still allocation-free.
-    let mut h = Xxh3::with_seed(seed);
-    for chunk in tokens.chunks(STACK_TOKENS) {
-        h.update(fill_le(&mut buf, chunk));
-    }
-    h.digest()
 }
 
-fn fill_le<'a>(buf: &'a mut [u8; STACK_TOKENS * 4], tokens: &[u32]) -> &'a [u8] {
+/// One-shot xxh3 of `tokens` (at most `N / 4` of them) as little-endian bytes.
+#[inline]
+fn hash_le<const N: usize>(tokens: &[u32], seed: u64) -> u64 {
+    let mut buf = [0u8; N];
+    xxh3_64_with_seed(fill_le(&mut buf, tokens), seed)
+}
+
+fn fill_le<'a, const N: usize>(buf: &'a mut [u8; N], tokens: &[u32]) -> &'a [u8] {
     for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
         dst.copy_from_slice(&t.to_le_bytes());
     }
@@ -136,10 +148,18 @@ mod tests {
     }
 
     #[test]
-    fn streamed_large_blocks_match_one_shot() {
-        let tokens: Vec<u32> = (0..1000u32).map(|t| t.wrapping_mul(2654435761)).collect();
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        assert_eq!(local_block_hash(&tokens, 99), xxh3_64_with_seed(&bytes, 99));
+    fn every_buffer_size_matches_one_shot() {
+        // Each stack-buffer size class at its edges, and the streamed path.
+        let all: Vec<u32> = (0..1000u32).map(|t| t.wrapping_mul(2654435761)).collect();
+        for n in [0, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000] {
+            let tokens = &all[..n];
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            assert_eq!(
+                local_block_hash(tokens, 99),
+                xxh3_64_with_seed(&bytes, 99),
+                "{n}"
+            );
+        }
     }
 
     #[test]

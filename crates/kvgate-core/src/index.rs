@@ -201,12 +201,13 @@ fn link(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
 }
 
 fn unlink(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
-    let Some(set) = blocks.get_mut(&h) else {
+    // One probe: the entry both finds the set and removes it once empty.
+    let std::collections::hash_map::Entry::Occupied(mut e) = blocks.entry(h) else {
         return false;
     };
-    let removed = set.remove(w);
-    if set.is_empty() {
-        blocks.remove(&h);
+    let removed = e.get_mut().remove(w);
+    if e.get().is_empty() {
+        e.remove();
     }
     removed
 }
@@ -657,7 +658,11 @@ fn release(
     r: BlockHash,
     worker: WorkerId,
 ) -> bool {
-    if let Some(n) = ex.extra_refs.get_mut(&r) {
+    // `extra_refs` is empty in practice: skip even hashing into it.
+    if let Some(n) = (!ex.extra_refs.is_empty())
+        .then(|| ex.extra_refs.get_mut(&r))
+        .flatten()
+    {
         *n -= 1;
         if *n == 0 {
             ex.extra_refs.remove(&r);

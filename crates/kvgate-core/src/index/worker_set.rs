@@ -13,7 +13,10 @@ const INLINE: usize = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum WorkerSet {
-    Inline { len: u8, ids: [u32; INLINE] },
+    Inline {
+        len: u8,
+        ids: [u32; INLINE],
+    },
     Mask(u64),
     /// Boxed so the enum stays 16 bytes (a bare `Vec` would make every entry 32).
     #[allow(clippy::box_collection)]
