@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub reload_poll_ms: u64,
     /// One JSON log line per request on stdout (target `kvgate::request`).
     pub request_log: bool,
+    /// Threads serving client connections, each with its own single-threaded runtime and worker
+    /// connection pool (0 = one per CPU core).
+    pub io_threads: usize,
     pub tls: Option<TlsConfig>,
 }
 
@@ -60,6 +63,7 @@ impl Default for ServerConfig {
             shutdown_grace_s: 30,
             reload_poll_ms: 2000,
             request_log: true,
+            io_threads: 0,
             tls: None,
         }
     }

@@ -69,6 +69,9 @@ pub struct RequestCtx {
     /// Canonical model name (label); "unknown" until the pool is found.
     pub model: Lbl,
     pub stream: bool,
+    /// The gateway added `stream_options.include_usage` for its own counting: the usage-only
+    /// chunk is not the client's and is stripped from its stream.
+    pub strip_usage: bool,
     pub worker: Option<Arc<Worker>>,
     pub attempts: u32,
     pub queue_wait: Duration,
@@ -99,6 +102,7 @@ impl RequestCtx {
             endpoint,
             model: unknown,
             stream: false,
+            strip_usage: false,
             worker: None,
             attempts: 0,
             queue_wait: Duration::ZERO,

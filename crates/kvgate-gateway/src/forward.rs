@@ -2,9 +2,11 @@
 //! building the upstream request from the client's (the body bytes are the client's, unchanged),
 //! hop-by-hop header stripping, and the retry budget.
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -12,7 +14,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Uri};
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::TokioExecutor;
 use prometheus_client::metrics::histogram::Histogram;
 use tower::Service;
@@ -20,8 +22,32 @@ use tower::Service;
 use crate::body::UpstreamBody;
 use crate::config::UpstreamConfig;
 use crate::registry::Worker;
+use crate::state::AppState;
 
 pub type UpstreamClient = Client<TimedConnector, UpstreamBody>;
+
+thread_local! {
+    /// This io thread's own pool, for the gateway it was installed for (`Weak` keeps the address
+    /// from being reused by another gateway in the same process, e.g. in tests).
+    static THREAD_CLIENT: RefCell<Option<(Weak<AppState>, UpstreamClient)>> =
+        const { RefCell::new(None) };
+}
+
+/// Give the current (io) thread its own worker connection pool: its connections' tasks then run
+/// on this thread's runtime, next to the requests that use them.
+pub fn install_thread_client(app: &Arc<AppState>) {
+    let cfg = app.registry.config();
+    let c = client(&cfg.upstream, app.metrics.upstream_connect.clone());
+    THREAD_CLIENT.with(|t| *t.borrow_mut() = Some((Arc::downgrade(app), c)));
+}
+
+/// Send `req` through this thread's pool if it has one for `app`, else the shared one.
+pub fn send(app: &Arc<AppState>, req: Request<UpstreamBody>) -> ResponseFuture {
+    THREAD_CLIENT.with(|t| match &*t.borrow() {
+        Some((w, c)) if std::ptr::eq(w.as_ptr(), Arc::as_ptr(app)) => c.request(req),
+        _ => app.client.request(req),
+    })
+}
 
 pub fn client(cfg: &UpstreamConfig, connect_hist: Histogram) -> UpstreamClient {
     let mut http = HttpConnector::new();

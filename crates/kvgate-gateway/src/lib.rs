@@ -106,6 +106,13 @@ impl Gateway {
         let builder = Arc::new(server::conn_builder(&server_cfg));
         let a = app.clone();
         let handler = move |req| server::route(a.clone(), req);
+        let io_threads = match server_cfg.io_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let a = app.clone();
+        let thread_init: Arc<dyn Fn() + Send + Sync> =
+            Arc::new(move || forward::install_thread_client(&a));
         tasks.push(tokio::spawn(server::serve(
             listener,
             builder.clone(),
@@ -113,6 +120,10 @@ impl Gateway {
             handler,
             shutdown.clone(),
             grace,
+            server::ServeOpts {
+                io_threads,
+                thread_init: Some(thread_init),
+            },
         )));
 
         let mut admin_addr = None;
@@ -135,6 +146,7 @@ impl Gateway {
                 handler,
                 shutdown.clone(),
                 grace,
+                server::ServeOpts::default(),
             )));
         }
         tasks.push(tokio::spawn(discovery::run(app.clone(), refresh)));

@@ -45,6 +45,8 @@ pub struct MockConfig {
     pub die_after: Option<usize>,
     /// Report this many cached prompt tokens in usage.
     pub cached_tokens: u64,
+    /// Streams: send every event in pieces of at most this many bytes (lines split across chunks).
+    pub chunk_bytes: Option<usize>,
 }
 
 impl Default for MockConfig {
@@ -57,6 +59,7 @@ impl Default for MockConfig {
             status: None,
             die_after: None,
             cached_tokens: 0,
+            chunk_bytes: None,
         }
     }
 }
@@ -106,6 +109,11 @@ impl MockBuilder {
         self.cfg.cached_tokens = n;
         self
     }
+    pub fn chunk_bytes(mut self, n: usize) -> Self {
+        self.cfg.chunk_bytes = Some(n.max(1));
+        self
+    }
+
     pub fn addr(mut self, a: SocketAddr) -> Self {
         self.addr = a;
         self
@@ -331,7 +339,7 @@ async fn handle(s: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
                     r#"data: {{"id":"cmpl-mock","object":"text_completion","created":0,"model":"{model}","choices":[{{"index":0,"text":"tok ","finish_reason":null}}]}}"#
                 )
             };
-            if tx.send(Ok(Bytes::from(ev + "\n\n"))).await.is_err() {
+            if !send_event(&tx, ev + "\n\n", cfg.chunk_bytes).await {
                 return; // client (the gateway) went away: stop generating
             }
         }
@@ -342,11 +350,11 @@ async fn handle(s: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
                 "text_completion"
             };
             let ev = format!("data: {{\"id\":\"mock\",\"object\":\"{obj}\",\"created\":0,\"model\":\"{model}\",\"choices\":[],\"usage\":{usage}}}\n\n");
-            if tx.send(Ok(Bytes::from(ev))).await.is_err() {
+            if !send_event(&tx, ev, cfg.chunk_bytes).await {
                 return;
             }
         }
-        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        send_event(&tx, "data: [DONE]\n\n".into(), cfg.chunk_bytes).await;
     });
     let mut r = Response::new(MockBody::Stream(rx));
     r.headers_mut().insert(
@@ -354,6 +362,25 @@ async fn handle(s: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
         HeaderValue::from_static("text/event-stream"),
     );
     r
+}
+
+/// Send one event, whole or in pieces of `chunk` bytes; false once the receiver is gone.
+async fn send_event(
+    tx: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+    ev: String,
+    chunk: Option<usize>,
+) -> bool {
+    let ev = Bytes::from(ev);
+    let n = chunk.unwrap_or(ev.len()).max(1);
+    let mut at = 0;
+    while at < ev.len() {
+        let end = (at + n).min(ev.len());
+        if tx.send(Ok(ev.slice(at..end))).await.is_err() {
+            return false;
+        }
+        at = end;
+    }
+    true
 }
 
 fn json(status: StatusCode, body: Vec<u8>) -> Response<MockBody> {

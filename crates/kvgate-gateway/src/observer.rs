@@ -38,12 +38,46 @@ pub struct ObservedBody {
 
 enum Scan {
     /// `text/event-stream`: incomplete last line carried over between chunks.
-    Sse { partial: Vec<u8>, saw_done: bool },
+    Sse {
+        partial: Vec<u8>,
+        saw_done: bool,
+        strip: Option<Strip>,
+    },
     /// JSON document: the last `TAIL_KEEP` bytes.
     Json { tail: Vec<u8> },
 }
 
+/// Removes the usage-only event that the gateway itself asked for (`include_usage` spliced into the
+/// request) from the client's stream. Works on whole lines, so a line split across worker chunks is
+/// held until it is complete; every other byte is delivered unchanged and in order.
+#[derive(Default)]
+struct Strip {
+    /// Bytes of the current worker chunk to deliver.
+    out: Vec<u8>,
+    /// A usage-only `data:` line was dropped: drop the blank line ending its event too.
+    skip_blank: bool,
+    /// The current line outgrew `MAX_LINE`: pass it through unexamined up to its newline.
+    raw: bool,
+}
+
+impl Strip {
+    fn line(&mut self, line: &[u8], usage_only: bool) {
+        if usage_only {
+            self.skip_blank = true;
+            return;
+        }
+        let blank = line.strip_suffix(b"\r").unwrap_or(line).is_empty();
+        if std::mem::take(&mut self.skip_blank) && blank {
+            return;
+        }
+        self.out.extend_from_slice(line);
+        self.out.push(b'\n');
+    }
+}
+
 impl ObservedBody {
+    /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
+    /// usage-only event is removed on the way to the client.
     pub fn new(
         inner: Incoming,
         ctx: RequestCtx,
@@ -55,6 +89,7 @@ impl ObservedBody {
         } else {
             None
         };
+        let strip = ctx.strip_usage.then(Strip::default);
         ObservedBody {
             inner,
             ctx,
@@ -63,6 +98,7 @@ impl ObservedBody {
                 Scan::Sse {
                     partial: Vec::new(),
                     saw_done: false,
+                    strip,
                 }
             } else {
                 Scan::Json { tail: Vec::new() }
@@ -84,34 +120,89 @@ impl ObservedBody {
                     tail.extend_from_slice(data);
                 }
             }
-            Scan::Sse { partial, saw_done } => {
+            Scan::Sse {
+                partial,
+                saw_done,
+                strip,
+            } => {
                 let now = Instant::now();
                 let mut rest = data;
+                if let Some(st) = strip.as_mut().filter(|st| st.raw) {
+                    match memchr::memchr(b'\n', rest) {
+                        Some(i) => {
+                            st.out.extend_from_slice(&rest[..=i]);
+                            st.raw = false;
+                            rest = &rest[i + 1..];
+                        }
+                        None => {
+                            st.out.extend_from_slice(rest);
+                            return;
+                        }
+                    }
+                }
                 // Complete the carried-over line first.
                 if !partial.is_empty() {
                     match memchr::memchr(b'\n', rest) {
                         Some(i) => {
                             partial.extend_from_slice(&rest[..i]);
-                            let line = std::mem::take(partial);
-                            sse_line(&line, &mut self.ctx, saw_done, now);
+                            let usage_only = sse_line(partial, &mut self.ctx, saw_done, now);
+                            if let Some(st) = strip {
+                                st.line(partial, usage_only);
+                            }
+                            partial.clear();
                             rest = &rest[i + 1..];
                         }
                         None => {
                             if partial.len() + rest.len() <= MAX_LINE {
                                 partial.extend_from_slice(rest);
+                            } else if let Some(st) = strip {
+                                st.out.extend_from_slice(partial);
+                                st.out.extend_from_slice(rest);
+                                partial.clear();
+                                st.raw = true;
                             }
                             return;
                         }
                     }
                 }
                 while let Some(i) = memchr::memchr(b'\n', rest) {
-                    sse_line(&rest[..i], &mut self.ctx, saw_done, now);
+                    let usage_only = sse_line(&rest[..i], &mut self.ctx, saw_done, now);
+                    if let Some(st) = strip {
+                        st.line(&rest[..i], usage_only);
+                    }
                     rest = &rest[i + 1..];
                 }
-                if !rest.is_empty() && rest.len() <= MAX_LINE {
-                    partial.extend_from_slice(rest);
+                if !rest.is_empty() {
+                    if rest.len() <= MAX_LINE {
+                        partial.extend_from_slice(rest);
+                    } else if let Some(st) = strip {
+                        st.out.extend_from_slice(rest);
+                        st.raw = true;
+                    }
                 }
             }
+        }
+    }
+
+    /// Stripping: what to deliver of the chunk just observed (`None`: deliver the chunk as is).
+    fn take_out(&mut self) -> Option<Bytes> {
+        match &mut self.scan {
+            Scan::Sse {
+                strip: Some(st), ..
+            } => Some(Bytes::from(std::mem::take(&mut st.out))),
+            _ => None,
+        }
+    }
+
+    /// Stripping: a last line without newline, held back, goes out when the stream ends.
+    fn take_held(&mut self) -> Option<Bytes> {
+        match &mut self.scan {
+            Scan::Sse {
+                partial,
+                strip: Some(_),
+                ..
+            } if !partial.is_empty() => Some(Bytes::from(std::mem::take(partial))),
+            _ => None,
         }
     }
 
@@ -135,29 +226,34 @@ impl ObservedBody {
 }
 
 /// One SSE line: `data: {...}` events are classified; comments and other fields are ignored.
-fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant) {
+/// Returns true for the usage-only chunk (`"choices":[]` with `usage`) `include_usage` adds.
+fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant) -> bool {
     let line = line.strip_suffix(b"\r").unwrap_or(line);
     let Some(payload) = line.strip_prefix(b"data:") else {
-        return;
+        return false;
     };
     let payload = payload.strip_prefix(b" ").unwrap_or(payload);
     if payload == b"[DONE]" {
         *saw_done = true;
-        return;
+        return false;
     }
     if payload.starts_with(b"{\"error\"")
         || memmem::find(payload, b"\"object\":\"error\"").is_some()
     {
         ctx.error = Some("upstream_stream");
-        return;
+        return false;
     }
-    if let Some(u) = usage_in(payload) {
-        ctx.usage = Some(u);
+    let usage = usage_in(payload);
+    let has_usage = usage.is_some();
+    if usage.is_some() {
+        ctx.usage = usage;
     }
     // The usage-only chunk (`"choices":[]`) is not a token.
-    if memmem::find(payload, b"\"choices\":[]").is_none() {
+    let no_choices = memmem::find(payload, b"\"choices\":[]").is_some();
+    if !no_choices {
         ctx.on_token(now);
     }
+    has_usage && no_choices
 }
 
 /// Parse the last `"usage":{...}` object in `buf`. A raw `"usage":` cannot occur inside a JSON
@@ -189,48 +285,61 @@ impl Body for ObservedBody {
         if this.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.observe(data);
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(mut frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        this.observe(data);
+                        if let Some(out) = this.take_out() {
+                            frame = Frame::data(out);
+                        }
+                    }
+                    if let Some((sleep, d)) = &mut this.idle {
+                        sleep.as_mut().reset(tokio::time::Instant::now() + *d);
+                    }
+                    // A body of known length ends with its last data frame: hyper stops polling
+                    // once it has sent content-length bytes, so waiting for `None` would record a
+                    // complete response as cancelled when the body is dropped.
+                    if this.inner.is_end_stream() {
+                        this.done = true;
+                        this.pending = this.take_held();
+                        this.finish_ok();
+                    }
+                    if frame.data_ref().is_some_and(|d| d.is_empty()) {
+                        // Everything in this chunk was held back or stripped.
+                        if this.done {
+                            return Poll::Ready(this.pending.take().map(|b| Ok(Frame::data(b))));
+                        }
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                if let Some((sleep, d)) = &mut this.idle {
-                    sleep.as_mut().reset(tokio::time::Instant::now() + *d);
+                Poll::Ready(Some(Err(e))) => {
+                    return if matches!(this.scan, Scan::Sse { .. }) {
+                        this.fail_stream(&format!("worker connection failed mid-stream: {e}"))
+                    } else {
+                        this.done = true;
+                        this.ctx.error = Some("upstream_body");
+                        this.ctx.finish(Outcome::StreamError);
+                        Poll::Ready(Some(Err(e)))
+                    };
                 }
-                // A body of known length ends with its last data frame: hyper stops polling once
-                // it has sent content-length bytes, so waiting for `None` would record a complete
-                // response as cancelled when the body is dropped.
-                if this.inner.is_end_stream() {
+                Poll::Ready(None) => {
                     this.done = true;
                     this.finish_ok();
+                    return Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))));
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                if matches!(this.scan, Scan::Sse { .. }) {
-                    this.fail_stream(&format!("worker connection failed mid-stream: {e}"))
-                } else {
-                    this.done = true;
-                    this.ctx.error = Some("upstream_body");
-                    this.ctx.finish(Outcome::StreamError);
-                    Poll::Ready(Some(Err(e)))
-                }
-            }
-            Poll::Ready(None) => {
-                this.done = true;
-                this.finish_ok();
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if let Some((sleep, d)) = &mut this.idle {
-                    if sleep.as_mut().poll(cx).is_ready() {
-                        let secs = d.as_secs_f64();
-                        return this.fail_stream(&format!(
-                            "worker sent nothing for {secs:.0} s mid-stream"
-                        ));
+                Poll::Pending => {
+                    if let Some((sleep, d)) = &mut this.idle {
+                        if sleep.as_mut().poll(cx).is_ready() {
+                            let secs = d.as_secs_f64();
+                            return this.fail_stream(&format!(
+                                "worker sent nothing for {secs:.0} s mid-stream"
+                            ));
+                        }
                     }
+                    return Poll::Pending;
                 }
-                Poll::Pending
             }
         }
     }

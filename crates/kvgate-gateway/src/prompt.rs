@@ -6,7 +6,14 @@
 //! routing needs (`kvgate_realised_cached_ratio` vs `kvgate_predicted_overlap_ratio` shows how well).
 //!
 //! A tokenizer *backend* failure does not fail the request: it is routed on load alone (no hashes).
+//!
+//! Bodies above [`OFFLOAD_BODY_BYTES`] are tokenized on tokio's blocking pool
+//! ([`route_input_offloaded`]): a 100k-token prompt takes milliseconds to tens of milliseconds to
+//! tokenize, and on an io thread that would stall every other request on it.
 
+use std::sync::Arc;
+
+use bytes::Bytes;
 use kvgate_core::{block_hashes_into, hash_seed};
 use kvgate_protocol::openai::{RequestError, RequestView};
 use kvgate_tokenize::{ModelTokenizer, TokenizeError};
@@ -19,6 +26,36 @@ pub struct RouteInput {
     pub hashes: Vec<u64>,
     pub isl: u64,
     pub affinity: Option<u64>,
+}
+
+/// Request bodies larger than this are tokenized off the io threads.
+pub const OFFLOAD_BODY_BYTES: usize = 16 << 10;
+
+/// [`route_input`], on the blocking pool when `body` is larger than [`OFFLOAD_BODY_BYTES`]
+/// (`view` must have been parsed from `body`; the blocking task parses it again, which costs
+/// little next to tokenizing it).
+pub async fn route_input_offloaded(
+    body: &Bytes,
+    view: &RequestView<'_>,
+    endpoint: Endpoint,
+    block_size: u32,
+    tokenizer: &Arc<ModelTokenizer>,
+) -> Result<RouteInput, TokenizeError> {
+    if body.len() <= OFFLOAD_BODY_BYTES || endpoint == Endpoint::Embeddings {
+        return route_input(view, endpoint, block_size, tokenizer);
+    }
+    let (body, tokenizer) = (body.clone(), tokenizer.clone());
+    let task = tokio::task::spawn_blocking(move || {
+        let view = RequestView::parse(&body)?;
+        route_input(&view, endpoint, block_size, &tokenizer)
+    });
+    match task.await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "tokenizer task failed; routing on load only");
+            Ok(RouteInput::default())
+        }
+    }
 }
 
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
@@ -67,6 +104,62 @@ pub fn route_input(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A long prompt is tokenized on the blocking pool: on a single-threaded runtime, a small
+    /// request started after it finishes first. Deterministic: the small task is queued before the
+    /// big one can be woken again, and inline tokenization would finish the big one in its first
+    /// poll (this test then fails).
+    #[test]
+    fn long_prompts_do_not_block_the_io_thread() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let big = Bytes::from(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "lorem ipsum dolor sit amet ".repeat(20_000)
+        ));
+        let small =
+            Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#);
+        let t = Arc::new(ModelTokenizer::default());
+        let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        rt.block_on(async {
+            let mut tasks = Vec::new();
+            for (name, body) in [("big", big), ("small", small)] {
+                let (t, order) = (t.clone(), order.clone());
+                tasks.push(tokio::spawn(async move {
+                    let view = RequestView::parse(&body).unwrap();
+                    let ri = route_input_offloaded(&body, &view, Endpoint::Chat, 16, &t)
+                        .await
+                        .unwrap();
+                    order.lock().push(name);
+                    ri
+                }));
+            }
+            let mut res = Vec::new();
+            for task in tasks {
+                res.push(task.await.unwrap());
+            }
+            assert!(res[0].isl > 50_000, "big prompt tokenized: {}", res[0].isl);
+            assert!(res[1].isl > 0 && res[1].isl < 50);
+        });
+        assert_eq!(*order.lock(), ["small", "big"]);
+    }
+
+    #[tokio::test]
+    async fn offloaded_and_inline_agree() {
+        let body = Bytes::from(format!(
+            r#"{{"model":"m","cache_salt":"s","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "abc def ".repeat(4000)
+        ));
+        assert!(body.len() > OFFLOAD_BODY_BYTES);
+        let t = Arc::new(ModelTokenizer::default());
+        let view = RequestView::parse(&body).unwrap();
+        let a = route_input_offloaded(&body, &view, Endpoint::Chat, 16, &t)
+            .await
+            .unwrap();
+        let b = route_input(&view, Endpoint::Chat, 16, &t).unwrap();
+        assert_eq!((a.hashes, a.isl), (b.hashes, b.isl));
+    }
 
     #[test]
     fn shared_chat_prefix_shares_blocks() {

@@ -15,7 +15,7 @@ use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use kvgate_core::WorkerId;
-use kvgate_protocol::openai::RequestView;
+use kvgate_protocol::openai::{splice_include_usage, RequestView};
 
 use crate::admission::WaitError;
 use crate::body::GwBody;
@@ -23,7 +23,7 @@ use crate::ctx::{Endpoint, Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::forward;
 use crate::observer::ObservedBody;
-use crate::prompt::{route_input, RouteInput};
+use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::registry::Pool;
 use crate::router::{NoPick, Pick};
 use crate::state::AppState;
@@ -73,6 +73,13 @@ async fn route_and_forward(
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     })?;
     ctx.stream = view.stream;
+    // A stream whose client did not ask for usage: ask the worker anyway, so tokens and cached
+    // tokens are counted, and strip the extra usage-only event from the client's stream.
+    let spliced = (view.stream && ctx.endpoint != Endpoint::Embeddings)
+        .then(|| splice_include_usage(&bytes, &view))
+        .flatten()
+        .map(Bytes::from);
+    ctx.strip_usage = spliced.is_some();
     let fleet = app.registry.load_full();
     let Some(pool) = fleet.pool(&view.model).cloned() else {
         return Err(GatewayError::new(
@@ -84,7 +91,15 @@ async fn route_and_forward(
         ));
     };
     ctx.model = pool.model.clone();
-    let ri = route_input(&view, ctx.endpoint, pool.block_size, &pool.tokenizer).map_err(|e| {
+    let ri = route_input_offloaded(
+        &bytes,
+        &view,
+        ctx.endpoint,
+        pool.block_size,
+        &pool.tokenizer,
+    )
+    .await
+    .map_err(|e| {
         let param = match &e {
             kvgate_tokenize::TokenizeError::Request(r) => r.param(),
             _ => Some("messages"),
@@ -123,14 +138,19 @@ async fn route_and_forward(
         ctx.attempts += 1;
         let worker = pick.worker;
 
-        let up =
-            forward::upstream_request(&worker, &parts, &bytes, auth.enabled()).map_err(|e| {
-                GatewayError::new(
-                    ErrorKind::UpstreamIo,
-                    format!("building worker request: {e}"),
-                )
-            })?;
-        let result = match tokio::time::timeout(app.response_timeout, app.client.request(up)).await
+        let up = forward::upstream_request(
+            &worker,
+            &parts,
+            spliced.as_ref().unwrap_or(&bytes),
+            auth.enabled(),
+        )
+        .map_err(|e| {
+            GatewayError::new(
+                ErrorKind::UpstreamIo,
+                format!("building worker request: {e}"),
+            )
+        })?;
+        let result = match tokio::time::timeout(app.response_timeout, forward::send(app, up)).await
         {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,

@@ -83,6 +83,20 @@ pub fn conn_builder(cfg: &ServerConfig) -> auto::Builder<TokioExecutor> {
     b
 }
 
+/// How accepted connections are served.
+#[derive(Clone, Default)]
+pub struct ServeOpts {
+    /// 0: on the calling runtime. N: on N dedicated threads, each a single-threaded runtime;
+    /// connections are handed to them round-robin. A request then stays on one thread from the
+    /// client's socket to the worker's and back: no cross-thread wake-ups (futex, context switches)
+    /// per request, which was most of the gateway's CPU cost per request on a multi-thread runtime.
+    pub io_threads: usize,
+    /// Run first on each io thread (installs the thread's own worker connection pool).
+    pub thread_init: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+type Accepted = (std::net::TcpStream, SocketAddr);
+
 /// Serve `listener` until `shutdown` fires, then let open connections finish their in-flight
 /// requests for up to `grace`.
 pub async fn serve<F, Fut>(
@@ -92,11 +106,84 @@ pub async fn serve<F, Fut>(
     handler: F,
     shutdown: CancellationToken,
     grace: Duration,
+    opts: ServeOpts,
 ) where
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
-    let graceful = GracefulShutdown::new();
+    let mut threads = Vec::new();
+    let mut senders = Vec::new();
+    for i in 0..opts.io_threads {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Accepted>();
+        let (b, t, h, s, init) = (
+            builder.clone(),
+            tls.clone(),
+            handler.clone(),
+            shutdown.clone(),
+            opts.thread_init.clone(),
+        );
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvgate-io-{i}"))
+            .spawn(move || {
+                // IO and timers only: no signal/process driver to poll on every park.
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_io()
+                    .enable_time()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot start an io thread");
+                        return;
+                    }
+                };
+                if let Some(init) = init {
+                    init();
+                }
+                rt.block_on(io_thread(rx, b, t, h, s, grace));
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            Ok(_) => {
+                senders.push(tx);
+                threads.push(done_rx);
+            }
+            Err(e) => tracing::error!(error = %e, "cannot spawn an io thread"),
+        }
+    }
+    if senders.is_empty() {
+        let graceful = GracefulShutdown::new();
+        accept_loop(listener, &shutdown, |stream, peer| {
+            spawn_conn(&builder, &tls, &handler, stream, peer, &graceful)
+        })
+        .await;
+        drain(graceful, grace).await;
+        return;
+    }
+    let mut next = 0usize;
+    accept_loop(listener, &shutdown, |stream, peer| {
+        // A connection stays on the thread that got it; hand them out in turn.
+        match stream.into_std() {
+            Ok(s) => {
+                let _ = senders[next % senders.len()].send((s, peer));
+                next = next.wrapping_add(1);
+            }
+            Err(e) => tracing::debug!(%peer, error = %e, "cannot hand over connection"),
+        }
+    })
+    .await;
+    drop(senders);
+    for t in threads {
+        let _ = t.await;
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shutdown: &CancellationToken,
+    mut on_conn: impl FnMut(tokio::net::TcpStream, SocketAddr),
+) {
     loop {
         let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
             biased;
@@ -112,48 +199,91 @@ pub async fn serve<F, Fut>(
             },
         };
         let _ = stream.set_nodelay(true);
-        let h = handler.clone();
-        let svc = service_fn(move |req| {
-            let fut = h(req);
-            async move { Ok::<_, Infallible>(fut.await) }
-        });
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
-        match tls.clone() {
-            None => {
-                tokio::spawn(async move {
-                    let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(%peer, error = %e, "connection ended with error");
-                    }
-                });
-            }
-            Some(acc) => {
-                tokio::spawn(async move {
-                    let tls =
-                        match tokio::time::timeout(Duration::from_secs(10), acc.accept(stream))
-                            .await
-                        {
-                            Ok(Ok(s)) => s,
-                            Ok(Err(e)) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                                return;
-                            }
-                            Err(_) => return,
-                        };
-                    let conn = builder.serve_connection(TokioIo::new(tls), svc);
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(%peer, error = %e, "connection ended with error");
-                    }
-                });
-            }
-        }
+        on_conn(stream, peer);
     }
     drop(listener);
+}
+
+/// One io thread: serve the connections handed to it until shutdown, then drain them.
+async fn io_thread<F, Fut>(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Accepted>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    handler: F,
+    shutdown: CancellationToken,
+    grace: Duration,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<GwBody>> + Send + 'static,
+{
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (s, peer) = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            c = rx.recv() => match c {
+                Some(c) => c,
+                None => break,
+            },
+        };
+        match tokio::net::TcpStream::from_std(s) {
+            Ok(stream) => spawn_conn(&builder, &tls, &handler, stream, peer, &graceful),
+            Err(e) => tracing::debug!(%peer, error = %e, "cannot adopt connection"),
+        }
+    }
+    drain(graceful, grace).await;
+}
+
+async fn drain(graceful: GracefulShutdown, grace: Duration) {
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(grace) => {
             tracing::warn!("shutdown grace period over; closing remaining connections");
         }
     }
+}
+
+fn spawn_conn<F, Fut>(
+    builder: &Arc<auto::Builder<TokioExecutor>>,
+    tls: &Option<tokio_rustls::TlsAcceptor>,
+    handler: &F,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    graceful: &GracefulShutdown,
+) where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<GwBody>> + Send + 'static,
+{
+    let h = handler.clone();
+    let svc = service_fn(move |req| {
+        let fut = h(req);
+        async move { Ok::<_, Infallible>(fut.await) }
+    });
+    let builder = builder.clone();
+    let watcher = graceful.watcher();
+    let tls = tls.clone();
+    tokio::spawn(async move {
+        let r = match tls {
+            None => {
+                let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                watcher.watch(conn.into_owned()).await
+            }
+            Some(acc) => {
+                let tls =
+                    match tokio::time::timeout(Duration::from_secs(10), acc.accept(stream)).await {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                watcher.watch(conn.into_owned()).await
+            }
+        };
+        if let Err(e) = r {
+            tracing::debug!(%peer, error = %e, "connection ended with error");
+        }
+    });
 }

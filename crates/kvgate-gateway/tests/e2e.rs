@@ -477,3 +477,91 @@ async fn metrics_pass_promtool() {
 
     support::promtool_check(&text);
 }
+
+/// The usage-only event of `{"choices":[],"usage":{…}}` with the blank line that ends it.
+fn without_usage_event(stream: &str) -> String {
+    let mut out = String::new();
+    for ev in stream.split_inclusive("\n\n") {
+        if !(ev.contains("\"choices\":[]") && ev.contains("\"usage\":{")) {
+            out.push_str(ev);
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn include_usage_is_added_for_counting_and_stripped_for_the_client() {
+    // Events cut in 7-byte pieces: the usage line and its blank line arrive split across chunks.
+    let w = MockWorker::builder()
+        .tokens(3)
+        .cached_tokens(2)
+        .chunk_bytes(7)
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config_for(&[&w], "round_robin")).await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+
+    // 1. The client did not ask for usage: the worker is asked, the client does not see it.
+    let body = r#"{"model":"mock-model","stream":true,"x_vendor":{"keep":[1,2]},"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = post(&c, &url, body).await;
+    assert_eq!(r.status, 200);
+    let got = w.received();
+    let sent = std::str::from_utf8(&got[0].body).unwrap();
+    assert_eq!(
+        sent,
+        r#"{"stream_options":{"include_usage":true},"model":"mock-model","stream":true,"x_vendor":{"keep":[1,2]},"messages":[{"role":"user","content":"hi"}]}"#,
+        "include_usage spliced in, every other byte as sent"
+    );
+    let t = r.text();
+    assert!(
+        !t.contains("\"choices\":[]"),
+        "usage-only event stripped: {t}"
+    );
+    assert!(!t.contains("\"usage\":{"), "{t}");
+    assert_eq!(t.matches("data: {").count(), 3, "{t}");
+    assert!(t.ends_with("data: [DONE]\n\n"), "{t}");
+    // Byte for byte what the worker sent, minus its usage-only event.
+    let direct = post(
+        &c,
+        &format!("{}/v1/chat/completions", w.url()),
+        sent.to_owned(),
+    )
+    .await;
+    assert!(direct.text().contains("\"choices\":[]"));
+    assert_eq!(t, without_usage_event(&direct.text()));
+    // ... and the gateway counted the worker's usage (cached tokens come only from usage).
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.lines().any(
+            |l| l.starts_with("kvgate_cached_tokens_total{model=\"mock-model\"")
+                && l.ends_with(" 2")
+        ),
+        "{m}"
+    );
+    assert!(
+        m.lines().any(
+            |l| l.starts_with("kvgate_completion_tokens_total{model=\"mock-model\"")
+                && l.ends_with(" 3")
+        ),
+        "{m}"
+    );
+
+    // 2. The client asked for usage: body forwarded as is, stream delivered as the worker sent it.
+    let body = r#"{"model":"mock-model","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = post(&c, &url, body).await;
+    assert_eq!(r.status, 200);
+    let got = w.received();
+    assert_eq!(got.last().unwrap().body, body.as_bytes());
+    let direct = post(&c, &format!("{}/v1/chat/completions", w.url()), body).await;
+    assert_eq!(r.text(), direct.text(), "usage event delivered unchanged");
+    assert!(r.text().contains("\"choices\":[],\"usage\":{"));
+
+    // 3. Non-stream requests are never rewritten.
+    let body =
+        r#"{"model":"mock-model","stream":false,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(post(&c, &url, body).await.status, 200);
+    assert_eq!(w.received().last().unwrap().body, body.as_bytes());
+    gw.shutdown().await;
+}
