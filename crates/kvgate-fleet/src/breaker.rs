@@ -1,4 +1,6 @@
-//! Per-worker circuit breaker, fed by health probes and by request outcomes.
+//! Per-worker circuit breaker, fed by health probes and by request outcomes: the gateway shares one
+//! `Arc<Breaker>` per worker between its request path and the worker's monitor
+//! ([`crate::WorkerMonitor::spawn_with_breaker`]), so both kinds of failure count in one run.
 //!
 //! Closed → (N consecutive failures) → Open → (after `open_for`) → HalfOpen: one probe (a health check
 //! or one request) is let through; its success closes the breaker, its failure re-opens it. Time is
@@ -75,6 +77,22 @@ impl Breaker {
 
     pub fn state(&self) -> BreakerState {
         self.inner.lock().state
+    }
+
+    /// The state as routing sees it at `now`: an open breaker whose cool-down has passed reports
+    /// `HalfOpen` (traffic may probe it), even before a probe took the slot.
+    pub fn state_at(&self, now: Instant) -> BreakerState {
+        let g = self.inner.lock();
+        match g.state {
+            BreakerState::Open if g.opened_at.is_some_and(|t| now >= t + self.cfg.open_for) => {
+                BreakerState::HalfOpen
+            }
+            s => s,
+        }
+    }
+
+    pub fn config(&self) -> BreakerConfig {
+        self.cfg
     }
 
     /// Times the breaker has opened.
@@ -203,6 +221,21 @@ mod tests {
         assert!(b.record_success());
         assert_eq!(b.state(), BreakerState::Closed);
         assert!(b.try_acquire(later));
+    }
+
+    #[test]
+    fn state_at_reports_half_open_once_the_cool_down_passed() {
+        let b = b();
+        let t = Instant::now();
+        (0..3).for_each(|_| {
+            b.record_failure(t);
+        });
+        assert_eq!(b.state_at(t + Duration::from_secs(4)), BreakerState::Open);
+        assert_eq!(
+            b.state_at(t + Duration::from_secs(5)),
+            BreakerState::HalfOpen
+        );
+        assert_eq!(b.state(), BreakerState::Open, "no probe slot taken");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvgate_core::WorkerId;
 use tokio_util::sync::CancellationToken;
 
-use crate::breaker::Breaker;
+use crate::breaker::{Breaker, BreakerState};
 use crate::http::HttpClient;
 use crate::reset::ResetBus;
 use crate::sink::FleetSink;
@@ -86,8 +86,13 @@ pub(crate) async fn run(
         let now = Instant::now();
         if ok {
             inc(&stats.health_ok);
-            // An open breaker closes only through its half-open probe, after the cool-down.
-            if breaker.is_available(now) && breaker.try_acquire(now) && breaker.record_success() {
+            // An open breaker closes only through its half-open probe, after the cool-down. A
+            // closed one is left alone: a good `/health` says nothing about failing requests, so
+            // it must not break their run of failures.
+            if breaker.state() != BreakerState::Closed
+                && breaker.try_acquire(now)
+                && breaker.record_success()
+            {
                 tracing::info!(worker = %name, "breaker closed by a successful health probe");
             }
         } else {

@@ -113,9 +113,20 @@ pub struct WorkerMonitor;
 impl WorkerMonitor {
     /// Starts every task for the worker on the current tokio runtime.
     pub fn spawn(cfg: MonitorConfig, sink: Arc<dyn FleetSink>) -> MonitorHandle {
+        let breaker = Arc::new(Breaker::new(cfg.breaker));
+        Self::spawn_with_breaker(cfg, sink, breaker)
+    }
+
+    /// Like [`WorkerMonitor::spawn`], with a breaker the caller owns and also feeds with request
+    /// outcomes (the gateway keeps it in the worker's state; it outlives monitor restarts).
+    /// `cfg.breaker` is ignored: the breaker carries its own config.
+    pub fn spawn_with_breaker(
+        cfg: MonitorConfig,
+        sink: Arc<dyn FleetSink>,
+        breaker: Arc<Breaker>,
+    ) -> MonitorHandle {
         let cancel = CancellationToken::new();
         let stats = Arc::new(FleetStats::default());
-        let breaker = Arc::new(Breaker::new(cfg.breaker));
         let sup = tokio::spawn(supervise(
             cfg,
             sink,

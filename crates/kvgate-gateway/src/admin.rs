@@ -182,6 +182,12 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
                     Some(kvgate_core::IndexMode::Approximate(_)) => "approximate",
                     None => "none",
                 },
+                // The approximate index's per-worker bound (from the worker's scraped capacity
+                // when it reports one); null for exact workers.
+                "index_capacity_blocks": match index.mode(w.id) {
+                    Some(kvgate_core::IndexMode::Approximate(c)) => Some(c.capacity_blocks),
+                    _ => None,
+                },
                 "scraped": scraped.map(|l| json!({"kv_usage": l.kv_usage, "waiting": l.waiting, "running": l.running})),
                 "cost_per_hour": w.cfg.cost_per_hour,
             })

@@ -18,8 +18,9 @@ use kvgate_fleet::{
 use kvgate_protocol::kv_events::KvEventBatch;
 use parking_lot::Mutex;
 
+use crate::config::Config;
 use crate::metrics::{Lbl, Metrics, ModelWorker, WorkerLabel, WorkerResult};
-use crate::registry::Worker;
+use crate::registry::{Fleet, Worker};
 use crate::state::AppState;
 
 /// Running monitors by worker.
@@ -34,6 +35,8 @@ pub struct Monitors {
 struct Running {
     handle: MonitorHandle,
     signals: Arc<Signals>,
+    /// The pool block size the monitor checks and hashes events with.
+    block_size: u32,
 }
 
 /// Running, waiting and KV usage as scraped (each `None` when the kind lacks it).
@@ -55,7 +58,13 @@ struct Signals {
 }
 
 impl Monitors {
-    pub fn start(&self, app: &Arc<AppState>, w: &Worker, block_size: u32) {
+    /// Starts (or restarts) the worker's monitor, with its pool's block size.
+    pub fn start(&self, app: &Arc<AppState>, w: &Worker, cfg: &Config) {
+        let block_size = pool_block_size(cfg, w);
+        if let Some(other) = model_block_sizes(cfg, w).find(|b| *b != block_size) {
+            tracing::warn!(worker = %w.name, block_size, other,
+                "the worker's models set different block sizes; using the first");
+        }
         let kind: WorkerKind = w.cfg.kind.parse().unwrap_or_default();
         let base = format!("{}://{}{}", w.scheme, w.authority, w.path_prefix);
         let mut mc = MonitorConfig::new(w.id, base, kind);
@@ -74,10 +83,44 @@ impl Monitors {
             block_size,
             signals: signals.clone(),
         });
-        let handle = kvgate_fleet::WorkerMonitor::spawn(mc, sink);
-        self.running
-            .lock()
-            .insert(w.id, Running { handle, signals });
+        // A fresh monitor checks the block size again; until it finds a mismatch, score KV.
+        w.state.kv_scoring.store(true, Ordering::Relaxed);
+        // One breaker per worker: the monitor's probes and the request path feed the same one.
+        let handle =
+            kvgate_fleet::WorkerMonitor::spawn_with_breaker(mc, sink, w.state.breaker.clone());
+        self.running.lock().insert(
+            w.id,
+            Running {
+                handle,
+                signals,
+                block_size,
+            },
+        );
+    }
+
+    /// Restarts the monitors whose pool block size changed (a reload changed `[models.x]
+    /// block_size`, or model discovery put the worker in another pool): the mismatch check and the
+    /// router hashes rebuilt from its events must use the size requests are hashed with.
+    pub fn resync_block_sizes(&self, app: &Arc<AppState>, fleet: &Fleet, cfg: &Config) {
+        let changed: Vec<&Arc<Worker>> = {
+            let running = self.running.lock();
+            fleet
+                .workers
+                .iter()
+                .filter(|w| {
+                    running
+                        .get(&w.id)
+                        .is_some_and(|r| r.block_size != pool_block_size(cfg, w))
+                })
+                .collect()
+        };
+        for w in changed {
+            tracing::info!(worker = %w.name, block_size = pool_block_size(cfg, w),
+                "pool block size changed: restarting the worker's monitor");
+            // Entries hashed with the old size can never match a request again.
+            app.router.index.write().clear_worker(w.id);
+            self.start(app, w, cfg);
+        }
     }
 
     /// Set the `kvgate_worker_*` families from every running monitor (called by `GET /metrics`).
@@ -165,6 +208,21 @@ impl Monitors {
     }
 }
 
+/// The block size of the worker's pool: the first of its models with a `[models.x] block_size`,
+/// else `routing.block_size` (the same rule the registry uses for `Pool::block_size`). A worker
+/// serving models whose pools disagree gets the first one's (one engine has one block size).
+pub fn pool_block_size(cfg: &Config, w: &Worker) -> u32 {
+    model_block_sizes(cfg, w)
+        .next()
+        .unwrap_or(cfg.routing.block_size)
+}
+
+fn model_block_sizes<'a>(cfg: &'a Config, w: &'a Worker) -> impl Iterator<Item = u32> + 'a {
+    w.models
+        .iter()
+        .filter_map(|m| cfg.models.get(&**m).and_then(|mc| mc.block_size))
+}
+
 /// The `model` label of a worker's load: its first configured model, else the first discovered one.
 /// One series per worker, so `sum by (model)` does not count a multi-model worker twice.
 fn primary_model(w: &Worker) -> Lbl {
@@ -209,11 +267,19 @@ impl FleetSink for GatewaySink {
             *w.state.scraped.lock() = load
                 .core()
                 .map(|l| (load.scraped_at.unwrap_or_else(Instant::now), l));
-            // Size the approximate index like the worker's real cache.
-            if let Some(n) = load.num_gpu_blocks {
+            // Size the approximate index like the worker's real cache, in the pool's blocks
+            // (llama.cpp: Σ slot n_ctx, one cached prompt per slot; vLLM/SGLang/TRT-LLM: blocks ×
+            // block size), so it never credits more cached blocks than the worker can hold.
+            let blocks = load
+                .kv_capacity_tokens
+                .map(|t| t / u64::from(self.block_size.max(1)))
+                .or(load.num_gpu_blocks);
+            if let Some(n) = blocks {
+                let n = usize::try_from(n).unwrap_or(usize::MAX);
                 let mut index = app.router.index.write();
-                if matches!(index.mode(worker), Some(IndexMode::Approximate(_))) {
-                    index.set_capacity(worker, n as usize);
+                if matches!(index.mode(worker), Some(IndexMode::Approximate(c)) if c.capacity_blocks != n)
+                {
+                    index.set_capacity(worker, n);
                 }
             }
         });
@@ -231,6 +297,16 @@ impl FleetSink for GatewaySink {
         self.with(worker, |_, w| {
             tracing::error!(worker = %w.name, engine, configured, "KV block size mismatch: worker excluded from KV scoring (still load-balanced)");
             w.state.kv_scoring.store(false, Ordering::Relaxed);
+        });
+    }
+
+    fn on_block_size_agrees(&self, worker: WorkerId) {
+        self.signals
+            .block_size_mismatch
+            .store(false, Ordering::Relaxed);
+        self.with(worker, |_, w| {
+            tracing::info!(worker = %w.name, "KV block size agrees with the pool again: worker back in KV scoring");
+            w.state.kv_scoring.store(true, Ordering::Relaxed);
         });
     }
 

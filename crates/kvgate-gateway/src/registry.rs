@@ -24,21 +24,18 @@ pub use kvgate_core::WorkerId;
 /// Worker-reported load older than this is ignored (routing falls back to router-side load).
 pub const SCRAPE_STALE: Duration = Duration::from_secs(10);
 
-/// Consecutive request/probe failures that open a worker's breaker, and how long it stays open.
-const BREAKER_THRESHOLD: u32 = 5;
-const BREAKER_COOLDOWN: Duration = Duration::from_secs(10);
+/// The worker's circuit breaker: one `kvgate_fleet::Breaker` shared by the request path (outcomes
+/// recorded in `proxy.rs`) and the worker's monitor (health probes), so consecutive failures of
+/// either kind open it and a half-open probe closes it. Defaults: 5 failures, open for 10 s.
+pub use kvgate_fleet::{Breaker, BreakerConfig, BreakerState};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
-    Closed = 0,
-    HalfOpen = 1,
-    Open = 2,
-}
-
-#[derive(Debug)]
-struct BreakerInner {
-    failures: u32,
-    opened_at: Option<Instant>,
+/// `kvgate_worker_breaker_state`'s value: 0 closed, 1 half-open, 2 open.
+pub fn breaker_gauge(s: BreakerState) -> i64 {
+    match s {
+        BreakerState::Closed => 0,
+        BreakerState::HalfOpen => 1,
+        BreakerState::Open => 2,
+    }
 }
 
 /// Mutable per-worker state. Fed by the request path (in-flight, breaker outcomes) and by the
@@ -53,7 +50,8 @@ pub struct WorkerState {
     pub draining: AtomicBool,
     /// False after a block-size mismatch: the worker's overlap is ignored (load-balanced only).
     pub kv_scoring: AtomicBool,
-    breaker: Mutex<BreakerInner>,
+    /// Shared with the worker's monitor (see [`Breaker`]); kept across monitor restarts.
+    pub breaker: Arc<Breaker>,
     /// Models from the worker's `/v1/models` (used when the config lists none).
     pub discovered_models: Mutex<Vec<Lbl>>,
     /// Requests dispatched to this worker (for admin state).
@@ -73,10 +71,7 @@ impl WorkerState {
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             kv_scoring: AtomicBool::new(true),
-            breaker: Mutex::new(BreakerInner {
-                failures: 0,
-                opened_at: None,
-            }),
+            breaker: Arc::new(Breaker::new(BreakerConfig::default())),
             discovered_models: Mutex::new(Vec::new()),
             dispatched: AtomicU64::new(0),
             added: Instant::now(),
@@ -94,27 +89,18 @@ impl WorkerState {
     }
 
     pub fn breaker_state(&self, now: Instant) -> BreakerState {
-        let b = self.breaker.lock();
-        match b.opened_at {
-            None => BreakerState::Closed,
-            Some(t) if now.duration_since(t) >= BREAKER_COOLDOWN => BreakerState::HalfOpen,
-            Some(_) => BreakerState::Open,
-        }
+        self.breaker.state_at(now)
     }
 
-    /// Record a request or probe outcome. A success closes the breaker; `BREAKER_THRESHOLD`
-    /// consecutive failures open it; a failure while half-open re-opens it for another cooldown.
+    /// Record a request outcome. A success closes the breaker; consecutive failures (requests or
+    /// health probes) open it; a failure after the cool-down re-opens it for another one.
     pub fn record_outcome(&self, ok: bool, now: Instant) {
-        let mut b = self.breaker.lock();
         if ok {
-            b.failures = 0;
-            b.opened_at = None;
-            return;
-        }
-        b.failures = b.failures.saturating_add(1);
-        let half_open = matches!(b.opened_at, Some(t) if now.duration_since(t) >= BREAKER_COOLDOWN);
-        if b.failures >= BREAKER_THRESHOLD || half_open {
-            b.opened_at = Some(now);
+            if self.breaker.record_success() {
+                tracing::info!(worker = self.id.0, "breaker closed by a successful request");
+            }
+        } else if self.breaker.record_failure(now) {
+            tracing::warn!(worker = self.id.0, "breaker opened by failed requests");
         }
     }
 
@@ -122,7 +108,7 @@ impl WorkerState {
     pub fn routable(&self, now: Instant) -> bool {
         self.healthy.load(Ordering::Relaxed)
             && !self.draining.load(Ordering::Relaxed)
-            && self.breaker_state(now) != BreakerState::Open
+            && self.breaker.is_available(now)
     }
 }
 
@@ -535,18 +521,33 @@ mod tests {
     #[test]
     fn breaker_opens_and_half_opens() {
         let s = WorkerState::new(WorkerId(0));
+        let cfg = s.breaker.config();
         let t0 = Instant::now();
-        for _ in 0..BREAKER_THRESHOLD {
+        for _ in 0..cfg.failure_threshold {
             assert!(s.routable(t0));
             s.record_outcome(false, t0);
         }
         assert_eq!(s.breaker_state(t0), BreakerState::Open);
         assert!(!s.routable(t0));
-        let later = t0 + BREAKER_COOLDOWN;
+        let later = t0 + cfg.open_for;
         assert_eq!(s.breaker_state(later), BreakerState::HalfOpen);
+        assert!(s.routable(later), "half-open lets traffic probe the worker");
         s.record_outcome(false, later);
         assert_eq!(s.breaker_state(later), BreakerState::Open);
         s.record_outcome(true, later);
         assert_eq!(s.breaker_state(later), BreakerState::Closed);
+    }
+
+    #[test]
+    fn request_and_probe_failures_share_one_run() {
+        let s = WorkerState::new(WorkerId(0));
+        let t0 = Instant::now();
+        let n = s.breaker.config().failure_threshold;
+        for _ in 0..n - 1 {
+            s.record_outcome(false, t0);
+        }
+        // The monitor's health checker feeds the same breaker: one failed probe completes the run.
+        assert!(s.breaker.record_failure(t0));
+        assert!(!s.routable(t0));
     }
 }

@@ -2,7 +2,7 @@
 //! re-apply CLI/env overrides, validate, and swap it in. A bad file is rejected with a logged error
 //! and the running config stays; in-flight requests are never affected (they hold their snapshot).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -13,7 +13,7 @@ use crate::state::AppState;
 /// Applied to every loaded file so CLI flags and env keep precedence across reloads.
 pub type Overrides = Arc<dyn Fn(&mut Config) + Send + Sync>;
 
-pub fn load(path: &PathBuf, overrides: &Overrides) -> anyhow::Result<Config> {
+pub fn load(path: &Path, overrides: &Overrides) -> anyhow::Result<Config> {
     let mut cfg = Config::from_file(path)?;
     overrides(&mut cfg);
     cfg.validate()?;
@@ -21,7 +21,7 @@ pub fn load(path: &PathBuf, overrides: &Overrides) -> anyhow::Result<Config> {
 }
 
 /// Reload now. Returns the error text on failure (also logged and counted).
-pub fn reload(app: &AppState, path: &PathBuf, overrides: &Overrides) -> Result<(), String> {
+pub fn reload(app: &AppState, path: &Path, overrides: &Overrides) -> Result<(), String> {
     let r = load(path, overrides).and_then(|cfg| app.apply_config(Arc::new(cfg)));
     let label = ReasonLabel {
         reason: if r.is_ok() { "ok" } else { "error" },

@@ -90,8 +90,11 @@ impl AppState {
             let exact = fleet.worker(*id).is_some_and(|w| w.cfg.kv_events.is_some());
             self.router.add_worker(*id, exact, &cfg.routing);
             if let (true, Some(me), Some(w)) = (self.monitor_workers, &me, fleet.worker(*id)) {
-                self.monitors.start(me, w, cfg.routing.block_size);
+                self.monitors.start(me, w, &cfg);
             }
+        }
+        if let (true, Some(me)) = (self.monitor_workers, &me) {
+            self.monitors.resync_block_sizes(me, &fleet, &cfg);
         }
         // New workers without a models list: ask them now, not at the next refresh tick.
         let undiscovered = r
@@ -178,7 +181,7 @@ impl AppState {
                 .set(i64::from(w.state.routable(now)));
             m.worker_breaker
                 .get_or_create(&l)
-                .set(w.state.breaker_state(now) as i64);
+                .set(crate::registry::breaker_gauge(w.state.breaker_state(now)));
             // Cost accrues while the worker is in the fleet; add what accrued since last scrape.
             let alive_ms = now.duration_since(w.state.added).as_millis() as u64;
             let prev = w.state.cost_accrued_ms.swap(alive_ms, Ordering::Relaxed);

@@ -33,6 +33,11 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25
 vllm:cache_config_info{block_size=\"32\",engine=\"0\",num_gpu_blocks=\"1000\"} 1.0
 ";
 
+const LLAMACPP_SLOTS: &str =
+    include_str!("../../kvgate-protocol/tests/fixtures/llamacpp_slots_real.json");
+const LLAMACPP_METRICS: &str =
+    include_str!("../../kvgate-protocol/tests/fixtures/metrics_llamacpp_real.prom");
+
 /// A one-request-per-connection HTTP/1.1 worker on 127.0.0.1:0: `/health` and `/v1/models` answer,
 /// `/metrics` serves `metrics` or, when `None`, never answers. Stops when `stop` fires.
 async fn worker(metrics: Option<&'static str>, stop: CancellationToken) -> SocketAddr {
@@ -65,6 +70,8 @@ async fn worker(metrics: Option<&'static str>, stop: CancellationToken) -> Socke
                         }
                     },
                     "/health" => (200, String::new()),
+                    // Recorded from a real llama-server (2 slots × n_ctx 2048).
+                    "/slots" => (200, LLAMACPP_SLOTS.to_string()),
                     "/v1/models" => (
                         200,
                         r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#.into(),
@@ -233,4 +240,124 @@ async fn worker_load_is_exported_and_a_stalled_worker_shows_stale() {
     gw.shutdown().await;
     stop.cancel();
     support::promtool_check(&again);
+}
+
+/// The monitor checks a worker against its own pool's block size (`[models.x] block_size`), not
+/// `routing.block_size`: the same engine block size (32) agrees in the overriding pool and is a
+/// mismatch in the default one (16).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_size_mismatch_uses_the_pools_override() {
+    let stop = CancellationToken::new();
+    let over = worker(Some(VLLM_METRICS), stop.clone()).await;
+    let plain = worker(Some(VLLM_METRICS), stop.clone()).await;
+    let cfg = Config::from_toml(&format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+request_log = false
+[routing]
+block_size = 16
+[models.big]
+block_size = 32
+[[workers]]
+url = "http://{over}"
+name = "over"
+models = ["big"]
+kind = "vllm"
+[[workers]]
+url = "http://{plain}"
+name = "plain"
+models = ["m"]
+kind = "vllm"
+"#
+    ))
+    .unwrap();
+    let gw = gateway(cfg).await;
+    let c = client();
+    let url = format!("{}/metrics", gw.url());
+    let mut text = String::new();
+    let got = eventually(Duration::from_secs(10), || {
+        let (c, url) = (c.clone(), url.clone());
+        text = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move { get(&c, &url).await.text() })
+        });
+        sample(
+            &text,
+            r#"kvgate_worker_block_size_mismatch{worker="plain"}"#,
+        ) == Some(1.0)
+            && sample(
+                &text,
+                r#"kvgate_worker_running_requests{model="big",worker="over"}"#,
+            )
+            .is_some()
+    })
+    .await;
+    assert!(got, "plain never flagged / over never scraped:\n{text}");
+    assert_eq!(
+        sample(&text, r#"kvgate_worker_block_size_mismatch{worker="over"}"#),
+        Some(0.0),
+        "32 agrees with the big pool's override:\n{text}"
+    );
+    gw.shutdown().await;
+    stop.cancel();
+}
+
+/// llama.cpp keeps one cached prompt per slot: the approximate index of a `llamacpp` worker is
+/// bounded by Σ slot `n_ctx` from `/slots` (recorded fixture: 2 × 2048 tokens) in the pool's blocks
+/// (16 here, 32 in the overriding pool), not by the configured default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llamacpp_capacity_from_slots_bounds_the_approximate_index() {
+    let stop = CancellationToken::new();
+    let a = worker(Some(LLAMACPP_METRICS), stop.clone()).await;
+    let b = worker(Some(LLAMACPP_METRICS), stop.clone()).await;
+    let cfg = Config::from_toml(&format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+request_log = false
+[admin]
+listen = "127.0.0.1:0"
+key = "adm"
+[routing]
+block_size = 16
+[models.big]
+block_size = 32
+[[workers]]
+url = "http://{a}"
+name = "a"
+models = ["m"]
+kind = "llamacpp"
+[[workers]]
+url = "http://{b}"
+name = "b"
+models = ["big"]
+kind = "llamacpp"
+"#
+    ))
+    .unwrap();
+    let default_cap = cfg.routing.approx_capacity_blocks;
+    let gw = gateway(cfg).await;
+    let c = client();
+    let url = format!("http://{}/admin/state", gw.admin_addr.unwrap());
+    let mut state = serde_json::Value::Null;
+    let got = eventually(Duration::from_secs(10), || {
+        let (c, url) = (c.clone(), url.clone());
+        state = tokio::task::block_in_place(|| {
+            tokio::runtime::Handle::current().block_on(async move {
+                let req = http::Request::get(&url)
+                    .header("authorization", "Bearer adm")
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap();
+                send(&c, req).await.json()
+            })
+        });
+        let cap = |i: usize| state["workers"][i]["index_capacity_blocks"].as_u64();
+        cap(0) == Some(4096 / 16) && cap(1) == Some(4096 / 32)
+    })
+    .await;
+    assert!(got, "capacity never taken from /slots:\n{state:#}");
+    assert_ne!(default_cap, 4096 / 16, "the test must tell the two apart");
+    assert_eq!(state["workers"][0]["index_mode"], "approximate");
+    gw.shutdown().await;
+    stop.cancel();
 }
