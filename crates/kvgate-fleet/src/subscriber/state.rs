@@ -17,7 +17,7 @@ use crate::sink::{FleetSink, ResetReason};
 use crate::stats::{inc, FleetStats};
 
 /// Failed history replays before giving up on the history (the live stream is applied anyway).
-const HISTORY_ATTEMPTS: u32 = 8;
+const HISTORY_ATTEMPTS: u32 = 5;
 /// Live batches held while the history is fetched; beyond this the history is given up.
 const MAX_HELD: usize = 10_000;
 
