@@ -331,13 +331,9 @@ impl KvIndex {
             parent = Some(r);
             match ex.engine_to_router.insert(e, r) {
                 Some(old) if old == r => continue,
-                Some(old) => {
-                    // The engine reused a hash for other content: forget the old mapping first.
-                    if release(ex, &mut self.blocks, old, worker) {
-                        self.entries -= 1;
-                    }
-                }
-                None => {}
+                // The engine reused a hash for other content: forget the old mapping first.
+                Some(old) if release(ex, &mut self.blocks, old, worker) => self.entries -= 1,
+                _ => {}
             }
             if link(&mut self.blocks, r, worker) {
                 added += 1;

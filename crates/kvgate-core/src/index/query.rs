@@ -27,7 +27,8 @@ impl KvIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
         out.clear();
         let words = self.workers.len().div_ceil(64);
-        if hashes.is_empty() || words == 0 {
+        // A miss on the first block (the common case for new prompts) needs no setup at all.
+        if words == 0 || hashes.first().is_none_or(|h| !self.blocks.contains_key(h)) {
             return;
         }
         let now_ns = self.ns(now);
