@@ -48,6 +48,8 @@ pub struct SubscriberSettings {
     pub backoff_max: Duration,
     /// Bound on one whole replay exchange.
     pub replay_timeout: Duration,
+    /// First retry delay of a failed history replay (doubles per attempt, up to 32×).
+    pub history_retry: Duration,
     /// Connect failures in a row after which the endpoints are re-discovered (and every further
     /// such run of failures).
     pub rediscover_after: u32,
@@ -63,6 +65,7 @@ impl SubscriberSettings {
             backoff_max: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(5),
             rediscover_after: 3,
+            history_retry: Duration::from_millis(200),
         }
     }
 }
@@ -153,17 +156,23 @@ pub(crate) async fn run(
     }
 }
 
-/// Connects the socket. zeromq's `connect` retries a refused TCP port internally until our timeout;
-/// a plain TCP connect first makes "nothing listens there" an immediate failure, so a publisher that
-/// moved is re-discovered in a moment, not after several timeouts.
+/// Connects the socket (after [`reachable`]).
 async fn connect(sock: &mut zeromq::SubSocket, ep: &str) -> Result<(), String> {
+    reachable(ep).await?;
+    sock.connect(ep).await.map_err(|e| e.to_string())
+}
+
+/// zeromq's `connect` retries a refused TCP port internally until the caller's timeout; a plain TCP
+/// connect first (closed at once) makes "nothing listens there" an immediate failure, so a
+/// publisher that moved is re-discovered, and a dead replay socket given up on, in a moment.
+pub(crate) async fn reachable(ep: &str) -> Result<(), String> {
     if let Some(addr) = ep.strip_prefix("tcp://") {
         // `host:port` or `[v6]:port`: both parse as tokio addresses.
         tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| format!("{ep}: {e}"))?;
     }
-    sock.connect(ep).await.map_err(|e| e.to_string())
+    Ok(())
 }
 
 /// One connection's life: live batches, history fetches, clears elsewhere. Returns true when

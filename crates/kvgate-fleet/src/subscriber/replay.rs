@@ -17,6 +17,8 @@ pub enum ReplayError {
     Decode(#[from] kvgate_protocol::kv_events::KvEventError),
     #[error("replay reply holds more than {0} batches")]
     TooLong(usize),
+    #[error("replay endpoint unreachable: {0}")]
+    Unreachable(String),
 }
 
 /// Upper bound on batches accepted from one replay (vLLM buffers 10 000 steps by default).
@@ -34,6 +36,9 @@ pub async fn replay(
 }
 
 async fn exchange(endpoint: &str, from: u64) -> Result<Vec<KvEventBatch>, ReplayError> {
+    super::reachable(endpoint)
+        .await
+        .map_err(ReplayError::Unreachable)?;
     let mut sock = zeromq::DealerSocket::new();
     sock.connect(endpoint).await?;
     let req = vec![Bytes::new(), Bytes::copy_from_slice(&replay_request(from))];

@@ -2,7 +2,6 @@
 //! fetch, and what a reconnect means. No sockets here except the replay exchanges.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use kvgate_core::WorkerId;
 use kvgate_protocol::kv_events::{KvEvent, KvEventBatch};
@@ -229,7 +228,7 @@ impl State {
             Some(Err(e)) => {
                 inc(&self.stats.kv_replays_failed);
                 p.attempts += 1;
-                let wait = Duration::from_millis(200) * 2u32.pow(p.attempts.min(5));
+                let wait = self.s.history_retry * 2u32.pow(p.attempts.min(5));
                 p.next_try = Instant::now() + wait;
                 tracing::warn!(worker = %self.name, error = %e, attempt = p.attempts,
                     "history replay failed; retrying");

@@ -106,3 +106,49 @@ async fn a_clear_from_elsewhere_is_rebuilt_from_replay_without_new_traffic() {
     task.await.unwrap();
     h.shutdown().await;
 }
+
+/// A replay endpoint that refuses: the history is given up after a bounded number of attempts and
+/// the held live batches are applied (the index follows the live stream), instead of waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_replay_endpoint_is_given_up_and_live_batches_applied() {
+    let h = sim().await;
+    let w = WorkerId(4);
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let stats = Arc::new(FleetStats::default());
+    let bus = Arc::new(ResetBus::new(w, sink.clone(), stats.clone()));
+    // A port nothing listens on (bound, then released).
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut s = SubscriberSettings::new(KvSource {
+        endpoint: format!("tcp://{}", h.kv_events_addr().unwrap()),
+        replay_endpoint: Some(format!("tcp://{dead}")),
+        topic: String::new(),
+    });
+    // Given up ~1.5 s after connecting (0.1 + 0.2 + 0.4 + 0.8 s): the traffic below arrives while
+    // the history is pending, is held, and applied in order once it is given up.
+    s.history_retry = Duration::from_millis(50);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run(
+        w,
+        "sim".into(),
+        s,
+        sink.clone(),
+        stats.clone(),
+        bus,
+        cancel.clone(),
+    ));
+    // Subscribed before the traffic, so the live stream alone describes the whole cache.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drive(&h).await;
+    wait_agrees(&sink, w, &h).await;
+    assert!(stats.snapshot().kv_replays_failed >= 5);
+    assert_eq!(stats.snapshot().kv_replays_ok, 0);
+    cancel.cancel();
+    task.await.unwrap();
+    h.shutdown().await;
+}
