@@ -1,6 +1,9 @@
-//! HF `tokenizer.json` backend over the `tokenizers` crate (default features off, `fancy-regex`
-//! instead of the C `onig` library, so no C build).
+//! HF `tokenizer.json` backend. Byte-level BPE files (GPT-2 / SmolLM shape) encode on our own
+//! path (`hf/native.rs`: ids straight into a `Vec<u32>`, per-word cache); any other file goes
+//! through the `tokenizers` crate (default features off, `fancy-regex` instead of the C `onig`
+//! library, so no C build), with the GPT-2 split swapped for `hf/pretok.rs` where possible.
 
+mod native;
 mod pretok;
 
 use std::path::Path;
@@ -11,6 +14,7 @@ use tokenizers::{
 };
 
 use crate::{TokenizeError, Tokenizer};
+use native::Native;
 use pretok::FastPre;
 
 /// The loaded tokenizer with the regex pre-tokenizer swapped for [`FastPre`].
@@ -24,6 +28,8 @@ pub struct HfTokenizer {
     /// Used for encoding when the pre-tokenizer has a regex `ByteLevel` we can replace (same ids,
     /// see `hf/pretok.rs`); `None` means encode with `inner`.
     fast: Option<FastImpl>,
+    /// Our own encoder, when the file is a shape it implements exactly; else why not.
+    native: Result<Native, String>,
     name: String,
 }
 
@@ -57,9 +63,11 @@ impl HfTokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TokenizeError::Backend(e.to_string()))?;
         let fast = fast_impl(&inner)?;
+        let native = Native::from_tokenizer(&inner);
         Ok(Self {
             inner,
             fast,
+            native,
             name: "hf".to_owned(),
         })
     }
@@ -75,6 +83,18 @@ impl HfTokenizer {
     }
 
     fn encode_ids(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        if let Ok(native) = &self.native {
+            // ~4 bytes per token in prose; one allocation in the common case.
+            let mut out = Vec::with_capacity(text.len() / 3 + 4);
+            native.encode_into(text, special, &mut out);
+            return Ok(out);
+        }
+        self.encode_tokenizers(text, special)
+    }
+
+    /// Ids through the `tokenizers` pipeline (with the regex-free split where it applies): the
+    /// path used when the native encoder does not support the file. Public for benchmarks.
+    pub fn encode_tokenizers(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         // `encode_fast` skips char-offset bookkeeping we never read.
         let enc = match &self.fast {
             Some(fast) => fast.encode_fast(text, special),
@@ -109,9 +129,19 @@ fn fast_impl(inner: &tokenizers::Tokenizer) -> Result<Option<FastImpl>, Tokenize
 }
 
 impl HfTokenizer {
-    /// Whether encoding uses the regex-free pre-tokenizer (see `hf/pretok.rs`).
+    /// Whether the `tokenizers` path uses the regex-free pre-tokenizer (see `hf/pretok.rs`).
     pub fn uses_fast_pretokenizer(&self) -> bool {
         self.fast.is_some()
+    }
+
+    /// Whether encoding uses our own byte-level BPE encoder (see `hf/native.rs`).
+    pub fn uses_native_encoder(&self) -> bool {
+        self.native.is_ok()
+    }
+
+    /// Why the native encoder does not handle this file (`None` when it does), for logs.
+    pub fn native_unsupported_reason(&self) -> Option<&str> {
+        self.native.as_ref().err().map(String::as_str)
     }
 
     /// Ids through the stock `tokenizers` pipeline (regex pre-tokenizer), for equality checks.

@@ -236,6 +236,15 @@ fn flatten_content(messages: Value) -> Result<Value, TokenizeError> {
     if messages.kind() != ValueKind::Seq {
         return Ok(messages);
     }
+    // Almost every request has string content: then nothing is rebuilt.
+    let has_parts = messages.try_iter().map_err(err)?.any(|m| {
+        m.kind() == ValueKind::Map
+            && m.get_attr("content")
+                .is_ok_and(|c| c.kind() == ValueKind::Seq)
+    });
+    if !has_parts {
+        return Ok(messages);
+    }
     let mut out = Vec::new();
     for m in messages.try_iter().map_err(err)? {
         let content = m.get_attr("content").map_err(err)?;

@@ -262,6 +262,11 @@ const CORPUS: &[&str] = &[
 fn hf_fast_pretokenizer_matches_regex_path_on_fixture() {
     let t = HfTokenizer::from_file(fixture("tokenizer.json")).unwrap();
     assert!(t.uses_fast_pretokenizer());
+    assert!(
+        t.uses_native_encoder(),
+        "{:?}",
+        t.native_unsupported_reason()
+    );
     let mut long = String::new();
     for s in CORPUS {
         long.push_str(s);
@@ -272,6 +277,11 @@ fn hf_fast_pretokenizer_matches_regex_path_on_fixture() {
         );
         assert_eq!(
             t.encode_with_special_tokens(s).unwrap(),
+            t.encode_reference(s, true).unwrap(),
+            "{s:?}"
+        );
+        assert_eq!(
+            t.encode_tokenizers(s, true).unwrap(),
             t.encode_reference(s, true).unwrap(),
             "{s:?}"
         );
@@ -297,4 +307,101 @@ fn real_tokenizer_fast_path_matches_regex_path() {
             "{s:?}"
         );
     }
+}
+
+/// Every text file of this repository (Rust, Markdown, TOML, JSON, Python, shell): real code and
+/// prose, for equality checks against the real tokenizer.
+fn repo_corpus() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut out = Vec::new();
+    let mut dirs = vec![root];
+    while let Some(d) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if !name.starts_with('.') && name != "target" {
+                    dirs.push(p);
+                }
+            } else if ["rs", "md", "toml", "json", "py", "sh", "lua", "jinja"]
+                .iter()
+                .any(|x| name.ends_with(&format!(".{x}")))
+            {
+                if let Ok(s) = std::fs::read_to_string(&p) {
+                    out.push(s);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Manual: our native encoder gives exactly the `tokenizers` ids with the real SmolLM2 file, over
+/// the repository's own files, the shared corpus and pseudo-random unicode text.
+/// `cargo test -p kvgate-tokenize --release --test backends real_tokenizer_native -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn real_tokenizer_native_matches_tokenizers() {
+    let Some(p) = real_tokenizer() else {
+        println!("skipped: no real tokenizer.json");
+        return;
+    };
+    let t = HfTokenizer::from_file(&p).unwrap();
+    assert!(
+        t.uses_native_encoder(),
+        "{:?}",
+        t.native_unsupported_reason()
+    );
+    let mut texts: Vec<String> = CORPUS.iter().map(|s| s.to_string()).collect();
+    texts.push(prose(32 * 1024));
+    texts.extend(repo_corpus());
+    // Pseudo-random text over a mixed alphabet (xorshift, fixed seed).
+    let alphabet: Vec<char> =
+        "aAzZ09 \n\t'\".,;:!?()[]{}<>|_-=+*/\\éüßжЖΩ東京日本語한국어🙂👍🏽🚀½Ⅻ٣²\u{3000}\u{a0}"
+            .chars()
+            .collect();
+    let words = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "'s",
+        "'ll",
+        " the",
+        "ing",
+        "1234",
+    ];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for _ in 0..3000 {
+        let mut s = String::new();
+        for _ in 0..(x % 64) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if x % 5 == 0 {
+                s.push_str(words[(x >> 8) as usize % words.len()]);
+            } else {
+                s.push(alphabet[(x >> 8) as usize % alphabet.len()]);
+            }
+        }
+        texts.push(s);
+    }
+    let (mut n, mut bytes, mut tokens) = (0, 0, 0);
+    for s in &texts {
+        for special in [false, true] {
+            let want = t.encode_reference(s, special).unwrap();
+            let got = if special {
+                t.encode_with_special_tokens(s).unwrap()
+            } else {
+                t.try_encode(s).unwrap()
+            };
+            assert!(got == want, "ids differ (special={special}) for {s:?}");
+            tokens += got.len();
+        }
+        n += 1;
+        bytes += s.len();
+    }
+    println!("{n} texts, {bytes} bytes, {tokens} tokens: identical ids");
 }

@@ -91,8 +91,13 @@ fn kind(c: char) -> Kind {
     }
 }
 
+/// Whether `c` is in the regex class `\s` (Unicode `White_Space`).
+pub(crate) fn is_space(c: char) -> bool {
+    kind(c) == Kind::Space
+}
+
 /// Byte end of the next GPT-2 piece starting at byte `i` of `s` (`i < s.len()`).
-fn piece_end(s: &str, i: usize) -> usize {
+pub(crate) fn piece_end(s: &str, i: usize) -> usize {
     let rest = &s[i..];
     let b = rest.as_bytes();
     if b[0] == b'\'' && b.len() >= 2 {
@@ -162,7 +167,7 @@ impl Pattern for Gpt2Split {
 }
 
 /// GPT-2's reversible byte -> printable char map (the ByteLevel alphabet).
-static BYTE_CHARS: LazyLock<[char; 256]> = LazyLock::new(|| {
+pub(crate) static BYTE_CHARS: LazyLock<[char; 256]> = LazyLock::new(|| {
     let mut map = ['\0'; 256];
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut n = 0u32;
