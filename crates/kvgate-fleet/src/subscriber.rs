@@ -96,8 +96,14 @@ pub(crate) async fn run(
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
-                // The worker was seen restarting: it is worth trying now.
-                r = st.epochs.changed() => if r.is_err() { return },
+                // The worker was cleared (seen restarting): it is worth trying now. `changed()`
+                // marks the epoch seen, so forget here: the reconnect must rebuild, not resume.
+                r = st.epochs.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                    st.cleared_elsewhere();
+                }
             }
         }
         attempt += 1;
@@ -200,7 +206,6 @@ async fn session(
                 if r.is_err() {
                     return true;
                 }
-                st.epochs.borrow_and_update();
                 st.cleared_elsewhere();
                 continue;
             }

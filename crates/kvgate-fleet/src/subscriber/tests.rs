@@ -152,3 +152,105 @@ async fn an_unreachable_replay_endpoint_is_given_up_and_live_batches_applied() {
     task.await.unwrap();
     h.shutdown().await;
 }
+
+/// A TCP relay to `target` on a fixed port that can be taken down (connections cut, port closed)
+/// and brought back on the same port: the same publisher process, unreachable for a while.
+struct Relay {
+    addr: std::net::SocketAddr,
+    up: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: std::net::SocketAddr) -> Relay {
+        let first = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = first.local_addr().unwrap();
+        let (up, mut rx) = tokio::sync::watch::channel(true);
+        let task = tokio::spawn(async move {
+            let mut listener = Some(first);
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Some(l) = listener.as_ref() else {
+                    // Down: wait to come back, then rebind the same port.
+                    if rx.changed().await.is_err() {
+                        return;
+                    }
+                    if *rx.borrow_and_update() {
+                        listener = tokio::net::TcpListener::bind(addr).await.ok();
+                    }
+                    continue;
+                };
+                tokio::select! {
+                    r = rx.changed() => {
+                        if r.is_err() {
+                            return;
+                        }
+                        if !*rx.borrow_and_update() {
+                            listener = None;
+                            conns.abort_all();
+                        }
+                    }
+                    a = l.accept() => {
+                        let Ok((mut c, _)) = a else { continue };
+                        conns.spawn(async move {
+                            if let Ok(mut s) = tokio::net::TcpStream::connect(target).await {
+                                let _ = tokio::io::copy_bidirectional(&mut c, &mut s).await;
+                            }
+                        });
+                    }
+                }
+            }
+        });
+        Relay { addr, up, task }
+    }
+}
+
+/// A clear made while the subscriber is disconnected from a publisher that then comes back (same
+/// process): the reconnect must rebuild from the history, not resume from its last seq on top of
+/// an emptied index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clear_while_disconnected_is_rebuilt_on_reconnect() {
+    let h = sim().await;
+    let relay = Relay::start(h.kv_events_addr().unwrap()).await;
+    let w = WorkerId(5);
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let stats = Arc::new(FleetStats::default());
+    let bus = Arc::new(ResetBus::new(w, sink.clone(), stats.clone()));
+    let mut s = SubscriberSettings::new(KvSource {
+        endpoint: format!("tcp://{}", relay.addr),
+        replay_endpoint: Some(format!("tcp://{}", h.replay_addr().unwrap())),
+        topic: String::new(),
+    });
+    s.backoff_min = Duration::from_millis(200);
+    s.backoff_max = Duration::from_millis(400);
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run(
+        w,
+        "sim".into(),
+        s,
+        sink.clone(),
+        stats.clone(),
+        bus.clone(),
+        cancel.clone(),
+    ));
+    drive(&h).await;
+    wait_agrees(&sink, w, &h).await;
+    relay.up.send_replace(false);
+    // Wait until the subscriber noticed and is retrying against the closed port.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stats.snapshot().kv_reconnects < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "never reconnected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bus.restarted(); // e.g. the health checker saw a flap
+    assert_eq!(sink.index.read().engine_hashes(w).len(), 0);
+    relay.up.send_replace(true);
+    wait_agrees(&sink, w, &h).await;
+    cancel.cancel();
+    task.await.unwrap();
+    relay.task.abort();
+    h.shutdown().await;
+}
