@@ -144,7 +144,8 @@ impl Bpe {
         if let Some(id) = self.whole_words.as_ref().and_then(|w| w.get(word)) {
             return out.push(*id);
         }
-        let cache = cache.filter(|_| word.len() <= MAX_CACHED_WORD);
+        // Merging a word of up to 3 bytes costs less than hashing it for the cache.
+        let cache = cache.filter(|_| (4..=MAX_CACHED_WORD).contains(&word.len()));
         if let Some(ids) = cache.as_ref().and_then(|c| c.get(word)) {
             return out.extend_from_slice(ids);
         }
