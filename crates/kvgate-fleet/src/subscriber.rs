@@ -50,6 +50,9 @@ pub struct SubscriberSettings {
     pub replay_timeout: Duration,
     /// First retry delay of a failed history replay (doubles per attempt, up to 32×).
     pub history_retry: Duration,
+    /// With a replay endpoint: after this long without a live batch, replay from the next expected
+    /// seq to catch batches the live socket missed; doubles while nothing is found (up to 30 s).
+    pub idle_check: Duration,
     /// Connect failures in a row after which the endpoints are re-discovered (and every further
     /// such run of failures).
     pub rediscover_after: u32,
@@ -66,6 +69,7 @@ impl SubscriberSettings {
             replay_timeout: Duration::from_secs(5),
             rediscover_after: 3,
             history_retry: Duration::from_millis(200),
+            idle_check: Duration::from_secs(1),
         }
     }
 }
@@ -191,6 +195,8 @@ async fn session(
 ) -> bool {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut idle_every = st.s.idle_check;
+    let mut quiet_since = tokio::time::Instant::now();
     loop {
         if st
             .pending
@@ -214,6 +220,16 @@ async fn session(
                     tracing::info!(worker = %st.name, "KV event publisher disconnected; reconnecting");
                     return false;
                 }
+                if st.s.source.replay_endpoint.is_some()
+                    && quiet_since.elapsed() >= idle_every
+                {
+                    idle_every = if st.catch_up(cancel).await {
+                        st.s.idle_check
+                    } else {
+                        (idle_every * 2).min(Duration::from_secs(30))
+                    };
+                    quiet_since = tokio::time::Instant::now();
+                }
                 continue;
             }
             m = sock.recv() => m,
@@ -226,7 +242,11 @@ async fn session(
         }
         match msg {
             Ok(m) => match decode_multipart(&m.into_vec()) {
-                Ok(b) => st.on_batch(b, cancel).await,
+                Ok(b) => {
+                    quiet_since = tokio::time::Instant::now();
+                    idle_every = st.s.idle_check;
+                    st.on_batch(b, cancel).await
+                }
                 Err(e) => {
                     inc(&st.stats.kv_malformed);
                     tracing::debug!(worker = %st.name, error = %e, "malformed KV event message dropped");

@@ -294,6 +294,40 @@ impl State {
         }
     }
 
+    /// Anti-entropy while the stream is quiet: replays from the next expected seq. Batches the
+    /// live socket never delivered (published before the publisher registered our subscription, or
+    /// dropped at its high-water mark) would otherwise stay missing until a later batch revealed
+    /// the gap — forever, if none comes. Same connection, so the same process. Returns whether
+    /// anything was missing.
+    pub async fn catch_up(&mut self, cancel: &CancellationToken) -> bool {
+        if self.pending.is_some() {
+            return false;
+        }
+        let from = self.seq.last().map_or(0, |l| l + 1);
+        let batches = match self.replay_from(from, cancel).await {
+            Some(Ok(b)) => b,
+            Some(Err(e)) => {
+                tracing::debug!(worker = %self.name, error = %e, "idle catch-up replay failed");
+                return false;
+            }
+            None => return false,
+        };
+        let Some(first) = batches.first() else {
+            return false;
+        };
+        inc(&self.stats.kv_gaps);
+        if self.seq.last().is_some() && first.seq > from {
+            tracing::warn!(worker = %self.name, from, first = first.seq,
+                "missed KV events no longer buffered");
+            self.clear(ResetReason::GapUnrecoverable);
+            return true;
+        }
+        tracing::info!(worker = %self.name, from, batches = batches.len(),
+            "KV events the live stream missed were caught up by replay");
+        self.apply_replayed(&batches, first.seq.max(from));
+        true
+    }
+
     /// After a reconnect: is it the same publisher process? Replay from the last applied seq: the
     /// same process still buffers that batch with the same timestamp, and the replay fills what
     /// was published while we were away. Anything else (another timestamp, the seq no longer
