@@ -11,7 +11,8 @@
 //!   request we route there, alive for a TTL after last use and bounded by an LRU capacity.
 //!
 //! Storage is one flat map router hash → [`WorkerSet`] (chained hashes identify the whole prefix, so
-//! no tree is needed) plus the per-worker state above. A query walks the request's hashes once and
+//! no tree is needed), laid out in arrival order so a prompt's blocks are mostly adjacent
+//! ([`store`]), plus the per-worker state above. A query walks the request's hashes once and
 //! extends each worker's run only if it is still unbroken: O(blocks + matching (block, worker) pairs),
 //! stopping at the first block no unbroken worker holds.
 //!
@@ -21,6 +22,7 @@
 mod approx;
 mod overlap;
 mod query;
+mod store;
 mod worker_set;
 
 pub use overlap::OverlapScores;
@@ -30,6 +32,7 @@ use crate::nohash::{table_bytes, HashKeyed, MixKeyed};
 use crate::{BlockHash, WorkerId};
 use approx::ApproxWorker;
 use std::time::{Duration, Instant};
+use store::BlockStore;
 use worker_set::WorkerSet;
 
 /// Settings of an approximate worker.
@@ -159,7 +162,7 @@ enum WorkerIndex {
 /// The KV block index. See the module docs.
 #[derive(Debug)]
 pub struct KvIndex {
-    blocks: HashKeyed<WorkerSet>,
+    blocks: BlockStore,
     workers: Vec<Option<WorkerIndex>>,
     /// (block, worker) pairs, predicted ones included.
     entries: usize,
@@ -183,7 +186,7 @@ pub struct KvIndex {
 impl Default for KvIndex {
     fn default() -> Self {
         Self {
-            blocks: HashKeyed::default(),
+            blocks: BlockStore::default(),
             workers: Vec::new(),
             entries: 0,
             predicted_entries: 0,
@@ -245,7 +248,7 @@ impl KvIndex {
                 a.capacity = cfg.capacity_blocks;
                 let blocks = &mut self.blocks;
                 let n = a.enforce_capacity(|h| {
-                    unlink(blocks, h, worker);
+                    blocks.unlink(h, worker);
                 });
                 self.entries -= n;
             }
@@ -317,6 +320,7 @@ impl KvIndex {
         let Some(WorkerIndex::Exact(ex)) = self.workers[worker.index()].as_mut() else {
             return Err(IndexError::NotExact { worker });
         };
+        let blocks = &mut self.blocks;
         let mut parent = match parent_engine_hash {
             None => None,
             Some(p) => match ex.engine_to_router.get(&p) {
@@ -324,18 +328,25 @@ impl KvIndex {
                 None => return Err(IndexError::UnknownParent { worker, parent: p }),
             },
         };
+        // Slot of the previous block: new blocks go right after it when that slot is free.
+        let mut prev = parent.and_then(|p| blocks.find(p));
         let mut added = 0;
         let mut confirmed = 0;
         for (&e, block) in engine_hashes.iter().zip(token_ids.chunks_exact(block_size)) {
             let r = next_hash(parent, block, seed);
             parent = Some(r);
             match ex.engine_to_router.insert(e, r) {
-                Some(old) if old == r => continue,
+                Some(old) if old == r => {
+                    prev = blocks.find_after(prev, r);
+                    continue;
+                }
                 // The engine reused a hash for other content: forget the old mapping first.
-                Some(old) if release(ex, &mut self.blocks, old, worker) => self.entries -= 1,
+                Some(old) if release(ex, blocks, old, worker) => self.entries -= 1,
                 _ => {}
             }
-            if link(&mut self.blocks, r, worker) {
+            let (slot, new) = blocks.link(r, worker, prev);
+            prev = Some(slot);
+            if new {
                 added += 1;
             } else if ex.predicted.remove(r) {
                 // A prediction came true: same entry, now confirmed (and no longer subject to TTL).
@@ -378,7 +389,7 @@ impl KvIndex {
         match slot {
             WorkerIndex::Exact(ex) => {
                 for (_, r) in ex.engine_to_router.drain() {
-                    if unlink(blocks, r, worker) {
+                    if blocks.unlink(r, worker) {
                         n += 1;
                     }
                 }
@@ -387,7 +398,7 @@ impl KvIndex {
                 let pred_blocks = &mut self.pred_blocks;
                 ex.predicted.drain(|h| {
                     unlink(pred_blocks, h, worker);
-                    if unlink(blocks, h, worker) {
+                    if blocks.unlink(h, worker) {
                         p += 1;
                     }
                 });
@@ -395,7 +406,7 @@ impl KvIndex {
                 self.predicted_entries -= p;
             }
             WorkerIndex::Approx(a) => a.drain(|h| {
-                if unlink(blocks, h, worker) {
+                if blocks.unlink(h, worker) {
                     n += 1;
                 }
             }),
@@ -429,17 +440,22 @@ impl KvIndex {
         };
         let blocks = &mut self.blocks;
         let mut gone = a.expire(now_ns, |h| {
-            unlink(blocks, h, worker);
+            blocks.unlink(h, worker);
         });
         let mut added = 0;
-        for &h in hashes {
+        // Slot of the previous block, found only when a new block needs it as a placement hint.
+        let mut prev = None;
+        for (i, &h) in hashes.iter().enumerate() {
             if a.touch(h, now_ns) {
-                link(blocks, h, worker);
+                let after = prev.or_else(|| i.checked_sub(1).and_then(|j| blocks.find(hashes[j])));
+                prev = Some(blocks.link(h, worker, after).0);
                 added += 1;
+            } else {
+                prev = None;
             }
         }
         gone += a.enforce_capacity(|h| {
-            unlink(blocks, h, worker);
+            blocks.unlink(h, worker);
         });
         self.entries = self.entries + added - gone;
         added
@@ -457,14 +473,14 @@ impl KvIndex {
             match slot {
                 Some(WorkerIndex::Approx(a)) => {
                     gone += a.expire(now_ns, |h| {
-                        unlink(blocks, h, w);
+                        blocks.unlink(h, w);
                     });
                 }
                 Some(WorkerIndex::Exact(ex)) if ex.predicted.len() > 0 => {
                     let pred_blocks = &mut self.pred_blocks;
                     predicted_gone += ex.predicted.expire(now_ns, |h| {
                         unlink(pred_blocks, h, w);
-                        unlink(blocks, h, w);
+                        blocks.unlink(h, w);
                     });
                 }
                 _ => {}
@@ -520,13 +536,21 @@ impl KvIndex {
         p.ttl_ns = self.predicted_ttl_ns;
         let mut gone = p.expire(now_ns, |h| {
             unlink(pred_blocks, h, worker);
-            unlink(blocks, h, worker);
+            blocks.unlink(h, worker);
         });
         let mut added = 0;
-        for &h in hashes {
+        // Slot of the previous block, found only when a new block needs it as a placement hint.
+        let mut prev = None;
+        for (i, &h) in hashes.iter().enumerate() {
             if p.contains(h) {
                 p.touch(h, now_ns);
-            } else if link(blocks, h, worker) {
+                prev = None;
+                continue;
+            }
+            let after = prev.or_else(|| i.checked_sub(1).and_then(|j| blocks.find(hashes[j])));
+            let (slot, new) = blocks.link(h, worker, after);
+            prev = Some(slot);
+            if new {
                 p.touch(h, now_ns);
                 link(pred_blocks, h, worker);
                 added += 1;
@@ -534,7 +558,7 @@ impl KvIndex {
         }
         gone += p.enforce_capacity(|h| {
             unlink(pred_blocks, h, worker);
-            unlink(blocks, h, worker);
+            blocks.unlink(h, worker);
         });
         self.entries = self.entries + added - gone;
         self.predicted_entries = self.predicted_entries + added - gone;
@@ -577,7 +601,7 @@ impl KvIndex {
 
     /// Whether `worker` holds the router hash `h` (ignoring TTL).
     pub fn contains(&self, worker: WorkerId, h: BlockHash) -> bool {
-        self.blocks.get(&h).is_some_and(|s| s.contains(worker))
+        self.blocks.get(h).is_some_and(|s| s.contains(worker))
     }
 
     /// The engine hashes the worker holds (exact mode), sorted. For tests and debugging.
@@ -622,12 +646,7 @@ impl KvIndex {
 
     /// Estimated heap bytes of all index structures (from table capacities), for the memory metric.
     pub fn heap_bytes(&self) -> usize {
-        let mut n = table_bytes(self.blocks.capacity(), 8 + std::mem::size_of::<WorkerSet>());
-        n += self
-            .blocks
-            .values()
-            .map(WorkerSet::heap_bytes)
-            .sum::<usize>();
+        let mut n = self.blocks.heap_bytes();
         n += table_bytes(
             self.pred_blocks.capacity(),
             8 + std::mem::size_of::<WorkerSet>(),
@@ -648,12 +667,7 @@ impl KvIndex {
 }
 
 /// Drops one reference of `worker` to router hash `r`; true when the worker no longer holds it.
-fn release(
-    ex: &mut ExactWorker,
-    blocks: &mut HashKeyed<WorkerSet>,
-    r: BlockHash,
-    worker: WorkerId,
-) -> bool {
+fn release(ex: &mut ExactWorker, blocks: &mut BlockStore, r: BlockHash, worker: WorkerId) -> bool {
     // `extra_refs` is empty in practice: skip even hashing into it.
     if let Some(n) = (!ex.extra_refs.is_empty())
         .then(|| ex.extra_refs.get_mut(&r))
@@ -665,7 +679,7 @@ fn release(
         }
         return false;
     }
-    unlink(blocks, r, worker)
+    blocks.unlink(r, worker)
 }
 
 fn duration_ns(d: Duration) -> u64 {

@@ -7,18 +7,15 @@
 //! every worker) is no longer a visit per (block, worker) pair. Only pairs that need a TTL check
 //! (approximate workers, unconfirmed predictions) are looked at one by one.
 //!
-//! The map lookups are issued a few blocks ahead of their use, in growing batches (1, 2, 4, … 16):
-//! they do not depend on each other, so the CPU overlaps their cache misses (the index is far larger
-//! than the caches; one miss per block dominated the latency), while a walk that stops early wastes
-//! fewer lookups than it made.
+//! Finding block `i + 1` is mostly a sequential read: blocks are stored in arrival order
+//! ([`super::store`]), so it is first looked for in the slot right after block `i`'s, and only
+//! otherwise through the hash table (a cache and TLB miss: the index is far larger than the caches,
+//! and one miss per block used to dominate the query).
 
 use super::worker_set::{bits, WorkerSet};
 use super::{KvIndex, OverlapScores, WorkerIndex};
 use crate::BlockHash;
 use std::time::Instant;
-
-/// Largest lookup batch.
-const BATCH: usize = 16;
 
 impl KvIndex {
     /// For the request's chained hashes, each worker's longest consecutive run of held blocks from
@@ -27,34 +24,33 @@ impl KvIndex {
     pub fn find_matches(&self, hashes: &[BlockHash], now: Instant, out: &mut OverlapScores) {
         out.clear();
         let words = self.workers.len().div_ceil(64);
-        // A miss on the first block (the common case for new prompts) needs no setup at all.
-        if words == 0 || hashes.first().is_none_or(|h| !self.blocks.contains_key(h)) {
+        if words == 0 {
             return;
         }
+        // A miss on the first block (the common case for new prompts) needs no setup at all.
+        let Some(mut slot) = hashes.first().and_then(|&h| self.blocks.find(h)) else {
+            return;
+        };
         let now_ns = self.ns(now);
         let mut alive = std::mem::take(&mut out.alive);
         alive.clear();
         // Before block 0 every worker's run is unbroken (empty).
         alive.resize(words, u64::MAX);
         let mut walked = 0usize;
-        let mut batch = 1;
-        let mut sets: [Option<&WorkerSet>; BATCH] = [None; BATCH];
-        'walk: while walked < hashes.len() {
-            let chunk = &hashes[walked..hashes.len().min(walked + batch)];
-            for (s, h) in sets.iter_mut().zip(chunk) {
-                *s = self.blocks.get(h);
+        loop {
+            let h = hashes[walked];
+            if !self.step(self.blocks.set(slot), h, walked, now_ns, &mut alive, out) {
+                out.alive = alive;
+                return;
             }
-            for (set, h) in sets.iter().zip(chunk) {
-                let Some(set) = set else {
-                    break 'walk;
-                };
-                if !self.step(set, *h, walked, now_ns, &mut alive, out) {
-                    out.alive = alive;
-                    return;
-                }
-                walked += 1;
+            walked += 1;
+            let Some(&next) = hashes.get(walked) else {
+                break;
+            };
+            match self.blocks.find_after(Some(slot), next) {
+                Some(s) => slot = s,
+                None => break,
             }
-            batch = (batch * 2).min(BATCH);
         }
         // The request ended, or its next block is held by nobody: the survivors' runs are complete.
         if walked > 0 {

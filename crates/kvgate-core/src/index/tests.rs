@@ -107,6 +107,33 @@ fn two_workers_runs_and_early_stop() {
     assert_eq!(matches(&ix, &h, now), BTreeMap::from([(1, 2)]));
 }
 
+/// The query's fast path (block `i + 1` looked for in the slot after block `i`'s) must not trust a
+/// freed slot that still carries the wanted hash while the hash now lives in another slot.
+#[test]
+fn stale_adjacent_slot_is_not_a_hit() {
+    let mut ix = KvIndex::new();
+    let t0 = Instant::now();
+    let a = toks(64, 1);
+    let ha = block_hashes(&a, 16, BASE_SEED);
+    let c = toks(64, 500);
+    ix.apply_stored(W0, None, &[1, 2, 3, 4], &a, 16, BASE_SEED)
+        .unwrap();
+    ix.apply_stored(W1, None, &[11, 12, 13, 14], &c, 16, BASE_SEED)
+        .unwrap();
+    // Free a2's slot (it keeps its stale hash) and one of W1's, then bring a2 back: it lands in
+    // W1's freed slot, not in the one right after a1.
+    ix.apply_removed(W0, &[3]);
+    ix.apply_removed(W1, &[12]);
+    ix.record_routed(WorkerId(2), &ha[2..3], t0);
+    ix.apply_stored(W0, Some(2), &[3], &a[32..48], 16, BASE_SEED)
+        .unwrap();
+    let a1 = ix.blocks.find(ha[1]).unwrap();
+    let a2 = ix.blocks.find(ha[2]).unwrap();
+    assert_ne!(a2, a1 + 1, "precondition: a2 no longer right after a1");
+    assert_eq!(ix.blocks.next(a1, ha[2]), None);
+    assert_eq!(matches(&ix, &ha, t0), BTreeMap::from([(0, 4)]));
+}
+
 #[test]
 fn approximate_ttl_refresh_and_capacity() {
     let mut ix = KvIndex::new();
