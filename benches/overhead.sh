@@ -8,7 +8,11 @@
 # Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
 # Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there),
 #      TOKENIZER_JSON (default /work/real/tokenizer.json), PEERS (dir of setup.sh, default /work/peers),
-#      CHAT_LUA (default /work/shared/tools/peers/chat.lua).
+#      CHAT_LUA (default /work/shared/tools/peers/chat.lua),
+#      BEFORE_SERVE (optional: an older `serve` binary, run as kvgate-rr(before) and
+#      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons).
+# kvgate kv runs with the approximate tokenizer, and again with the HF tokenizer when
+# TOKENIZER_JSON exists. Rounds interleave the targets, so machine noise hits all of them alike.
 set -euo pipefail
 DUR=${1:-5}
 ROUNDS=${2:-1}
@@ -32,11 +36,16 @@ wait_port() { for _ in $(seq 1 200); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/nu
 tree_pids() { local p=$1; echo "$p"; for c in $(pgrep -P "$p" 2>/dev/null); do tree_pids "$c"; done; }
 cpu_ticks() { local t=0; for p in $(tree_pids "$1"); do [ -r /proc/$p/stat ] && t=$((t + $(awk '{print $14+$15}' /proc/$p/stat))); done; echo $t; }
 
-"$MOCK" 127.0.0.1:18001 16 1 2>/dev/null & PIDS+=($!); MOCK_PID=$!
-wait_port 18001
+# An unusual port, and a check that the mock is still alive once the port is open: another
+# process already listening there would otherwise be benchmarked in its place.
+MOCK_PORT=${MOCK_PORT:-18931}
+"$MOCK" 127.0.0.1:$MOCK_PORT 16 1 2>"$WORK/mock.log" & PIDS+=($!); MOCK_PID=$!
+wait_port $MOCK_PORT
+sleep 0.2
+kill -0 "$MOCK_PID" 2>/dev/null || { echo "mock worker failed: $(cat "$WORK/mock.log")" >&2; exit 1; }
 
 declare -A PORT PID
-PORT[direct]=18001; PID[direct]=""
+PORT[direct]=$MOCK_PORT; PID[direct]=""
 
 mkdir -p "$WORK/nginx/tmp"
 cat > "$WORK/nginx/nginx.conf" <<NG
@@ -48,7 +57,7 @@ events { worker_connections 4096; }
 http {
   access_log off;
   client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
-  upstream workers { server 127.0.0.1:18001; keepalive 64; }
+  upstream workers { server 127.0.0.1:$MOCK_PORT; keepalive 64; }
   server { listen 127.0.0.1:30030;
     location / { proxy_pass http://workers; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; } }
 }
@@ -56,17 +65,27 @@ NG
 nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" & PIDS+=($!); PID[nginx]=$!; PORT[nginx]=30030
 wait_port 30030
 
-TOK_ARGS=(); KV_LABEL="kvgate-kv(approx-tok)"
-if [ -f "$TOKENIZER_JSON" ]; then TOK_ARGS=(--tokenizer-json "$TOKENIZER_JSON"); KV_LABEL="kvgate-kv(hf-tok)"; fi
-"$SERVE" --listen 127.0.0.1:30101 --worker http://127.0.0.1:18001 --model mock-model --policy kv \
-  "${TOK_ARGS[@]}" --no-request-log --log warn & PIDS+=($!); PID[$KV_LABEL]=$!; PORT[$KV_LABEL]=30101
-"$SERVE" --listen 127.0.0.1:30102 --worker http://127.0.0.1:18001 --model mock-model --policy round_robin \
-  --no-request-log --log warn & PIDS+=($!); PID[kvgate-rr]=$!; PORT[kvgate-rr]=30102
-wait_port 30101; wait_port 30102
+start_serve() { # label port binary args...
+  local label=$1 port=$2 bin=$3; shift 3
+  "$bin" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
+    --no-request-log --log warn "$@" & PIDS+=($!); PID[$label]=$!; PORT[$label]=$port
+}
+start_serve "kvgate-kv(approx-tok)" 30101 "$SERVE" --policy kv
+start_serve kvgate-rr 30102 "$SERVE" --policy round_robin
+TARGETS=(direct nginx "kvgate-kv(approx-tok)" kvgate-rr)
+if [ -f "$TOKENIZER_JSON" ]; then
+  start_serve "kvgate-kv(hf-tok)" 30103 "$SERVE" --policy kv --tokenizer-json "$TOKENIZER_JSON"
+  TARGETS+=("kvgate-kv(hf-tok)")
+fi
+if [ -n "${BEFORE_SERVE:-}" ]; then
+  start_serve "kvgate-kv(approx-tok,before)" 30104 "$BEFORE_SERVE" --policy kv
+  start_serve "kvgate-rr(before)" 30105 "$BEFORE_SERVE" --policy round_robin
+  TARGETS+=("kvgate-kv(approx-tok,before)" "kvgate-rr(before)")
+fi
+for t in "${TARGETS[@]}"; do [ "$t" = direct ] || wait_port "${PORT[$t]}"; done
 
-TARGETS=(direct nginx "$KV_LABEL" kvgate-rr)
 if [ -x "$PEERS/venv/bin/smg" ]; then
-  "$PEERS/venv/bin/smg" launch --host 127.0.0.1 --port 30000 --worker-urls http://127.0.0.1:18001 \
+  "$PEERS/venv/bin/smg" launch --host 127.0.0.1 --port 30000 --worker-urls http://127.0.0.1:$MOCK_PORT \
     --policy cache_aware --prometheus-host 127.0.0.1 --prometheus-port 29000 --log-level warn \
     --worker-startup-check-interval 1 >"$WORK/smg.log" 2>&1 & PIDS+=($!); PID[sglang-router]=$!; PORT[sglang-router]=30000
   if wait_port 30000; then

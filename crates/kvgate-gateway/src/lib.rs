@@ -2,7 +2,8 @@
 //! request to the worker holding most of its KV cache without overloading it, and measures it all.
 //!
 //! Layout, in request order:
-//! - `server.rs`: listeners (HTTP/1.1 + h2, TLS via `tls.rs`), route table, graceful shutdown.
+//! - `server.rs`: listeners (HTTP/1.1 + h2, TLS via `tls.rs`), io threads (one single-threaded
+//!   runtime and worker connection pool per core), route table, graceful shutdown.
 //! - `proxy.rs`: **the request path**, top to bottom (auth → body → parse → pool → tokens → select
 //!   → admission → dispatch → forward → retry → observe).
 //! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
