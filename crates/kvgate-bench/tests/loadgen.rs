@@ -129,10 +129,10 @@ async fn closed_loop_counts_tokens_timing_and_cached_tokens() {
         assert_eq!(o.itl.len(), 4);
         // Lower bounds only: the server cannot be faster than its sleeps (no flaky upper bounds).
         assert!(o.ttft.unwrap() >= TTFT, "{o:?}");
-        assert!(
-            o.itl.iter().all(|g| *g >= ITL - Duration::from_millis(1)),
-            "{o:?}"
-        );
+        // Each gap alone has no lower bound (a delayed chunk arrives right before the next one
+        // on a loaded machine), but the last chunk cannot arrive before the server sent it.
+        let last = o.ttft.unwrap() + o.itl.iter().sum::<Duration>();
+        assert!(last >= TTFT + 4 * ITL, "{o:?}");
         assert!(o.e2e >= TTFT + 4 * ITL);
     }
     // Two in flight at a time: three rounds, so the run cannot be shorter than 3 request times.
