@@ -144,7 +144,7 @@ impl Default for RoutingConfig {
         RoutingConfig {
             policy: "kv".into(),
             block_size: 16,
-            prefill_weight: 1.0,
+            prefill_weight: 4.0,
             temperature: 0.0,
             max_inflight_per_worker: 0,
             busy_active_blocks: None,
