@@ -281,6 +281,10 @@ pub struct WorkerConfig {
     /// ZMQ endpoint of the worker's KV-event publisher, e.g. `tcp://10.0.0.5:5557`.
     #[serde(default)]
     pub kv_events: Option<String>,
+    /// ZMQ ROUTER endpoint of the worker's KV-event replay buffer (vLLM `replay_endpoint`), e.g.
+    /// `tcp://10.0.0.5:5558`: gaps and reconnects are filled from it instead of clearing the worker.
+    #[serde(default)]
+    pub kv_replay: Option<String>,
     /// Metrics URL if not `<url>/metrics`.
     #[serde(default)]
     pub metrics_url: Option<String>,
@@ -305,6 +309,9 @@ pub struct WorkerPoolConfig {
     /// Port of each address's KV-event publisher (`tcp://addr-ip:port`); absent = no events.
     #[serde(default)]
     pub kv_events_port: Option<u16>,
+    /// Port of each address's KV-event replay endpoint (`tcp://addr-ip:port`); needs `kv_events_port`.
+    #[serde(default)]
+    pub kv_replay_port: Option<u16>,
     /// Seconds between lookups.
     #[serde(default = "default_refresh_s")]
     pub refresh_s: u64,
@@ -349,6 +356,9 @@ impl WorkerPoolConfig {
             kv_events: self
                 .kv_events_port
                 .map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
+            kv_replay: self
+                .kv_replay_port
+                .map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
             metrics_url: None,
         }
     }
@@ -370,6 +380,12 @@ impl WorkerPoolConfig {
         if self.refresh_s == 0 {
             bail!("worker_pools.refresh_s must be >= 1 (pool {:?})", self.dns);
         }
+        if self.kv_replay_port.is_some() && self.kv_events_port.is_none() {
+            bail!(
+                "worker_pools.kv_replay_port needs kv_events_port (pool {:?})",
+                self.dns
+            );
+        }
         Ok(())
     }
 }
@@ -388,6 +404,7 @@ impl WorkerConfig {
             cost_per_hour: 0.0,
             api_key: None,
             kv_events: None,
+            kv_replay: None,
             metrics_url: None,
         }
     }
@@ -433,6 +450,19 @@ impl Config {
             }
             if uri.authority().is_none() {
                 bail!("worker url {:?} has no host", w.url);
+            }
+            for (key, ep) in [("kv_events", &w.kv_events), ("kv_replay", &w.kv_replay)] {
+                if let Some(ep) = ep {
+                    if !ep.starts_with("tcp://") {
+                        bail!("worker {:?}: {key} {ep:?} must be tcp://host:port", w.url);
+                    }
+                }
+            }
+            if w.kv_replay.is_some() && w.kv_events.is_none() {
+                bail!(
+                    "worker {:?}: kv_replay is set without kv_events (replay fills gaps in a live event stream)",
+                    w.url
+                );
             }
             if !names.insert(worker_name(w)) {
                 bail!("duplicate worker name {:?}", worker_name(w));
@@ -514,6 +544,7 @@ mod tests {
         assert_eq!(w.url, "http://10.0.0.7:8000");
         assert_eq!(w.name.as_deref(), Some("vllm.default.svc-10.0.0.7:8000"));
         assert_eq!(w.kv_events.as_deref(), Some("tcp://10.0.0.7:5557"));
+        assert_eq!(w.kv_replay, None);
         let w6 = p.worker_for("[::1]:8000".parse().unwrap());
         assert_eq!(w6.url, "http://[::1]:8000");
         assert!(w6.url.parse::<http::Uri>().is_ok());
@@ -540,5 +571,41 @@ mod tests {
                 Config::from_file(&p).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
             }
         }
+    }
+
+    #[test]
+    fn kv_replay_endpoints() {
+        let cfg = Config::from_toml(
+            "[[workers]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"tcp://127.0.0.1:5557\"\nkv_replay = \"tcp://127.0.0.1:5558\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.workers[0].kv_replay.as_deref(),
+            Some("tcp://127.0.0.1:5558")
+        );
+        let err = Config::from_toml(
+            "[[workers]]\nurl = \"http://127.0.0.1:8001\"\nkv_replay = \"tcp://127.0.0.1:5558\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("kv_replay is set without kv_events"), "{err}");
+        let err = Config::from_toml(
+            "[[workers]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"127.0.0.1:5557\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("must be tcp://host:port"), "{err}");
+        let cfg = Config::from_toml(
+            "[[worker_pools]]\ndns = \"vllm.default.svc:8000\"\nkv_events_port = 5557\nkv_replay_port = 5558\n",
+        )
+        .unwrap();
+        let w = cfg.worker_pools[0].worker_for("10.0.0.7:8000".parse().unwrap());
+        assert_eq!(w.kv_replay.as_deref(), Some("tcp://10.0.0.7:5558"));
+        let err = Config::from_toml(
+            "[[worker_pools]]\ndns = \"vllm.default.svc:8000\"\nkv_replay_port = 5558\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("kv_replay_port needs kv_events_port"), "{err}");
     }
 }

@@ -73,7 +73,7 @@ impl Monitors {
         if let Some(ep) = &w.cfg.kv_events {
             mc.kv_events = KvEventsSource::Endpoints(vec![KvSource {
                 endpoint: ep.clone(),
-                replay_endpoint: None,
+                replay_endpoint: w.cfg.kv_replay.clone(),
                 topic: String::new(),
             }]);
         }
