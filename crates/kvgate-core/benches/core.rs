@@ -383,6 +383,55 @@ fn report() {
             percentiles(q_undisturbed)
         );
     }
+    // … and through the router-side load part alone (`ActiveSequences::fill_loads`), right after
+    // the (untimed) index query as in a selection, so the caches are as cold as there.
+    let mut l_undisturbed = Vec::with_capacity(20_000);
+    for i in 0..20_000 {
+        let h = &prompts[i % prompts.len()];
+        ix.find_matches(black_box(h), now, &mut scores);
+        let s0 = sched.read();
+        let t = Instant::now();
+        active.fill_loads(black_box(h), &mut cands);
+        let el = t.elapsed();
+        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
+            l_undisturbed.push(el);
+        }
+    }
+    if l_undisturbed.len() > 100 {
+        println!(
+            "  of which fill_loads alone, calls not descheduled: {}",
+            percentiles(l_undisturbed)
+        );
+    }
+    // Prefixes in flight on every worker (shared system prompts: each of the 64 workers also runs
+    // requests of groups 0..4, whose 128-block prefix the timed prompts share), the case where a
+    // search per worker costs most.
+    let mut shared = Vec::new();
+    for w in 0..WORKERS {
+        for g in 0..4 {
+            shared.push(active.add(WorkerId(w), 0, &query_prompt(g)[..SHARED_BLOCKS], 0, 0));
+        }
+    }
+    let prompts: Vec<Vec<u64>> = (0..256).map(|k| query_prompt(k * GROUPS + k % 4)).collect();
+    let mut s_undisturbed = Vec::with_capacity(20_000);
+    for i in 0..20_000 {
+        let h = &prompts[i % prompts.len()];
+        ix.find_matches(black_box(h), now, &mut scores);
+        let s0 = sched.read();
+        let t = Instant::now();
+        active.fill_loads(black_box(h), &mut cands);
+        let el = t.elapsed();
+        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
+            s_undisturbed.push(el);
+        }
+    }
+    if s_undisturbed.len() > 100 {
+        println!(
+            "  fill_loads, 128-block prefix of the prompt also in flight on all 64 workers: {}",
+            percentiles(s_undisturbed)
+        );
+    }
+    drop(shared);
     drop(guards);
 
     let events = ingest_events(256);

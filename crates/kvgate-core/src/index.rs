@@ -23,7 +23,7 @@ mod approx;
 mod overlap;
 mod query;
 mod store;
-mod worker_set;
+pub(crate) mod worker_set;
 
 pub use overlap::OverlapScores;
 

@@ -9,8 +9,13 @@
 //! [`ActiveSequences::expire_stale`], drops entries older than a bound (guards of expired entries then
 //! free nothing).
 //!
+//! Beside each worker's refcounted blocks, an inverse map block → set of workers where it is active
+//! lets [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt instead of
+//! one search per worker.
+//!
 //! Thread-safe: one `std::sync::Mutex` inside an `Arc`, held only for short, allocation-free sections.
 
+use crate::index::worker_set::{bits, WorkerSet};
 use crate::nohash::HashKeyed;
 use crate::select::Candidate;
 use crate::{BlockHash, WorkerId};
@@ -87,7 +92,14 @@ impl WorkerState {
         (n - hi) as u32
     }
 
-    fn free(&mut self, key: u64, pool: &mut Vec<Vec<BlockHash>>) {
+    /// Frees request `key` of worker `w` (this state), keeping the inverse map `active` in step.
+    fn free(
+        &mut self,
+        w: WorkerId,
+        key: u64,
+        pool: &mut Vec<Vec<BlockHash>>,
+        active: &mut HashKeyed<WorkerSet>,
+    ) {
         let Some(mut e) = self.requests.remove(&key) else {
             return;
         };
@@ -97,6 +109,7 @@ impl WorkerState {
                 *n -= 1;
                 if *n == 0 {
                     self.blocks.remove(h);
+                    unlink(active, *h, w);
                 }
             }
         }
@@ -107,17 +120,100 @@ impl WorkerState {
     }
 }
 
+/// Removes `w` from the workers where `h` is active, dropping the entry once none is left.
+fn unlink(active: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) {
+    if let Some(set) = active.get_mut(&h) {
+        set.remove(w);
+        if set.is_empty() {
+            active.remove(&h);
+        }
+    }
+}
+
 /// Recycled hash buffers, so steady-state `add` does not allocate.
 const POOL_MAX: usize = 256;
 
 #[derive(Debug, Default)]
 struct Inner {
     workers: Vec<Option<WorkerState>>,
+    /// Router hash → workers where it is active (refcount > 0 in their `blocks`); the union of the
+    /// workers' block maps, inverted.
+    active: HashKeyed<WorkerSet>,
+    /// Scratch of [`ActiveSequences::fill_loads`], sized with `workers`: per worker, how many leading
+    /// prompt blocks are active there, and the 64-worker words still matching.
+    depth: Vec<u32>,
+    alive: Vec<u64>,
     next_key: u64,
     pool: Vec<Vec<BlockHash>>,
 }
 
 impl Inner {
+    /// Sets `depth[w]` to the length of the prompt's longest prefix active on worker `w`, for every
+    /// known worker, from the inverse map. Active blocks are unions of whole chained prefixes, so the
+    /// workers where block `i` is active only shrink as `i` grows, and a worker's depth is where it
+    /// leaves that set (as in [`WorkerState::new_blocks`], the prefix is then exactly the worker's
+    /// active part of the prompt). Each run of blocks with the same still-matching workers is
+    /// skipped by galloping then bisecting, so a prompt costs O(log n) lookups per distinct depth
+    /// (one lookup for a run of length 1) instead of a search in each worker's own map.
+    fn active_prefix_depths(&mut self, hashes: &[BlockHash]) {
+        let Inner {
+            active,
+            depth,
+            alive,
+            ..
+        } = self;
+        depth.fill(0);
+        let n = hashes.len();
+        let Some(first) = hashes.first().and_then(|h| active.get(h)) else {
+            return;
+        };
+        for (k, a) in alive.iter_mut().enumerate() {
+            *a = first.word(k);
+        }
+        // Whether every worker still in `alive` has block `i` active.
+        let covers = |alive: &[u64], i: usize| match active.get(&hashes[i]) {
+            Some(s) => alive.iter().enumerate().all(|(k, &a)| s.word(k) & a == a),
+            None => false,
+        };
+        // Invariant: `alive` is non-empty and has blocks 0..=lo active.
+        let mut lo = 0usize;
+        loop {
+            let (mut step, mut hi) = (1usize, n);
+            while lo + step < n {
+                if covers(alive, lo + step) {
+                    lo += step;
+                    step *= 2;
+                } else {
+                    hi = lo + step;
+                    break;
+                }
+            }
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if covers(alive, mid) {
+                    lo = mid;
+                } else {
+                    hi = mid;
+                }
+            }
+            // Block `hi` is the first one some alive worker lacks: those stop at depth `hi`.
+            let set = hashes.get(hi).and_then(|h| active.get(h));
+            let mut any = false;
+            for (k, a) in alive.iter_mut().enumerate() {
+                let still = set.map_or(0, |s| s.word(k)) & *a;
+                for w in bits(k, *a & !still) {
+                    depth[w.index()] = hi as u32;
+                }
+                *a = still;
+                any |= still != 0;
+            }
+            if !any {
+                return;
+            }
+            lo = hi;
+        }
+    }
+
     fn worker(&self, w: WorkerId) -> Option<&WorkerState> {
         self.workers.get(w.index()).and_then(|s| s.as_ref())
     }
@@ -183,12 +279,18 @@ impl ActiveSequences {
         let i = worker.index();
         if i >= inner.workers.len() {
             inner.workers.resize_with(i + 1, || None);
+            inner.depth.resize(i + 1, 0);
+            inner.alive.resize(i / 64 + 1, 0);
         }
         let mut buf = inner.pool.pop().unwrap_or_default();
         buf.extend_from_slice(hashes);
         let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
         for &h in hashes {
-            *ws.blocks.entry(h).or_insert(0) += 1;
+            let n = ws.blocks.entry(h).or_insert(0);
+            *n += 1;
+            if *n == 1 {
+                inner.active.entry(h).or_default().insert(worker);
+            }
         }
         ws.pending_prefill_tokens += prefill;
         ws.requests.insert(
@@ -229,7 +331,9 @@ impl ActiveSequences {
     /// Fills `active_blocks`, `new_blocks`, `pending_prefill_tokens` and `inflight` of every candidate
     /// under one lock acquisition (the gateway's hot path).
     pub fn fill_loads(&self, hashes: &[BlockHash], candidates: &mut [Candidate]) {
-        let g = self.lock();
+        let mut g = self.lock();
+        let n = hashes.len() as u32;
+        g.active_prefix_depths(hashes);
         for c in candidates {
             match g.worker(c.worker) {
                 Some(ws) => {
@@ -237,7 +341,7 @@ impl ActiveSequences {
                     c.active_blocks = l.active_blocks;
                     c.pending_prefill_tokens = l.pending_prefill_tokens;
                     c.inflight = l.inflight;
-                    c.new_blocks = ws.new_blocks(hashes);
+                    c.new_blocks = n - g.depth[c.worker.index()];
                 }
                 None => {
                     c.active_blocks = 0;
@@ -255,7 +359,8 @@ impl ActiveSequences {
         let mut g = self.lock();
         let inner = &mut *g;
         let mut expired = Vec::new();
-        for ws in inner.workers.iter_mut().flatten() {
+        for (i, ws) in inner.workers.iter_mut().enumerate() {
+            let Some(ws) = ws else { continue };
             let old: Vec<u64> = ws
                 .requests
                 .iter()
@@ -264,7 +369,7 @@ impl ActiveSequences {
                 .collect();
             for k in old {
                 expired.push(ws.requests[&k].request_id);
-                ws.free(k, &mut inner.pool);
+                ws.free(WorkerId(i as u32), k, &mut inner.pool, &mut inner.active);
             }
         }
         expired
@@ -272,8 +377,14 @@ impl ActiveSequences {
 
     /// Forgets a worker and all its requests (their guards then free nothing).
     pub fn remove_worker(&self, worker: WorkerId) {
-        if let Some(slot) = self.lock().workers.get_mut(worker.index()) {
-            *slot = None;
+        let mut g = self.lock();
+        let inner = &mut *g;
+        if let Some(slot) = inner.workers.get_mut(worker.index()) {
+            if let Some(ws) = slot.take() {
+                for &h in ws.blocks.keys() {
+                    unlink(&mut inner.active, h, worker);
+                }
+            }
         }
     }
 
@@ -301,8 +412,34 @@ impl ActiveSequences {
         let mut g = self.lock();
         let inner = &mut *g;
         if let Some(Some(ws)) = inner.workers.get_mut(worker.index()) {
-            ws.free(key, &mut inner.pool);
+            ws.free(worker, key, &mut inner.pool, &mut inner.active);
         }
+    }
+
+    /// The inverse map (block → workers where it is active), for tests to compare with the
+    /// per-worker maps.
+    #[cfg(test)]
+    fn inverse(&self) -> std::collections::BTreeMap<BlockHash, std::collections::BTreeSet<u32>> {
+        self.lock()
+            .active
+            .iter()
+            .map(|(&h, s)| (h, s.iter().map(|w| w.0).collect()))
+            .collect()
+    }
+
+    /// The inverse map recomputed naively from the per-worker maps.
+    #[cfg(test)]
+    fn inverse_naive(
+        &self,
+    ) -> std::collections::BTreeMap<BlockHash, std::collections::BTreeSet<u32>> {
+        let g = self.lock();
+        let mut m = std::collections::BTreeMap::<_, std::collections::BTreeSet<u32>>::new();
+        for (i, ws) in g.workers.iter().enumerate() {
+            for &h in ws.iter().flat_map(|ws| ws.blocks.keys()) {
+                m.entry(h).or_default().insert(i as u32);
+            }
+        }
+        m
     }
 }
 

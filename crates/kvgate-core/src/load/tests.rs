@@ -144,12 +144,12 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0..3u32, 0..6u32, 0..4u32, 0..200u64, 0..100u64)
+        4 => (0..4u32, 0..6u32, 0..4u32, 0..200u64, 0..100u64)
             .prop_map(|(w, len, tail, isl, cached)| Op::Add { w, len, tail, isl, cached }),
         2 => any::<usize>().prop_map(Op::Prefill),
         3 => any::<usize>().prop_map(Op::Drop),
         1 => (0..50u64).prop_map(Op::Expire),
-        1 => (0..3u32).prop_map(Op::RemoveWorker),
+        1 => (0..4u32).prop_map(Op::RemoveWorker),
     ]
 }
 
@@ -159,7 +159,9 @@ proptest! {
     fn load_matches_model_and_returns_to_zero(ops in prop::collection::vec(op(), 0..80)) {
         // Hashing is unoptimised in test builds: compute every sequence once.
         let table: Vec<Vec<Vec<u64>>> = (0..6).map(|len| (0..4).map(|tail| seq(len, tail)).collect()).collect();
-        let probe = seq(6, 1);
+        // Worker ids beyond 63 exercise the inverse map's multi-word sets.
+        let ids = [0u32, 1, 2, 70];
+        let probes = [seq(6, 1), seq(3, 0), seq(5, 3), seq(1, 2), Vec::new()];
         let a = ActiveSequences::new();
         let t0 = Instant::now();
         let mut clock = 0u64;
@@ -171,6 +173,7 @@ proptest! {
             match op {
                 Op::Add { w, len, tail, isl, cached } => {
                     let h = table[len as usize][tail as usize].clone();
+                    let w = ids[w as usize];
                     let g = a.add_at(WorkerId(w), clock, &h, isl, cached, t0 + Duration::from_secs(clock));
                     live.push(Live { g, w, h, pending: isl.saturating_sub(cached), start: clock, alive: true });
                 }
@@ -191,12 +194,15 @@ proptest! {
                     prop_assert_eq!(got, want);
                 }
                 Op::RemoveWorker(w) => {
+                    let w = ids[w as usize];
                     a.remove_worker(WorkerId(w));
                     for l in live.iter_mut() { if l.w == w { l.alive = false; } }
                 }
                 _ => {}
             }
-            for w in 0..3u32 {
+            prop_assert_eq!(a.inverse(), a.inverse_naive());
+            let mut cands: Vec<Candidate> = ids.iter().chain(&[5u32, 200]).map(|&w| Candidate::new(WorkerId(w))).collect();
+            for w in ids {
                 let mine: Vec<&Live> = live.iter().filter(|l| l.alive && l.w == w).collect();
                 let blocks: HashSet<u64> = mine.iter().flat_map(|l| l.h.iter().copied()).collect();
                 prop_assert_eq!(a.snapshot(WorkerId(w)), WorkerLoad {
@@ -204,13 +210,67 @@ proptest! {
                     pending_prefill_tokens: mine.iter().map(|l| l.pending).sum(),
                     inflight: mine.len() as u32,
                 });
-                let want_new = probe.iter().filter(|h| !blocks.contains(h)).count() as u32;
-                prop_assert_eq!(a.new_blocks_for(WorkerId(w), &probe), want_new);
+                for probe in &probes {
+                    let want_new = probe.iter().filter(|h| !blocks.contains(h)).count() as u32;
+                    prop_assert_eq!(a.new_blocks_for(WorkerId(w), probe), want_new);
+                }
+            }
+            // The one-walk scoring path (inverse map) against the model, unknown workers included.
+            for probe in &probes {
+                a.fill_loads(probe, &mut cands);
+                for c in &cands {
+                    let blocks: HashSet<u64> = live.iter().filter(|l| l.alive && l.w == c.worker.0)
+                        .flat_map(|l| l.h.iter().copied()).collect();
+                    let want_new = probe.iter().filter(|h| !blocks.contains(h)).count() as u32;
+                    prop_assert_eq!(c.new_blocks, want_new, "worker {}", c.worker.0);
+                    prop_assert_eq!(c.active_blocks, blocks.len() as u32);
+                }
             }
         }
         drop(live);
-        for w in 0..3u32 {
+        for w in ids {
             prop_assert_eq!(a.snapshot(WorkerId(w)), WorkerLoad::default());
         }
+        prop_assert!(a.inverse().is_empty());
     }
+}
+
+/// Many distinct depths over 130 workers (three 64-worker words): the galloping walk must find each
+/// worker's own depth, as the per-worker search does.
+#[test]
+fn fill_loads_one_walk_finds_every_depth() {
+    let full = seq(80, 7);
+    let a = ActiveSequences::new();
+    let mut guards = Vec::new();
+    for w in 0..130u32 {
+        let d = (w as usize * 37) % 81;
+        guards.push(a.add(WorkerId(w), u64::from(w), &full[..d], 0, 0));
+        // A second, shorter request on the same prefix must not change the depth.
+        guards.push(a.add(WorkerId(w), 1000, &full[..d / 2], 0, 0));
+    }
+    for probe in [&full[..], &full[..40], &full[..1], &seq(80, 8)[..]] {
+        let mut cands: Vec<Candidate> = (0..132).map(|w| Candidate::new(WorkerId(w))).collect();
+        a.fill_loads(probe, &mut cands);
+        for c in &cands {
+            let d = if c.worker.0 < 130 {
+                (c.worker.0 as usize * 37) % 81
+            } else {
+                0
+            };
+            let shared = if std::ptr::eq(probe.as_ptr(), full.as_ptr()) || probe.len() <= 40 {
+                d.min(probe.len())
+            } else {
+                d.min(2) // seq(80, 8) shares only the 2-block prefix
+            };
+            assert_eq!(
+                c.new_blocks,
+                (probe.len() - shared) as u32,
+                "worker {}",
+                c.worker.0
+            );
+            assert_eq!(c.new_blocks, a.new_blocks_for(c.worker, probe));
+        }
+    }
+    drop(guards);
+    assert!(a.inverse().is_empty());
 }
