@@ -190,7 +190,7 @@ impl<'a> Eligibility<'a> {
 /// Settings of the kv cost model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvCostConfig {
-    /// Weight of the prefill term (Dynamo's `prefill_load_scale` / overlap score weight), default 1.
+    /// Weight of the prefill term (Dynamo's `prefill_load_scale` / overlap score weight), default 4.
     /// Higher favours cache hits and short queues of prompt work; 0 routes on decode load only.
     pub prefill_weight: f64,
     /// Softmax temperature, default 0 (deterministic argmin with random ties).
@@ -202,7 +202,7 @@ pub struct KvCostConfig {
 impl Default for KvCostConfig {
     fn default() -> Self {
         Self {
-            prefill_weight: 1.0,
+            prefill_weight: 4.0,
             temperature: 0.0,
             request_weight: 0.0,
         }

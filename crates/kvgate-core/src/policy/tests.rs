@@ -179,11 +179,27 @@ fn kv_prefers_cache_until_load_outweighs_it() {
     c[0].overlap_blocks = 15;
     let d = p.select(&req(&h), &c, &mut rng).unwrap();
     assert_eq!(d.worker.0, 0);
-    assert_eq!(d.cost, 5.0 + 20.0);
+    // Default prefill_weight 4: 5 uncached blocks weigh 20, plus 20 potential decode blocks.
+    assert_eq!(d.cost, 4.0 * 5.0 + 20.0);
     assert_eq!(d.overlap_blocks, 15);
     assert_eq!(d.predicted_hit_ratio, 0.75);
-    // 16 extra active blocks on the cached worker outweigh its 15-block head start.
-    c[0].active_blocks = 16;
+    // The cached worker's 15-block head start is worth 4 · 15 = 60 blocks of load: 60 extra active
+    // blocks tie (random pick), 61 outweigh it.
+    c[0].active_blocks = 59;
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 0);
+    c[0].active_blocks = 61;
     assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    // With prefill_weight 1 the head start is worth 15 blocks: 16 extra outweigh it.
+    let p1 = KvPolicy::new(
+        KvCostConfig {
+            prefill_weight: 1.0,
+            ..Default::default()
+        },
+        Default::default(),
+    );
+    c[0].active_blocks = 14;
+    assert_eq!(pick(&p1, &req(&h), &c, &mut rng), 0);
+    c[0].active_blocks = 16;
+    assert_eq!(pick(&p1, &req(&h), &c, &mut rng), 1);
     assert!(p.uses_overlap() && !RoundRobin::default().uses_overlap());
 }

@@ -19,7 +19,12 @@ fn dynamo_log_check() {
     let mut c = Candidate::new(WorkerId(0));
     c.new_blocks = 18;
     c.overlap_blocks = 12;
-    let cfg = KvCostConfig::default();
+    // Dynamo's own weight is 1; kvgate's default is 4 (measured: see docs/routing.md §7).
+    assert_eq!(KvCostConfig::default().prefill_weight, 4.0);
+    let cfg = KvCostConfig {
+        prefill_weight: 1.0,
+        ..KvCostConfig::default()
+    };
     assert_eq!(cfg.cost(&r, &c), 24.5);
     c.kv_scoring = false;
     assert_eq!(cfg.cost(&r, &c), 36.5);
@@ -112,10 +117,10 @@ fn score_candidates_fills_everything() {
         (c[1].overlap_blocks, c[1].active_blocks, c[1].new_blocks),
         (3, 0, 4)
     );
-    // kv cost: w0 = 96/16 + 4 = 10 ; w1 = (4 − 3) + 4 = 5 → w1.
+    // kv cost (default prefill_weight 4): w0 = 4 · 96/16 + 4 = 28 ; w1 = 4 · (4 − 3) + 4 = 8 → w1.
     let r = req(&h, 64);
     let cfg = KvCostConfig::default();
-    assert_eq!((cfg.cost(&r, &c[0]), cfg.cost(&r, &c[1])), (10.0, 5.0));
+    assert_eq!((cfg.cost(&r, &c[0]), cfg.cost(&r, &c[1])), (28.0, 8.0));
 }
 
 #[test]
