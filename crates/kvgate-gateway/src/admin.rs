@@ -177,6 +177,7 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
                 "active_blocks": load.active_blocks,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
                 "index_blocks": index.blocks_for(w.id),
+                "index_predicted_blocks": index.predicted_blocks_for(w.id),
                 "index_mode": match index.mode(w.id) {
                     Some(kvgate_core::IndexMode::Exact) => "exact",
                     Some(kvgate_core::IndexMode::Approximate(_)) => "approximate",
@@ -198,6 +199,7 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
         "policy": app.router.policy.load().policy.name(),
         "queue_depth": app.admission.len(),
         "index_entries": index.total_entries(),
+        "index_predicted_entries": index.predicted_entries(),
         "index_distinct_blocks": index.distinct_blocks(),
         "workers": workers,
     })

@@ -197,8 +197,12 @@ impl AppState {
         } else {
             0.0
         });
-        m.index_blocks
-            .set(self.router.index.read().total_entries() as i64);
+        {
+            let index = self.router.index.read();
+            m.index_blocks.set(index.total_entries() as i64);
+            m.index_predicted_blocks
+                .set(index.predicted_entries() as i64);
+        }
         m.queue_depth.set(self.admission.len() as i64);
     }
 }
