@@ -217,11 +217,17 @@ async fn run_once(a: RunArgs) -> anyhow::Result<()> {
     let target = a.traffic.target(&a.url)?;
     let cfg = a.traffic.run_config(&wl, a.workload.seed)?;
     let slo = a.traffic.slo()?;
-    let oracle = crate::oracle::compute(&wl, a.block_size, a.capacity_blocks);
     let res = tokio::select! {
         r = crate::runner::run(&target, &wl, &cfg) => r?,
         _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted"),
     };
+    // One outcome per request sent, and requests are sent from the head in order: the oracle is
+    // over exactly those (--requests / --duration cut a long trace).
+    let oracle = crate::oracle::compute(
+        &wl.head(res.outcomes.len()),
+        a.block_size,
+        a.capacity_blocks,
+    );
     let summary = crate::stats::summarize(&res.outcomes, res.duration, slo);
     print!("{}", crate::report::run_text(&summary, Some(&oracle)));
     if let Some(path) = &a.out {

@@ -370,10 +370,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         .max_requests
         .unwrap_or(usize::MAX)
         .min(wl.requests.len());
-    let sent = crate::workload::Workload {
-        name: wl.name.clone(),
-        requests: wl.requests[..n_sent].to_vec(),
-    };
+    let sent = wl.head(n_sent);
     let oracle = crate::oracle::compute(&sent, a.fleet.block_size, capacity);
 
     // An approximate-index comparison needs sims that publish no events: the gateway would

@@ -41,6 +41,15 @@ impl Workload {
     pub fn prompt_tokens(&self) -> u64 {
         self.requests.iter().map(|r| r.prompt.len() as u64).sum()
     }
+
+    /// The first `n` requests: what a run capped at `n` (or stopped after `n`) sent. The oracle
+    /// must see only these, or a slice of a long trace is measured against the whole trace's reuse.
+    pub fn head(&self, n: usize) -> Workload {
+        Workload {
+            name: self.name.clone(),
+            requests: self.requests[..n.min(self.requests.len())].to_vec(),
+        }
+    }
 }
 
 /// Knobs shared by all workload kinds (the CLI fills it).
@@ -134,6 +143,38 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, c);
         assert!(a.iter().all(|t| (TOKEN_LO..TOKEN_HI).contains(t)));
+    }
+
+    #[test]
+    fn head_is_what_was_sent_and_the_oracle_sees_only_it() {
+        let req = |key: u64| {
+            let mut prompt = Vec::new();
+            keyed_block(3, key, 64, &mut prompt);
+            Request {
+                at: None,
+                prompt,
+                max_tokens: 1,
+            }
+        };
+        // The third request repeats the first: reuse exists only past the first two.
+        let wl = Workload {
+            name: "t".into(),
+            requests: vec![req(1), req(2), req(1)],
+        };
+        let two = wl.head(2);
+        assert_eq!(two.requests.len(), 2);
+        assert_eq!(two.requests[1].prompt, wl.requests[1].prompt);
+        assert_eq!(
+            crate::oracle::compute(&two, 16, None).infinite_hit_rate,
+            0.0
+        );
+        // Whole: the repeat hits (64 - 1) / 16 = 3 blocks = 48 of 192 prompt tokens.
+        assert_eq!(
+            crate::oracle::compute(&wl, 16, None).infinite_hit_rate,
+            0.25
+        );
+        assert_eq!(wl.head(10).requests.len(), 3);
+        assert!(wl.head(0).requests.is_empty());
     }
 
     #[test]
