@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::metrics::{Lbl, ModelLabel, ModelWorker, RequestLabels};
+use crate::metrics::{Lbl, RequestHandles};
 use crate::registry::Worker;
 use crate::router::DispatchGuard;
 use crate::state::AppState;
@@ -90,6 +90,8 @@ pub struct RequestCtx {
     pub error: Option<&'static str>,
     /// Load held on the worker; released in `finish`.
     pub guard: Option<DispatchGuard>,
+    /// This request's (model, worker) metric series, resolved once (see `Metrics::handles`).
+    handles: Option<Arc<RequestHandles>>,
     finished: bool,
 }
 
@@ -120,6 +122,7 @@ impl RequestCtx {
             usage: None,
             error: None,
             guard: None,
+            handles: None,
             finished: false,
         }
     }
@@ -136,16 +139,28 @@ impl RequestCtx {
             self.itl_sum += gap;
             self.itl_sumsq += gap * gap;
             self.itl_n += 1;
-            self.app
-                .metrics
-                .itl
-                .get_or_create(&ModelLabel {
-                    model: self.model.clone(),
-                })
-                .observe(gap);
+            let h = self.handles();
+            h.itl(&self.app.metrics).observe(gap);
         }
         self.last_token = Some(now);
         self.token_events += 1;
+    }
+
+    /// The metric handles for the current model and worker ("none" before one is chosen); looked
+    /// up again only if either changed (a retry on another worker).
+    fn handles(&mut self) -> Arc<RequestHandles> {
+        let worker = match &self.worker {
+            Some(w) => &w.name,
+            None => &self.app.no_worker,
+        };
+        match &self.handles {
+            Some(h) if h.is_for(&self.model, worker) => h.clone(),
+            _ => {
+                let h = self.app.metrics.handles(&self.model, worker);
+                self.handles = Some(h.clone());
+                h
+            }
+        }
     }
 
     /// Record metrics and the log line. Idempotent; also called from the observer's `Drop`.
@@ -156,33 +171,18 @@ impl RequestCtx {
         self.finished = true;
         // Release the worker's load first: a queued request may be waiting for it.
         drop(self.guard.take());
+        let h = self.handles();
         let app = &*self.app;
         let m = &app.metrics;
         let now = Instant::now();
         let total = now.duration_since(self.start);
-        let worker_lbl = self
-            .worker
-            .as_ref()
-            .map(|w| w.name.clone())
-            .unwrap_or_else(|| app.no_worker.clone());
         let status = match outcome {
             // 499 (nginx convention) so cancelled requests are visible in the status breakdown.
             Outcome::Cancelled => 499,
             _ => self.status,
         };
-        m.requests
-            .get_or_create(&RequestLabels {
-                model: self.model.clone(),
-                worker: worker_lbl.clone(),
-                status,
-            })
-            .inc();
-        let ml = ModelLabel {
-            model: self.model.clone(),
-        };
-        m.request_duration
-            .get_or_create(&ml)
-            .observe(total.as_secs_f64());
+        h.request(m, status).inc();
+        h.duration(m).observe(total.as_secs_f64());
         if let Some(kind) = self.error {
             m.error(kind);
         }
@@ -193,12 +193,12 @@ impl RequestCtx {
         let mean_itl = (self.itl_n > 0).then(|| self.itl_sum / self.itl_n as f64);
         // Embeddings have no tokens to wait for: their latency is in the request duration only.
         if let (Some(t), false) = (ttft, self.endpoint == Endpoint::Embeddings) {
-            m.ttft.get_or_create(&ml).observe(t.as_secs_f64());
+            h.ttft(m).observe(t.as_secs_f64());
         }
         if self.itl_n >= 2 {
             let mean = self.itl_sum / self.itl_n as f64;
             let var = (self.itl_sumsq / self.itl_n as f64 - mean * mean).max(0.0);
-            m.jitter.get_or_create(&ml).observe(var.sqrt());
+            h.jitter(m).observe(var.sqrt());
         }
         let (prompt, completion, cached) = match self.usage {
             Some(u) => (
@@ -213,34 +213,28 @@ impl RequestCtx {
             ),
         };
         let ok = outcome == Outcome::Complete && (200..300).contains(&status);
-        if let Some(w) = &self.worker {
-            if ok || outcome == Outcome::StreamError {
-                let mw = ModelWorker {
-                    model: self.model.clone(),
-                    worker: w.name.clone(),
-                };
-                m.prompt_tokens.get_or_create(&mw).inc_by(prompt);
-                if self.endpoint != Endpoint::Embeddings {
-                    m.completion_tokens.get_or_create(&mw).inc_by(completion);
-                }
-                if let Some(c) = cached {
-                    m.cached_tokens.get_or_create(&mw).inc_by(c);
-                    if prompt > 0 {
-                        m.realised_cached
-                            .observe((c as f64 / prompt as f64).min(1.0));
-                    }
-                }
-                app.tokens_served
-                    .fetch_add(prompt + completion, Ordering::Relaxed);
+        if self.worker.is_some() && (ok || outcome == Outcome::StreamError) {
+            h.prompt_tokens(m).inc_by(prompt);
+            if self.endpoint != Endpoint::Embeddings {
+                h.completion_tokens(m).inc_by(completion);
             }
+            if let Some(c) = cached {
+                h.cached_tokens(m).inc_by(c);
+                if prompt > 0 {
+                    m.realised_cached
+                        .observe((c as f64 / prompt as f64).min(1.0));
+                }
+            }
+            app.tokens_served
+                .fetch_add(prompt + completion, Ordering::Relaxed);
         }
         if ok && self.endpoint != Endpoint::Embeddings {
-            m.slo_checked.get_or_create(&ml).inc();
+            h.slo_checked(m).inc();
             let slo = &app.slo.load();
             let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);
             let itl_ok = mean_itl.is_none_or(|i| i * 1000.0 <= slo.itl_ms);
             if ttft_ok && itl_ok {
-                m.goodput.get_or_create(&ml).inc();
+                h.goodput(m).inc();
             }
         }
         if app.request_log {

@@ -6,7 +6,10 @@
 //! fixed sets. Label values are `Arc<str>` so recording never allocates on the hot path.
 //! docs/metrics.md lists every family with the KPI it serves.
 
-use std::sync::Arc;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -87,6 +90,8 @@ fn ratio_buckets() -> Histogram {
 
 pub struct Metrics {
     registry: Registry,
+    /// Distinguishes registries in the per-thread handle cache (tests run many apps per process).
+    id: u64,
     pub requests: Family<RequestLabels, Counter>,
     pub request_duration: HFamily<ModelLabel>,
     pub decision: Histogram,
@@ -222,7 +227,39 @@ impl Metrics {
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
             },
             registry: r,
+            id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
         }
+    }
+
+    /// The series a request for `model` served by `worker` records, resolved once per thread and
+    /// (model, worker) instead of a `Family` lookup (label hashing + lock) per metric per request.
+    /// Keyed by the label `Arc`s' addresses: the entry holds both `Arc`s, so an address cannot be
+    /// reused by another label while it is cached.
+    pub fn handles(&self, model: &Lbl, worker: &Lbl) -> Arc<RequestHandles> {
+        let key = (
+            self.id,
+            Arc::as_ptr(model) as *const u8 as usize,
+            Arc::as_ptr(worker) as *const u8 as usize,
+        );
+        let new = || Arc::new(RequestHandles::new(model.clone(), worker.clone()));
+        // `try_with`: a request finished while its thread's locals are being torn down (a runtime
+        // dropped at thread exit) still records, just uncached.
+        HANDLES
+            .try_with(|c| {
+                let mut c = c.borrow_mut();
+                if let Some(h) = c.get(&key) {
+                    return h.clone();
+                }
+                // Labels come from config and discovery, so this stays small; a bound keeps a
+                // churning DNS fleet from growing it (and its pinned label strings) forever.
+                if c.len() >= HANDLE_CACHE_MAX {
+                    c.clear();
+                }
+                let h = new();
+                c.insert(key, h.clone());
+                h
+            })
+            .unwrap_or_else(|_| new())
     }
 
     pub fn error(&self, kind: &'static str) {
@@ -236,6 +273,124 @@ impl Metrics {
             return String::new();
         }
         openmetrics_to_classic(&om)
+    }
+}
+
+static NEXT_METRICS_ID: AtomicU64 = AtomicU64::new(0);
+const HANDLE_CACHE_MAX: usize = 4096;
+
+thread_local! {
+    static HANDLES: RefCell<HashMap<(u64, usize, usize), Arc<RequestHandles>>> =
+        RefCell::new(HashMap::new());
+}
+
+/// Handles to one (model, worker)'s series in the per-request families. Each is resolved on first
+/// use (`get_or_create`, then a clone sharing the same atomic cells), so exactly the series that
+/// per-request lookups would create exist: none appears at zero before it is first recorded.
+/// Safe because the per-request families are never cleared or pruned.
+pub struct RequestHandles {
+    pub model: Lbl,
+    pub worker: Lbl,
+    ok: OnceLock<Counter>,
+    duration: OnceLock<Histogram>,
+    ttft: OnceLock<Histogram>,
+    itl: OnceLock<Histogram>,
+    jitter: OnceLock<Histogram>,
+    prompt_tokens: OnceLock<Counter>,
+    completion_tokens: OnceLock<Counter>,
+    cached_tokens: OnceLock<Counter>,
+    slo_checked: OnceLock<Counter>,
+    goodput: OnceLock<Counter>,
+}
+
+impl RequestHandles {
+    fn new(model: Lbl, worker: Lbl) -> Self {
+        RequestHandles {
+            model,
+            worker,
+            ok: OnceLock::new(),
+            duration: OnceLock::new(),
+            ttft: OnceLock::new(),
+            itl: OnceLock::new(),
+            jitter: OnceLock::new(),
+            prompt_tokens: OnceLock::new(),
+            completion_tokens: OnceLock::new(),
+            cached_tokens: OnceLock::new(),
+            slo_checked: OnceLock::new(),
+            goodput: OnceLock::new(),
+        }
+    }
+
+    /// True when these handles are for exactly these label `Arc`s.
+    pub fn is_for(&self, model: &Lbl, worker: &Lbl) -> bool {
+        Arc::ptr_eq(&self.model, model) && Arc::ptr_eq(&self.worker, worker)
+    }
+
+    fn ml(&self) -> ModelLabel {
+        ModelLabel {
+            model: self.model.clone(),
+        }
+    }
+
+    fn mw(&self) -> ModelWorker {
+        ModelWorker {
+            model: self.model.clone(),
+            worker: self.worker.clone(),
+        }
+    }
+
+    /// `kvgate_requests` with this model, worker and `status` (200 cached, others looked up).
+    pub fn request(&self, m: &Metrics, status: u16) -> Counter {
+        let lookup = || {
+            m.requests
+                .get_or_create(&RequestLabels {
+                    model: self.model.clone(),
+                    worker: self.worker.clone(),
+                    status,
+                })
+                .clone()
+        };
+        if status == 200 {
+            self.ok.get_or_init(lookup).clone()
+        } else {
+            lookup()
+        }
+    }
+    pub fn duration(&self, m: &Metrics) -> &Histogram {
+        self.duration
+            .get_or_init(|| m.request_duration.get_or_create(&self.ml()).clone())
+    }
+    pub fn ttft(&self, m: &Metrics) -> &Histogram {
+        self.ttft
+            .get_or_init(|| m.ttft.get_or_create(&self.ml()).clone())
+    }
+    pub fn itl(&self, m: &Metrics) -> &Histogram {
+        self.itl
+            .get_or_init(|| m.itl.get_or_create(&self.ml()).clone())
+    }
+    pub fn jitter(&self, m: &Metrics) -> &Histogram {
+        self.jitter
+            .get_or_init(|| m.jitter.get_or_create(&self.ml()).clone())
+    }
+    pub fn prompt_tokens(&self, m: &Metrics) -> &Counter {
+        self.prompt_tokens
+            .get_or_init(|| m.prompt_tokens.get_or_create(&self.mw()).clone())
+    }
+    pub fn completion_tokens(&self, m: &Metrics) -> &Counter {
+        self.completion_tokens
+            .get_or_init(|| m.completion_tokens.get_or_create(&self.mw()).clone())
+    }
+    pub fn cached_tokens(&self, m: &Metrics) -> &Counter {
+        self.cached_tokens
+            .get_or_init(|| m.cached_tokens.get_or_create(&self.mw()).clone())
+    }
+    pub fn slo_checked(&self, m: &Metrics) -> &Counter {
+        self.slo_checked
+            .get_or_init(|| m.slo_checked.get_or_create(&self.ml()).clone())
+    }
+    pub fn goodput(&self, m: &Metrics) -> &Counter {
+        self.goodput
+            .get_or_init(|| m.goodput.get_or_create(&self.ml()).clone())
     }
 }
 
@@ -310,5 +465,52 @@ mod tests {
         );
         assert!(!text.contains("# EOF"));
         assert!(text.contains("# TYPE kvgate_router_decision_seconds histogram"));
+    }
+
+    #[test]
+    fn cached_handles_record_into_the_same_series_as_lookups() {
+        let (a, b) = (Metrics::new(), Metrics::new());
+        let (model, worker): (Lbl, Lbl) = ("m".into(), "w".into());
+        let h = a.handles(&model, &worker);
+        // Resolving handles creates no series: only what is recorded appears.
+        assert!(!a.render().contains("model=\"m\""), "{}", a.render());
+        h.request(&a, 200).inc();
+        a.handles(&model, &worker).request(&a, 200).inc();
+        h.request(&a, 503).inc();
+        h.prompt_tokens(&a).inc_by(7);
+        h.ttft(&a).observe(0.002);
+        // A per-request lookup sees the cached handle's counts: one series, shared cells.
+        a.requests
+            .get_or_create(&RequestLabels {
+                model: model.clone(),
+                worker: worker.clone(),
+                status: 200,
+            })
+            .inc();
+        let text = a.render();
+        for want in [
+            "kvgate_requests_total{model=\"m\",worker=\"w\",status=\"200\"} 3",
+            "kvgate_requests_total{model=\"m\",worker=\"w\",status=\"503\"} 1",
+            "kvgate_prompt_tokens_total{model=\"m\",worker=\"w\"} 7",
+            "kvgate_time_to_first_token_seconds_count{model=\"m\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing in {text}");
+        }
+        assert!(!text.contains("kvgate_completion_tokens_total{"), "{text}");
+        // Another registry with the same label Arcs gets its own handles.
+        let hb = b.handles(&model, &worker);
+        assert!(!Arc::ptr_eq(&h, &hb));
+        hb.request(&b, 200).inc();
+        assert!(b
+            .render()
+            .contains("kvgate_requests_total{model=\"m\",worker=\"w\",status=\"200\"} 1"));
+        // Same text in a different Arc is a different cache entry, same series.
+        let other: Lbl = "w".into();
+        let h2 = a.handles(&model, &other);
+        assert!(!Arc::ptr_eq(&h, &h2) && h2.is_for(&model, &other) && !h.is_for(&model, &other));
+        h2.request(&a, 200).inc();
+        assert!(a
+            .render()
+            .contains("kvgate_requests_total{model=\"m\",worker=\"w\",status=\"200\"} 4"));
     }
 }
