@@ -3,7 +3,8 @@
 //! Cost of sending a request to a worker, in KV blocks (Dynamo 1.6.1's default selector without the
 //! host/disk tiers):
 //! ```text
-//! prefill_blocks = max(0, (pending_prefill_tokens + isl_tokens) / block_size − overlap_blocks)
+//! prefill_blocks = max(0, (pending_weight · pending_prefill_tokens + isl_tokens) / block_size
+//!                          − overlap_blocks)
 //! decode_blocks  = active_blocks + new_blocks          (potential decode blocks)
 //! cost           = prefill_weight · prefill_blocks + decode_blocks + request_weight · inflight
 //! ```
@@ -197,6 +198,10 @@ pub struct KvCostConfig {
     pub temperature: f64,
     /// Weight of in-flight requests, default 0 (Dynamo's `decode_active_request_weight`).
     pub request_weight: f64,
+    /// Share of the worker's in-flight prefill tokens charged in the prefill term, default 1
+    /// (Dynamo). Below 1 a long cached prefix outweighs a short-lived burst of prompt work on its
+    /// worker: `prefill_weight` cannot do that, since it scales both sides (docs/bench.md, Mooncake).
+    pub pending_weight: f64,
 }
 
 impl Default for KvCostConfig {
@@ -205,6 +210,7 @@ impl Default for KvCostConfig {
             prefill_weight: 4.0,
             temperature: 0.0,
             request_weight: 0.0,
+            pending_weight: 1.0,
         }
     }
 }
@@ -214,7 +220,8 @@ impl KvCostConfig {
     #[inline]
     pub fn cost(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
         let bs = f64::from(req.block_size.max(1));
-        let raw = (c.pending_prefill_tokens as f64 + req.isl_tokens as f64) / bs;
+        let pending = self.pending_weight * c.pending_prefill_tokens as f64;
+        let raw = (pending + req.isl_tokens as f64) / bs;
         let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
         self.prefill_weight * prefill + decode + self.request_weight * f64::from(c.inflight)

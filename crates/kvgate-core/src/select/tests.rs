@@ -41,6 +41,12 @@ fn dynamo_log_check() {
         ..cfg
     };
     assert_eq!(cfg.cost(&r, &c), 2.0 * (456.0 / 16.0) + 25.0 + 1.5);
+    // pending_weight charges only a share of the in-flight prefill: 0.25 · 160 = 40 tokens.
+    let quarter = KvCostConfig {
+        pending_weight: 0.25,
+        ..cfg
+    };
+    assert_eq!(quarter.cost(&r, &c), 2.0 * (336.0 / 16.0) + 25.0 + 1.5);
     // Overlap beyond the prompt cannot make prefill negative.
     c.pending_prefill_tokens = 0;
     c.overlap_blocks = 1000;
@@ -201,4 +207,35 @@ proptest! {
         let sigma = (n as f64 * p * (1.0 - p)).sqrt();
         for &h in &hits { prop_assert!((f64::from(h) - n as f64 * p).abs() < 5.0 * sigma); }
     }
+}
+
+#[test]
+fn pending_weight_keeps_a_long_prefix_through_a_burst() {
+    // Mooncake req828-like case: 1904-token prompt, 108 blocks cached on A, which has a 4412-token
+    // prompt of the same arrival burst in prefill; B holds only the common first 4 blocks.
+    let h = vec![0u64; 119];
+    let r = req(&h, 1904);
+    let mut a = Candidate::new(WorkerId(0));
+    a.overlap_blocks = 108;
+    a.pending_prefill_tokens = 4412;
+    let mut b = Candidate::new(WorkerId(1));
+    b.overlap_blocks = 4;
+    let pick = |cfg: KvCostConfig| {
+        let costs = [cfg.cost(&r, &a), cfg.cost(&r, &b)];
+        pick_by_cost(&costs, 0.0, &mut fastrand::Rng::with_seed(1))
+    };
+    // With the whole pending prefill charged, no prefill_weight keeps the prefix: it scales both.
+    for pw in [1.0, 8.0, 1000.0] {
+        let cfg = KvCostConfig {
+            prefill_weight: pw,
+            ..KvCostConfig::default()
+        };
+        assert_eq!(pick(cfg), Some(1), "prefill_weight {pw}");
+    }
+    let cfg = KvCostConfig {
+        prefill_weight: 8.0,
+        pending_weight: 0.25,
+        ..KvCostConfig::default()
+    };
+    assert_eq!(pick(cfg), Some(0));
 }
