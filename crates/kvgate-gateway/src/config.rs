@@ -116,6 +116,9 @@ pub struct RoutingConfig {
     pub block_size: u32,
     /// Weight of prefill (uncached prompt) blocks against decode blocks in the `kv` cost.
     pub prefill_weight: f64,
+    /// Share of a worker's in-flight prefill tokens charged in the `kv` cost (1 = Dynamo; below 1
+    /// keeps long cached prefixes through bursts of prompt work on their worker).
+    pub pending_prefill_weight: f64,
     /// Softmax temperature over normalised cost; 0 = argmin with random tie-break.
     pub temperature: f64,
     /// A worker is busy once it has this many in-flight requests through this gateway (0 = never).
@@ -145,6 +148,7 @@ impl Default for RoutingConfig {
             policy: "kv".into(),
             block_size: 16,
             prefill_weight: 4.0,
+            pending_prefill_weight: 1.0,
             temperature: 0.0,
             max_inflight_per_worker: 0,
             busy_active_blocks: None,

@@ -32,6 +32,12 @@ impl RoutePolicy {
     pub fn from_config(cfg: &RoutingConfig) -> anyhow::Result<Self> {
         let mut pc = PolicyConfig::default();
         pc.kv.prefill_weight = cfg.prefill_weight;
+        anyhow::ensure!(
+            cfg.pending_prefill_weight.is_finite() && cfg.pending_prefill_weight >= 0.0,
+            "routing.pending_prefill_weight must be a finite number >= 0, got {}",
+            cfg.pending_prefill_weight
+        );
+        pc.kv.pending_weight = cfg.pending_prefill_weight;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,
