@@ -69,27 +69,7 @@ impl WorkerState {
         if n == 0 || !active(0) {
             return n as u32;
         }
-        // Invariant: hashes[..=lo] active; hi = first index known inactive (or n).
-        let (mut lo, mut step) = (0usize, 1usize);
-        let mut hi = n;
-        while lo + step < n {
-            if active(lo + step) {
-                lo += step;
-                step *= 2;
-            } else {
-                hi = lo + step;
-                break;
-            }
-        }
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            if active(mid) {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-        (n - hi) as u32
+        (n - prefix_end(0, n, active)) as u32
     }
 
     /// Frees request `key` of worker `w` (this state), keeping the inverse map `active` in step.
@@ -178,24 +158,7 @@ impl Inner {
         // Invariant: `alive` is non-empty and has blocks 0..=lo active.
         let mut lo = 0usize;
         loop {
-            let (mut step, mut hi) = (1usize, n);
-            while lo + step < n {
-                if covers(alive, lo + step) {
-                    lo += step;
-                    step *= 2;
-                } else {
-                    hi = lo + step;
-                    break;
-                }
-            }
-            while hi - lo > 1 {
-                let mid = lo + (hi - lo) / 2;
-                if covers(alive, mid) {
-                    lo = mid;
-                } else {
-                    hi = mid;
-                }
-            }
+            let hi = prefix_end(lo, n, |i| covers(alive, i));
             // Block `hi` is the first one some alive worker lacks: those stop at depth `hi`.
             let set = hashes.get(hi).and_then(|h| active.get(h));
             let mut any = false;
@@ -220,6 +183,30 @@ impl Inner {
     fn worker_mut(&mut self, w: WorkerId) -> Option<&mut WorkerState> {
         self.workers.get_mut(w.index()).and_then(|s| s.as_mut())
     }
+}
+
+/// The first index in `lo + 1..n` where `holds` is false, or `n`, given that `holds` is true on
+/// `0..=lo` and, once false, stays false: gallop forward, then bisect (O(log n) calls).
+fn prefix_end(mut lo: usize, n: usize, mut holds: impl FnMut(usize) -> bool) -> usize {
+    let (mut step, mut hi) = (1usize, n);
+    while lo + step < n {
+        if holds(lo + step) {
+            lo += step;
+            step *= 2;
+        } else {
+            hi = lo + step;
+            break;
+        }
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    hi
 }
 
 /// Router-side active load of every worker. Cheap to clone (shared state).
