@@ -410,4 +410,19 @@ impl http_body::Body for MockBody {
             MockBody::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|r| r.map(Frame::data))),
         }
     }
+
+    // A whole JSON body goes out with a content-length, as real engines (uvicorn, llama.cpp's
+    // httplib) send non-streamed answers; streams are chunked.
+    fn is_end_stream(&self) -> bool {
+        matches!(self, MockBody::Full(None))
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            MockBody::Full(b) => {
+                http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            MockBody::Stream(_) => http_body::SizeHint::default(),
+        }
+    }
 }

@@ -20,6 +20,7 @@
 
 mod added;
 mod merge;
+mod segments;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -29,6 +30,7 @@ use tokenizers::{ModelWrapper, PreTokenizerWrapper, Token};
 use super::pretok::{piece_end, BYTE_CHARS};
 use added::{AddedSet, Seg};
 use merge::{pair_key, Bpe, PairMap, Scratch, WordCache};
+use segments::SegCache;
 
 /// Independent caches; an encode takes the first free one (no waiting), so concurrent requests
 /// on the runtime's worker threads each get one.
@@ -53,6 +55,8 @@ pub(crate) struct Native {
     special_prefix: Vec<u32>,
     special_suffix: Vec<u32>,
     slots: Vec<Mutex<Slot>>,
+    /// Ids of whole segments between added tokens, shared by every encode.
+    segments: Mutex<SegCache>,
 }
 
 impl Native {
@@ -99,6 +103,7 @@ impl Native {
             special_prefix,
             special_suffix,
             slots: (0..CACHE_SLOTS).map(|_| Mutex::default()).collect(),
+            segments: Mutex::new(SegCache::new(segments::DEFAULT_BUDGET_BYTES)),
         })
     }
 
@@ -122,14 +127,34 @@ impl Native {
         };
         self.raw_added.split(text, |seg| match seg {
             Seg::Token(id) => w.out.push(id),
-            Seg::Text(s) => self.norm_added.split(s, |seg| match seg {
-                Seg::Token(id) => w.out.push(id),
-                Seg::Text(s) => self.pre_tokenize(s, 0, &mut w),
-            }),
+            Seg::Text(s) => self.segment(s, &mut w),
         });
         if special {
             w.out.extend_from_slice(&self.special_suffix);
         }
+    }
+
+    /// One segment between raw-matched added tokens: from the segment cache when it is long
+    /// enough to be worth it, else (and then stored) encoded.
+    fn segment(&self, s: &str, w: &mut Work<'_>) {
+        let cacheable = s.len() >= segments::MIN_SEGMENT_BYTES;
+        if cacheable && self.seg_cache().get_into(s, w.out) {
+            return;
+        }
+        let start = w.out.len();
+        self.norm_added.split(s, |seg| match seg {
+            Seg::Token(id) => w.out.push(id),
+            Seg::Text(s) => self.pre_tokenize(s, 0, w),
+        });
+        if cacheable {
+            self.seg_cache().insert(s, &w.out[start..]);
+        }
+    }
+
+    /// The segment cache; a panic while it was held cannot leave it inconsistent (entries are
+    /// inserted whole), so a poisoned lock is taken over.
+    fn seg_cache(&self) -> MutexGuard<'_, SegCache> {
+        self.segments.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The first slot nobody holds (never waits).
@@ -210,6 +235,13 @@ impl Native {
             );
             i = e;
         }
+    }
+
+    /// Segment cache `(hits, misses, entries)`.
+    #[cfg(test)]
+    fn segment_stats(&self) -> (u64, u64, usize) {
+        let c = self.seg_cache();
+        (c.hits, c.misses, c.len())
     }
 
     #[cfg(test)]

@@ -65,7 +65,7 @@ pub(crate) struct Bpe {
     pub(crate) merges: PairMap,
     /// `ignore_merges`: a word that is itself a vocabulary entry is that one token. Keyed by the
     /// word's raw bytes (the ByteLevel map is a bijection, so this equals the mapped-string key).
-    pub(crate) whole_words: Option<HashMap<Box<[u8]>, u32>>,
+    pub(crate) whole_words: Option<HashMap<Box<[u8]>, u32, ahash::RandomState>>,
 }
 
 /// Reusable buffers of one encode call.
@@ -92,7 +92,8 @@ const NIL: u32 = u32::MAX;
 /// entry costs one key allocation.
 #[derive(Default)]
 pub(crate) struct WordCache {
-    map: HashMap<Box<[u8]>, (u32, u32)>,
+    /// Keys are request text: a randomly seeded hasher (fast, unlike std's SipHash).
+    map: HashMap<Box<[u8]>, (u32, u32), ahash::RandomState>,
     arena: Vec<u32>,
 }
 

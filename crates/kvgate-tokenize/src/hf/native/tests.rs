@@ -234,6 +234,36 @@ fn corpus_matches_tokenizers_on_every_variant() {
 }
 
 #[test]
+fn repeated_segments_are_served_from_the_segment_cache_with_the_same_ids() {
+    // Long segments between added tokens, met again in other positions and neighbours: the
+    // first encode stores them, later ones must hit and still equal `tokenizers`.
+    let system = "system\nYou are a helpful assistant. Answer concisely: the router keeps the worker. ";
+    let q = |i: u32| format!("user\nQuestion {i}: tell me about topic {i}, and about routers and workers?");
+    let chat = |turns: u32| {
+        let mut s = format!("<|im_start|>{system}<|im_end|>\n");
+        for i in 0..turns {
+            s += &format!("<|im_start|>{}<|im_end|>\n<|im_start|>assistant\n", q(i));
+        }
+        s
+    };
+    let (h0, _, _) = PAIRS[0].native.segment_stats();
+    for turns in 1..6 {
+        check(&chat(turns)).unwrap();
+    }
+    // The same segment text with no added token before it (start of input) or after it.
+    check(&format!("{system}<mask>{}", q(3))).unwrap();
+    check(&format!("<s>{}", q(4))).unwrap();
+    let (h1, _, entries) = PAIRS[0].native.segment_stats();
+    assert!(h1 - h0 >= 10, "segment cache hits: {}", h1 - h0);
+    assert!(entries >= 5);
+    // Segments shorter than the threshold are never stored.
+    let (_, m0, e0) = PAIRS[0].native.segment_stats();
+    check("<|im_start|>user\nhi<|im_end|>").unwrap();
+    let (_, m1, e1) = PAIRS[0].native.segment_stats();
+    assert_eq!((m1, e1), (m0, e0));
+}
+
+#[test]
 fn long_words_use_the_heap_path_with_the_same_result() {
     let long = "therouterkeepstheworker".repeat(40);
     check(&long).unwrap();
