@@ -216,6 +216,17 @@ async fn io_thread<F, Fut>(
     F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
+    // hyper arms a header-read timer (`server.header_read_timeout_ms`) each time a connection
+    // waits for its next request. Tokio wakes its own driver (an eventfd write, two per request)
+    // whenever a new timer is due before the driver's next planned wake-up; a timer that is
+    // always due within a second keeps that wake-up near, so hyper's timers register silently.
+    let ticker = tokio::spawn(async {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tick.tick().await;
+        }
+    });
     let graceful = GracefulShutdown::new();
     loop {
         let (s, peer) = tokio::select! {
@@ -232,6 +243,7 @@ async fn io_thread<F, Fut>(
         }
     }
     drain(graceful, grace).await;
+    ticker.abort();
 }
 
 async fn drain(graceful: GracefulShutdown, grace: Duration) {

@@ -54,7 +54,8 @@ impl ApproxTokenizer {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
-        (h % u64::from(self.vocab)) as u32
+        // Multiply-shift instead of `%`: the same spread over 0..vocab, without a division.
+        ((u128::from(h) * u128::from(self.vocab)) >> 64) as u32
     }
 
     fn push_piece(&self, piece: &str, out: &mut Vec<u32>) {
@@ -74,7 +75,7 @@ impl ApproxTokenizer {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Class {
     Letter,
     Digit,
@@ -97,50 +98,75 @@ fn class(c: char) -> Class {
     }
 }
 
+/// [`class`] of each ASCII char, looked up instead of computed (most prompt text is ASCII).
+const ASCII_CLASS: [Class; 128] = {
+    let mut t = [Class::Other; 128];
+    let mut b = 0;
+    while b < 128 {
+        let c = b as u8;
+        t[b] = if c == b'\n' || c == b'\r' {
+            Class::Newline
+        } else if c == b' ' || (c >= 0x09 && c <= 0x0c) {
+            Class::Space
+        } else if c.is_ascii_digit() {
+            Class::Digit
+        } else if c.is_ascii_alphabetic() || c == b'_' {
+            Class::Letter
+        } else {
+            Class::Other
+        };
+        b += 1;
+    }
+    t
+};
+
+/// The char starting at byte `i` of `text` (a char boundary), its class and its length.
+#[inline]
+fn char_at(text: &str, i: usize) -> Option<(char, Class, usize)> {
+    let b = *text.as_bytes().get(i)?;
+    if b < 0x80 {
+        return Some((char::from(b), ASCII_CLASS[usize::from(b)], 1));
+    }
+    let c = text[i..].chars().next()?;
+    Some((c, class(c), c.len_utf8()))
+}
+
 /// Calls `f` with each piece of `text`, in order; the pieces concatenate to `text`.
 fn for_each_piece<'t>(text: &'t str, mut f: impl FnMut(&'t str)) {
-    let mut chars = text.char_indices().peekable();
-    while let Some((start, c)) = chars.next() {
-        let mut cls = class(c);
+    let mut start = 0;
+    while let Some((c, mut cls, len)) = char_at(text, start) {
+        let mut end = start + len;
         // One plain space joins a following letter or punctuation run, as in GPT-style BPEs.
         if c == ' ' {
-            if let Some(&(_, n)) = chars.peek() {
-                let nc = class(n);
+            if let Some((_, nc, nlen)) = char_at(text, end) {
                 if nc == Class::Letter || nc == Class::Other {
-                    chars.next();
+                    end += nlen;
                     cls = nc;
                 }
             }
         }
-        let mut end = text.len();
         let mut digits = usize::from(cls == Class::Digit);
-        while let Some(&(i, n)) = chars.peek() {
-            let nc = class(n);
+        while let Some((n, nc, nlen)) = char_at(text, end) {
             let same = match cls {
                 Class::Digit => nc == Class::Digit && digits < 3,
                 // The last space of a run is left for the word after it.
-                Class::Space => {
-                    nc == Class::Space && !(n == ' ' && next_joins(text, i + n.len_utf8()))
-                }
+                Class::Space => nc == Class::Space && !(n == ' ' && next_joins(text, end + nlen)),
                 _ => nc == cls,
             };
             if !same {
-                end = i;
                 break;
             }
             digits += usize::from(cls == Class::Digit);
-            chars.next();
+            end += nlen;
         }
         f(&text[start..end]);
+        start = end;
     }
 }
 
 /// Whether a space followed by the text at `at` would join that text's piece.
 fn next_joins(text: &str, at: usize) -> bool {
-    text[at..]
-        .chars()
-        .next()
-        .is_some_and(|c| matches!(class(c), Class::Letter | Class::Other))
+    char_at(text, at).is_some_and(|(_, c, _)| matches!(c, Class::Letter | Class::Other))
 }
 
 impl Tokenizer for ApproxTokenizer {

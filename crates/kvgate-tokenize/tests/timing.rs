@@ -163,6 +163,18 @@ fn tokenize_step_old_vs_native() {
     let whole_jinja_new = time(iters, |i| {
         black_box(new_jinja.encode_prompt(&views[k(i)]).unwrap());
     });
+    let approx = kvgate_tokenize::ApproxTokenizer::default();
+    let enc_approx = time(iters, |i| {
+        black_box(approx.encode(black_box(&texts[k(i)])));
+    });
+    // Every body new: only the system prompt's segment is in the segment cache.
+    let unique: Vec<String> = (0..4 * iters)
+        .map(|i| texts[k(i)].replace("Question", &format!("Question {i}")))
+        .collect();
+    let mut next = unique.iter();
+    let enc_unique = time(iters, |_| {
+        black_box(hf.try_encode(next.next().unwrap()).unwrap());
+    });
     println!(
         "(a) 1.3 KB chat ({} bytes body, {} bytes rendered, {n_tokens} tokens), 64 rotating bodies:",
         bodies[0].len(),
@@ -184,6 +196,11 @@ fn tokenize_step_old_vs_native() {
         us(enc_old) / us(enc_new)
     );
     println!(
+        "    encode: approx {:8.2} µs; native with new user text each time {:8.2} µs",
+        us(enc_approx),
+        us(enc_unique)
+    );
+    println!(
         "    encode_prompt (ChatML): old {:8.2} µs, new {:8.2} µs -> {:.1}x; Jinja new {:8.2} µs",
         us(whole_old),
         us(whole_new),
@@ -203,7 +220,14 @@ fn tokenize_step_old_vs_native() {
     let old = time(5, |_| {
         black_box(hf.encode_tokenizers(black_box(&text), false).unwrap());
     });
+    // A new text each call (a distinct first line), so the segment cache cannot answer: the
+    // words are known (word cache), the segment is not.
+    let fresh: Vec<String> = (0..80).map(|i| format!("{i}\n{text}")).collect();
+    let mut next = fresh.iter();
     let new = time(20, |_| {
+        black_box(hf.try_encode(next.next().unwrap()).unwrap());
+    });
+    let hit = time(20, |_| {
         black_box(hf.try_encode(black_box(&text)).unwrap());
     });
     // Mostly cold caches: every word gets a distinct letter suffix (digits would be split off).
@@ -250,6 +274,10 @@ fn tokenize_step_old_vs_native() {
         us(new),
         us(old) / us(new),
         us(reference) / us(new)
+    );
+    println!(
+        "    the same text again (segment cache hit) {:8.1} µs",
+        us(hit)
     );
     println!(
         "    mostly-unseen words ({} bytes): tokenizers {:8.0} µs, native {:8.0} µs -> {:.1}x",
