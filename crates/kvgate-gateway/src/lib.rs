@@ -194,9 +194,12 @@ impl Gateway {
     }
 }
 
-/// Periodic upkeep: expire approximate-index entries and lost load entries.
+/// Periodic upkeep: expire approximate-index entries and lost load entries. Every second: a
+/// worker holding an entry past its TTL that no sweep has dropped yet makes each query check
+/// that worker's blocks one by one, so the sweep keeps that window short (it is cheap when
+/// nothing expired).
 async fn housekeeping(app: Arc<AppState>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             _ = app.shutdown.cancelled() => return,

@@ -24,7 +24,13 @@ pub(crate) struct ApproxWorker {
     pub(crate) capacity: usize,
     /// Latest time seen; earlier times are clamped up so the queue stays ordered.
     clock: u64,
+    /// Last use of the queue's front entry, which is always live ([`NO_FRONT`] when empty): every
+    /// other block was used at or after it, so until `front_time + ttl` nothing has expired and
+    /// a query needs no per-block TTL check ([`ApproxWorker::may_have_expired`]).
+    front_time: u64,
 }
+
+const NO_FRONT: u64 = u64::MAX;
 
 impl ApproxWorker {
     pub(crate) fn new(ttl_ns: u64, capacity: usize) -> Self {
@@ -35,7 +41,36 @@ impl ApproxWorker {
             ttl_ns,
             capacity,
             clock: 0,
+            front_time: NO_FRONT,
         }
+    }
+
+    /// False when every block held is certainly live at `now_ns` (then [`Self::is_live`] is true
+    /// for each of them and need not be asked).
+    #[inline]
+    pub(crate) fn may_have_expired(&self, now_ns: u64) -> bool {
+        self.front_time != NO_FRONT && self.front_time.saturating_add(self.ttl_ns) <= now_ns
+    }
+
+    /// Drops stale entries from the queue's front and records the live front's time.
+    fn trim_front(&mut self) {
+        while let Some(&(h, stamp)) = self.queue.front() {
+            if let Some(&(t, live)) = self.last_use.get(&h) {
+                if live == stamp {
+                    self.front_time = t;
+                    return;
+                }
+            }
+            self.queue.pop_front();
+        }
+        self.front_time = NO_FRONT;
+    }
+
+    /// Whether `h` is the hash of the queue's front entry (the only one whose change moves the
+    /// front).
+    #[inline]
+    fn at_front(&self, h: BlockHash) -> bool {
+        self.queue.front().is_some_and(|&(f, _)| f == h)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -67,6 +102,9 @@ impl ApproxWorker {
         let removed = self.last_use.remove(&h).is_some();
         if removed {
             self.maybe_compact();
+            if self.at_front(h) {
+                self.trim_front();
+            }
         }
         removed
     }
@@ -78,6 +116,9 @@ impl ApproxWorker {
         self.next_stamp += 1;
         let new = self.last_use.insert(h, (self.clock, stamp)).is_none();
         self.queue.push_back((h, stamp));
+        if self.queue.len() == 1 || self.at_front(h) {
+            self.trim_front(); // first entry, or the front was this block's older entry
+        }
         new
     }
 
@@ -98,6 +139,7 @@ impl ApproxWorker {
             }
             self.queue.pop_front();
         }
+        self.trim_front();
         n
     }
 
@@ -119,6 +161,7 @@ impl ApproxWorker {
             }
         }
         self.maybe_compact();
+        self.trim_front();
         n
     }
 
@@ -127,6 +170,7 @@ impl ApproxWorker {
             let live = &self.last_use;
             self.queue
                 .retain(|(h, stamp)| live.get(h).is_some_and(|(_, l)| l == stamp));
+            self.trim_front();
         }
     }
 
@@ -136,6 +180,7 @@ impl ApproxWorker {
             gone(h);
         }
         self.queue.clear();
+        self.front_time = NO_FRONT;
     }
 
     pub(crate) fn hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {

@@ -10,6 +10,8 @@ pub struct OverlapScores {
     touched: Vec<WorkerId>,
     /// Scratch of the query: workers whose run is still unbroken, 64 per word.
     pub(crate) alive: Vec<u64>,
+    /// Scratch of the query: workers whose blocks need a TTL check, 64 per word.
+    pub(crate) check: Vec<u64>,
 }
 
 impl OverlapScores {

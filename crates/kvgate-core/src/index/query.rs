@@ -28,43 +28,76 @@ impl KvIndex {
             return;
         }
         // A miss on the first block (the common case for new prompts) needs no setup at all.
-        let Some(mut slot) = hashes.first().and_then(|&h| self.blocks.find(h)) else {
+        let Some(first) = hashes.first().and_then(|&h| self.blocks.find(h)) else {
             return;
         };
         let now_ns = self.ns(now);
+        let mut check = std::mem::take(&mut out.check);
+        self.ttl_check_mask(now_ns, words, &mut check);
+        if words == 1 && check[0] == 0 {
+            // Up to 64 workers, none holding anything that may have expired: one word, no
+            // per-block TTL checks.
+            out.check = check;
+            let mut alive = u64::MAX;
+            let walked = self.blocks.walk(first, hashes, |i, set| {
+                let m = set.word(0) & alive;
+                if m != alive && i > 0 {
+                    for w in bits(0, alive & !m) {
+                        out.set(w, i as u32);
+                    }
+                }
+                alive = m;
+                m != 0
+            });
+            // The request ended, or its next block is held by nobody: the survivors' runs are
+            // complete (none survive when the walk stopped because nobody was left).
+            for w in bits(0, alive) {
+                out.set(w, walked as u32);
+            }
+            return;
+        }
         let mut alive = std::mem::take(&mut out.alive);
         alive.clear();
         // Before block 0 every worker's run is unbroken (empty).
         alive.resize(words, u64::MAX);
-        let mut walked = 0usize;
-        loop {
-            let h = hashes[walked];
-            if !self.step(self.blocks.set(slot), h, walked, now_ns, &mut alive, out) {
-                out.alive = alive;
-                return;
-            }
-            walked += 1;
-            let Some(&next) = hashes.get(walked) else {
-                break;
-            };
-            match self.blocks.find_after(Some(slot), next) {
-                Some(s) => slot = s,
-                None => break,
-            }
-        }
-        // The request ended, or its next block is held by nobody: the survivors' runs are complete.
-        if walked > 0 {
-            for (k, &a) in alive.iter().enumerate() {
-                for w in bits(k, a) {
-                    out.set(w, walked as u32);
-                }
+        let walked = self.blocks.walk(first, hashes, |i, set| {
+            self.step(set, hashes[i], i, now_ns, &check, &mut alive, out)
+        });
+        for (k, &a) in alive.iter().enumerate() {
+            for w in bits(k, a) {
+                out.set(w, walked as u32);
             }
         }
         out.alive = alive;
+        out.check = check;
+    }
+
+    /// Workers (64 per word) that may hold a block whose TTL has passed at `now_ns` but which
+    /// [`KvIndex::expire`] has not dropped yet: approximate workers and unconfirmed predictions
+    /// whose oldest entry is past its TTL. Only their (block, worker) pairs are checked one by
+    /// one; with the housekeeping sweep running, that is rarely anyone.
+    fn ttl_check_mask(&self, now_ns: u64, words: usize, mask: &mut Vec<u64>) {
+        mask.clear();
+        mask.resize(words, 0);
+        if self.approx_workers == 0 && self.pred_blocks.is_empty() {
+            return;
+        }
+        for (i, s) in self.workers.iter().enumerate() {
+            let may = match s {
+                Some(WorkerIndex::Approx(a)) => a.may_have_expired(now_ns),
+                Some(WorkerIndex::Exact(ex)) => ex.predicted.may_have_expired(now_ns),
+                None => false,
+            };
+            if may {
+                mask[i / 64] |= 1 << (i % 64);
+            }
+        }
     }
 
     /// Block `i` (hash `h`, holders `set`): keeps in `alive` the workers that hold it, records run
-    /// `i` for those that drop out. False when nobody is left.
+    /// `i` for those that drop out. False when nobody is left. Holders in `check` are asked
+    /// whether the block is still live for them (approximate TTL, unconfirmed prediction TTL).
+    #[allow(clippy::too_many_arguments)]
     #[inline]
     fn step(
         &self,
@@ -72,32 +105,25 @@ impl KvIndex {
         h: BlockHash,
         i: usize,
         now_ns: u64,
+        check: &[u64],
         alive: &mut [u64],
         out: &mut OverlapScores,
     ) -> bool {
-        let pred = if self.pred_blocks.is_empty() {
-            None
-        } else {
-            self.pred_blocks.get(&h)
-        };
         let mut any = false;
         for (k, a) in alive.iter_mut().enumerate() {
             if *a == 0 {
                 continue;
             }
             let mut m = set.word(k) & *a;
-            if m != 0 {
-                let approx = self.approx_mask.get(k).copied().unwrap_or(0) & m;
-                let predicted = pred.map_or(0, |p| p.word(k)) & m;
-                for w in bits(k, approx | predicted) {
-                    let counts = match self.slot(w) {
-                        Some(WorkerIndex::Approx(ap)) => ap.is_live(h, now_ns),
-                        Some(WorkerIndex::Exact(ex)) => !ex.predicted.is_expired(h, now_ns),
-                        None => false,
-                    };
-                    if !counts {
-                        m &= !(1u64 << (w.0 & 63));
-                    }
+            for w in bits(k, check[k] & m) {
+                let counts = match self.slot(w) {
+                    Some(WorkerIndex::Approx(ap)) => ap.is_live(h, now_ns),
+                    // Confirmed blocks are never among the predictions: not expired.
+                    Some(WorkerIndex::Exact(ex)) => !ex.predicted.is_expired(h, now_ns),
+                    None => false,
+                };
+                if !counts {
+                    m &= !(1u64 << (w.0 & 63));
                 }
             }
             if i > 0 {

@@ -96,6 +96,46 @@ impl BlockStore {
         prev.and_then(|p| self.next(p, h)).or_else(|| self.find(h))
     }
 
+    /// Walks a request's chain: calls `f(i, holders of block i)` for `i = 0, 1, …` while block `i`
+    /// is held by anyone (block 0 is at slot `first`) and `f` returns true. Returns how many
+    /// blocks `f` accepted. Consecutive slots are read straight from the chunk (no table probe,
+    /// no per-block chunk lookup); the table is asked only when the chain leaves its run.
+    #[inline]
+    pub(crate) fn walk(
+        &self,
+        first: u32,
+        hashes: &[BlockHash],
+        mut f: impl FnMut(usize, &WorkerSet) -> bool,
+    ) -> usize {
+        let mut s = first;
+        let mut i = 0;
+        loop {
+            let chunk = &self.chunks[(s >> CHUNK_BITS) as usize];
+            let mut idx = s as usize & (CHUNK - 1);
+            loop {
+                if !f(i, &chunk[idx].set) {
+                    return i;
+                }
+                i += 1;
+                let Some(&h) = hashes.get(i) else {
+                    return i;
+                };
+                idx += 1;
+                match chunk.get(idx) {
+                    // A live slot holding `h` is `h`'s entry (see the invariants above).
+                    Some(slot) if slot.hash == h && !slot.set.is_empty() => {}
+                    _ => match self.find(h) {
+                        Some(n) => {
+                            s = n;
+                            break;
+                        }
+                        None => return i,
+                    },
+                }
+            }
+        }
+    }
+
     /// The holders of live slot `s`.
     #[inline]
     pub(crate) fn set(&self, s: u32) -> &WorkerSet {

@@ -40,7 +40,12 @@ fn reference_pieces(text: &str) -> Vec<&str> {
                 Class::Digit => nc == Class::Digit && digits < 3,
                 // The last space of a run is left for the word after it.
                 Class::Space => {
-                    nc == Class::Space && !(n == ' ' && text[i + n.len_utf8()..].chars().next().is_some_and(|c| matches!(class(c), Class::Letter | Class::Other)))
+                    nc == Class::Space
+                        && !(n == ' '
+                            && text[i + n.len_utf8()..]
+                                .chars()
+                                .next()
+                                .is_some_and(|c| matches!(class(c), Class::Letter | Class::Other)))
                 }
                 _ => nc == cls,
             };
@@ -59,7 +64,11 @@ fn reference_pieces(text: &str) -> Vec<&str> {
 #[test]
 fn ascii_table_agrees_with_the_unicode_classes() {
     for b in 0u8..128 {
-        assert_eq!(ASCII_CLASS[usize::from(b)], class(char::from(b)), "byte {b:#04x}");
+        assert_eq!(
+            ASCII_CLASS[usize::from(b)],
+            class(char::from(b)),
+            "byte {b:#04x}"
+        );
     }
 }
 

@@ -237,8 +237,11 @@ fn corpus_matches_tokenizers_on_every_variant() {
 fn repeated_segments_are_served_from_the_segment_cache_with_the_same_ids() {
     // Long segments between added tokens, met again in other positions and neighbours: the
     // first encode stores them, later ones must hit and still equal `tokenizers`.
-    let system = "system\nYou are a helpful assistant. Answer concisely: the router keeps the worker. ";
-    let q = |i: u32| format!("user\nQuestion {i}: tell me about topic {i}, and about routers and workers?");
+    let system =
+        "system\nYou are a helpful assistant. Answer concisely: the router keeps the worker. ";
+    let q = |i: u32| {
+        format!("user\nQuestion {i}: tell me about topic {i}, and about routers and workers?")
+    };
     let chat = |turns: u32| {
         let mut s = format!("<|im_start|>{system}<|im_end|>\n");
         for i in 0..turns {
