@@ -54,7 +54,9 @@ impl ApproxTokenizer {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
-        // Multiply-shift instead of `%`: the same spread over 0..vocab, without a division.
+        // Multiply-shift instead of `%` (no division) reads the high bits, which FNV leaves
+        // poorly mixed for short pieces (" 1", " 2", … would share ids): fold and mix first.
+        let h = (h ^ (h >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         ((u128::from(h) * u128::from(self.vocab)) >> 64) as u32
     }
 

@@ -106,7 +106,28 @@ fn deterministic_and_in_vocab() {
     // Fixed values: a change of hash or piece rules must be deliberate (it moves routing).
     assert_eq!(
         ApproxTokenizer::default().encode("Hello world"),
-        [39_039, 35_241]
+        [56_248, 25_166]
+    );
+}
+
+#[test]
+fn short_pieces_get_distinct_ids() {
+    // Numbers, single letters and two-letter words differ in a byte or two: their ids must not
+    // collapse (they did when the id read FNV's unmixed high bits).
+    let t = ApproxTokenizer::default();
+    let mut pieces: Vec<String> = (0..1000).map(|i| format!(" {i}")).collect();
+    pieces.extend((b'a'..=b'z').map(|c| format!(" {}", c as char)));
+    pieces.extend(
+        (b'a'..=b'z')
+            .flat_map(|a| (b'a'..=b'z').map(move |b| format!("{}{}", a as char, b as char))),
+    );
+    let ids: std::collections::BTreeSet<u32> = pieces.iter().map(|p| t.id(p.as_bytes())).collect();
+    // 1728 pieces into 100 000 ids: a few birthday collisions at most.
+    assert!(
+        ids.len() + 40 >= pieces.len(),
+        "{} distinct ids for {} pieces",
+        ids.len(),
+        pieces.len()
     );
 }
 
