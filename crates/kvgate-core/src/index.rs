@@ -33,7 +33,6 @@ use crate::{BlockHash, WorkerId};
 use approx::ApproxWorker;
 use std::time::{Duration, Instant};
 use store::BlockStore;
-use worker_set::WorkerSet;
 
 /// Settings of an approximate worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,12 +174,6 @@ pub struct KvIndex {
     epoch: Option<Instant>,
     /// Approximate workers; when 0, queries skip the per-match TTL check.
     approx_workers: usize,
-    /// The approximate workers as a bitset over worker ids (64 per word), for the query's TTL check.
-    approx_mask: Vec<u64>,
-    /// Block → exact workers holding it only as a prediction (unconfirmed, expired ones not yet
-    /// dropped included). Small (recent routes only); lets a query find the predicted (block,
-    /// worker) pairs it must TTL-check with one lookup per block.
-    pred_blocks: HashKeyed<WorkerSet>,
 }
 
 impl Default for KvIndex {
@@ -193,26 +186,8 @@ impl Default for KvIndex {
             predicted_ttl_ns: duration_ns(DEFAULT_PREDICTED_TTL),
             epoch: None,
             approx_workers: 0,
-            approx_mask: Vec::new(),
-            pred_blocks: HashKeyed::default(),
         }
     }
-}
-
-fn link(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
-    blocks.entry(h).or_default().insert(w)
-}
-
-fn unlink(blocks: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) -> bool {
-    // One probe: the entry both finds the set and removes it once empty.
-    let std::collections::hash_map::Entry::Occupied(mut e) = blocks.entry(h) else {
-        return false;
-    };
-    let removed = e.get_mut().remove(w);
-    if e.get().is_empty() {
-        e.remove();
-    }
-    removed
 }
 
 impl KvIndex {
@@ -267,15 +242,11 @@ impl KvIndex {
     }
 
     fn count_approx(&mut self) {
-        self.approx_mask.clear();
-        self.approx_mask.resize(self.workers.len().div_ceil(64), 0);
-        self.approx_workers = 0;
-        for (i, s) in self.workers.iter().enumerate() {
-            if matches!(s, Some(WorkerIndex::Approx(_))) {
-                self.approx_mask[i / 64] |= 1 << (i % 64);
-                self.approx_workers += 1;
-            }
-        }
+        self.approx_workers = self
+            .workers
+            .iter()
+            .filter(|s| matches!(s, Some(WorkerIndex::Approx(_))))
+            .count();
     }
 
     /// The worker's mode, `None` if unknown.
@@ -350,7 +321,6 @@ impl KvIndex {
                 added += 1;
             } else if ex.predicted.remove(r) {
                 // A prediction came true: same entry, now confirmed (and no longer subject to TTL).
-                unlink(&mut self.pred_blocks, r, worker);
                 confirmed += 1;
             } else {
                 *ex.extra_refs.entry(r).or_insert(0) += 1;
@@ -395,9 +365,7 @@ impl KvIndex {
                 }
                 ex.extra_refs.clear();
                 let mut p = 0;
-                let pred_blocks = &mut self.pred_blocks;
                 ex.predicted.drain(|h| {
-                    unlink(pred_blocks, h, worker);
                     if blocks.unlink(h, worker) {
                         p += 1;
                     }
@@ -477,9 +445,7 @@ impl KvIndex {
                     });
                 }
                 Some(WorkerIndex::Exact(ex)) if ex.predicted.len() > 0 => {
-                    let pred_blocks = &mut self.pred_blocks;
                     predicted_gone += ex.predicted.expire(now_ns, |h| {
-                        unlink(pred_blocks, h, w);
                         blocks.unlink(h, w);
                     });
                 }
@@ -531,11 +497,10 @@ impl KvIndex {
         let Some(Some(WorkerIndex::Exact(ex))) = self.workers.get_mut(worker.index()) else {
             return 0;
         };
-        let (blocks, pred_blocks) = (&mut self.blocks, &mut self.pred_blocks);
+        let blocks = &mut self.blocks;
         let p = &mut ex.predicted;
         p.ttl_ns = self.predicted_ttl_ns;
         let mut gone = p.expire(now_ns, |h| {
-            unlink(pred_blocks, h, worker);
             blocks.unlink(h, worker);
         });
         let mut added = 0;
@@ -552,12 +517,10 @@ impl KvIndex {
             prev = Some(slot);
             if new {
                 p.touch(h, now_ns);
-                link(pred_blocks, h, worker);
                 added += 1;
             } // else: held and not predicted, i.e. confirmed
         }
         gone += p.enforce_capacity(|h| {
-            unlink(pred_blocks, h, worker);
             blocks.unlink(h, worker);
         });
         self.entries = self.entries + added - gone;
@@ -647,10 +610,6 @@ impl KvIndex {
     /// Estimated heap bytes of all index structures (from table capacities), for the memory metric.
     pub fn heap_bytes(&self) -> usize {
         let mut n = self.blocks.heap_bytes();
-        n += table_bytes(
-            self.pred_blocks.capacity(),
-            8 + std::mem::size_of::<WorkerSet>(),
-        );
         n += self.workers.capacity() * std::mem::size_of::<Option<WorkerIndex>>();
         for slot in self.workers.iter().flatten() {
             n += match slot {

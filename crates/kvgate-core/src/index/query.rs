@@ -4,12 +4,14 @@
 //! 64 worker ids). At block `i` it intersects `alive` with the block's [`WorkerSet`] word by word;
 //! workers that drop out get run `i`, and the walk stops when no word is left. So a block costs one
 //! map lookup plus O(words) — not O(workers holding it) — and the worst case (a long prefix held by
-//! every worker) is no longer a visit per (block, worker) pair. Only pairs that need a TTL check
-//! (approximate workers, unconfirmed predictions) are looked at one by one.
+//! every worker) is no longer a visit per (block, worker) pair. Only workers that may hold an entry
+//! past its TTL (an approximate worker or an unconfirmed prediction whose oldest entry is due, not
+//! yet swept by [`KvIndex::expire`]) have their (block, worker) pairs checked one by one; with none
+//! such and ≤ 64 workers, a one-word fast path does `set & alive` and nothing else per block.
 //!
 //! Finding block `i + 1` is mostly a sequential read: blocks are stored in arrival order
-//! ([`super::store`]), so it is first looked for in the slot right after block `i`'s, and only
-//! otherwise through the hash table (a cache and TLB miss: the index is far larger than the caches,
+//! ([`super::store`]), so it is first looked for in the slot right after block `i`'s (read straight
+//! from the slab chunk by [`super::store::BlockStore::walk`]), and only otherwise through the hash table (a cache and TLB miss: the index is far larger than the caches,
 //! and one miss per block used to dominate the query).
 
 use super::worker_set::{bits, WorkerSet};
@@ -79,7 +81,7 @@ impl KvIndex {
     fn ttl_check_mask(&self, now_ns: u64, words: usize, mask: &mut Vec<u64>) {
         mask.clear();
         mask.resize(words, 0);
-        if self.approx_workers == 0 && self.pred_blocks.is_empty() {
+        if self.approx_workers == 0 && self.predicted_entries == 0 {
             return;
         }
         for (i, s) in self.workers.iter().enumerate() {
