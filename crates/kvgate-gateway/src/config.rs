@@ -148,7 +148,9 @@ impl Default for RoutingConfig {
             policy: "kv".into(),
             block_size: 16,
             prefill_weight: 4.0,
-            pending_prefill_weight: 1.0,
+            // Dynamo charges all of it (1); 0.25 measured better on every workload we ran
+            // (docs/bench.md, "pending_prefill_weight default").
+            pending_prefill_weight: 0.25,
             temperature: 0.0,
             max_inflight_per_worker: 0,
             busy_active_blocks: None,
