@@ -270,6 +270,34 @@ impl Sched {
             .collect();
         Some((f.first().copied()?, f.get(2).copied()?))
     }
+
+    /// Runs `f`, returning its result, its wall time, and whether the thread kept the CPU the
+    /// whole time (no timeslice change).
+    fn time<R>(&self, f: impl FnOnce() -> R) -> (R, Duration, bool) {
+        let s0 = self.read();
+        let t = Instant::now();
+        let r = f();
+        let el = t.elapsed();
+        let kept = matches!((s0, self.read()), (Some(a), Some(b)) if a.1 == b.1);
+        (r, el, kept)
+    }
+
+    /// Wall times of `calls` runs of `f(i)` during which the thread kept the CPU.
+    fn undisturbed(&self, calls: usize, mut f: impl FnMut(usize)) -> Vec<Duration> {
+        (0..calls)
+            .filter_map(|i| {
+                let ((), el, kept) = self.time(|| f(i));
+                kept.then_some(el)
+            })
+            .collect()
+    }
+}
+
+/// Prints `label: percentiles` when enough calls ran undisturbed to mean anything.
+fn print_undisturbed(label: &str, v: Vec<Duration>) {
+    if v.len() > 100 {
+        println!("  {label}, calls not descheduled: {}", percentiles(v));
+    }
 }
 
 fn percentiles(mut v: Vec<Duration>) -> String {
@@ -349,20 +377,18 @@ fn report() {
             } else {
                 &prompts[i % prompts.len()]
             };
-            let s0 = sched.read();
-            let t = Instant::now();
-            score_candidates(&ix, &active, h, now, &mut scores, &mut cands);
-            let req = RouteRequest {
-                hashes: h,
-                isl_tokens: PROMPT_TOKENS as u64,
-                block_size: BS as u32,
-                affinity_key: None,
-            };
-            let d = black_box(policy.select(&req, &cands, &mut rng)).unwrap();
-            let el = t.elapsed();
-            let s1 = sched.read();
+            let (d, el, kept) = sched.time(|| {
+                score_candidates(&ix, &active, h, now, &mut scores, &mut cands);
+                let req = RouteRequest {
+                    hashes: h,
+                    isl_tokens: PROMPT_TOKENS as u64,
+                    block_size: BS as u32,
+                    affinity_key: None,
+                };
+                black_box(policy.select(&req, &cands, &mut rng)).unwrap()
+            });
             lat.push(el);
-            if matches!((s0, s1), (Some(a), Some(b)) if a.1 == b.1) {
+            if kept {
                 undisturbed.push(el);
             }
             picked_best += usize::from(d.overlap_blocks == scores.max());
@@ -398,45 +424,27 @@ fn report() {
     // Predictions lapse: the loops below see confirmed blocks only, as variants 0 and 1 did.
     ix.expire(now + Duration::from_secs(120));
     // The same prompts through the index query alone (where the selection's time goes).
-    let mut q_undisturbed = Vec::with_capacity(20_000);
-    for i in 0..20_000 {
-        fresh.clear();
-        fresh.extend_from_slice(&prompts[i % prompts.len()]);
-        let h = &fresh;
-        let s0 = sched.read();
-        let t = Instant::now();
-        ix.find_matches(black_box(h), now, &mut scores);
-        let el = t.elapsed();
-        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
-            q_undisturbed.push(el);
-        }
-    }
-    if q_undisturbed.len() > 100 {
-        println!(
-            "  of which find_matches alone (hashes in cache), calls not descheduled: {}",
-            percentiles(q_undisturbed)
-        );
-    }
+    print_undisturbed(
+        "of which find_matches alone (hashes in cache)",
+        sched.undisturbed(20_000, |i| {
+            fresh.clear();
+            fresh.extend_from_slice(&prompts[i % prompts.len()]);
+            ix.find_matches(black_box(&fresh), now, &mut scores);
+        }),
+    );
     // … and through the router-side load part alone (`ActiveSequences::fill_loads`), right after
     // the (untimed) index query as in a selection, so the caches are as cold as there.
-    let mut l_undisturbed = Vec::with_capacity(20_000);
-    for i in 0..20_000 {
-        let h = &prompts[i % prompts.len()];
-        ix.find_matches(black_box(h), now, &mut scores);
-        let s0 = sched.read();
-        let t = Instant::now();
-        active.fill_loads(black_box(h), &mut cands);
-        let el = t.elapsed();
-        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
-            l_undisturbed.push(el);
-        }
-    }
-    if l_undisturbed.len() > 100 {
-        println!(
-            "  of which fill_loads alone, calls not descheduled: {}",
-            percentiles(l_undisturbed)
-        );
-    }
+    let mut load_part = |prompts: &[Vec<u64>]| {
+        (0..20_000)
+            .filter_map(|i| {
+                let h = &prompts[i % prompts.len()];
+                ix.find_matches(black_box(h), now, &mut scores);
+                let ((), el, kept) = sched.time(|| active.fill_loads(black_box(h), &mut cands));
+                kept.then_some(el)
+            })
+            .collect::<Vec<_>>()
+    };
+    print_undisturbed("of which fill_loads alone", load_part(&prompts));
     // Prefixes in flight on every worker (shared system prompts: each of the 64 workers also runs
     // requests of groups 0..4, whose 128-block prefix the timed prompts share), the case where a
     // search per worker costs most.
@@ -447,24 +455,10 @@ fn report() {
         }
     }
     let prompts: Vec<Vec<u64>> = (0..256).map(|k| query_prompt(k * GROUPS + k % 4)).collect();
-    let mut s_undisturbed = Vec::with_capacity(20_000);
-    for i in 0..20_000 {
-        let h = &prompts[i % prompts.len()];
-        ix.find_matches(black_box(h), now, &mut scores);
-        let s0 = sched.read();
-        let t = Instant::now();
-        active.fill_loads(black_box(h), &mut cands);
-        let el = t.elapsed();
-        if matches!((s0, sched.read()), (Some(a), Some(b)) if a.1 == b.1) {
-            s_undisturbed.push(el);
-        }
-    }
-    if s_undisturbed.len() > 100 {
-        println!(
-            "  fill_loads, 128-block prefix of the prompt also in flight on all 64 workers: {}",
-            percentiles(s_undisturbed)
-        );
-    }
+    print_undisturbed(
+        "fill_loads, 128-block prefix of the prompt also in flight on all 64 workers",
+        load_part(&prompts),
+    );
     drop(shared);
     drop(guards);
 
