@@ -17,7 +17,7 @@ pub enum GwBody {
 
 /// The error a gateway body can yield: only a non-streamed worker body failing mid-way (the client
 /// then sees the connection reset, which is the honest signal for a truncated JSON document).
-pub type BodyError = hyper::Error;
+pub type BodyError = crate::upstream::Error;
 
 impl GwBody {
     pub fn full(b: impl Into<Bytes>) -> Self {

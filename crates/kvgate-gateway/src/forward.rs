@@ -1,53 +1,23 @@
-//! Forwarding to workers: the pooled hyper-util client (with a connector that times TCP connects),
-//! building the upstream request from the client's (the body bytes are the client's, unchanged),
-//! hop-by-hop header stripping, and the retry budget.
+//! The hyper-util client for the gateway's own calls to workers (model discovery; the data path
+//! uses [`crate::upstream`]), with a connector that times TCP connects, and the retry budget.
 
-use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Uri};
+use http::Uri;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::{Client, ResponseFuture};
+use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use prometheus_client::metrics::histogram::Histogram;
 use tower::Service;
 
 use crate::body::UpstreamBody;
 use crate::config::UpstreamConfig;
-use crate::registry::Worker;
-use crate::state::AppState;
 
 pub type UpstreamClient = Client<TimedConnector, UpstreamBody>;
-
-thread_local! {
-    /// This io thread's own pool, for the gateway it was installed for (`Weak` keeps the address
-    /// from being reused by another gateway in the same process, e.g. in tests).
-    static THREAD_CLIENT: RefCell<Option<(Weak<AppState>, UpstreamClient)>> =
-        const { RefCell::new(None) };
-}
-
-/// Give the current (io) thread its own worker connection pool: its connections' tasks then run
-/// on this thread's runtime, next to the requests that use them.
-pub fn install_thread_client(app: &Arc<AppState>) {
-    let cfg = app.registry.config();
-    let c = client(&cfg.upstream, app.metrics.upstream_connect.clone());
-    THREAD_CLIENT.with(|t| *t.borrow_mut() = Some((Arc::downgrade(app), c)));
-}
-
-/// Send `req` through this thread's pool if it has one for `app`, else the shared one.
-pub fn send(app: &Arc<AppState>, req: Request<UpstreamBody>) -> ResponseFuture {
-    THREAD_CLIENT.with(|t| match &*t.borrow() {
-        Some((w, c)) if std::ptr::eq(w.as_ptr(), Arc::as_ptr(app)) => c.request(req),
-        _ => app.client.request(req),
-    })
-}
 
 pub fn client(cfg: &UpstreamConfig, connect_hist: Histogram) -> UpstreamClient {
     let mut http = HttpConnector::new();
@@ -98,74 +68,6 @@ impl Service<Uri> for TimedConnector {
             r
         })
     }
-}
-
-/// Headers that describe one hop, never forwarded (RFC 9110 §7.6.1), plus `host` (set from the
-/// worker URL by the client).
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
-
-/// Remove hop-by-hop headers, including any named in `Connection`.
-pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    if let Some(conn) = h.get(header::CONNECTION).cloned() {
-        if let Ok(s) = conn.to_str() {
-            for name in s.split(',') {
-                if let Ok(n) = HeaderName::from_bytes(name.trim().as_bytes()) {
-                    h.remove(n);
-                }
-            }
-        }
-    }
-    for n in &HOP_BY_HOP {
-        h.remove(n);
-    }
-    h.remove("proxy-connection");
-}
-
-/// The request to send to `worker`: same method, path and query, the client's headers minus
-/// hop-by-hop ones, the worker's own credentials, and the client's body bytes unchanged.
-pub fn upstream_request(
-    worker: &Worker,
-    parts: &http::request::Parts,
-    body: &Bytes,
-    strip_client_auth: bool,
-) -> Result<Request<UpstreamBody>, http::Error> {
-    let pq = parts.uri.path_and_query().cloned();
-    let pq = if worker.path_prefix.is_empty() {
-        pq.unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"))
-    } else {
-        let tail = pq.as_ref().map(|p| p.as_str()).unwrap_or("/");
-        http::uri::PathAndQuery::try_from(format!("{}{}", worker.path_prefix, tail))?
-    };
-    let uri = Uri::builder()
-        .scheme(worker.scheme.clone())
-        .authority(worker.authority.clone())
-        .path_and_query(pq)
-        .build()?;
-    let mut headers = parts.headers.clone();
-    strip_hop_by_hop(&mut headers);
-    headers.remove(header::HOST);
-    headers.remove(header::CONTENT_LENGTH);
-    if strip_client_auth {
-        headers.remove(header::AUTHORIZATION);
-    }
-    if let Some(a) = &worker.auth_header {
-        headers.insert(header::AUTHORIZATION, a.clone());
-    }
-    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    let mut req = Request::new(http_body_util::Full::new(body.clone()));
-    *req.method_mut() = parts.method.clone();
-    *req.uri_mut() = uri;
-    *req.headers_mut() = headers;
-    Ok(req)
 }
 
 /// Retries may add at most `ratio` × requests (plus `min` per window) over a 10 s window, so a
@@ -232,21 +134,6 @@ impl RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_are_removed() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::CONNECTION,
-            "keep-alive, x-secret-hop".parse().unwrap(),
-        );
-        h.insert("x-secret-hop", "1".parse().unwrap());
-        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
-        h.insert("x-custom", "stays".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert_eq!(h["x-custom"], "stays");
-    }
 
     #[test]
     fn retry_budget_bounds_retries() {

@@ -43,6 +43,7 @@ pub mod router;
 pub mod server;
 pub mod state;
 pub mod tls;
+pub mod upstream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -111,9 +112,6 @@ impl Gateway {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let a = app.clone();
-        let thread_init: Arc<dyn Fn() + Send + Sync> =
-            Arc::new(move || forward::install_thread_client(&a));
         tasks.push(tokio::spawn(server::serve(
             listener,
             builder.clone(),
@@ -121,10 +119,7 @@ impl Gateway {
             handler,
             shutdown.clone(),
             grace,
-            server::ServeOpts {
-                io_threads,
-                thread_init: Some(thread_init),
-            },
+            server::ServeOpts { io_threads },
         )));
 
         let mut admin_addr = None;

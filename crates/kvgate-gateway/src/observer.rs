@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use memchr::memmem;
 
 use crate::body::BodyError;
 use crate::ctx::{Outcome, RequestCtx, Usage};
 use crate::error::sse_error_event;
+use crate::upstream::ResponseBody;
 
 /// Non-stream bodies: bytes kept from the end of the body to find `usage` in.
 const TAIL_KEEP: usize = 8 << 10;
@@ -26,7 +26,7 @@ const TAIL_KEEP: usize = 8 << 10;
 const MAX_LINE: usize = 1 << 20;
 
 pub struct ObservedBody {
-    inner: Incoming,
+    inner: ResponseBody,
     ctx: RequestCtx,
     /// Streams only: fires when the worker sends nothing for this long.
     idle: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
@@ -79,7 +79,7 @@ impl ObservedBody {
     /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
     /// usage-only event is removed on the way to the client.
     pub fn new(
-        inner: Incoming,
+        inner: ResponseBody,
         ctx: RequestCtx,
         sse: bool,
         idle_timeout: Option<Duration>,

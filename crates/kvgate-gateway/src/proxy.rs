@@ -21,7 +21,7 @@ use crate::admission::WaitError;
 use crate::body::GwBody;
 use crate::ctx::{Endpoint, Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
-use crate::forward;
+use crate::upstream;
 use crate::observer::ObservedBody;
 use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::registry::Pool;
@@ -56,7 +56,7 @@ async fn route_and_forward(
     app: &Arc<AppState>,
     ctx: &mut RequestCtx,
     req: Request<Incoming>,
-) -> Result<Response<Incoming>, GatewayError> {
+) -> Result<upstream::Response, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let (parts, body) = req.into_parts();
@@ -138,20 +138,18 @@ async fn route_and_forward(
         ctx.attempts += 1;
         let worker = pick.worker;
 
-        let up = forward::upstream_request(
-            &worker,
-            &parts,
-            spliced.as_ref().unwrap_or(&bytes),
-            auth.enabled(),
-        )
-        .map_err(|e| {
-            GatewayError::new(
-                ErrorKind::UpstreamIo,
-                format!("building worker request: {e}"),
-            )
-        })?;
-        let result = match tokio::time::timeout(app.response_timeout, forward::send(app, up)).await
-        {
+        let out = upstream::Outgoing {
+            method: &parts.method,
+            authority: &worker.authority,
+            path_prefix: &worker.path_prefix,
+            path_and_query: parts.uri.path_and_query().map_or("/", |p| p.as_str()),
+            headers: &parts.headers,
+            strip_client_auth: auth.enabled(),
+            worker_auth: worker.auth_header.as_ref(),
+            body: spliced.as_ref().unwrap_or(&bytes),
+        };
+        let sent = upstream::send(&out, &app.upstream);
+        let result = match tokio::time::timeout(app.response_timeout, sent).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
                 format!(
@@ -161,19 +159,11 @@ async fn route_and_forward(
             )),
             Ok(Err(e)) if e.is_connect() => Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
-                format!(
-                    "cannot connect to worker {}: {}",
-                    worker.name,
-                    source_chain(&e)
-                ),
+                format!("cannot connect to worker {}: {e}", worker.name),
             )),
             Ok(Err(e)) => Err(GatewayError::new(
                 ErrorKind::UpstreamIo,
-                format!(
-                    "worker {} failed before responding: {}",
-                    worker.name,
-                    source_chain(&e)
-                ),
+                format!("worker {} failed before responding: {e}", worker.name),
             )),
             Ok(Ok(resp)) => Ok(resp),
         };
@@ -188,7 +178,7 @@ async fn route_and_forward(
         let now = Instant::now();
         match result {
             Ok(resp) => {
-                let s = resp.status();
+                let s = resp.status;
                 let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
                 // A worker shedding load (429) is alive; 5xx counts against its breaker.
                 worker.state.record_outcome(!s.is_server_error(), now);
@@ -319,30 +309,24 @@ async fn read_body(
     }
 }
 
-/// Pass the worker's response through the observer.
-fn respond(app: &AppState, mut ctx: RequestCtx, resp: Response<Incoming>) -> Response<GwBody> {
-    let (mut parts, incoming) = resp.into_parts();
-    ctx.status = parts.status.as_u16();
-    forward::strip_hop_by_hop(&mut parts.headers);
-    let sse = parts
-        .headers
+/// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
+fn respond(app: &AppState, mut ctx: RequestCtx, resp: upstream::Response) -> Response<GwBody> {
+    let upstream::Response {
+        status,
+        mut headers,
+        body,
+    } = resp;
+    ctx.status = status.as_u16();
+    let sse = headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if sse {
         // We may append an error event; the length would then be wrong.
-        parts.headers.remove(header::CONTENT_LENGTH);
+        headers.remove(header::CONTENT_LENGTH);
     }
-    let body = ObservedBody::new(incoming, ctx, sse, app.stream_idle_timeout);
-    Response::from_parts(parts, GwBody::Observed(body))
-}
-
-fn source_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+    let body = ObservedBody::new(body, ctx, sse, app.stream_idle_timeout);
+    let mut r = Response::new(GwBody::Observed(body));
+    *r.status_mut() = status;
+    *r.headers_mut() = headers;
+    r
 }

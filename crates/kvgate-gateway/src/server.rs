@@ -91,8 +91,6 @@ pub struct ServeOpts {
     /// client's socket to the worker's and back: no cross-thread wake-ups (futex, context switches)
     /// per request, which was most of the gateway's CPU cost per request on a multi-thread runtime.
     pub io_threads: usize,
-    /// Run first on each io thread (installs the thread's own worker connection pool).
-    pub thread_init: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 type Accepted = (std::net::TcpStream, SocketAddr);
@@ -115,12 +113,11 @@ pub async fn serve<F, Fut>(
     let mut senders = Vec::new();
     for i in 0..opts.io_threads {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Accepted>();
-        let (b, t, h, s, init) = (
+        let (b, t, h, s) = (
             builder.clone(),
             tls.clone(),
             handler.clone(),
             shutdown.clone(),
-            opts.thread_init.clone(),
         );
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let spawned = std::thread::Builder::new()
@@ -138,9 +135,6 @@ pub async fn serve<F, Fut>(
                         return;
                     }
                 };
-                if let Some(init) = init {
-                    init();
-                }
                 rt.block_on(io_thread(rx, b, t, h, s, grace));
                 let _ = done_tx.send(());
             });
@@ -220,11 +214,13 @@ async fn io_thread<F, Fut>(
     // waits for its next request. Tokio wakes its own driver (an eventfd write, two per request)
     // whenever a new timer is due before the driver's next planned wake-up; a timer that is
     // always due within a second keeps that wake-up near, so hyper's timers register silently.
+    // The same tick closes this thread's worker connections that stayed idle too long.
     let ticker = tokio::spawn(async {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
+            crate::upstream::evict_idle(Instant::now());
         }
     });
     let graceful = GracefulShutdown::new();

@@ -21,7 +21,10 @@ pub struct AppState {
     pub metrics: Metrics,
     pub router: Router,
     pub admission: Arc<Admission>,
+    /// Client for the gateway's own calls to workers (model discovery).
     pub client: UpstreamClient,
+    /// Settings of the data path's client to workers.
+    pub upstream: crate::upstream::Settings,
     pub auth: ArcSwap<Auth>,
     pub retry: RetryBudget,
     pub max_attempts: AtomicU32,
@@ -55,6 +58,12 @@ impl AppState {
                 Duration::from_millis(config.admission.queue_timeout_ms),
             )),
             client,
+            upstream: crate::upstream::Settings {
+                connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
+                idle_timeout: Duration::from_secs(config.upstream.pool_idle_timeout_s),
+                max_idle_per_host: config.upstream.pool_max_idle_per_host,
+                connect_hist: metrics.upstream_connect.clone(),
+            },
             auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),
             retry: RetryBudget::new(
                 config.retry.budget_ratio,

@@ -1,0 +1,769 @@
+//! The gateway's HTTP/1.1 client to workers, built for the proxy hop.
+//!
+//! A request is forwarded by the task serving the client's connection itself: it checks a
+//! keep-alive connection out of this thread's pool (or connects), writes the request head and the
+//! client's body bytes with one `writev`, reads the response head, and hands back a body that
+//! reads the worker's socket when the client side polls it. When the body has been read to its
+//! end, the connection goes back to the pool; a body dropped before its end (the client went away)
+//! closes the connection, which is how the worker learns to cancel the request.
+//!
+//! Why not hyper's client: it runs every connection as its own task and passes requests, responses
+//! and body chunks between that task and the request's task over channels — several task wake-ups
+//! and allocations per proxied request, the largest part of the gateway's own CPU per request
+//! after the kernel's (benches/overhead-results.md). Workers speak plain HTTP/1.1 with
+//! content-length or chunked bodies; this is the small subset of HTTP a proxy hop needs.
+//!
+//! Reuse races: a worker may close an idle keep-alive connection (uvicorn does after 5 s) just as
+//! a request is written to it. A request that fails on a *reused* connection before a single byte
+//! of response arrived is sent again once on a new connection, as nginx does; every other failure
+//! goes to the request path, which may try another worker.
+//!
+//! The pool is per thread (each io thread serves its connections with its own runtime), keyed by
+//! worker address, last in first out (a few hot connections rather than many lukewarm ones), and
+//! bounded by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::poll_fn;
+use std::io::{self, IoSlice, Write as _};
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::Authority;
+use http::{Method, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// Largest response head accepted from a worker.
+const MAX_HEAD: usize = 64 << 10;
+/// Most header fields in a worker's response head.
+const MAX_HEADERS: usize = 128;
+/// Read buffer growth step.
+const READ_CHUNK: usize = 8 << 10;
+/// Longest chunk-size or trailer line accepted in a chunked body.
+const MAX_LINE: usize = 4 << 10;
+
+/// Client settings, from `[upstream]`.
+#[derive(Clone)]
+pub struct Settings {
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_idle_per_host: usize,
+    /// `kvgate_upstream_connect_seconds`: new connections only.
+    pub connect_hist: Histogram,
+}
+
+/// Why a worker exchange failed.
+#[derive(Debug)]
+pub enum Error {
+    /// No connection could be opened (refused, unreachable, unresolvable, timed out).
+    Connect(String),
+    /// The connection failed, or the worker broke the protocol, after the request was written.
+    Io(String),
+}
+
+impl Error {
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Error::Connect(_))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::Connect(m) | Error::Io(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TRANSFER_ENCODING
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Whether the `Connection` header values in `h` name `name` (those fields are hop-by-hop too).
+fn named_in_connection(h: &HeaderMap, name: &str) -> bool {
+    h.get_all(header::CONNECTION).iter().any(|v| {
+        v.to_str()
+            .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(name)))
+    })
+}
+
+/// What to send: everything but the connection.
+pub struct Outgoing<'a> {
+    pub method: &'a Method,
+    pub authority: &'a Authority,
+    /// Worker base path without trailing slash (usually empty), put before `path_and_query`.
+    pub path_prefix: &'a str,
+    pub path_and_query: &'a str,
+    /// The client's headers; hop-by-hop ones, `host`, `content-length` and `expect` are not
+    /// forwarded, nor `authorization` when `strip_client_auth` or `worker_auth` is set.
+    pub headers: &'a HeaderMap,
+    pub strip_client_auth: bool,
+    pub worker_auth: Option<&'a HeaderValue>,
+    pub body: &'a Bytes,
+}
+
+impl Outgoing<'_> {
+    /// The request line and header block.
+    fn head(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(256 + self.headers.len() * 48);
+        out.extend_from_slice(self.method.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(self.path_prefix.as_bytes());
+        out.extend_from_slice(self.path_and_query.as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        out.extend_from_slice(self.authority.as_str().as_bytes());
+        out.extend_from_slice(b"\r\n");
+        let has_connection = self.headers.contains_key(header::CONNECTION);
+        for (name, value) in self.headers {
+            let skip = is_hop_by_hop(name)
+                || name == header::HOST
+                || name == header::CONTENT_LENGTH
+                || name == header::EXPECT
+                || (name == header::AUTHORIZATION
+                    && (self.strip_client_auth || self.worker_auth.is_some()))
+                || (has_connection && named_in_connection(self.headers, name.as_str()));
+            if skip {
+                continue;
+            }
+            push_field(&mut out, name.as_str().as_bytes(), value.as_bytes());
+        }
+        if let Some(a) = self.worker_auth {
+            push_field(&mut out, b"authorization", a.as_bytes());
+        }
+        let _ = write!(out, "content-length: {}\r\n\r\n", self.body.len());
+        out
+    }
+}
+
+fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A worker's response head, hop-by-hop fields removed, and its body.
+pub struct Response {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: ResponseBody,
+}
+
+/// Send `req` to its worker and read the response head.
+pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
+    let head = req.head();
+    let mut fresh_only = false;
+    loop {
+        let (io, reused) = match (!fresh_only)
+            .then(|| checkout(req.authority, Instant::now()))
+            .flatten()
+        {
+            Some(io) => (io, true),
+            None => (connect(req.authority, s).await?, false),
+        };
+        match exchange(io, &head, req, s).await {
+            Err(Failure::Stale(e)) if reused => {
+                tracing::debug!(worker = %req.authority, error = %e, "reused connection was closed; sending again on a new one");
+                fresh_only = true;
+            }
+            Err(Failure::Stale(e)) | Err(Failure::Other(e)) => return Err(e),
+            Ok(r) => return Ok(r),
+        }
+    }
+}
+
+enum Failure {
+    /// Failed before any byte of response arrived: safe to send again on a new connection if the
+    /// connection was reused (the worker closed it while it was idle).
+    Stale(Error),
+    Other(Error),
+}
+
+async fn exchange(
+    mut io: TcpStream,
+    head: &[u8],
+    req: &Outgoing<'_>,
+    s: &Settings,
+) -> Result<Response, Failure> {
+    let mut bufs = [IoSlice::new(head), IoSlice::new(req.body)];
+    let mut slices = &mut bufs[..];
+    while !slices.is_empty() {
+        match io.write_vectored(slices).await {
+            Ok(0) => {
+                return Err(Failure::Stale(Error::Io(
+                    "worker connection closed while sending the request".into(),
+                )))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) => {
+                return Err(Failure::Stale(Error::Io(format!(
+                    "sending the request: {e}"
+                ))))
+            }
+        }
+    }
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    // Whether any response byte arrived (an interim 1xx response counts).
+    let mut answered = false;
+    loop {
+        let n = poll_fn(|cx| poll_read(&io, &mut buf, cx)).await;
+        match n {
+            Ok(0) if !answered => {
+                return Err(Failure::Stale(Error::Io(
+                    "worker closed the connection without a response".into(),
+                )))
+            }
+            Ok(0) => {
+                return Err(Failure::Other(Error::Io(
+                    "worker closed the connection in the middle of the response head".into(),
+                )))
+            }
+            Ok(_) => answered = true,
+            Err(e) if !answered => {
+                return Err(Failure::Stale(Error::Io(format!(
+                    "reading the response: {e}"
+                ))))
+            }
+            Err(e) => return Err(Failure::Other(Error::Io(format!("reading the response: {e}")))),
+        }
+        loop {
+            match parse_head(&mut buf, req.method).map_err(Failure::Other)? {
+                // Skipped; the final head may be buffered already.
+                Some(Parsed::Interim) => continue,
+                Some(Parsed::Head(status, headers, framing, keep_alive)) => {
+                    let mut body = ResponseBody {
+                        io: Some(io),
+                        buf,
+                        decode: framing,
+                        keep_alive,
+                        authority: req.authority.clone(),
+                        idle_timeout: s.idle_timeout,
+                        max_idle: s.max_idle_per_host,
+                    };
+                    // A body already complete in the head's read (empty or small): hand the
+                    // connection back now, so `is_end_stream` is true from the start.
+                    body.advance_non_data().map_err(Failure::Other)?;
+                    return Ok(Response {
+                        status,
+                        headers,
+                        body,
+                    });
+                }
+                None => break,
+            }
+        }
+        if buf.len() > MAX_HEAD {
+            return Err(Failure::Other(Error::Io(format!(
+                "worker response head is larger than {MAX_HEAD} bytes"
+            ))));
+        }
+    }
+}
+
+enum Parsed {
+    /// A 1xx response was skipped; parse again.
+    Interim,
+    Head(StatusCode, HeaderMap, Decode, bool),
+}
+
+/// Parse a response head at the start of `buf` and consume it; `None` if it is incomplete.
+fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Error> {
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut r = httparse::Response::new(&mut fields);
+    let len = match r.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(Error::Io(format!("malformed response head from worker: {e}"))),
+    };
+    let code = r.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code)
+        .map_err(|_| Error::Io(format!("worker sent an invalid status code {code}")))?;
+    if status.is_informational() {
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            return Err(Error::Io("worker switched protocols unasked".into()));
+        }
+        buf.advance(len);
+        return Ok(Some(Parsed::Interim));
+    }
+    let http11 = r.version == Some(1);
+    let mut headers = HeaderMap::with_capacity(r.headers.len());
+    let mut close = !http11;
+    let mut chunked = false;
+    let mut other_coding = false;
+    let mut length: Option<u64> = None;
+    let mut connection_named: Vec<String> = Vec::new();
+    for f in r.headers.iter() {
+        let name = HeaderName::from_bytes(f.name.as_bytes())
+            .map_err(|_| Error::Io(format!("worker sent an invalid header name {:?}", f.name)))?;
+        if name == header::CONNECTION {
+            for t in String::from_utf8_lossy(f.value).split(',') {
+                let t = t.trim().to_ascii_lowercase();
+                match t.as_str() {
+                    "close" => close = true,
+                    "keep-alive" if !http11 => close = false,
+                    _ => {}
+                }
+                connection_named.push(t);
+            }
+            continue;
+        }
+        if name == header::TRANSFER_ENCODING {
+            // Only the last coding decides the framing (RFC 9112 §6.3).
+            for t in String::from_utf8_lossy(f.value).split(',') {
+                let t = t.trim();
+                if t.is_empty() {
+                    continue;
+                }
+                chunked = t.eq_ignore_ascii_case("chunked");
+                other_coding = !chunked;
+            }
+            continue;
+        }
+        if name == header::CONTENT_LENGTH {
+            let n = std::str::from_utf8(f.value)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| Error::Io("worker sent an invalid content-length".into()))?;
+            if length.is_some_and(|m| m != n) {
+                return Err(Error::Io("worker sent conflicting content-lengths".into()));
+            }
+            length = Some(n);
+        }
+        if is_hop_by_hop(&name) {
+            continue;
+        }
+        let value = HeaderValue::from_bytes(f.value).map_err(|_| {
+            Error::Io(format!("worker sent an invalid value for header {name}"))
+        })?;
+        headers.append(name, value);
+    }
+    for n in &connection_named {
+        if n != "close" && n != "keep-alive" {
+            headers.remove(n.as_str());
+        }
+    }
+    buf.advance(len);
+    let no_body = method == Method::HEAD
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let decode = if no_body {
+        Decode::Done
+    } else if chunked && !other_coding {
+        // A message with both is framed by transfer-encoding; the length is not to be passed on.
+        headers.remove(header::CONTENT_LENGTH);
+        Decode::Chunked(Chunk::Size)
+    } else if chunked || other_coding {
+        headers.remove(header::CONTENT_LENGTH);
+        close = true;
+        Decode::Eof
+    } else if let Some(n) = length {
+        if n == 0 {
+            Decode::Done
+        } else {
+            Decode::Length(n)
+        }
+    } else {
+        close = true;
+        Decode::Eof
+    };
+    Ok(Some(Parsed::Head(status, headers, decode, !close)))
+}
+
+/// Read once into `buf` (growing it by `READ_CHUNK`); `Ok(0)` at end of stream.
+fn poll_read(io: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+        buf.reserve(READ_CHUNK);
+    }
+    loop {
+        ready!(io.poll_read_ready(cx))?;
+        match io.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            r => return Poll::Ready(r),
+        }
+    }
+}
+
+/// Body framing state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decode {
+    /// `content-length`: bytes still to come.
+    Length(u64),
+    Chunked(Chunk),
+    /// Close-delimited: everything until the worker closes.
+    Eof,
+    Done,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Chunk {
+    /// Expecting a chunk-size line.
+    Size,
+    /// Inside a chunk's data: bytes still to come.
+    Data(u64),
+    /// Expecting the CRLF that ends a chunk's data.
+    DataEnd,
+    /// After the last chunk: trailer fields (dropped) until an empty line.
+    Trailers,
+}
+
+/// One step of decoding what is buffered.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    Data(Bytes),
+    NeedMore,
+    Done,
+}
+
+impl Decode {
+    /// Consume the framing at the front of `buf` (chunk-ending CRLFs, chunk-size lines, the last
+    /// chunk and its trailers) up to the next data byte or the end. `false`: more bytes needed.
+    fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
+        loop {
+            match self {
+                Decode::Chunked(Chunk::DataEnd) => match buf.first() {
+                    None => return Ok(false),
+                    Some(b'\n') => {
+                        buf.advance(1);
+                        *self = Decode::Chunked(Chunk::Size);
+                    }
+                    Some(b'\r') if buf.len() < 2 => return Ok(false),
+                    Some(b'\r') if buf[1] == b'\n' => {
+                        buf.advance(2);
+                        *self = Decode::Chunked(Chunk::Size);
+                    }
+                    Some(_) => {
+                        return Err(Error::Io(
+                            "malformed chunked body from worker: chunk data longer than its size"
+                                .into(),
+                        ))
+                    }
+                },
+                Decode::Chunked(Chunk::Size) => {
+                    let Some(line) = take_line(buf)? else {
+                        return Ok(false);
+                    };
+                    let size = chunk_size(&line)?;
+                    *self = if size == 0 {
+                        Decode::Chunked(Chunk::Trailers)
+                    } else {
+                        Decode::Chunked(Chunk::Data(size))
+                    };
+                }
+                Decode::Chunked(Chunk::Trailers) => {
+                    let Some(line) = take_line(buf)? else {
+                        return Ok(false);
+                    };
+                    if line.is_empty() {
+                        *self = Decode::Done;
+                    }
+                }
+                _ => return Ok(true),
+            }
+        }
+    }
+
+    /// Decode from `buf`, consuming what is used: the next piece of body data, or the end.
+    fn step(&mut self, buf: &mut BytesMut) -> Result<Step, Error> {
+        if !self.skip_framing(buf)? {
+            return Ok(Step::NeedMore);
+        }
+        let left = match self {
+            Decode::Done => return Ok(Step::Done),
+            _ if buf.is_empty() => return Ok(Step::NeedMore),
+            Decode::Eof => return Ok(Step::Data(buf.split().freeze())),
+            Decode::Length(n) | Decode::Chunked(Chunk::Data(n)) => n,
+            Decode::Chunked(_) => unreachable!("skip_framing stops at data or the end"),
+        };
+        let take = (*left).min(buf.len() as u64) as usize;
+        *left -= take as u64;
+        if *left == 0 {
+            *self = match self {
+                Decode::Length(_) => Decode::Done,
+                _ => Decode::Chunked(Chunk::DataEnd),
+            };
+        }
+        Ok(Step::Data(buf.split_to(take).freeze()))
+    }
+}
+
+/// A whole line (without its CRLF or LF) from the front of `buf`, if buffered.
+fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
+    match memchr::memchr(b'\n', buf) {
+        Some(i) => {
+            let mut line = buf.split_to(i + 1);
+            line.truncate(i);
+            if line.last() == Some(&b'\r') {
+                line.truncate(i - 1);
+            }
+            Ok(Some(line))
+        }
+        None if buf.len() > MAX_LINE => Err(Error::Io(
+            "malformed chunked body from worker: line too long".into(),
+        )),
+        None => Ok(None),
+    }
+}
+
+/// The size of a chunk-size line (`1a;ext=1`).
+fn chunk_size(line: &[u8]) -> Result<u64, Error> {
+    let bad = || Error::Io("malformed chunked body from worker: bad chunk size".into());
+    let end = line
+        .iter()
+        .position(|&b| b == b';' || b == b' ' || b == b'\t')
+        .unwrap_or(line.len());
+    let hex = &line[..end];
+    if hex.is_empty() || hex.len() > 15 {
+        return Err(bad());
+    }
+    let mut n: u64 = 0;
+    for &b in hex {
+        let d = (b as char).to_digit(16).ok_or_else(bad)?;
+        n = n * 16 + u64::from(d);
+    }
+    Ok(n)
+}
+
+/// A worker's response body, read from its connection as the client side polls it.
+pub struct ResponseBody {
+    /// `None` once the body ended (the connection went back to the pool, or was closed).
+    io: Option<TcpStream>,
+    buf: BytesMut,
+    decode: Decode,
+    keep_alive: bool,
+    authority: Authority,
+    idle_timeout: Duration,
+    max_idle: usize,
+}
+
+impl ResponseBody {
+    /// Consume buffered framing that carries no data (a chunk's CRLF, the last chunk, trailers);
+    /// at the end, release the connection.
+    fn advance_non_data(&mut self) -> Result<(), Error> {
+        self.decode.skip_framing(&mut self.buf)?;
+        if self.decode == Decode::Done {
+            self.release();
+        }
+        Ok(())
+    }
+
+    /// The body ended: pool the connection if it can carry another request, else close it.
+    fn release(&mut self) {
+        if let Some(io) = self.io.take() {
+            if self.keep_alive && self.buf.is_empty() {
+                checkin(
+                    self.authority.clone(),
+                    io,
+                    Instant::now(),
+                    self.idle_timeout,
+                    self.max_idle,
+                );
+            }
+        }
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Error>>> {
+        let this = self.get_mut();
+        loop {
+            match this.decode.step(&mut this.buf) {
+                Err(e) => {
+                    this.decode = Decode::Done;
+                    this.io = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Ok(Step::Done) => {
+                    this.release();
+                    return Poll::Ready(None);
+                }
+                Ok(Step::Data(d)) => {
+                    // Consume framing that follows the data, so the end is known at once.
+                    if let Err(e) = this.advance_non_data() {
+                        this.decode = Decode::Done;
+                        this.io = None;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(d))));
+                }
+                Ok(Step::NeedMore) => {}
+            }
+            let Some(io) = &this.io else {
+                return Poll::Ready(None);
+            };
+            match ready!(poll_read(io, &mut this.buf, cx)) {
+                Ok(0) => {
+                    this.io = None;
+                    if this.decode == Decode::Eof {
+                        this.decode = Decode::Done;
+                        return Poll::Ready(None);
+                    }
+                    this.decode = Decode::Done;
+                    return Poll::Ready(Some(Err(Error::Io(
+                        "worker closed the connection before the end of the body".into(),
+                    ))));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    this.io = None;
+                    this.decode = Decode::Done;
+                    return Poll::Ready(Some(Err(Error::Io(format!(
+                        "reading the response body: {e}"
+                    )))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.decode == Decode::Done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.decode {
+            Decode::Length(n) => SizeHint::with_exact(n),
+            Decode::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// Open a connection to `authority` (each resolved address in turn, within the connect timeout).
+async fn connect(authority: &Authority, s: &Settings) -> Result<TcpStream, Error> {
+    let start = Instant::now();
+    let port = authority.port_u16().unwrap_or(80);
+    let host = authority.host();
+    let literal = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+        .parse::<IpAddr>()
+        .ok();
+    let attempt = async {
+        let addrs: Vec<SocketAddr> = match literal {
+            Some(ip) => vec![SocketAddr::new(ip, port)],
+            None => tokio::net::lookup_host((host, port))
+                .await
+                .map_err(|e| format!("resolving {host}: {e}"))?
+                .collect(),
+        };
+        let mut last = format!("{host} resolved to no address");
+        for a in addrs {
+            match TcpStream::connect(a).await {
+                Ok(io) => return Ok(io),
+                Err(e) => last = format!("{a}: {e}"),
+            }
+        }
+        Err(last)
+    };
+    let io = match tokio::time::timeout(s.connect_timeout, attempt).await {
+        Ok(Ok(io)) => io,
+        Ok(Err(e)) => return Err(Error::Connect(e)),
+        Err(_) => {
+            return Err(Error::Connect(format!(
+                "connect to {authority} timed out after {:?}",
+                s.connect_timeout
+            )))
+        }
+    };
+    let _ = io.set_nodelay(true);
+    s.connect_hist.observe(start.elapsed().as_secs_f64());
+    Ok(io)
+}
+
+struct Idle {
+    io: TcpStream,
+    expires: Instant,
+}
+
+thread_local! {
+    /// This thread's idle worker connections, newest last.
+    static POOL: RefCell<HashMap<Authority, Vec<Idle>>> = RefCell::new(HashMap::new());
+}
+
+/// A live idle connection to `authority`, newest first.
+fn checkout(authority: &Authority, now: Instant) -> Option<TcpStream> {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let stack = p.get_mut(authority)?;
+        while let Some(c) = stack.pop() {
+            if c.expires <= now {
+                // Everything below is older still.
+                stack.clear();
+                break;
+            }
+            if alive(&c.io) {
+                return Some(c.io);
+            }
+        }
+        None
+    })
+}
+
+/// An idle connection is usable if reading it would block: no end of stream, no stray bytes.
+/// (`try_read` makes no system call unless the reactor saw the socket become readable.)
+fn alive(io: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+fn checkin(authority: Authority, io: TcpStream, now: Instant, idle: Duration, max: usize) {
+    if max == 0 || idle.is_zero() {
+        return;
+    }
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let stack = p.entry(authority).or_default();
+        if stack.len() >= max {
+            stack.remove(0);
+        }
+        stack.push(Idle {
+            io,
+            expires: now + idle,
+        });
+    });
+}
+
+/// Close this thread's idle connections whose idle time is over (called every second by the io
+/// threads, so connections to a worker that gets no more traffic do not stay open).
+pub fn evict_idle(now: Instant) {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        p.retain(|_, stack| {
+            stack.retain(|c| c.expires > now);
+            !stack.is_empty()
+        });
+    });
+}
+
+/// Idle connections in this thread's pool (tests).
+#[cfg(test)]
+fn idle_count(authority: &Authority) -> usize {
+    POOL.with(|p| p.borrow().get(authority).map_or(0, Vec::len))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,431 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use super::*;
+
+/// Feed `wire` to a decoder in pieces cut at `cuts`; the data it yields, or its error.
+fn decode_in_pieces(mut d: Decode, wire: &[u8], cuts: &[usize]) -> Result<(Vec<u8>, bool), Error> {
+    let mut buf = BytesMut::new();
+    let mut out = Vec::new();
+    let mut at = 0;
+    let mut bounds: Vec<usize> = cuts.iter().copied().filter(|&c| c < wire.len()).collect();
+    bounds.push(wire.len());
+    for end in bounds {
+        buf.extend_from_slice(&wire[at..end]);
+        at = end;
+        loop {
+            match d.step(&mut buf)? {
+                Step::Data(b) => out.extend_from_slice(&b),
+                Step::NeedMore => break,
+                Step::Done => return Ok((out, buf.is_empty())),
+            }
+        }
+    }
+    Ok((out, false))
+}
+
+const CHUNKED: &[u8] = b"5\r\nhello\r\n7;ext=\"a\"\r\n, world\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n0\r\nx-trailer: 1\r\n\r\n";
+const CHUNKED_DATA: &[u8] = b"hello, worldabcdefghijklmnopqrstuvwxyz";
+
+#[test]
+fn chunked_bodies_decode_the_same_however_they_are_split() {
+    let start = Decode::Chunked(Chunk::Size);
+    // Every two-piece split, and one byte at a time.
+    for cut in 0..=CHUNKED.len() {
+        let (data, clean) = decode_in_pieces(start, CHUNKED, &[cut]).unwrap();
+        assert_eq!(data, CHUNKED_DATA, "cut at {cut}");
+        assert!(clean, "cut at {cut}: the terminator is consumed");
+    }
+    let every: Vec<usize> = (1..CHUNKED.len()).collect();
+    let (data, clean) = decode_in_pieces(start, CHUNKED, &every).unwrap();
+    assert_eq!((data.as_slice(), clean), (CHUNKED_DATA, true));
+    // Bare LF line endings are tolerated.
+    let lf = b"3\nabc\n0\n\n";
+    assert_eq!(decode_in_pieces(start, lf, &[]).unwrap(), (b"abc".to_vec(), true));
+}
+
+#[test]
+fn a_chunked_body_is_not_done_before_its_last_chunk() {
+    let (data, done) = decode_in_pieces(Decode::Chunked(Chunk::Size), b"5\r\nhello\r\n", &[]).unwrap();
+    assert_eq!((data.as_slice(), done), (&b"hello"[..], false));
+    let (_, done) =
+        decode_in_pieces(Decode::Chunked(Chunk::Size), b"5\r\nhello\r\n0\r\n", &[]).unwrap();
+    assert!(!done, "trailers section still open");
+}
+
+#[test]
+fn malformed_chunked_bodies_are_errors() {
+    let start = Decode::Chunked(Chunk::Size);
+    for bad in [
+        &b"zz\r\nhello\r\n0\r\n\r\n"[..],
+        b"\r\nhello\r\n",
+        b"3\r\nhello\r\n0\r\n\r\n",
+        b"1234567890abcdef0\r\n",
+    ] {
+        let r = decode_in_pieces(start, bad, &[]);
+        assert!(r.is_err(), "{:?} accepted", String::from_utf8_lossy(bad));
+    }
+    let long = vec![b'1'; MAX_LINE + 10];
+    assert!(decode_in_pieces(start, &long, &[]).is_err());
+}
+
+#[test]
+fn length_bodies_stop_at_their_length() {
+    for cut in 0..=10 {
+        let mut buf = BytesMut::new();
+        let mut d = Decode::Length(10);
+        let wire = b"0123456789EXTRA";
+        buf.extend_from_slice(&wire[..cut]);
+        let mut out = Vec::new();
+        while let Step::Data(b) = d.step(&mut buf).unwrap() {
+            out.extend_from_slice(&b);
+        }
+        buf.extend_from_slice(&wire[cut..]);
+        loop {
+            match d.step(&mut buf).unwrap() {
+                Step::Data(b) => out.extend_from_slice(&b),
+                Step::Done => break,
+                Step::NeedMore => panic!("all ten bytes are buffered"),
+            }
+        }
+        assert_eq!(out, b"0123456789");
+        assert_eq!(&buf[..], b"EXTRA", "bytes after the body are left alone");
+    }
+}
+
+fn head_of(wire: &[u8], method: &Method) -> Result<Option<Parsed>, Error> {
+    let mut buf = BytesMut::from(wire);
+    parse_head(&mut buf, method)
+}
+
+#[test]
+fn response_heads_lose_hop_by_hop_fields_and_pick_the_framing() {
+    let wire = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: keep-alive, x-hop\r\nx-hop: 1\r\nkeep-alive: timeout=5\r\ntransfer-encoding: chunked\r\nx-request-id: abc\r\n\r\n";
+    let Some(Parsed::Head(status, h, decode, keep)) = head_of(wire, &Method::POST).unwrap() else {
+        panic!("complete head");
+    };
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(decode, Decode::Chunked(Chunk::Size));
+    assert!(keep);
+    let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+    assert_eq!(names, ["content-type", "x-request-id"]);
+
+    // transfer-encoding wins over content-length, which is then not passed on.
+    let wire = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n";
+    let Some(Parsed::Head(_, h, decode, _)) = head_of(wire, &Method::POST).unwrap() else {
+        panic!()
+    };
+    assert_eq!(decode, Decode::Chunked(Chunk::Size));
+    assert!(h.get(header::CONTENT_LENGTH).is_none());
+
+    // HTTP/1.0 and `connection: close` are not reused; no length means read to the end.
+    let Some(Parsed::Head(_, _, decode, keep)) =
+        head_of(b"HTTP/1.0 200 OK\r\n\r\n", &Method::POST).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!((decode, keep), (Decode::Eof, false));
+    let Some(Parsed::Head(_, h, decode, keep)) = head_of(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi",
+        &Method::POST,
+    )
+    .unwrap() else {
+        panic!()
+    };
+    assert_eq!((decode, keep), (Decode::Length(2), false));
+    assert_eq!(h[header::CONTENT_LENGTH], "2");
+
+    // No body for 204, nor for HEAD.
+    let Some(Parsed::Head(_, _, decode, _)) =
+        head_of(b"HTTP/1.1 204 No Content\r\n\r\n", &Method::POST).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(decode, Decode::Done);
+    let Some(Parsed::Head(_, _, decode, _)) =
+        head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", &Method::HEAD).unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(decode, Decode::Done);
+}
+
+#[test]
+fn bad_or_partial_response_heads() {
+    assert!(matches!(head_of(b"HTTP/1.1 200 OK\r\ncontent-le", &Method::POST), Ok(None)));
+    assert!(matches!(head_of(b"HTTP/1.1 100 Continue\r\n\r\n", &Method::POST), Ok(Some(Parsed::Interim))));
+    for bad in [
+        &b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n"[..],
+        b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+    ] {
+        assert!(head_of(bad, &Method::POST).is_err(), "{:?}", String::from_utf8_lossy(bad));
+    }
+}
+
+#[test]
+fn request_heads_keep_end_to_end_fields_only() {
+    let mut h = HeaderMap::new();
+    h.insert(header::HOST, "gateway:8080".parse().unwrap());
+    h.insert(header::CONNECTION, "keep-alive, x-secret-hop".parse().unwrap());
+    h.insert("x-secret-hop", "1".parse().unwrap());
+    h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+    h.insert(header::CONTENT_LENGTH, "999".parse().unwrap());
+    h.insert(header::EXPECT, "100-continue".parse().unwrap());
+    h.insert(header::AUTHORIZATION, "Bearer client-key".parse().unwrap());
+    h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+    h.append("x-custom", "one".parse().unwrap());
+    h.append("x-custom", "two".parse().unwrap());
+    let authority: Authority = "10.0.0.7:8000".parse().unwrap();
+    let body = Bytes::from_static(b"{\"model\":\"m\"}");
+    let worker_auth = HeaderValue::from_static("Bearer worker-key");
+    let mut out = Outgoing {
+        method: &Method::POST,
+        authority: &authority,
+        path_prefix: "/base",
+        path_and_query: "/v1/chat/completions?x=1",
+        headers: &h,
+        strip_client_auth: false,
+        worker_auth: None,
+        body: &body,
+    };
+    let text = String::from_utf8(out.head()).unwrap();
+    assert_eq!(
+        text,
+        "POST /base/v1/chat/completions?x=1 HTTP/1.1\r\nhost: 10.0.0.7:8000\r\n\
+         authorization: Bearer client-key\r\ncontent-type: application/json\r\n\
+         x-custom: one\r\nx-custom: two\r\ncontent-length: 13\r\n\r\n"
+    );
+    out.strip_client_auth = true;
+    assert!(!String::from_utf8(out.head()).unwrap().contains("authorization"));
+    out.worker_auth = Some(&worker_auth);
+    let text = String::from_utf8(out.head()).unwrap();
+    assert!(text.contains("authorization: Bearer worker-key\r\n"));
+    assert!(!text.contains("client-key"));
+}
+
+fn settings() -> Settings {
+    Settings {
+        connect_timeout: Duration::from_secs(2),
+        idle_timeout: Duration::from_secs(60),
+        max_idle_per_host: 4,
+        connect_hist: Histogram::new([0.1].into_iter()),
+    }
+}
+
+/// A worker that answers each request on a connection with `answer(n)` (n counts requests over
+/// all connections) and closes the connection after it if `close_after` says so. Returns its
+/// address and the number of connections it accepted.
+async fn fake_worker(
+    answer: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
+    close_after: impl Fn(usize) -> bool + Send + Sync + 'static,
+) -> (Authority, Arc<AtomicUsize>) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let (answer, close_after) = (Arc::new(answer), Arc::new(close_after));
+    let c = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let (answer, close_after, requests) = (answer.clone(), close_after.clone(), requests.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    // Read one request: head, then content-length bytes.
+                    let mut tmp = [0u8; 4096];
+                    let (head_end, len) = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
+                            let len = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length: "))
+                                .and_then(|v| v.trim().parse::<usize>().ok())
+                                .unwrap_or(0);
+                            break (i + 4, len);
+                        }
+                        match s.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    };
+                    while buf.len() < head_end + len {
+                        match s.read(&mut tmp).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    let n = requests.fetch_add(1, Ordering::SeqCst);
+                    if s.write_all(&answer(n)).await.is_err() {
+                        return;
+                    }
+                    if close_after(n) {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr.to_string().parse().unwrap(), conns)
+}
+
+async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8>), Error> {
+    let h = HeaderMap::new();
+    let body = Bytes::from_static(b"{}");
+    let req = Outgoing {
+        method: &Method::POST,
+        authority,
+        path_prefix: "",
+        path_and_query: "/v1/completions",
+        headers: &h,
+        strip_client_auth: false,
+        worker_auth: None,
+        body: &body,
+    };
+    let r = send(&req, s).await?;
+    let data = r.body.collect().await?.to_bytes();
+    Ok((r.status, data.to_vec()))
+}
+
+const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+#[tokio::test(flavor = "current_thread")]
+async fn connections_are_reused_and_stale_ones_replaced() {
+    let s = settings();
+    // Keep-alive: three requests, one connection.
+    let (a, conns) = fake_worker(|_| OK.to_vec(), |_| false).await;
+    for _ in 0..3 {
+        assert_eq!(post(&a, &s).await.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        assert_eq!(idle_count(&a), 1);
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+
+    // The worker closes each connection after answering: the pooled connection is found dead
+    // (or fails on use) and the request goes out again on a new one, without an error.
+    let (b, conns) = fake_worker(|_| OK.to_vec(), |_| true).await;
+    for i in 0..3 {
+        assert_eq!(post(&b, &s).await.unwrap().1, b"ok", "request {i}");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 3);
+
+    // The worker reads the second request on a kept-alive connection and closes it unanswered
+    // (what an idle-timeout close racing the request looks like): sent again on a new one.
+    let (r, conns) = fake_worker(|n| if n == 1 { Vec::new() } else { OK.to_vec() }, |n| n == 1).await;
+    for _ in 0..3 {
+        assert_eq!(post(&r, &s).await.unwrap().1, b"ok");
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 2);
+
+    // `connection: close` from the worker: not pooled.
+    let (c, _) = fake_worker(
+        |_| b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok".to_vec(),
+        |_| true,
+    )
+    .await;
+    post(&c, &s).await.unwrap();
+    assert_eq!(idle_count(&c), 0);
+
+    // Idle connections past their time are closed by the sweep.
+    evict_idle(Instant::now() + s.idle_timeout);
+    assert_eq!(idle_count(&a), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn streamed_and_close_delimited_bodies_arrive_whole() {
+    let s = settings();
+    let chunked = [
+        &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n"[..],
+        CHUNKED,
+    ]
+    .concat();
+    let (a, conns) = fake_worker(move |_| chunked.clone(), |_| false).await;
+    for _ in 0..2 {
+        assert_eq!(post(&a, &s).await.unwrap().1, CHUNKED_DATA);
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1, "chunked bodies keep the connection");
+
+    let (b, _) = fake_worker(|_| b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(), |_| true).await;
+    assert_eq!(post(&b, &s).await.unwrap().1, b"until the end");
+    assert_eq!(idle_count(&b), 0);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn failures_are_reported_not_hung() {
+    let s = settings();
+    // Nothing listens: a connect error.
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let dead: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+    drop(l);
+    assert!(post(&dead, &s).await.unwrap_err().is_connect());
+
+    // The worker closes without answering, on a fresh connection: an io error (no resend).
+    let (a, conns) = fake_worker(|_| Vec::new(), |_| true).await;
+    let e = post(&a, &s).await.unwrap_err();
+    assert!(!e.is_connect(), "{e}");
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+
+    // The worker dies mid-body: the body ends with an error, and the connection is not pooled.
+    let (b, _) = fake_worker(
+        |_| b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial".to_vec(),
+        |_| true,
+    )
+    .await;
+    let e = post(&b, &s).await.unwrap_err();
+    assert!(e.to_string().contains("before the end of the body"), "{e}");
+    assert_eq!(idle_count(&b), 0);
+
+    // An interim 100 Continue in the same packet as the real answer.
+    let (d, _) = fake_worker(|_| [&b"HTTP/1.1 100 Continue\r\n\r\n"[..], OK].concat(), |_| false).await;
+    assert_eq!(post(&d, &s).await.unwrap().1, b"ok");
+
+    // Garbage instead of HTTP.
+    let (c, _) = fake_worker(|_| b"SSH-2.0-nope\r\n\r\n".to_vec(), |_| true).await;
+    assert!(post(&c, &s).await.unwrap_err().to_string().contains("malformed"));
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_body_dropped_midway_closes_its_connection() {
+    let s = settings();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let a: Authority = l.local_addr().unwrap().to_string().parse().unwrap();
+    tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf).await.unwrap();
+        s.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            .await
+            .unwrap();
+        // The client's next read sees end of stream once the gateway drops the body.
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        tx.send(n).unwrap();
+    });
+    let h = HeaderMap::new();
+    let body = Bytes::from_static(b"{}");
+    let req = Outgoing {
+        method: &Method::POST,
+        authority: &a,
+        path_prefix: "",
+        path_and_query: "/",
+        headers: &h,
+        strip_client_auth: false,
+        worker_auth: None,
+        body: &body,
+    };
+    let mut r = send(&req, &s).await.unwrap();
+    let first = r.body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"first");
+    assert!(!r.body.is_end_stream());
+    drop(r);
+    let n = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap();
+    assert_eq!(n, Some(0), "the worker saw the connection close");
+    assert_eq!(idle_count(&a), 0);
+}
