@@ -70,9 +70,51 @@ impl Strip {
         if std::mem::take(&mut self.skip_blank) && blank {
             return;
         }
-        self.out.extend_from_slice(line);
+        // With `include_usage`, OpenAI-style servers add `"usage":null` to every other chunk;
+        // a client that did not ask for usage never sees that field.
+        match line.starts_with(b"data:").then(|| null_usage(line)).flatten() {
+            Some((from, to)) => {
+                self.out.extend_from_slice(&line[..from]);
+                self.out.extend_from_slice(&line[to..]);
+            }
+            None => self.out.extend_from_slice(line),
+        }
         self.out.push(b'\n');
     }
+}
+
+/// The byte range of a `"usage": null` member in `line` with the comma that separates it from
+/// its neighbour, if there is one. A raw `"usage"` cannot occur inside a JSON string (its quotes
+/// would be escaped), so a match is a member of some object, in practice the chunk itself.
+fn null_usage(line: &[u8]) -> Option<(usize, usize)> {
+    let key = b"\"usage\"";
+    let ws = |b: &u8| matches!(b, b' ' | b'\t');
+    let k = memmem::find(line, key)?;
+    let mut e = k + key.len();
+    e += line[e..].iter().take_while(|b| ws(b)).count();
+    if line.get(e) != Some(&b':') {
+        return None;
+    }
+    e += 1;
+    e += line[e..].iter().take_while(|b| ws(b)).count();
+    if !line[e..].starts_with(b"null") {
+        return None;
+    }
+    e += 4;
+    if !matches!(line.get(e), Some(b' ' | b'\t' | b',' | b'}')) {
+        return None;
+    }
+    // `, "usage": null` after a member, or `"usage": null, ` before one.
+    let before = line[..k].iter().rev().take_while(|b| ws(b)).count();
+    if k > before && line[k - before - 1] == b',' {
+        return Some((k - before - 1, e));
+    }
+    let after = line[e..].iter().take_while(|b| ws(b)).count();
+    if line.get(e + after) == Some(&b',') {
+        let next = line[e + after + 1..].iter().take_while(|b| ws(b)).count();
+        return Some((k, e + after + 1 + next));
+    }
+    Some((k, e))
 }
 
 impl ObservedBody {
@@ -379,6 +421,38 @@ use std::future::Future as _;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn null_usage_members_are_cut_with_their_comma() {
+        let cut = |l: &str| {
+            let b = l.as_bytes();
+            match null_usage(b) {
+                Some((f, t)) => format!("{}{}", &l[..f], &l[t..]),
+                None => l.to_owned(),
+            }
+        };
+        assert_eq!(
+            cut(r#"data: {"id":"x","choices":[{"index":0}],"usage":null}"#),
+            r#"data: {"id":"x","choices":[{"index":0}]}"#
+        );
+        assert_eq!(
+            cut(r#"data: {"id": "x", "usage": null, "choices": []}"#),
+            r#"data: {"id": "x", "choices": []}"#
+        );
+        assert_eq!(cut(r#"data: {"usage":null}"#), r#"data: {}"#);
+        assert_eq!(cut(r#"data: {"usage": null , "a": 1}"#), r#"data: {"a": 1}"#);
+        // Not null, or not a member: untouched.
+        for keep in [
+            r#"data: {"usage":{"prompt_tokens":1}}"#,
+            r#"data: {"usage":nullx}"#,
+            r#"data: {"text":"say "usage":null"}"#,
+        ] {
+            let b = keep.as_bytes();
+            if let Some((f, t)) = null_usage(b) {
+                panic!("{keep}: would cut {:?}", &keep[f..t]);
+            }
+        }
+    }
 
     #[test]
     fn usage_is_found_at_the_end() {

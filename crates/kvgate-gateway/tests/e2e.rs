@@ -478,12 +478,13 @@ async fn metrics_pass_promtool() {
     support::promtool_check(&text);
 }
 
-/// The usage-only event of `{"choices":[],"usage":{…}}` with the blank line that ends it.
+/// `stream` without the usage-only event of `{"choices":[],"usage":{…}}` (with the blank line
+/// that ends it) and without the `"usage":null` member of the other chunks.
 fn without_usage_event(stream: &str) -> String {
     let mut out = String::new();
     for ev in stream.split_inclusive("\n\n") {
         if !(ev.contains("\"choices\":[]") && ev.contains("\"usage\":{")) {
-            out.push_str(ev);
+            out.push_str(&ev.replace(",\"usage\":null", ""));
         }
     }
     out
@@ -520,6 +521,7 @@ async fn include_usage_is_added_for_counting_and_stripped_for_the_client() {
         "usage-only event stripped: {t}"
     );
     assert!(!t.contains("\"usage\":{"), "{t}");
+    assert!(!t.contains("\"usage\""), "no usage member at all: {t}");
     assert_eq!(t.matches("data: {").count(), 3, "{t}");
     assert!(t.ends_with("data: [DONE]\n\n"), "{t}");
     // Byte for byte what the worker sent, minus its usage-only event.
