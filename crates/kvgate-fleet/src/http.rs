@@ -1,12 +1,13 @@
-//! A small pooled HTTP/1 client for scrapes, probes and event polls (hyper-util legacy client).
-//! Every call carries its own deadline: a stalled worker costs one timeout, never a stuck task.
+//! Scrapes, probes and event polls: whole-body requests over the [`h1`](crate::h1) client's
+//! keep-alive pool. Every call carries its own deadline: a stalled worker costs one timeout, never
+//! a stuck task.
 
 use bytes::Bytes;
-use http::{header, Method, Request, StatusCode, Uri};
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
+use http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use http_body_util::{BodyExt, Limited};
 use std::time::Duration;
+
+use crate::h1;
 
 /// Scrape bodies larger than this are refused (a vLLM `/metrics` with many LoRAs is ~200 KB).
 const MAX_BODY: usize = 8 << 20;
@@ -36,7 +37,7 @@ pub struct Fetched {
 
 #[derive(Clone)]
 pub struct HttpClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    settings: h1::Settings,
 }
 
 impl Default for HttpClient {
@@ -47,14 +48,14 @@ impl Default for HttpClient {
 
 impl HttpClient {
     pub fn new() -> Self {
-        let mut conn = HttpConnector::new();
-        conn.set_nodelay(true);
-        conn.set_connect_timeout(Some(Duration::from_secs(2)));
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(2)
-            .build(conn);
-        HttpClient { inner }
+        HttpClient {
+            settings: h1::Settings {
+                connect_timeout: Duration::from_secs(2),
+                idle_timeout: Duration::from_secs(30),
+                max_idle_per_host: 2,
+                on_connect: None,
+            },
+        }
     }
 
     /// `GET base + path` with `accept`, within `timeout` (connect, headers and body together).
@@ -92,29 +93,41 @@ impl HttpClient {
     ) -> Result<Fetched, HttpError> {
         let url = join(base, path);
         let uri: Uri = url.parse().map_err(|_| HttpError::Url(url.clone()))?;
-        let mut req = Request::builder()
-            .method(method.clone())
-            .uri(uri)
-            .header(header::ACCEPT, accept);
+        let (Some(authority), Some("http")) = (uri.authority(), uri.scheme_str()) else {
+            return Err(HttpError::Url(url));
+        };
+        let mut headers = HeaderMap::new();
+        let accept = HeaderValue::from_str(accept).map_err(|_| HttpError::Url(url.clone()))?;
+        headers.insert(header::ACCEPT, accept);
         if method == Method::POST {
-            req = req.header(header::CONTENT_TYPE, "application/json");
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
         }
-        let req = req
-            .body(Full::new(body))
-            .map_err(|e| HttpError::Url(e.to_string()))?;
+        let req = h1::Outgoing {
+            method: &method,
+            authority,
+            path_prefix: "",
+            path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()),
+            headers: &headers,
+            strip_client_auth: false,
+            worker_auth: None,
+            body: &body,
+        };
         let fut = async {
-            let resp = self
-                .inner
-                .request(req)
+            let resp = h1::send(&req, &self.settings)
                 .await
                 .map_err(|e| HttpError::Request(e.to_string()))?;
-            let status = resp.status();
-            let body = Limited::new(resp.into_body(), MAX_BODY)
+            let body = Limited::new(resp.body, MAX_BODY)
                 .collect()
                 .await
                 .map_err(|e| HttpError::Body(e.to_string()))?
                 .to_bytes();
-            Ok(Fetched { status, body })
+            Ok(Fetched {
+                status: resp.status,
+                body,
+            })
         };
         tokio::time::timeout(timeout, fut)
             .await

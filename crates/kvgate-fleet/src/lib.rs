@@ -28,6 +28,7 @@ mod apply;
 pub mod breaker;
 pub mod discover;
 pub mod dns;
+pub mod h1;
 mod health;
 pub mod http;
 mod kind;

@@ -58,6 +58,3 @@ impl Body for GwBody {
         }
     }
 }
-
-/// Request bodies sent to workers: the client's bytes, unchanged.
-pub type UpstreamBody = http_body_util::Full<Bytes>;

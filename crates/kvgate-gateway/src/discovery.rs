@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::Request;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Limited};
 
 use crate::metrics::Lbl;
 use crate::registry::Worker;
 use crate::state::AppState;
+use crate::upstream;
 
 /// One discovery round over every worker without configured models. Returns whether any changed.
 pub async fn refresh_once(app: &Arc<AppState>) -> bool {
@@ -49,19 +49,35 @@ pub async fn refresh_once(app: &Arc<AppState>) -> bool {
 }
 
 async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
-    let uri = format!("{}://{}{}/v1/models", w.scheme, w.authority, w.path_prefix);
-    let mut req = Request::get(uri).body(http_body_util::Full::new(Bytes::new()))?;
-    if let Some(a) = &w.auth_header {
-        req.headers_mut()
-            .insert(http::header::AUTHORIZATION, a.clone());
-    }
-    let resp = tokio::time::timeout(Duration::from_secs(5), app.client.request(req)).await??;
-    if !resp.status().is_success() {
-        anyhow::bail!("GET /v1/models answered {}", resp.status());
-    }
-    let body = tokio::time::timeout(Duration::from_secs(5), resp.into_body().collect())
-        .await??
-        .to_bytes();
+    /// A models list larger than this is not one.
+    const MAX_BODY: usize = 4 << 20;
+    let headers = http::HeaderMap::new();
+    let empty = Bytes::new();
+    let path = format!("{}/v1/models", w.path_prefix);
+    let req = upstream::Outgoing {
+        method: &http::Method::GET,
+        authority: &w.authority,
+        path_prefix: "",
+        path_and_query: &path,
+        headers: &headers,
+        strip_client_auth: false,
+        worker_auth: w.auth_header.as_ref(),
+        body: &empty,
+    };
+    let fetch = async {
+        let resp = upstream::send(&req, &app.upstream).await?;
+        if !resp.status.is_success() {
+            anyhow::bail!("GET /v1/models answered {}", resp.status);
+        }
+        let body = Limited::new(resp.body, MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| anyhow::anyhow!("reading the models list: {e}"))?;
+        Ok(body.to_bytes())
+    };
+    let body = tokio::time::timeout(Duration::from_secs(5), fetch)
+        .await
+        .map_err(|_| anyhow::anyhow!("GET /v1/models: no answer within 5 s"))??;
     #[derive(serde::Deserialize)]
     struct List {
         data: Vec<Item>,

@@ -1,74 +1,7 @@
-//! The hyper-util client for the gateway's own calls to workers (model discovery; the data path
-//! uses [`crate::upstream`]), with a connector that times TCP connects, and the retry budget.
+//! The retry budget of the request path.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
-
-use http::Uri;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
-use prometheus_client::metrics::histogram::Histogram;
-use tower::Service;
-
-use crate::body::UpstreamBody;
-use crate::config::UpstreamConfig;
-
-pub type UpstreamClient = Client<TimedConnector, UpstreamBody>;
-
-pub fn client(cfg: &UpstreamConfig, connect_hist: Histogram) -> UpstreamClient {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
-    http.set_keepalive(Some(Duration::from_secs(60)));
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(cfg.pool_idle_timeout_s))
-        .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        // A request must never be re-sent to the same worker behind our back: retries are ours.
-        .retry_canceled_requests(false)
-        .build(TimedConnector {
-            inner: http,
-            hist: connect_hist,
-        })
-}
-
-/// `HttpConnector` that records connect time in `kvgate_upstream_connect_seconds`.
-#[derive(Clone)]
-pub struct TimedConnector {
-    inner: HttpConnector,
-    hist: Histogram,
-}
-
-type ConnResult =
-    Result<<HttpConnector as Service<Uri>>::Response, <HttpConnector as Service<Uri>>::Error>;
-
-impl Service<Uri> for TimedConnector {
-    type Response = <HttpConnector as Service<Uri>>::Response;
-    type Error = <HttpConnector as Service<Uri>>::Error;
-    type Future = Pin<Box<dyn Future<Output = ConnResult> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let fut = self.inner.call(uri);
-        let hist = self.hist.clone();
-        // Boxed only per new connection (pooled connections skip the connector).
-        Box::pin(async move {
-            let t = Instant::now();
-            let r = fut.await;
-            if r.is_ok() {
-                hist.observe(t.elapsed().as_secs_f64());
-            }
-            r
-        })
-    }
-}
+use std::time::Instant;
 
 /// Retries may add at most `ratio` × requests (plus `min` per window) over a 10 s window, so a
 /// failing fleet is not hit by a retry storm on top of the load.
@@ -134,6 +67,7 @@ impl RetryBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn retry_budget_bounds_retries() {

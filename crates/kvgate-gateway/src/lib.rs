@@ -43,7 +43,8 @@ pub mod router;
 pub mod server;
 pub mod state;
 pub mod tls;
-pub mod upstream;
+/// The HTTP/1.1 client of the proxy hop (shared with kvgate-fleet's probes and scrapes).
+pub use kvgate_fleet::h1 as upstream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

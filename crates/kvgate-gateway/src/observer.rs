@@ -72,7 +72,11 @@ impl Strip {
         }
         // With `include_usage`, OpenAI-style servers add `"usage":null` to every other chunk;
         // a client that did not ask for usage never sees that field.
-        match line.starts_with(b"data:").then(|| null_usage(line)).flatten() {
+        match line
+            .starts_with(b"data:")
+            .then(|| null_usage(line))
+            .flatten()
+        {
             Some((from, to)) => {
                 self.out.extend_from_slice(&line[..from]);
                 self.out.extend_from_slice(&line[to..]);
@@ -440,7 +444,10 @@ mod tests {
             r#"data: {"id": "x", "choices": []}"#
         );
         assert_eq!(cut(r#"data: {"usage":null}"#), r#"data: {}"#);
-        assert_eq!(cut(r#"data: {"usage": null , "a": 1}"#), r#"data: {"a": 1}"#);
+        assert_eq!(
+            cut(r#"data: {"usage": null , "a": 1}"#),
+            r#"data: {"a": 1}"#
+        );
         // Not null, or not a member: untouched.
         for keep in [
             r#"data: {"usage":{"prompt_tokens":1}}"#,

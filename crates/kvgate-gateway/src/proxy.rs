@@ -21,12 +21,12 @@ use crate::admission::WaitError;
 use crate::body::GwBody;
 use crate::ctx::{Endpoint, Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
-use crate::upstream;
 use crate::observer::ObservedBody;
 use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::registry::Pool;
 use crate::router::{NoPick, Pick};
 use crate::state::AppState;
+use crate::upstream;
 
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::Admission;
 use crate::auth::Auth;
 use crate::config::{Config, SloConfig};
-use crate::forward::{self, RetryBudget, UpstreamClient};
+use crate::forward::RetryBudget;
 use crate::metrics::{Lbl, Metrics, WorkerLabel};
 use crate::registry::{Rebuilt, Registry};
 use crate::router::{RoutePolicy, Router};
@@ -21,9 +21,7 @@ pub struct AppState {
     pub metrics: Metrics,
     pub router: Router,
     pub admission: Arc<Admission>,
-    /// Client for the gateway's own calls to workers (model discovery).
-    pub client: UpstreamClient,
-    /// Settings of the data path's client to workers.
+    /// Settings of the client to workers (requests, model discovery).
     pub upstream: crate::upstream::Settings,
     pub auth: ArcSwap<Auth>,
     pub retry: RetryBudget,
@@ -49,7 +47,6 @@ impl AppState {
         let metrics = Metrics::new();
         let router = Router::new(RoutePolicy::from_config(&config.routing)?);
         let (registry, rebuilt) = Registry::new(config.clone())?;
-        let client = forward::client(&config.upstream, metrics.upstream_connect.clone());
         let app = Arc::new_cyclic(|me| AppState {
             registry,
             router,
@@ -57,12 +54,14 @@ impl AppState {
                 config.admission.queue_size,
                 Duration::from_millis(config.admission.queue_timeout_ms),
             )),
-            client,
             upstream: crate::upstream::Settings {
                 connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
                 idle_timeout: Duration::from_secs(config.upstream.pool_idle_timeout_s),
                 max_idle_per_host: config.upstream.pool_max_idle_per_host,
-                connect_hist: metrics.upstream_connect.clone(),
+                on_connect: Some({
+                    let h = metrics.upstream_connect.clone();
+                    Arc::new(move |d: Duration| h.observe(d.as_secs_f64()))
+                }),
             },
             auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),
             retry: RetryBudget::new(

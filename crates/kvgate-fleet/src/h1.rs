@@ -1,4 +1,5 @@
-//! The gateway's HTTP/1.1 client to workers, built for the proxy hop.
+//! kvgate's HTTP/1.1 client to workers, built for the gateway's proxy hop and used for the fleet's
+//! probes, scrapes and polls too.
 //!
 //! A request is forwarded by the task serving the client's connection itself: it checks a
 //! keep-alive connection out of this thread's pool (or connects), writes the request head and the
@@ -28,6 +29,7 @@ use std::future::poll_fn;
 use std::io::{self, IoSlice, Write as _};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -36,7 +38,6 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
 use http_body::{Body, Frame, SizeHint};
-use prometheus_client::metrics::histogram::Histogram;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -49,14 +50,17 @@ const READ_CHUNK: usize = 8 << 10;
 /// Longest chunk-size or trailer line accepted in a chunked body.
 const MAX_LINE: usize = 4 << 10;
 
-/// Client settings, from `[upstream]`.
+/// Called with the time each new connection took to open (the gateway's
+/// `kvgate_upstream_connect_seconds`).
+pub type ConnectHook = Arc<dyn Fn(Duration) + Send + Sync>;
+
+/// Client settings (the gateway's come from `[upstream]`).
 #[derive(Clone)]
 pub struct Settings {
     pub connect_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
-    /// `kvgate_upstream_connect_seconds`: new connections only.
-    pub connect_hist: Histogram,
+    pub on_connect: Option<ConnectHook>,
 }
 
 /// Why a worker exchange failed.
@@ -148,7 +152,11 @@ impl Outgoing<'_> {
         if let Some(a) = self.worker_auth {
             push_field(&mut out, b"authorization", a.as_bytes());
         }
-        let _ = write!(out, "content-length: {}\r\n\r\n", self.body.len());
+        if self.body.is_empty() && matches!(*self.method, Method::GET | Method::HEAD) {
+            out.extend_from_slice(b"\r\n");
+        } else {
+            let _ = write!(out, "content-length: {}\r\n\r\n", self.body.len());
+        }
         out
     }
 }
@@ -242,7 +250,11 @@ async fn exchange(
                     "reading the response: {e}"
                 ))))
             }
-            Err(e) => return Err(Failure::Other(Error::Io(format!("reading the response: {e}")))),
+            Err(e) => {
+                return Err(Failure::Other(Error::Io(format!(
+                    "reading the response: {e}"
+                ))))
+            }
         }
         loop {
             match parse_head(&mut buf, req.method).map_err(Failure::Other)? {
@@ -291,7 +303,11 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
     let len = match r.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(Error::Io(format!("malformed response head from worker: {e}"))),
+        Err(e) => {
+            return Err(Error::Io(format!(
+                "malformed response head from worker: {e}"
+            )))
+        }
     };
     let code = r.code.unwrap_or(0);
     let status = StatusCode::from_u16(code)
@@ -350,9 +366,8 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
         if is_hop_by_hop(&name) {
             continue;
         }
-        let value = HeaderValue::from_bytes(f.value).map_err(|_| {
-            Error::Io(format!("worker sent an invalid value for header {name}"))
-        })?;
+        let value = HeaderValue::from_bytes(f.value)
+            .map_err(|_| Error::Io(format!("worker sent an invalid value for header {name}")))?;
         headers.append(name, value);
     }
     for n in &connection_named {
@@ -438,24 +453,24 @@ impl Decode {
     fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
         loop {
             match self {
-                Decode::Chunked(Chunk::DataEnd) => match buf.first() {
-                    None => return Ok(false),
-                    Some(b'\n') => {
-                        buf.advance(1);
-                        *self = Decode::Chunked(Chunk::Size);
-                    }
-                    Some(b'\r') if buf.len() < 2 => return Ok(false),
-                    Some(b'\r') if buf[1] == b'\n' => {
-                        buf.advance(2);
-                        *self = Decode::Chunked(Chunk::Size);
-                    }
-                    Some(_) => {
-                        return Err(Error::Io(
+                Decode::Chunked(Chunk::DataEnd) => {
+                    match buf.first() {
+                        None => return Ok(false),
+                        Some(b'\n') => {
+                            buf.advance(1);
+                            *self = Decode::Chunked(Chunk::Size);
+                        }
+                        Some(b'\r') if buf.len() < 2 => return Ok(false),
+                        Some(b'\r') if buf[1] == b'\n' => {
+                            buf.advance(2);
+                            *self = Decode::Chunked(Chunk::Size);
+                        }
+                        Some(_) => return Err(Error::Io(
                             "malformed chunked body from worker: chunk data longer than its size"
                                 .into(),
-                        ))
+                        )),
                     }
-                },
+                }
                 Decode::Chunked(Chunk::Size) => {
                     let Some(line) = take_line(buf)? else {
                         return Ok(false);
@@ -690,7 +705,9 @@ async fn connect(authority: &Authority, s: &Settings) -> Result<TcpStream, Error
         }
     };
     let _ = io.set_nodelay(true);
-    s.connect_hist.observe(start.elapsed().as_secs_f64());
+    if let Some(hook) = &s.on_connect {
+        hook(start.elapsed());
+    }
     Ok(io)
 }
 

@@ -1,5 +1,4 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -45,12 +44,16 @@ fn chunked_bodies_decode_the_same_however_they_are_split() {
     assert_eq!((data.as_slice(), clean), (CHUNKED_DATA, true));
     // Bare LF line endings are tolerated.
     let lf = b"3\nabc\n0\n\n";
-    assert_eq!(decode_in_pieces(start, lf, &[]).unwrap(), (b"abc".to_vec(), true));
+    assert_eq!(
+        decode_in_pieces(start, lf, &[]).unwrap(),
+        (b"abc".to_vec(), true)
+    );
 }
 
 #[test]
 fn a_chunked_body_is_not_done_before_its_last_chunk() {
-    let (data, done) = decode_in_pieces(Decode::Chunked(Chunk::Size), b"5\r\nhello\r\n", &[]).unwrap();
+    let (data, done) =
+        decode_in_pieces(Decode::Chunked(Chunk::Size), b"5\r\nhello\r\n", &[]).unwrap();
     assert_eq!((data.as_slice(), done), (&b"hello"[..], false));
     let (_, done) =
         decode_in_pieces(Decode::Chunked(Chunk::Size), b"5\r\nhello\r\n0\r\n", &[]).unwrap();
@@ -146,9 +149,11 @@ fn response_heads_lose_hop_by_hop_fields_and_pick_the_framing() {
         panic!()
     };
     assert_eq!(decode, Decode::Done);
-    let Some(Parsed::Head(_, _, decode, _)) =
-        head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", &Method::HEAD).unwrap()
-    else {
+    let Some(Parsed::Head(_, _, decode, _)) = head_of(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n",
+        &Method::HEAD,
+    )
+    .unwrap() else {
         panic!()
     };
     assert_eq!(decode, Decode::Done);
@@ -156,15 +161,25 @@ fn response_heads_lose_hop_by_hop_fields_and_pick_the_framing() {
 
 #[test]
 fn bad_or_partial_response_heads() {
-    assert!(matches!(head_of(b"HTTP/1.1 200 OK\r\ncontent-le", &Method::POST), Ok(None)));
-    assert!(matches!(head_of(b"HTTP/1.1 100 Continue\r\n\r\n", &Method::POST), Ok(Some(Parsed::Interim))));
+    assert!(matches!(
+        head_of(b"HTTP/1.1 200 OK\r\ncontent-le", &Method::POST),
+        Ok(None)
+    ));
+    assert!(matches!(
+        head_of(b"HTTP/1.1 100 Continue\r\n\r\n", &Method::POST),
+        Ok(Some(Parsed::Interim))
+    ));
     for bad in [
         &b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n"[..],
         b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
         b"HTTP/1.1 101 Switching Protocols\r\n\r\n",
         b"SSH-2.0-OpenSSH\r\n\r\n",
     ] {
-        assert!(head_of(bad, &Method::POST).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        assert!(
+            head_of(bad, &Method::POST).is_err(),
+            "{:?}",
+            String::from_utf8_lossy(bad)
+        );
     }
 }
 
@@ -172,7 +187,10 @@ fn bad_or_partial_response_heads() {
 fn request_heads_keep_end_to_end_fields_only() {
     let mut h = HeaderMap::new();
     h.insert(header::HOST, "gateway:8080".parse().unwrap());
-    h.insert(header::CONNECTION, "keep-alive, x-secret-hop".parse().unwrap());
+    h.insert(
+        header::CONNECTION,
+        "keep-alive, x-secret-hop".parse().unwrap(),
+    );
     h.insert("x-secret-hop", "1".parse().unwrap());
     h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
     h.insert(header::CONTENT_LENGTH, "999".parse().unwrap());
@@ -202,7 +220,9 @@ fn request_heads_keep_end_to_end_fields_only() {
          x-custom: one\r\nx-custom: two\r\ncontent-length: 13\r\n\r\n"
     );
     out.strip_client_auth = true;
-    assert!(!String::from_utf8(out.head()).unwrap().contains("authorization"));
+    assert!(!String::from_utf8(out.head())
+        .unwrap()
+        .contains("authorization"));
     out.worker_auth = Some(&worker_auth);
     let text = String::from_utf8(out.head()).unwrap();
     assert!(text.contains("authorization: Bearer worker-key\r\n"));
@@ -214,7 +234,7 @@ fn settings() -> Settings {
         connect_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(60),
         max_idle_per_host: 4,
-        connect_hist: Histogram::new([0.1].into_iter()),
+        on_connect: None,
     }
 }
 
@@ -234,7 +254,8 @@ async fn fake_worker(
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             c.fetch_add(1, Ordering::SeqCst);
-            let (answer, close_after, requests) = (answer.clone(), close_after.clone(), requests.clone());
+            let (answer, close_after, requests) =
+                (answer.clone(), close_after.clone(), requests.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
@@ -302,7 +323,10 @@ async fn connections_are_reused_and_stale_ones_replaced() {
     // Keep-alive: three requests, one connection.
     let (a, conns) = fake_worker(|_| OK.to_vec(), |_| false).await;
     for _ in 0..3 {
-        assert_eq!(post(&a, &s).await.unwrap(), (StatusCode::OK, b"ok".to_vec()));
+        assert_eq!(
+            post(&a, &s).await.unwrap(),
+            (StatusCode::OK, b"ok".to_vec())
+        );
         assert_eq!(idle_count(&a), 1);
     }
     assert_eq!(conns.load(Ordering::SeqCst), 1);
@@ -318,7 +342,11 @@ async fn connections_are_reused_and_stale_ones_replaced() {
 
     // The worker reads the second request on a kept-alive connection and closes it unanswered
     // (what an idle-timeout close racing the request looks like): sent again on a new one.
-    let (r, conns) = fake_worker(|n| if n == 1 { Vec::new() } else { OK.to_vec() }, |n| n == 1).await;
+    let (r, conns) = fake_worker(
+        |n| if n == 1 { Vec::new() } else { OK.to_vec() },
+        |n| n == 1,
+    )
+    .await;
     for _ in 0..3 {
         assert_eq!(post(&r, &s).await.unwrap().1, b"ok");
     }
@@ -350,9 +378,17 @@ async fn streamed_and_close_delimited_bodies_arrive_whole() {
     for _ in 0..2 {
         assert_eq!(post(&a, &s).await.unwrap().1, CHUNKED_DATA);
     }
-    assert_eq!(conns.load(Ordering::SeqCst), 1, "chunked bodies keep the connection");
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        1,
+        "chunked bodies keep the connection"
+    );
 
-    let (b, _) = fake_worker(|_| b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(), |_| true).await;
+    let (b, _) = fake_worker(
+        |_| b"HTTP/1.1 200 OK\r\n\r\nuntil the end".to_vec(),
+        |_| true,
+    )
+    .await;
     assert_eq!(post(&b, &s).await.unwrap().1, b"until the end");
     assert_eq!(idle_count(&b), 0);
 }
@@ -383,12 +419,20 @@ async fn failures_are_reported_not_hung() {
     assert_eq!(idle_count(&b), 0);
 
     // An interim 100 Continue in the same packet as the real answer.
-    let (d, _) = fake_worker(|_| [&b"HTTP/1.1 100 Continue\r\n\r\n"[..], OK].concat(), |_| false).await;
+    let (d, _) = fake_worker(
+        |_| [&b"HTTP/1.1 100 Continue\r\n\r\n"[..], OK].concat(),
+        |_| false,
+    )
+    .await;
     assert_eq!(post(&d, &s).await.unwrap().1, b"ok");
 
     // Garbage instead of HTTP.
     let (c, _) = fake_worker(|_| b"SSH-2.0-nope\r\n\r\n".to_vec(), |_| true).await;
-    assert!(post(&c, &s).await.unwrap_err().to_string().contains("malformed"));
+    assert!(post(&c, &s)
+        .await
+        .unwrap_err()
+        .to_string()
+        .contains("malformed"));
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -425,7 +469,9 @@ async fn a_body_dropped_midway_closes_its_connection() {
     assert_eq!(&first[..], b"first");
     assert!(!r.body.is_end_stream());
     drop(r);
-    let n = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+        .await
+        .unwrap();
     assert_eq!(n, Some(0), "the worker saw the connection close");
     assert_eq!(idle_count(&a), 0);
 }
