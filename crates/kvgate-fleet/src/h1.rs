@@ -19,6 +19,9 @@
 //! of response arrived is sent again once on a new connection, as nginx does; every other failure
 //! goes to the request path, which may try another worker.
 //!
+//! `https://` workers are reached over TLS (rustls) with the certificates of [`Tls`]: the system's
+//! bundle or `upstream.ca_file`.
+//!
 //! The pool is per thread (each io thread serves its connections with its own runtime), keyed by
 //! worker address, last in first out (a few hot connections rather than many lukewarm ones), and
 //! bounded by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
@@ -38,8 +41,11 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::AsyncWriteExt;
+use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use tokio_rustls::TlsConnector;
 
 /// Largest response head accepted from a worker.
 const MAX_HEAD: usize = 64 << 10;
@@ -61,6 +67,78 @@ pub struct Settings {
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
     pub on_connect: Option<ConnectHook>,
+    /// Certificates trusted for `https://` workers; `None`: https requests fail to connect.
+    pub tls: Option<Tls>,
+}
+
+/// TLS client configuration for `https://` workers (rustls, ring; ALPN `http/1.1`).
+#[derive(Clone)]
+pub struct Tls {
+    connector: TlsConnector,
+    /// Identifies this trust configuration in the pool: a connection made under one is never
+    /// handed to a request made under another.
+    id: u64,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls")
+    }
+}
+
+/// Where CA bundles usually are (Debian/Ubuntu/Alpine, RHEL/Fedora, openSUSE, macOS/BSD).
+const SYSTEM_CA_FILES: [&str; 4] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+impl Tls {
+    /// Trust the PEM certificates in `ca_file`; without one, the system's bundle (`SSL_CERT_FILE`,
+    /// else the first of the usual paths that exists).
+    pub fn load(ca_file: Option<&std::path::Path>) -> Result<Tls, String> {
+        let path = match ca_file {
+            Some(p) => p.to_path_buf(),
+            None => std::env::var_os("SSL_CERT_FILE")
+                .map(std::path::PathBuf::from)
+                .or_else(|| {
+                    SYSTEM_CA_FILES
+                        .iter()
+                        .map(std::path::PathBuf::from)
+                        .find(|p| p.is_file())
+                })
+                .ok_or_else(|| {
+                    "no system CA bundle found; set upstream.ca_file to a PEM file".to_owned()
+                })?,
+        };
+        let pem =
+            std::fs::read(&path).map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut &pem[..]) {
+            let cert = cert.map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
+            // A bundle may hold certificates rustls cannot use; the others still count.
+            let _ = roots.add(cert);
+        }
+        if roots.is_empty() {
+            return Err(format!(
+                "CA file {} holds no usable certificate",
+                path.display()
+            ));
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut cc = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS protocol versions: {e}"))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cc.alpn_protocols = vec![b"http/1.1".to_vec()];
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(Tls {
+            connector: TlsConnector::from(Arc::new(cc)),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
 }
 
 /// Why a worker exchange failed.
@@ -111,6 +189,8 @@ fn named_in_connection(h: &HeaderMap, name: &str) -> bool {
 
 /// What to send: everything but the connection.
 pub struct Outgoing<'a> {
+    /// `https://` worker: TLS.
+    pub https: bool,
     pub method: &'a Method,
     pub authority: &'a Authority,
     /// Worker base path without trailing slash (usually empty), put before `path_and_query`.
@@ -177,17 +257,31 @@ pub struct Response {
 
 /// Send `req` to its worker and read the response head.
 pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
+    let tls = match (req.https, &s.tls) {
+        (false, _) => None,
+        (true, Some(t)) => Some(t),
+        (true, None) => {
+            return Err(Error::Connect(format!(
+                "https worker {}: no CA certificates loaded (upstream.ca_file)",
+                req.authority
+            )))
+        }
+    };
     let head = req.head();
+    let key = Key {
+        tls: tls.map_or(0, |t| t.id),
+        authority: req.authority.clone(),
+    };
     let mut fresh_only = false;
     loop {
         let (io, reused) = match (!fresh_only)
-            .then(|| checkout(req.authority, Instant::now()))
+            .then(|| checkout(&key, Instant::now()))
             .flatten()
         {
             Some(io) => (io, true),
-            None => (connect(req.authority, s).await?, false),
+            None => (connect(&key.authority, tls, s).await?, false),
         };
-        match exchange(io, &head, req, s).await {
+        match exchange(io, &head, &key, req, s).await {
             Err(Failure::Stale(e)) if reused => {
                 tracing::debug!(worker = %req.authority, error = %e, "reused connection was closed; sending again on a new one");
                 fresh_only = true;
@@ -206,15 +300,20 @@ enum Failure {
 }
 
 async fn exchange(
-    mut io: TcpStream,
+    mut io: Conn,
     head: &[u8],
+    key: &Key,
     req: &Outgoing<'_>,
     s: &Settings,
 ) -> Result<Response, Failure> {
     let mut bufs = [IoSlice::new(head), IoSlice::new(req.body)];
     let mut slices = &mut bufs[..];
     while !slices.is_empty() {
-        match io.write_vectored(slices).await {
+        let written = match &mut io {
+            Conn::Plain(t) => t.write_vectored(slices).await,
+            Conn::Tls(t) => t.write_vectored(slices).await,
+        };
+        match written {
             Ok(0) => {
                 return Err(Failure::Stale(Error::Io(
                     "worker connection closed while sending the request".into(),
@@ -228,11 +327,19 @@ async fn exchange(
             }
         }
     }
+    if let Conn::Tls(t) = &mut io {
+        // rustls may hold the last record back until flushed.
+        if let Err(e) = t.flush().await {
+            return Err(Failure::Stale(Error::Io(format!(
+                "sending the request: {e}"
+            ))));
+        }
+    }
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     // Whether any response byte arrived (an interim 1xx response counts).
     let mut answered = false;
     loop {
-        let n = poll_fn(|cx| poll_read(&io, &mut buf, cx)).await;
+        let n = poll_fn(|cx| io.poll_read(&mut buf, cx)).await;
         match n {
             Ok(0) if !answered => {
                 return Err(Failure::Stale(Error::Io(
@@ -266,7 +373,7 @@ async fn exchange(
                         buf,
                         decode: framing,
                         keep_alive,
-                        authority: req.authority.clone(),
+                        key: key.clone(),
                         idle_timeout: s.idle_timeout,
                         max_idle: s.max_idle_per_host,
                     };
@@ -402,16 +509,45 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
     Ok(Some(Parsed::Head(status, headers, decode, !close)))
 }
 
-/// Read once into `buf` (growing it by `READ_CHUNK`); `Ok(0)` at end of stream.
-fn poll_read(io: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-    if buf.capacity() - buf.len() < READ_CHUNK / 4 {
-        buf.reserve(READ_CHUNK);
+/// A connection to a worker.
+enum Conn {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Conn {
+    /// Read once into `buf` (growing it by `READ_CHUNK`); `Ok(0)` at end of stream.
+    fn poll_read(&mut self, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+            buf.reserve(READ_CHUNK);
+        }
+        match self {
+            // Straight into the buffer, no intermediate copy or zeroing.
+            Conn::Plain(io) => loop {
+                ready!(io.poll_read_ready(cx))?;
+                match io.try_read_buf(buf) {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    r => return Poll::Ready(r),
+                }
+            },
+            Conn::Tls(io) => tokio_util::io::poll_read_buf(Pin::new(io), cx, buf),
+        }
     }
-    loop {
-        ready!(io.poll_read_ready(cx))?;
-        match io.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            r => return Poll::Ready(r),
+
+    /// An idle connection is usable if reading it would block: no end of stream, no stray bytes.
+    /// (On a plain connection `try_read` makes no system call unless the reactor saw the socket
+    /// become readable.)
+    fn alive(&mut self) -> bool {
+        let mut probe = [0u8; 1];
+        match self {
+            Conn::Plain(io) => {
+                matches!(io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+            }
+            Conn::Tls(io) => {
+                let mut rb = ReadBuf::new(&mut probe);
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                Pin::new(io).poll_read(&mut cx, &mut rb).is_pending()
+            }
         }
     }
 }
@@ -559,11 +695,11 @@ fn chunk_size(line: &[u8]) -> Result<u64, Error> {
 /// A worker's response body, read from its connection as the client side polls it.
 pub struct ResponseBody {
     /// `None` once the body ended (the connection went back to the pool, or was closed).
-    io: Option<TcpStream>,
+    io: Option<Conn>,
     buf: BytesMut,
     decode: Decode,
     keep_alive: bool,
-    authority: Authority,
+    key: Key,
     idle_timeout: Duration,
     max_idle: usize,
 }
@@ -584,7 +720,7 @@ impl ResponseBody {
         if let Some(io) = self.io.take() {
             if self.keep_alive && self.buf.is_empty() {
                 checkin(
-                    self.authority.clone(),
+                    self.key.clone(),
                     io,
                     Instant::now(),
                     self.idle_timeout,
@@ -626,10 +762,10 @@ impl Body for ResponseBody {
                 }
                 Ok(Step::NeedMore) => {}
             }
-            let Some(io) = &this.io else {
+            let Some(io) = &mut this.io else {
                 return Poll::Ready(None);
             };
-            match ready!(poll_read(io, &mut this.buf, cx)) {
+            match ready!(io.poll_read(&mut this.buf, cx)) {
                 Ok(0) => {
                     this.io = None;
                     if this.decode == Decode::Eof {
@@ -666,17 +802,27 @@ impl Body for ResponseBody {
     }
 }
 
-/// Open a connection to `authority` (each resolved address in turn, within the connect timeout).
-async fn connect(authority: &Authority, s: &Settings) -> Result<TcpStream, Error> {
+/// Open a connection to a worker (each resolved address in turn, then the TLS handshake for
+/// https, all within the connect timeout).
+async fn connect(authority: &Authority, tls: Option<&Tls>, s: &Settings) -> Result<Conn, Error> {
     let start = Instant::now();
-    let port = authority.port_u16().unwrap_or(80);
+    let port = authority
+        .port_u16()
+        .unwrap_or(if tls.is_some() { 443 } else { 80 });
     let host = authority.host();
-    let literal = host
+    let bare = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host)
-        .parse::<IpAddr>()
-        .ok();
+        .unwrap_or(host);
+    let literal = bare.parse::<IpAddr>().ok();
+    let tls = match tls {
+        None => None,
+        Some(t) => {
+            let name = ServerName::try_from(bare.to_owned())
+                .map_err(|e| Error::Connect(format!("TLS server name {bare:?}: {e}")))?;
+            Some((t.connector.clone(), name))
+        }
+    };
     let attempt = async {
         let addrs: Vec<SocketAddr> = match literal {
             Some(ip) => vec![SocketAddr::new(ip, port)],
@@ -686,13 +832,26 @@ async fn connect(authority: &Authority, s: &Settings) -> Result<TcpStream, Error
                 .collect(),
         };
         let mut last = format!("{host} resolved to no address");
+        let mut tcp = None;
         for a in addrs {
             match TcpStream::connect(a).await {
-                Ok(io) => return Ok(io),
+                Ok(io) => {
+                    tcp = Some(io);
+                    break;
+                }
                 Err(e) => last = format!("{a}: {e}"),
             }
         }
-        Err(last)
+        let tcp = tcp.ok_or(last)?;
+        let _ = tcp.set_nodelay(true);
+        match tls {
+            None => Ok(Conn::Plain(tcp)),
+            Some((connector, name)) => connector
+                .connect(name, tcp)
+                .await
+                .map(|t| Conn::Tls(Box::new(t)))
+                .map_err(|e| format!("TLS handshake with {authority}: {e}")),
+        }
     };
     let io = match tokio::time::timeout(s.connect_timeout, attempt).await {
         Ok(Ok(io)) => io,
@@ -704,15 +863,21 @@ async fn connect(authority: &Authority, s: &Settings) -> Result<TcpStream, Error
             )))
         }
     };
-    let _ = io.set_nodelay(true);
     if let Some(hook) = &s.on_connect {
         hook(start.elapsed());
     }
     Ok(io)
 }
 
+/// Pool key: a worker address, and the TLS configuration it is reached with (0: plain).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Key {
+    tls: u64,
+    authority: Authority,
+}
+
 struct Idle {
-    io: TcpStream,
+    io: Conn,
     since: Instant,
     expires: Instant,
 }
@@ -725,22 +890,22 @@ const PROBE_AFTER: Duration = Duration::from_millis(100);
 
 thread_local! {
     /// This thread's idle worker connections, newest last.
-    static POOL: RefCell<HashMap<Authority, Vec<Idle>, ahash::RandomState>> =
+    static POOL: RefCell<HashMap<Key, Vec<Idle>, ahash::RandomState>> =
         RefCell::new(HashMap::default());
 }
 
-/// A live idle connection to `authority`, newest first.
-fn checkout(authority: &Authority, now: Instant) -> Option<TcpStream> {
+/// A live idle connection for `key`, newest first.
+fn checkout(key: &Key, now: Instant) -> Option<Conn> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
-        let stack = p.get_mut(authority)?;
-        while let Some(c) = stack.pop() {
+        let stack = p.get_mut(key)?;
+        while let Some(mut c) = stack.pop() {
             if c.expires <= now {
                 // Everything below is older still.
                 stack.clear();
                 break;
             }
-            if now.saturating_duration_since(c.since) < PROBE_AFTER || alive(&c.io) {
+            if now.saturating_duration_since(c.since) < PROBE_AFTER || c.io.alive() {
                 return Some(c.io);
             }
         }
@@ -748,20 +913,13 @@ fn checkout(authority: &Authority, now: Instant) -> Option<TcpStream> {
     })
 }
 
-/// An idle connection is usable if reading it would block: no end of stream, no stray bytes.
-/// (`try_read` makes no system call unless the reactor saw the socket become readable.)
-fn alive(io: &TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    matches!(io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-}
-
-fn checkin(authority: Authority, io: TcpStream, now: Instant, idle: Duration, max: usize) {
+fn checkin(key: Key, io: Conn, now: Instant, idle: Duration, max: usize) {
     if max == 0 || idle.is_zero() {
         return;
     }
     POOL.with(|p| {
         let mut p = p.borrow_mut();
-        let stack = p.entry(authority).or_default();
+        let stack = p.entry(key).or_default();
         if stack.len() >= max {
             stack.remove(0);
         }
@@ -785,10 +943,14 @@ pub fn evict_idle(now: Instant) {
     });
 }
 
-/// Idle connections in this thread's pool (tests).
+/// Idle plain connections to `authority` in this thread's pool (tests).
 #[cfg(test)]
 fn idle_count(authority: &Authority) -> usize {
-    POOL.with(|p| p.borrow().get(authority).map_or(0, Vec::len))
+    let key = Key {
+        tls: 0,
+        authority: authority.clone(),
+    };
+    POOL.with(|p| p.borrow().get(&key).map_or(0, Vec::len))
 }
 
 #[cfg(test)]

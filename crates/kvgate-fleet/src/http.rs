@@ -54,8 +54,15 @@ impl HttpClient {
                 idle_timeout: Duration::from_secs(30),
                 max_idle_per_host: 2,
                 on_connect: None,
+                tls: None,
             },
         }
+    }
+
+    /// Trust these certificates for `https://` workers.
+    pub fn with_tls(mut self, tls: Option<h1::Tls>) -> Self {
+        self.settings.tls = tls;
+        self
     }
 
     /// `GET base + path` with `accept`, within `timeout` (connect, headers and body together).
@@ -93,7 +100,9 @@ impl HttpClient {
     ) -> Result<Fetched, HttpError> {
         let url = join(base, path);
         let uri: Uri = url.parse().map_err(|_| HttpError::Url(url.clone()))?;
-        let (Some(authority), Some("http")) = (uri.authority(), uri.scheme_str()) else {
+        let (Some(authority), Some(scheme @ ("http" | "https"))) =
+            (uri.authority(), uri.scheme_str())
+        else {
             return Err(HttpError::Url(url));
         };
         let mut headers = HeaderMap::new();
@@ -106,6 +115,7 @@ impl HttpClient {
             );
         }
         let req = h1::Outgoing {
+            https: scheme == "https",
             method: &method,
             authority,
             path_prefix: "",

@@ -66,6 +66,8 @@ pub struct MonitorConfig {
     /// ZMQ reconnect backoff bounds.
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
+    /// Certificates trusted when `base_url` is `https://`.
+    pub tls: Option<crate::h1::Tls>,
     pub replay_timeout: Duration,
 }
 
@@ -103,6 +105,7 @@ impl MonitorConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -182,7 +185,7 @@ async fn supervise(
     breaker: Arc<Breaker>,
     cancel: CancellationToken,
 ) {
-    let client = HttpClient::new();
+    let client = HttpClient::new().with_tls(cfg.tls.clone());
     let name: Arc<str> = cfg.name.clone().into();
     let mut tasks = JoinSet::new();
     let bus = Arc::new(ResetBus::new(cfg.worker, sink.clone(), stats.clone()));

@@ -218,6 +218,8 @@ pub struct UpstreamConfig {
     pub stream_idle_timeout_s: u64,
     /// Run kvgate-fleet monitors per worker: load scraping, KV events, health checks.
     pub monitor: bool,
+    /// PEM file of the CA certificates trusted for `https://` workers; default: the system bundle.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for UpstreamConfig {
@@ -230,6 +232,7 @@ impl Default for UpstreamConfig {
             models_refresh_s: 30,
             stream_idle_timeout_s: 300,
             monitor: true,
+            ca_file: None,
         }
     }
 }
@@ -306,7 +309,8 @@ pub struct WorkerPoolConfig {
     /// Prefix of the workers' names; default: the host part of `dns`.
     #[serde(default)]
     pub name: Option<String>,
-    /// URL scheme of the workers; only `http` is supported.
+    /// URL scheme of the workers; only `http` (an https certificate names a host, not the
+    /// resolved addresses: list https workers in `[[workers]]`).
     #[serde(default = "default_scheme")]
     pub scheme: String,
     /// Worker kind of every address (as `workers[].kind`).
@@ -378,7 +382,7 @@ impl WorkerPoolConfig {
         }
         if self.scheme != "http" {
             bail!(
-                "worker_pools.scheme {:?} (pool {:?}): only http is supported",
+                "worker_pools.scheme {:?} (pool {:?}): only http is supported (list https workers in [[workers]])",
                 self.scheme,
                 self.dns
             );
@@ -447,12 +451,8 @@ impl Config {
                 .parse()
                 .with_context(|| format!("worker url {:?}", w.url))?;
             match uri.scheme_str() {
-                Some("http") => {}
-                Some("https") => bail!(
-                    "worker url {:?}: https to workers is not supported yet (terminate TLS in front of the worker or use http on a private network)",
-                    w.url
-                ),
-                _ => bail!("worker url {:?}: scheme must be http://", w.url),
+                Some("http" | "https") => {}
+                _ => bail!("worker url {:?}: scheme must be http:// or https://", w.url),
             }
             if uri.authority().is_none() {
                 bail!("worker url {:?} has no host", w.url);

@@ -55,6 +55,7 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
     let empty = Bytes::new();
     let path = format!("{}/v1/models", w.path_prefix);
     let req = upstream::Outgoing {
+        https: w.scheme == http::uri::Scheme::HTTPS,
         method: &http::Method::GET,
         authority: &w.authority,
         path_prefix: "",

@@ -70,6 +70,7 @@ impl Monitors {
         let mut mc = MonitorConfig::new(w.id, base, kind);
         mc.name = w.name.to_string();
         mc.block_size = Some(block_size);
+        mc.tls = app.upstream.tls.clone();
         if let Some(ep) = &w.cfg.kv_events {
             mc.kv_events = KvEventsSource::Endpoints(vec![KvSource {
                 endpoint: ep.clone(),

@@ -139,6 +139,7 @@ async fn route_and_forward(
         let worker = pick.worker;
 
         let out = upstream::Outgoing {
+            https: worker.scheme == http::uri::Scheme::HTTPS,
             method: &parts.method,
             authority: &worker.authority,
             path_prefix: &worker.path_prefix,

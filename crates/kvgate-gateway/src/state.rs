@@ -42,11 +42,30 @@ pub struct AppState {
     me: Weak<AppState>,
 }
 
+/// Certificates for `https://` workers: `upstream.ca_file` (must load), else the system bundle
+/// (must load only if an https worker is configured; workers added later by a reload find out at
+/// connect time, with the reason in the error).
+fn worker_tls(config: &Config) -> anyhow::Result<Option<crate::upstream::Tls>> {
+    let ca_file = config.upstream.ca_file.as_deref();
+    match crate::upstream::Tls::load(ca_file) {
+        Ok(t) => Ok(Some(t)),
+        Err(e) if ca_file.is_some() => Err(anyhow::anyhow!("upstream.ca_file: {e}")),
+        Err(e) if config.workers.iter().any(|w| w.url.starts_with("https:")) => {
+            Err(anyhow::anyhow!("https workers: {e}"))
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "no CA certificates for https workers");
+            Ok(None)
+        }
+    }
+}
+
 impl AppState {
     pub fn new(config: Arc<Config>, shutdown: CancellationToken) -> anyhow::Result<Arc<Self>> {
         let metrics = Metrics::new();
         let router = Router::new(RoutePolicy::from_config(&config.routing)?);
         let (registry, rebuilt) = Registry::new(config.clone())?;
+        let tls = worker_tls(&config)?;
         let app = Arc::new_cyclic(|me| AppState {
             registry,
             router,
@@ -62,6 +81,7 @@ impl AppState {
                     let h = metrics.upstream_connect.clone();
                     Arc::new(move |d: Duration| h.observe(d.as_secs_f64()))
                 }),
+                tls,
             },
             auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),
             retry: RetryBudget::new(

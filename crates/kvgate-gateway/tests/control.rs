@@ -351,3 +351,92 @@ async fn graceful_shutdown_drains_in_flight_streams() {
         "listener closed"
     );
 }
+
+#[tokio::test]
+async fn https_workers() {
+    let w = MockWorker::builder().tokens(3).spawn().await.unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    // The "https worker": a TLS-terminating gateway in front of the mock (its certificate names
+    // localhost and 127.0.0.1).
+    let mut front = config_for(&[&w], "round_robin");
+    front.upstream.monitor = false;
+    front.server.tls = Some(kvgate_gateway::config::TlsConfig {
+        cert: fixtures.join("cert.pem"),
+        key: fixtures.join("key.pem"),
+    });
+    let front = gateway(front).await;
+    let https_url = format!("https://127.0.0.1:{}", front.addr.port());
+
+    // Trusting that certificate: models discovered, health probed and requests proxied over TLS.
+    let mut cfg = config_for(&[], "kv");
+    cfg.workers
+        .push(kvgate_gateway::config::WorkerConfig::from_url(&https_url));
+    cfg.upstream.ca_file = Some(fixtures.join("cert.pem"));
+    let gw = gateway(cfg).await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let ready = format!("{}/ready", gw.url());
+    let mut discovered = false;
+    for _ in 0..100 {
+        if get(&c, &ready).await.status == 200 {
+            discovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(discovered, "worker's models discovered over https");
+    for i in 0..3 {
+        let r = post(&c, &url, chat_body("s", &format!("u{i}"), false)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["object"], "chat.completion");
+    }
+    let r = post(&c, &url, chat_body("s", "stream", true)).await;
+    assert_eq!(r.status, 200);
+    assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
+    assert_eq!(
+        w.received().len(),
+        4,
+        "every request reached the worker behind TLS"
+    );
+    // The health checker reaches it over TLS too: it stays routable.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(get(&c, &ready).await.status, 200);
+    gw.shutdown().await;
+
+    // Not trusting it (a CA file without that certificate): the handshake fails, the client gets
+    // a 502 in the OpenAI shape that says why.
+    let system = std::path::Path::new("/etc/ssl/certs/ca-certificates.crt");
+    if system.is_file() {
+        let mut cfg = config_for(&[], "kv");
+        let mut wc = kvgate_gateway::config::WorkerConfig::from_url(&https_url);
+        wc.models = vec!["mock-model".into()];
+        cfg.workers.push(wc);
+        cfg.upstream.monitor = false;
+        cfg.upstream.ca_file = Some(system.to_path_buf());
+        let gw = gateway(cfg).await;
+        let r = post(
+            &c,
+            &format!("{}/v1/chat/completions", gw.url()),
+            chat_body("s", "x", false),
+        )
+        .await;
+        let e = assert_openai_error(&r, 502);
+        assert!(
+            e["message"].as_str().unwrap().contains("TLS handshake"),
+            "{e}"
+        );
+        gw.shutdown().await;
+    }
+
+    // A CA file that cannot be used stops the gateway at start, naming the key.
+    let mut cfg = config_for(&[], "kv");
+    cfg.workers
+        .push(kvgate_gateway::config::WorkerConfig::from_url(&https_url));
+    cfg.upstream.ca_file = Some(fixtures.join("key.pem"));
+    let err = Gateway::start(cfg)
+        .await
+        .err()
+        .expect("bad CA file refused");
+    assert!(format!("{err:#}").contains("upstream.ca_file"), "{err:#}");
+    front.shutdown().await;
+}

@@ -203,6 +203,7 @@ fn request_heads_keep_end_to_end_fields_only() {
     let body = Bytes::from_static(b"{\"model\":\"m\"}");
     let worker_auth = HeaderValue::from_static("Bearer worker-key");
     let mut out = Outgoing {
+        https: false,
         method: &Method::POST,
         authority: &authority,
         path_prefix: "/base",
@@ -235,6 +236,7 @@ fn settings() -> Settings {
         idle_timeout: Duration::from_secs(60),
         max_idle_per_host: 4,
         on_connect: None,
+        tls: None,
     }
 }
 
@@ -301,6 +303,7 @@ async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8
     let h = HeaderMap::new();
     let body = Bytes::from_static(b"{}");
     let req = Outgoing {
+        https: false,
         method: &Method::POST,
         authority,
         path_prefix: "",
@@ -455,6 +458,7 @@ async fn a_body_dropped_midway_closes_its_connection() {
     let h = HeaderMap::new();
     let body = Bytes::from_static(b"{}");
     let req = Outgoing {
+        https: false,
         method: &Method::POST,
         authority: &a,
         path_prefix: "",
@@ -474,4 +478,107 @@ async fn a_body_dropped_midway_closes_its_connection() {
         .unwrap();
     assert_eq!(n, Some(0), "the worker saw the connection close");
     assert_eq!(idle_count(&a), 0);
+}
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../kvgate-gateway/tests/fixtures")
+        .join(name)
+}
+
+/// A TLS worker (the fixture certificate: localhost, 127.0.0.1) answering `OK` to every request
+/// of every connection; returns its address and its accepted-connection count.
+async fn tls_worker() -> (Authority, Arc<AtomicUsize>) {
+    let pem = std::fs::read(fixture("cert.pem")).unwrap();
+    let certs = rustls_pemfile::certs(&mut &pem[..])
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key_pem = std::fs::read(fixture("key.pem")).unwrap();
+    let key = rustls_pemfile::private_key(&mut &key_pem[..])
+        .unwrap()
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let sc = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(sc));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let c = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = l.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..i + 4); // GET requests: no body
+                        if s.write_all(OK).await.is_err() || s.flush().await.is_err() {
+                            return;
+                        }
+                    }
+                    match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&tmp[..n]),
+                    }
+                }
+            });
+        }
+    });
+    (addr.to_string().parse().unwrap(), conns)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn https_workers_are_reached_over_tls_and_kept_alive() {
+    let (a, conns) = tls_worker().await;
+    let base = format!("https://{a}");
+    let trusted = crate::http::HttpClient::new()
+        .with_tls(Some(Tls::load(Some(&fixture("cert.pem"))).unwrap()));
+    for _ in 0..3 {
+        let r = trusted
+            .get(&base, "/health", "*/*", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!((r.status, &r.body[..]), (StatusCode::OK, &b"ok"[..]));
+    }
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        1,
+        "one TLS connection, kept alive"
+    );
+    // Probed before reuse once idle for a while: still alive, still one connection.
+    tokio::time::sleep(PROBE_AFTER + Duration::from_millis(20)).await;
+    trusted
+        .get(&base, "/health", "*/*", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+
+    // No certificates: refused before connecting; the wrong ones: the handshake fails.
+    let none = crate::http::HttpClient::new();
+    let e = none
+        .get(&base, "/health", "*/*", Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("no CA certificates"), "{e}");
+    if let Ok(system) = Tls::load(None) {
+        let wrong = crate::http::HttpClient::new().with_tls(Some(system));
+        let e = wrong
+            .get(&base, "/health", "*/*", Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("TLS handshake"), "{e}");
+    }
+    // A file without certificates is refused when loaded.
+    assert!(Tls::load(Some(&fixture("key.pem"))).is_err());
+    assert!(Tls::load(Some(std::path::Path::new("/nonexistent/ca.pem"))).is_err());
 }
