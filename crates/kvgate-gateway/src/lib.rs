@@ -8,7 +8,8 @@
 //!   → admission → dispatch → forward → retry → observe).
 //! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
 //!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
-//!   `forward.rs` (pooled client, header hygiene, retry budget), `observer.rs` (the response body
+//!   `upstream` (= `kvgate_fleet::h1`: the HTTP/1.1 client to workers — per-thread keep-alive
+//!   pool, header hygiene, TLS for https workers), `forward.rs` (retry budget), `observer.rs` (the response body
 //!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
 //!   the end), `error.rs` (the one error type and its one mapping to HTTP).
 //! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
