@@ -168,9 +168,12 @@ fn bench_query_and_select(c: &mut Criterion) {
     g.finish();
 }
 
+/// One sequence's worker, its block hashes in stored-event chunks, and its tokens.
+type WorkerEvents = (WorkerId, Vec<Vec<u64>>, Vec<u32>);
+
 /// Stored events of 16 blocks each (vLLM emits one per scheduling step per request), then removed,
 /// so the index stays at a steady size. Throughput counts block events (stored + removed).
-fn ingest_events(n_seqs: usize) -> Vec<(WorkerId, Vec<Vec<u64>>, Vec<u32>)> {
+fn ingest_events(n_seqs: usize) -> Vec<WorkerEvents> {
     (0..n_seqs)
         .map(|s| {
             let t = seq_tokens(s);
@@ -184,7 +187,7 @@ fn ingest_events(n_seqs: usize) -> Vec<(WorkerId, Vec<Vec<u64>>, Vec<u32>)> {
         .collect()
 }
 
-fn apply_all(ix: &mut KvIndex, events: &[(WorkerId, Vec<Vec<u64>>, Vec<u32>)]) -> usize {
+fn apply_all(ix: &mut KvIndex, events: &[WorkerEvents]) -> usize {
     let mut n = 0;
     for (w, chunks, t) in events {
         let mut parent = None;

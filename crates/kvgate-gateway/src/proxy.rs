@@ -326,7 +326,7 @@ fn respond(app: &AppState, mut ctx: RequestCtx, resp: upstream::Response) -> Res
         headers.remove(header::CONTENT_LENGTH);
     }
     let body = ObservedBody::new(body, ctx, sse, app.stream_idle_timeout);
-    let mut r = Response::new(GwBody::Observed(body));
+    let mut r = Response::new(GwBody::Observed(Box::new(body)));
     *r.status_mut() = status;
     *r.headers_mut() = headers;
     r

@@ -114,7 +114,7 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
                 .expect("http=");
             urls.push(format!("http://{http}"));
         }
-        (l == "ready").then(|| String::new())
+        (l == "ready").then(String::new)
     });
     assert_eq!(urls.len(), 3);
 
