@@ -38,6 +38,8 @@ pub struct Fetched {
 #[derive(Clone)]
 pub struct HttpClient {
     settings: h1::Settings,
+    /// `authorization` sent with every call (the worker's API key).
+    auth: Option<HeaderValue>,
 }
 
 impl Default for HttpClient {
@@ -56,7 +58,14 @@ impl HttpClient {
                 on_connect: None,
                 tls: None,
             },
+            auth: None,
         }
+    }
+
+    /// Send this `authorization` value with every call (workers that guard every route).
+    pub fn with_auth(mut self, auth: Option<HeaderValue>) -> Self {
+        self.auth = auth;
+        self
     }
 
     /// Trust these certificates for `https://` workers.
@@ -122,7 +131,7 @@ impl HttpClient {
             path_and_query: uri.path_and_query().map_or("/", |p| p.as_str()),
             headers: &headers,
             strip_client_auth: false,
-            worker_auth: None,
+            worker_auth: self.auth.as_ref(),
             body: &body,
         };
         let fut = async {
@@ -174,5 +183,39 @@ mod tests {
         );
         assert_eq!(host_of("http://[::1]:8000").as_deref(), Some("::1"));
         assert_eq!(host_of("not a url"), None);
+    }
+
+    #[tokio::test]
+    async fn calls_carry_the_worker_key() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", l.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(n > 0, "request head incomplete");
+                head.extend_from_slice(&buf[..n]);
+            }
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                .await
+                .unwrap();
+            String::from_utf8(head).unwrap()
+        });
+        let c = HttpClient::new().with_auth(Some(HeaderValue::from_static("Bearer wk")));
+        let r = c
+            .get(&base, "/health", "*/*", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(r.status, StatusCode::OK);
+        let head = server.await.unwrap();
+        assert!(head.starts_with("GET /health HTTP/1.1\r\n"), "{head}");
+        assert!(head.contains("\r\nauthorization: Bearer wk\r\n"), "{head}");
+        assert!(
+            !head.contains("content-length"),
+            "no body, no length: {head}"
+        );
     }
 }

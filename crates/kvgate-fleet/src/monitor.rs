@@ -68,6 +68,8 @@ pub struct MonitorConfig {
     pub reconnect_max: Duration,
     /// Certificates trusted when `base_url` is `https://`.
     pub tls: Option<crate::h1::Tls>,
+    /// `authorization` value for health checks, scrapes and polls (the worker's API key).
+    pub auth: Option<http::HeaderValue>,
     pub replay_timeout: Duration,
 }
 
@@ -106,6 +108,7 @@ impl MonitorConfig {
             reconnect_max: Duration::from_secs(10),
             replay_timeout: Duration::from_secs(5),
             tls: None,
+            auth: None,
         }
     }
 }
@@ -185,7 +188,9 @@ async fn supervise(
     breaker: Arc<Breaker>,
     cancel: CancellationToken,
 ) {
-    let client = HttpClient::new().with_tls(cfg.tls.clone());
+    let client = HttpClient::new()
+        .with_tls(cfg.tls.clone())
+        .with_auth(cfg.auth.clone());
     let name: Arc<str> = cfg.name.clone().into();
     let mut tasks = JoinSet::new();
     let bus = Arc::new(ResetBus::new(cfg.worker, sink.clone(), stats.clone()));

@@ -71,6 +71,7 @@ impl Monitors {
         mc.name = w.name.to_string();
         mc.block_size = Some(block_size);
         mc.tls = app.upstream.tls.clone();
+        mc.auth = w.auth_header.clone();
         if let Some(ep) = &w.cfg.kv_events {
             mc.kv_events = KvEventsSource::Endpoints(vec![KvSource {
                 endpoint: ep.clone(),
