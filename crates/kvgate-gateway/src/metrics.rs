@@ -189,7 +189,7 @@ impl Metrics {
             ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token (non-stream: to the response).", HFamily::new_with_constructor(latency_buckets)),
             itl: reg!("kvgate_inter_token_latency_seconds", "Gaps between consecutive streamed token events.", HFamily::new_with_constructor(itl_buckets)),
             jitter: reg!("kvgate_stream_jitter_seconds", "Per-stream standard deviation of inter-token gaps.", HFamily::new_with_constructor(itl_buckets)),
-            upstream_connect: reg!("kvgate_upstream_connect_seconds", "TCP connect time to workers (new pooled connections only).", sub_ms_buckets()),
+            upstream_connect: reg!("kvgate_upstream_connect_seconds", "Time to open a connection to a worker (TCP connect, plus the TLS handshake for https; new pooled connections only).", sub_ms_buckets()),
             prompt_tokens: reg!("kvgate_prompt_tokens", "Prompt tokens reported by workers (usage), else estimated by the gateway tokenizer.", Family::default()),
             completion_tokens: reg!("kvgate_completion_tokens", "Completion tokens reported by workers (usage), else counted stream events.", Family::default()),
             cached_tokens: reg!("kvgate_cached_tokens", "Prompt tokens the worker served from its prefix cache (usage.prompt_tokens_details.cached_tokens).", Family::default()),
