@@ -126,6 +126,8 @@ fn dockerfile_is_multi_stage_non_root_with_health_probe() {
         .iter()
         .any(|l| l.contains(r#"CMD ["serve", "--config", "/etc/kvgate/kvgate.toml"]"#)));
     assert!(df.contains("COPY deploy/docker/kvgate.toml /etc/kvgate/kvgate.toml"));
+    // https:// workers are verified against the system bundle unless upstream.ca_file is set.
+    assert!(df.contains("install -y --no-install-recommends ca-certificates"));
 }
 
 /// The exec-form command of the Dockerfile's HEALTHCHECK (continuation lines joined).
