@@ -377,8 +377,8 @@ async fn exchange(
                         idle_timeout: s.idle_timeout,
                         max_idle: s.max_idle_per_host,
                     };
-                    // A body already complete in the head's read (empty or small): hand the
-                    // connection back now, so `is_end_stream` is true from the start.
+                    // An empty body (content-length 0, or only the last chunk buffered): hand
+                    // the connection back now, so `is_end_stream` is true from the start.
                     body.advance_non_data().map_err(Failure::Other)?;
                     return Ok(Response {
                         status,

@@ -50,7 +50,13 @@ fn worker_tls(config: &Config) -> anyhow::Result<Option<crate::upstream::Tls>> {
     match crate::upstream::Tls::load(ca_file) {
         Ok(t) => Ok(Some(t)),
         Err(e) if ca_file.is_some() => Err(anyhow::anyhow!("upstream.ca_file: {e}")),
-        Err(e) if config.workers.iter().any(|w| w.url.starts_with("https:")) => {
+        Err(e)
+            if config.workers.iter().any(|w| {
+                w.url
+                    .parse::<http::Uri>()
+                    .is_ok_and(|u| u.scheme() == Some(&http::uri::Scheme::HTTPS))
+            }) =>
+        {
             Err(anyhow::anyhow!("https workers: {e}"))
         }
         Err(e) => {
