@@ -552,9 +552,10 @@ impl Conn {
     }
 }
 
-/// Body framing state.
+/// HTTP/1.1 body framing state: the decoder of this client's response bodies, and of the
+/// gateway server's request bodies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Decode {
+pub enum Decode {
     /// `content-length`: bytes still to come.
     Length(u64),
     Chunked(Chunk),
@@ -564,7 +565,7 @@ enum Decode {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Chunk {
+pub enum Chunk {
     /// Expecting a chunk-size line.
     Size,
     /// Inside a chunk's data: bytes still to come.
@@ -577,16 +578,19 @@ enum Chunk {
 
 /// One step of decoding what is buffered.
 #[derive(Debug, PartialEq, Eq)]
-enum Step {
+pub enum Step {
     Data(Bytes),
     NeedMore,
     Done,
 }
 
 impl Decode {
+    /// A chunked body, before its first chunk-size line.
+    pub const CHUNKED: Decode = Decode::Chunked(Chunk::Size);
+
     /// Consume the framing at the front of `buf` (chunk-ending CRLFs, chunk-size lines, the last
     /// chunk and its trailers) up to the next data byte or the end. `false`: more bytes needed.
-    fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
+    pub fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
         loop {
             match self {
                 Decode::Chunked(Chunk::DataEnd) => {
@@ -602,7 +606,7 @@ impl Decode {
                             *self = Decode::Chunked(Chunk::Size);
                         }
                         Some(_) => return Err(Error::Io(
-                            "malformed chunked body from worker: chunk data longer than its size"
+                            "malformed chunked body: chunk data longer than its size"
                                 .into(),
                         )),
                     }
@@ -632,7 +636,7 @@ impl Decode {
     }
 
     /// Decode from `buf`, consuming what is used: the next piece of body data, or the end.
-    fn step(&mut self, buf: &mut BytesMut) -> Result<Step, Error> {
+    pub fn step(&mut self, buf: &mut BytesMut) -> Result<Step, Error> {
         if !self.skip_framing(buf)? {
             return Ok(Step::NeedMore);
         }
@@ -667,7 +671,7 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
             Ok(Some(line))
         }
         None if buf.len() > MAX_LINE => Err(Error::Io(
-            "malformed chunked body from worker: line too long".into(),
+            "malformed chunked body: line too long".into(),
         )),
         None => Ok(None),
     }
@@ -675,7 +679,7 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
 
 /// The size of a chunk-size line (`1a;ext=1`).
 fn chunk_size(line: &[u8]) -> Result<u64, Error> {
-    let bad = || Error::Io("malformed chunked body from worker: bad chunk size".into());
+    let bad = || Error::Io("malformed chunked body: bad chunk size".into());
     let end = line
         .iter()
         .position(|&b| b == b';' || b == b' ' || b == b'\t')

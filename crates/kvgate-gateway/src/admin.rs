@@ -14,11 +14,10 @@ use std::time::Instant;
 
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde_json::json;
 
 use crate::auth::key_matches;
-use crate::body::GwBody;
+use crate::body::{GwBody, ReqBody};
 use crate::config::WorkerConfig;
 use crate::error::error_json;
 use crate::reload::{self, Overrides};
@@ -31,7 +30,7 @@ pub struct AdminCtx {
     pub overrides: Overrides,
 }
 
-pub async fn route(ctx: Arc<AdminCtx>, req: Request<Incoming>) -> Response<GwBody> {
+pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody> {
     if !key_matches(req.headers(), &ctx.key) {
         return err(
             StatusCode::UNAUTHORIZED,

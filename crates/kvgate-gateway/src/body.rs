@@ -60,3 +60,66 @@ impl Body for GwBody {
         }
     }
 }
+
+/// The request body the route handlers get: read by hyper (HTTP/2, TLS), or already read whole
+/// by kvgate's own HTTP/1.1 server (`h1server`), which stops reading at `server.max_body_bytes`.
+pub enum ReqBody {
+    Hyper(hyper::body::Incoming),
+    Full(Option<Bytes>),
+    /// The body is larger than `server.max_body_bytes`; it was not read (the connection closes
+    /// after the response).
+    TooLarge,
+}
+
+/// What reading a [`ReqBody`] can fail with.
+#[derive(Debug)]
+pub enum ReqBodyError {
+    Hyper(hyper::Error),
+    TooLarge,
+}
+
+impl std::fmt::Display for ReqBodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReqBodyError::Hyper(e) => e.fmt(f),
+            ReqBodyError::TooLarge => f.write_str("request body exceeds server.max_body_bytes"),
+        }
+    }
+}
+
+impl std::error::Error for ReqBodyError {}
+
+impl Body for ReqBody {
+    type Data = Bytes;
+    type Error = ReqBodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ReqBodyError>>> {
+        match self.get_mut() {
+            ReqBody::Hyper(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(ReqBodyError::Hyper))),
+            ReqBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ReqBody::TooLarge => Poll::Ready(Some(Err(ReqBodyError::TooLarge))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ReqBody::Hyper(b) => b.is_end_stream(),
+            ReqBody::Full(b) => b.is_none(),
+            ReqBody::TooLarge => false,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ReqBody::Hyper(b) => b.size_hint(),
+            ReqBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ReqBody::Full(None) => SizeHint::with_exact(0),
+            ReqBody::TooLarge => SizeHint::default(),
+        }
+    }
+}

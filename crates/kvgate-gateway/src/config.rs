@@ -49,7 +49,21 @@ pub struct ServerConfig {
     /// Threads serving client connections, each with its own single-threaded runtime and worker
     /// connection pool (0 = one per CPU core).
     pub io_threads: usize,
+    /// Who serves plain-TCP HTTP/1.1 connections: kvgate's own loop or hyper.
+    pub http1: Http1Server,
     pub tls: Option<TlsConfig>,
+}
+
+/// `server.http1`: the HTTP/1.1 server of plain-TCP connections (TLS and HTTP/2 are always
+/// hyper's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Http1Server {
+    /// kvgate's own loop (`h1server`): less CPU per request.
+    #[default]
+    Kvgate,
+    /// hyper's HTTP/1 server.
+    Hyper,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +78,7 @@ impl Default for ServerConfig {
             reload_poll_ms: 2000,
             request_log: true,
             io_threads: 0,
+            http1: Http1Server::Kvgate,
             tls: None,
         }
     }

@@ -32,6 +32,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// Body larger than `server.max_body_bytes` (413).
     PayloadTooLarge { limit: usize },
+    /// Request head over `server.max_header_bytes` or 100 fields (431).
+    HeadersTooLarge,
     /// Body not valid JSON or missing a routing field (400).
     BadRequest { param: Option<&'static str> },
     /// No pool serves the requested model (404).
@@ -77,6 +79,7 @@ impl GatewayError {
             | NotFound
             | MethodNotAllowed
             | PayloadTooLarge { .. }
+            | HeadersTooLarge
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
             UpstreamConnect | UpstreamStatus(_) | UpstreamIo | UpstreamTimeout => Side::Upstream,
@@ -104,6 +107,7 @@ impl GatewayError {
             NotFound => "not_found",
             MethodNotAllowed => "method_not_allowed",
             PayloadTooLarge { .. } => "payload_too_large",
+            HeadersTooLarge => "headers_too_large",
             BadRequest { .. } => "bad_request",
             ModelNotFound => "model_not_found",
             NoWorker => "no_worker",
@@ -149,6 +153,12 @@ impl GatewayError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 Some("payload_too_large"),
+                None,
+            ),
+            HeadersTooLarge => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "invalid_request_error",
+                Some("request_header_fields_too_large"),
                 None,
             ),
             BadRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", None, None),

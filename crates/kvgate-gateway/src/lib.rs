@@ -33,6 +33,7 @@ pub mod dns_pool;
 pub mod error;
 pub mod fleet;
 pub mod forward;
+pub mod h1server;
 pub mod metrics;
 pub mod mock;
 pub mod observer;
@@ -114,6 +115,16 @@ impl Gateway {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        let h1 = (server_cfg.http1 == config::Http1Server::Kvgate).then(|| {
+            let mut limits = h1server::Limits::new(
+                server_cfg.max_header_bytes,
+                server_cfg.max_body_bytes,
+                Duration::from_millis(server_cfg.header_read_timeout_ms),
+            );
+            let a = app.clone();
+            limits.on_reject = Some(Arc::new(move |e| a.metrics.error(e.label())));
+            Arc::new(limits)
+        });
         tasks.push(tokio::spawn(server::serve(
             listener,
             builder.clone(),
@@ -121,7 +132,10 @@ impl Gateway {
             handler,
             shutdown.clone(),
             grace,
-            server::ServeOpts { io_threads },
+            server::ServeOpts {
+                io_threads,
+                h1: h1.clone(),
+            },
         )));
 
         let mut admin_addr = None;
@@ -144,7 +158,16 @@ impl Gateway {
                 handler,
                 shutdown.clone(),
                 grace,
-                server::ServeOpts::default(),
+                server::ServeOpts {
+                    io_threads: 0,
+                    // Admin refusals are not the data path's errors.
+                    h1: h1.as_ref().map(|l| {
+                        Arc::new(h1server::Limits {
+                            on_reject: None,
+                            ..(**l).clone()
+                        })
+                    }),
+                },
             )));
         }
         tasks.push(tokio::spawn(discovery::run(app.clone(), refresh)));

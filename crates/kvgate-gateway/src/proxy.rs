@@ -13,12 +13,11 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use kvgate_core::WorkerId;
 use kvgate_protocol::openai::{splice_include_usage, RequestView};
 
 use crate::admission::WaitError;
-use crate::body::GwBody;
+use crate::body::{GwBody, ReqBody};
 use crate::ctx::{Endpoint, Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::ObservedBody;
@@ -33,7 +32,7 @@ const MAX_ATTEMPTS: usize = 8;
 
 pub async fn handle(
     app: Arc<AppState>,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
     endpoint: Endpoint,
     start: Instant,
 ) -> Response<GwBody> {
@@ -55,7 +54,7 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
 async fn route_and_forward(
     app: &Arc<AppState>,
     ctx: &mut RequestCtx,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
 ) -> Result<upstream::Response, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
@@ -277,7 +276,7 @@ async fn pick(
 
 /// Collect the request body up to `max` bytes (413 beyond).
 async fn read_body(
-    body: Incoming,
+    body: ReqBody,
     len: Option<&header::HeaderValue>,
     max: usize,
 ) -> Result<Bytes, GatewayError> {
@@ -295,6 +294,13 @@ async fn read_body(
             return Err(too_large());
         }
     }
+    let body = match body {
+        ReqBody::Full(b) if b.as_ref().map_or(0, |b| b.len()) <= max => {
+            return Ok(b.unwrap_or_default())
+        }
+        ReqBody::Full(_) | ReqBody::TooLarge => return Err(too_large()),
+        ReqBody::Hyper(b) => b,
+    };
     match Limited::new(body, max).collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e)

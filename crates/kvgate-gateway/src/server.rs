@@ -1,5 +1,7 @@
-//! Listeners: accept loop (HTTP/1.1 + h2 via hyper-util's auto builder, optional TLS), the route
-//! table of the data-path listener, and graceful shutdown that drains in-flight streams.
+//! Listeners: accept loop, the route table of the data-path listener, and graceful shutdown that
+//! drains in-flight streams. Plain-TCP HTTP/1.1 connections are served by kvgate's own loop
+//! ([`crate::h1server`], unless `server.http1 = "hyper"`); TLS connections and HTTP/2 by hyper-util's
+//! auto builder.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -17,15 +19,16 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::api;
-use crate::body::GwBody;
+use crate::body::{GwBody, ReqBody};
 use crate::config::ServerConfig;
 use crate::ctx::Endpoint;
 use crate::error::{ErrorKind, GatewayError};
+use crate::h1server;
 use crate::proxy;
 use crate::state::AppState;
 
 /// Route table of the data-path listener.
-pub async fn route(app: Arc<AppState>, req: Request<Incoming>) -> Response<GwBody> {
+pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody> {
     let start = Instant::now();
     let endpoint = match req.uri().path() {
         "/v1/chat/completions" => Some(Endpoint::Chat),
@@ -91,6 +94,8 @@ pub struct ServeOpts {
     /// client's socket to the worker's and back: no cross-thread wake-ups (futex, context switches)
     /// per request, which was most of the gateway's CPU cost per request on a multi-thread runtime.
     pub io_threads: usize,
+    /// Serve plain-TCP connections with kvgate's own HTTP/1.1 loop (`None`: hyper serves all).
+    pub h1: Option<Arc<h1server::Limits>>,
 }
 
 type Accepted = (std::net::TcpStream, SocketAddr);
@@ -106,18 +111,19 @@ pub async fn serve<F, Fut>(
     grace: Duration,
     opts: ServeOpts,
 ) where
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let mut threads = Vec::new();
     let mut senders = Vec::new();
     for i in 0..opts.io_threads {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Accepted>();
-        let (b, t, h, s) = (
+        let (b, t, h, s, h1) = (
             builder.clone(),
             tls.clone(),
             handler.clone(),
             shutdown.clone(),
+            opts.h1.clone(),
         );
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let spawned = std::thread::Builder::new()
@@ -135,7 +141,7 @@ pub async fn serve<F, Fut>(
                         return;
                     }
                 };
-                rt.block_on(io_thread(rx, b, t, h, s, grace));
+                rt.block_on(io_thread(rx, b, t, h, s, grace, h1));
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -149,7 +155,13 @@ pub async fn serve<F, Fut>(
     if senders.is_empty() {
         let graceful = GracefulShutdown::new();
         accept_loop(listener, &shutdown, |stream, peer| {
-            spawn_conn(&builder, &tls, &handler, stream, peer, &graceful)
+            let c = Conn {
+                builder: &builder,
+                tls: &tls,
+                h1: &opts.h1,
+                shutdown: &shutdown,
+            };
+            spawn_conn(c, &handler, stream, peer, &graceful)
         })
         .await;
         drain(graceful, grace).await;
@@ -206,8 +218,9 @@ async fn io_thread<F, Fut>(
     handler: F,
     shutdown: CancellationToken,
     grace: Duration,
+    h1: Option<Arc<h1server::Limits>>,
 ) where
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     // hyper arms a header-read timer (`server.header_read_timeout_ms`) each time a connection
@@ -234,7 +247,15 @@ async fn io_thread<F, Fut>(
             },
         };
         match tokio::net::TcpStream::from_std(s) {
-            Ok(stream) => spawn_conn(&builder, &tls, &handler, stream, peer, &graceful),
+            Ok(stream) => {
+                let c = Conn {
+                    builder: &builder,
+                    tls: &tls,
+                    h1: &h1,
+                    shutdown: &shutdown,
+                };
+                spawn_conn(c, &handler, stream, peer, &graceful)
+            }
             Err(e) => tracing::debug!(%peer, error = %e, "cannot adopt connection"),
         }
     }
@@ -251,32 +272,53 @@ async fn drain(graceful: GracefulShutdown, grace: Duration) {
     }
 }
 
+/// What a connection is served with.
+struct Conn<'a> {
+    builder: &'a Arc<auto::Builder<TokioExecutor>>,
+    tls: &'a Option<tokio_rustls::TlsAcceptor>,
+    h1: &'a Option<Arc<h1server::Limits>>,
+    shutdown: &'a CancellationToken,
+}
+
 fn spawn_conn<F, Fut>(
-    builder: &Arc<auto::Builder<TokioExecutor>>,
-    tls: &Option<tokio_rustls::TlsAcceptor>,
+    c: Conn<'_>,
     handler: &F,
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     graceful: &GracefulShutdown,
 ) where
-    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let h = handler.clone();
-    let svc = service_fn(move |req| {
-        let fut = h(req);
-        async move { Ok::<_, Infallible>(fut.await) }
-    });
-    let builder = builder.clone();
+    let svc = {
+        let h = h.clone();
+        service_fn(move |req: Request<Incoming>| {
+            let fut = h(req.map(ReqBody::Hyper));
+            async move { Ok::<_, Infallible>(fut.await) }
+        })
+    };
+    let builder = c.builder.clone();
+    // Held for the connection's life: shutdown's drain waits for every watcher to go.
     let watcher = graceful.watcher();
-    let tls = tls.clone();
+    let tls = c.tls.clone();
+    let h1 = c.h1.clone();
+    let shutdown = c.shutdown.clone();
     tokio::spawn(async move {
-        let r = match tls {
-            None => {
+        let r = match (tls, h1) {
+            (None, Some(limits)) => match h1server::serve(stream, &h, &limits, &shutdown).await {
+                h1server::Ended::Closed => Ok(()),
+                h1server::Ended::H2(stream, read) => {
+                    let io = TokioIo::new(h1server::Prefixed::new(read, stream));
+                    let conn = builder.serve_connection(io, svc);
+                    watcher.watch(conn.into_owned()).await
+                }
+            },
+            (None, None) => {
                 let conn = builder.serve_connection(TokioIo::new(stream), svc);
                 watcher.watch(conn.into_owned()).await
             }
-            Some(acc) => {
+            (Some(acc), _) => {
                 let tls =
                     match tokio::time::timeout(Duration::from_secs(10), acc.accept(stream)).await {
                         Ok(Ok(s)) => s,

@@ -3,12 +3,11 @@
 use std::time::UNIX_EPOCH;
 
 use http::{header, HeaderValue, Request, Response};
-use hyper::body::Incoming;
 
 use crate::body::GwBody;
 use crate::state::AppState;
 
-pub fn list(app: &AppState, req: &Request<Incoming>) -> Response<GwBody> {
+pub fn list<B>(app: &AppState, req: &Request<B>) -> Response<GwBody> {
     if let Err(e) = app
         .auth
         .load()

@@ -1,0 +1,865 @@
+//! kvgate's own HTTP/1.1 server loop for plain-TCP client connections (`server.http1 = "kvgate"`,
+//! the default). TLS connections and HTTP/2 stay on hyper: a connection that opens with the
+//! HTTP/2 preface is handed over to hyper with the bytes already read.
+//!
+//! Why: after the kernel's share, hyper's HTTP/1 server was the largest part of the gateway's own
+//! CPU per proxied request (benches/overhead-results.md): its dispatcher state machine, a request
+//! body channel, a header-read timer armed per request, the service future moved through several
+//! layers. This loop serves a connection's requests one after the other in the connection's own
+//! task: parse the head with `httparse` straight into the request (header values and the path
+//! share the read buffer), read the whole body (bounded by `server.max_body_bytes`; it is read
+//! whole by the handlers anyway), await the handler while watching the socket (a client that goes
+//! away cancels the request at once), write the response head and the first body bytes with one
+//! `writev`, and stream the rest.
+//!
+//! What it serves, and how it answers what it does not:
+//! - request bodies with `content-length` or `transfer-encoding: chunked` (trailers dropped);
+//!   `expect: 100-continue` answered before the body is read; both framings at once, several
+//!   different lengths, or another transfer coding: 400 and close (request smuggling);
+//! - keep-alive (HTTP/1.1 by default, HTTP/1.0 with `connection: keep-alive`) and pipelining
+//!   (responses in request order); `connection: close` honoured;
+//! - a head larger than `server.max_header_bytes` or with more than 100 fields: 431; a malformed
+//!   head: 400; both in the OpenAI error shape, then the connection closes;
+//! - a head (or a body read) that does not complete within `server.header_read_timeout_ms`, or an
+//!   idle keep-alive connection past it: closed;
+//! - responses: `content-length` when the body's length is known, else chunked (HTTP/1.1) or
+//!   close-delimited (HTTP/1.0); no body for HEAD, 1xx, 204, 304; a `date` field;
+//! - shutdown: idle connections close at once, a request in flight finishes (its response says
+//!   `connection: close`).
+
+use std::future::{poll_fn, Future};
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body;
+use kvgate_fleet::h1::{Decode, Step};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::Sleep;
+use tokio_util::sync::CancellationToken;
+
+use crate::body::{GwBody, ReqBody};
+use crate::error::{ErrorKind, GatewayError};
+
+/// Most header fields in a request head (hyper's default too).
+const MAX_HEADERS: usize = 100;
+/// What a connection opening with HTTP/2 (prior knowledge) sends first.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// Read buffer growth step.
+const READ_CHUNK: usize = 8 << 10;
+/// After a response that leaves request bytes unread (a body over the limit), the connection
+/// reads and drops what the client still sends for this long before closing, so that the client
+/// reads the response instead of a reset.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 1 << 20;
+
+/// Bounds of a connection, from `[server]`, and where refused requests are counted.
+#[derive(Clone)]
+pub struct Limits {
+    pub max_head: usize,
+    pub max_body: usize,
+    pub read_timeout: Duration,
+    /// Called with each request the server refuses itself (malformed or oversize head).
+    pub on_reject: Option<Arc<dyn Fn(&GatewayError) + Send + Sync>>,
+}
+
+impl Limits {
+    pub fn new(max_head: usize, max_body: usize, read_timeout: Duration) -> Limits {
+        Limits {
+            max_head,
+            max_body,
+            read_timeout,
+            on_reject: None,
+        }
+    }
+}
+
+/// How a connection ended.
+pub enum Ended<S> {
+    Closed,
+    /// The client speaks HTTP/2: the stream, and the bytes already read from it.
+    H2(S, Bytes),
+}
+
+/// Serve the requests of one client connection until it closes, fails, or shutdown.
+pub async fn serve<S, F, Fut, B>(
+    io: S,
+    handler: &F,
+    limits: &Limits,
+    shutdown: &CancellationToken,
+) -> Ended<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    F: Fn(Request<ReqBody>) -> Fut,
+    Fut: Future<Output = Response<B>>,
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut c = Conn {
+        io,
+        buf: BytesMut::with_capacity(READ_CHUNK),
+        wbuf: Vec::with_capacity(512),
+        limits,
+    };
+    let mut timer = pin!(tokio::time::sleep(limits.read_timeout));
+    let mut first = true;
+    loop {
+        let head = match c.read_head(timer.as_mut(), shutdown, first).await {
+            Ok(HeadRead::Head(h)) => h,
+            Ok(HeadRead::H2) => return Ended::H2(c.io, c.buf.freeze()),
+            Ok(HeadRead::Closed) => return Ended::Closed,
+            Err(e) => {
+                c.reject(e).await;
+                return Ended::Closed;
+            }
+        };
+        first = false;
+        let Head {
+            req,
+            framing,
+            mut keep_alive,
+            expect_continue,
+        } = head;
+        let body = match c
+            .read_body(framing, expect_continue, timer.as_mut())
+            .await
+        {
+            Ok(b) => b,
+            Err(BodyFail::Closed) => return Ended::Closed,
+            Err(BodyFail::Bad(e)) => {
+                c.reject(e).await;
+                return Ended::Closed;
+            }
+        };
+        let unread = matches!(body, ReqBody::TooLarge);
+        keep_alive &= !unread;
+        let (parts, ()) = req.into_parts();
+        let version = parts.version;
+        let head_only = parts.method == Method::HEAD;
+        let req = Request::from_parts(parts, body);
+        let Some(resp) = c.watch(handler(req)).await else {
+            return Ended::Closed;
+        };
+        keep_alive &= !shutdown.is_cancelled();
+        match c.respond(resp, version, head_only, keep_alive).await {
+            Ok(true) => {}
+            Ok(false) => {
+                if unread {
+                    c.linger().await;
+                }
+                return Ended::Closed;
+            }
+            Err(_) => return Ended::Closed,
+        }
+    }
+}
+
+struct Conn<'a, S> {
+    io: S,
+    /// Bytes read from the client and not yet used.
+    buf: BytesMut,
+    /// The response head being written.
+    wbuf: Vec<u8>,
+    limits: &'a Limits,
+}
+
+enum HeadRead {
+    Head(Head),
+    H2,
+    Closed,
+}
+
+/// A parsed request head.
+struct Head {
+    req: Request<()>,
+    framing: Framing,
+    keep_alive: bool,
+    expect_continue: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+enum BodyFail {
+    /// The client went away, or stalled past the timeout.
+    Closed,
+    Bad(GatewayError),
+}
+
+/// What woke a read.
+enum Fill {
+    Data,
+    Eof,
+    Timeout,
+    Shutdown,
+}
+
+/// How the response body is framed on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    Length(u64),
+    Chunked,
+    /// Until the connection closes (HTTP/1.0 client, unknown length).
+    Eof,
+}
+
+fn bad(msg: impl Into<String>) -> GatewayError {
+    GatewayError::new(ErrorKind::BadRequest { param: None }, msg)
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
+    /// Read from the client into `buf` until data arrives, EOF, `timer` fires or (when `idle`)
+    /// shutdown starts.
+    async fn fill(
+        &mut self,
+        timer: Pin<&mut Sleep>,
+        shutdown: Option<&CancellationToken>,
+    ) -> io::Result<Fill> {
+        if self.buf.capacity() - self.buf.len() < 1024 {
+            self.buf.reserve(READ_CHUNK);
+        }
+        let cancelled = async {
+            match shutdown {
+                Some(s) => s.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            r = self.io.read_buf(&mut self.buf) => Ok(if r? == 0 { Fill::Eof } else { Fill::Data }),
+            _ = timer => Ok(Fill::Timeout),
+            _ = cancelled => Ok(Fill::Shutdown),
+        }
+    }
+
+    async fn read_head(
+        &mut self,
+        mut timer: Pin<&mut Sleep>,
+        shutdown: &CancellationToken,
+        first: bool,
+    ) -> Result<HeadRead, GatewayError> {
+        let mut armed = false;
+        loop {
+            if !self.buf.is_empty() {
+                if first && self.buf.starts_with(&H2_PREFACE[..self.buf.len().min(3)]) {
+                    // "PRI" is no method of ours: wait for the whole preface, then hand over.
+                    if self.buf.len() >= H2_PREFACE.len() {
+                        if self.buf.starts_with(H2_PREFACE) {
+                            return Ok(HeadRead::H2);
+                        }
+                    } else if H2_PREFACE.starts_with(&self.buf) {
+                        // keep reading
+                    } else if let Some(h) = parse_head(&mut self.buf, self.limits)? {
+                        return Ok(HeadRead::Head(h));
+                    }
+                } else if let Some(h) = parse_head(&mut self.buf, self.limits)? {
+                    return Ok(HeadRead::Head(h));
+                }
+            }
+            if !armed {
+                let deadline = tokio::time::Instant::now() + self.limits.read_timeout;
+                timer.as_mut().reset(deadline);
+                armed = true;
+            }
+            // Shutdown closes a connection between requests, not one in the middle of a head.
+            let idle = self.buf.is_empty();
+            match self.fill(timer.as_mut(), idle.then_some(shutdown)).await {
+                Ok(Fill::Data) => {}
+                Ok(Fill::Eof | Fill::Timeout | Fill::Shutdown) | Err(_) => {
+                    return Ok(HeadRead::Closed)
+                }
+            }
+        }
+    }
+
+    async fn read_body(
+        &mut self,
+        framing: Framing,
+        expect_continue: bool,
+        mut timer: Pin<&mut Sleep>,
+    ) -> Result<ReqBody, BodyFail> {
+        let max = self.limits.max_body;
+        let n = match framing {
+            Framing::None => return Ok(ReqBody::Full(None)),
+            Framing::Length(n) if n > max as u64 => return Ok(ReqBody::TooLarge),
+            Framing::Length(n) => n as usize,
+            Framing::Chunked => return self.read_chunked(expect_continue, timer).await,
+        };
+        if self.buf.len() < n {
+            if expect_continue {
+                self.continue_100().await?;
+            }
+            self.buf.reserve(n - self.buf.len());
+            while self.buf.len() < n {
+                self.rearm(timer.as_mut());
+                match self.fill(timer.as_mut(), None).await {
+                    Ok(Fill::Data) => {}
+                    _ => return Err(BodyFail::Closed),
+                }
+            }
+        }
+        Ok(ReqBody::Full(Some(self.buf.split_to(n).freeze())))
+    }
+
+    async fn read_chunked(
+        &mut self,
+        expect_continue: bool,
+        mut timer: Pin<&mut Sleep>,
+    ) -> Result<ReqBody, BodyFail> {
+        if expect_continue && self.buf.is_empty() {
+            self.continue_100().await?;
+        }
+        let mut decode = Decode::CHUNKED;
+        let mut body = BytesMut::new();
+        loop {
+            match decode.step(&mut self.buf) {
+                Ok(Step::Data(d)) => {
+                    if body.len() + d.len() > self.limits.max_body {
+                        return Ok(ReqBody::TooLarge);
+                    }
+                    body.extend_from_slice(&d);
+                }
+                Ok(Step::Done) => return Ok(ReqBody::Full(Some(body.freeze()))),
+                Ok(Step::NeedMore) => {
+                    self.rearm(timer.as_mut());
+                    match self.fill(timer.as_mut(), None).await {
+                        Ok(Fill::Data) => {}
+                        _ => return Err(BodyFail::Closed),
+                    }
+                }
+                Err(e) => return Err(BodyFail::Bad(bad(format!("request body: {e}")))),
+            }
+        }
+    }
+
+    fn rearm(&self, timer: Pin<&mut Sleep>) {
+        timer.reset(tokio::time::Instant::now() + self.limits.read_timeout);
+    }
+
+    async fn continue_100(&mut self) -> Result<(), BodyFail> {
+        let r = async {
+            self.io.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await?;
+            self.io.flush().await
+        };
+        r.await.map_err(|_| BodyFail::Closed)
+    }
+
+    /// Poll `fut` to completion unless the client goes away first (`None`; `fut` is dropped,
+    /// which cancels the request). Bytes the client sends meanwhile (a pipelined request) are
+    /// kept, up to `max_head`; past that the socket is not read until the response is out.
+    async fn watch<T>(&mut self, fut: impl Future<Output = T>) -> Option<T> {
+        let mut fut = pin!(fut);
+        poll_fn(|cx| {
+            if let Poll::Ready(v) = fut.as_mut().poll(cx) {
+                return Poll::Ready(Some(v));
+            }
+            match self.poll_client(cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Ready when the client has closed its side or the connection failed.
+    fn poll_client(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while self.buf.len() < self.limits.max_head {
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(READ_CHUNK);
+            }
+            match tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(()),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Answer a request the server itself refuses (malformed or oversize head), then close.
+    async fn reject(&mut self, e: GatewayError) {
+        if let Some(count) = &self.limits.on_reject {
+            count(&e);
+        }
+        let resp: Response<GwBody> = e.into_response();
+        if self.respond(resp, Version::HTTP_11, false, false).await.is_ok() {
+            self.linger().await;
+        }
+    }
+
+    /// Write `resp`. `Ok(true)`: the connection stays open for the next request.
+    async fn respond<B>(
+        &mut self,
+        resp: Response<B>,
+        version: Version,
+        head_only: bool,
+        mut keep_alive: bool,
+    ) -> io::Result<bool>
+    where
+        B: Body<Data = Bytes> + Unpin,
+    {
+        let (parts, mut body) = resp.into_parts();
+        let status = parts.status;
+        let bodyless_status = status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        let no_body = head_only || bodyless_status;
+        if parts
+            .headers
+            .get(header::CONNECTION)
+            .is_some_and(|v| has_token(v.as_bytes(), b"close"))
+        {
+            keep_alive = false;
+        }
+        let w = &mut self.wbuf;
+        w.clear();
+        w.extend_from_slice(b"HTTP/1.1 ");
+        w.extend_from_slice(status.as_str().as_bytes());
+        w.push(b' ');
+        w.extend_from_slice(
+            status
+                .canonical_reason()
+                .unwrap_or("Unknown")
+                .as_bytes(),
+        );
+        w.extend_from_slice(b"\r\n");
+        let mut declared = None;
+        for (name, value) in &parts.headers {
+            if name == header::CONNECTION || name == header::TRANSFER_ENCODING {
+                continue;
+            }
+            if name == header::CONTENT_LENGTH {
+                declared = declared.or_else(|| parse_len(value.as_bytes()));
+            }
+            push_field(w, name.as_str().as_bytes(), value.as_bytes());
+        }
+        if !parts.headers.contains_key(header::DATE) {
+            DATE.with(|d| push_field(w, b"date", d.get().as_bytes()));
+        }
+        let out = match (declared, body.size_hint().exact()) {
+            (Some(n), _) => Out::Length(n),
+            (None, Some(n)) => {
+                if !bodyless_status {
+                    push_field(w, b"content-length", decimal(n, &mut [0; 20]));
+                }
+                Out::Length(n)
+            }
+            (None, None) if no_body => Out::Length(0),
+            (None, None) if version == Version::HTTP_11 => {
+                push_field(w, b"transfer-encoding", b"chunked");
+                Out::Chunked
+            }
+            (None, None) => {
+                keep_alive = false;
+                Out::Eof
+            }
+        };
+        if !keep_alive {
+            push_field(w, b"connection", b"close");
+        } else if version == Version::HTTP_10 {
+            push_field(w, b"connection", b"keep-alive");
+        }
+        w.extend_from_slice(b"\r\n");
+
+        if no_body {
+            write_all(&mut self.io, &mut [IoSlice::new(&self.wbuf)]).await?;
+            self.io.flush().await?;
+            return Ok(keep_alive && !matches!(out, Out::Eof));
+        }
+        let mut head_sent = false;
+        let mut left = match out {
+            Out::Length(n) => n,
+            _ => u64::MAX,
+        };
+        loop {
+            let frame = match self.next_frame(&mut body).await {
+                Some(f) => f,
+                // The client went away: dropping the body cancels the worker's request.
+                None => return Ok(false),
+            };
+            let mut data = match frame {
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(d) if d.is_empty() => continue,
+                    Ok(d) => d,
+                    Err(_) => continue, // trailers: not forwarded
+                },
+                Some(Err(_)) => {
+                    // The body failed mid-way: the client sees a truncated response and a close.
+                    if !head_sent {
+                        write_all(&mut self.io, &mut [IoSlice::new(&self.wbuf)]).await?;
+                    }
+                    self.io.flush().await?;
+                    return Ok(false);
+                }
+                None => {
+                    let tail: &[u8] = if out == Out::Chunked { b"0\r\n\r\n" } else { b"" };
+                    let head: &[u8] = if head_sent { b"" } else { &self.wbuf };
+                    write_all(&mut self.io, &mut [IoSlice::new(head), IoSlice::new(tail)]).await?;
+                    self.io.flush().await?;
+                    return Ok(keep_alive && complete(out, left));
+                }
+            };
+            // More than the declared length: cut it there and close.
+            let overrun = matches!(out, Out::Length(_)) && data.len() as u64 > left;
+            if let Out::Length(_) = out {
+                data.truncate(left.min(data.len() as u64) as usize);
+                left -= data.len() as u64;
+            }
+            let end = overrun || body.is_end_stream();
+            let mut size = [0u8; 18];
+            let (pre, post, tail): (&[u8], &[u8], &[u8]) = match out {
+                Out::Chunked => (
+                    chunk_prefix(data.len(), &mut size),
+                    b"\r\n",
+                    if end { b"0\r\n\r\n" } else { b"" },
+                ),
+                _ => (b"", b"", b""),
+            };
+            let head: &[u8] = if head_sent { b"" } else { &self.wbuf };
+            write_all(
+                &mut self.io,
+                &mut [
+                    IoSlice::new(head),
+                    IoSlice::new(pre),
+                    IoSlice::new(&data),
+                    IoSlice::new(post),
+                    IoSlice::new(tail),
+                ],
+            )
+            .await?;
+            self.io.flush().await?;
+            head_sent = true;
+            if overrun {
+                return Ok(false);
+            }
+            if end {
+                return Ok(keep_alive && complete(out, left));
+            }
+        }
+    }
+
+    /// The next frame of `body`, or `None` when the client went away first.
+    async fn next_frame<B>(
+        &mut self,
+        body: &mut B,
+    ) -> Option<Option<Result<http_body::Frame<Bytes>, B::Error>>>
+    where
+        B: Body<Data = Bytes> + Unpin,
+    {
+        poll_fn(|cx| {
+            if let Poll::Ready(f) = Pin::new(&mut *body).poll_frame(cx) {
+                return Poll::Ready(Some(f));
+            }
+            match self.poll_client(cx) {
+                Poll::Ready(()) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await
+    }
+
+    /// Before closing a connection whose request body was not read: stop writing, and read and
+    /// drop what the client still sends for a while, so that it reads our response rather than
+    /// a reset.
+    async fn linger(&mut self) {
+        let _ = self.io.shutdown().await;
+        let mut sink = [0u8; 8192];
+        let mut total = 0usize;
+        let _ = tokio::time::timeout(LINGER, async {
+            while total < LINGER_BYTES {
+                match self.io.read(&mut sink).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => total += n,
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// Whether a response body that ended was complete on the wire: a body shorter than its
+/// declared length, or a close-delimited one, ends the connection.
+fn complete(out: Out, left: u64) -> bool {
+    match out {
+        Out::Chunked => true,
+        Out::Length(_) => left == 0,
+        Out::Eof => false,
+    }
+}
+
+async fn write_all<S: AsyncWrite + Unpin>(io: &mut S, bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    let mut bufs = bufs;
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = io.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+fn push_field(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    w.extend_from_slice(name);
+    w.extend_from_slice(b": ");
+    w.extend_from_slice(value);
+    w.extend_from_slice(b"\r\n");
+}
+
+/// `{len:x}\r\n` into `buf`.
+fn chunk_prefix(len: usize, buf: &mut [u8; 18]) -> &[u8] {
+    let mut i = 16;
+    let mut n = len;
+    loop {
+        i -= 1;
+        buf[i] = b"0123456789abcdef"[n & 15];
+        n >>= 4;
+        if n == 0 {
+            break;
+        }
+    }
+    buf[16] = b'\r';
+    buf[17] = b'\n';
+    &buf[i..]
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = 20;
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+/// A `content-length` value: digits only, or a comma list of equal values.
+fn parse_len(v: &[u8]) -> Option<u64> {
+    let mut out: Option<u64> = None;
+    for part in v.split(|&b| b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let n = part
+            .iter()
+            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        match out {
+            Some(m) if m != n => return None,
+            _ => out = Some(n),
+        }
+    }
+    out
+}
+
+/// Whether a comma-separated field value holds `token` (case-insensitive).
+fn has_token(v: &[u8], token: &[u8]) -> bool {
+    v.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// Parse a complete request head at the front of `buf` (consumed), or `None` if more bytes are
+/// needed.
+fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, GatewayError> {
+    let too_large = || {
+        GatewayError::new(
+            ErrorKind::HeadersTooLarge,
+            format!(
+                "request head exceeds the limit of {} bytes or {MAX_HEADERS} fields",
+                limits.max_head
+            ),
+        )
+    };
+    // Where each piece lies in `buf`: the parsed head borrows it, the request shares it.
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let (len, n_fields, method, path, minor, framing, mut keep_alive, expect_continue);
+    {
+        let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut []);
+        len = match req.parse_with_uninit_headers(buf, &mut fields) {
+            Ok(httparse::Status::Complete(n)) if n > limits.max_head => return Err(too_large()),
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) if buf.len() >= limits.max_head => {
+                return Err(too_large())
+            }
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => return Err(too_large()),
+            Err(e) => return Err(bad(format!("malformed request head: {e}"))),
+        };
+        let base = buf.as_ptr() as usize;
+        let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+        let span = |s: &[u8]| (at(s), at(s) + s.len() as u32);
+        let m = req.method.unwrap_or("").as_bytes();
+        let p = req.path.unwrap_or("").as_bytes();
+        method = span(m);
+        path = span(p);
+        minor = req.version.unwrap_or(1);
+        keep_alive = minor == 1;
+        let mut length: Option<u64> = None;
+        let mut chunked = false;
+        let mut expect = false;
+        n_fields = req.headers.len();
+        for (i, h) in req.headers.iter().enumerate() {
+            let name = h.name.as_bytes();
+            let (ns, ne) = span(name);
+            let (vs, ve) = span(h.value);
+            spans[i] = (ns, ne, vs, ve);
+            if name.eq_ignore_ascii_case(b"content-length") {
+                let n = parse_len(h.value).ok_or_else(|| bad("invalid content-length"))?;
+                if length.is_some_and(|m| m != n) {
+                    return Err(bad("conflicting content-length fields"));
+                }
+                length = Some(n);
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                // Only `chunked`, last, is a framing we can read.
+                let last = h.value.rsplit(|&b| b == b',').next().unwrap_or(b"");
+                if chunked || !last.trim_ascii().eq_ignore_ascii_case(b"chunked") || minor == 0 {
+                    return Err(bad("unsupported transfer-encoding"));
+                }
+                chunked = true;
+            } else if name.eq_ignore_ascii_case(b"connection") {
+                if has_token(h.value, b"close") {
+                    keep_alive = false;
+                } else if has_token(h.value, b"keep-alive") {
+                    keep_alive = true;
+                }
+            } else if name.eq_ignore_ascii_case(b"expect") {
+                expect = h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
+            }
+        }
+        if chunked && length.is_some() {
+            return Err(bad("both transfer-encoding and content-length"));
+        }
+        framing = match (chunked, length) {
+            (true, _) => Framing::Chunked,
+            (false, Some(0) | None) => Framing::None,
+            (false, Some(n)) => Framing::Length(n),
+        };
+        expect_continue = expect && minor == 1 && framing != Framing::None;
+    }
+    let head = buf.split_to(len).freeze();
+    let slice = |(a, b): (u32, u32)| head.slice(a as usize..b as usize);
+    let method = Method::from_bytes(&slice(method)).map_err(|_| bad("invalid method"))?;
+    let uri = Uri::from_maybe_shared(slice(path)).map_err(|_| bad("invalid request target"))?;
+    let mut headers = HeaderMap::with_capacity(n_fields);
+    for &(ns, ne, vs, ve) in &spans[..n_fields] {
+        let name = HeaderName::from_bytes(&head[ns as usize..ne as usize])
+            .map_err(|_| bad("invalid header field name"))?;
+        let value = HeaderValue::from_maybe_shared(slice((vs, ve)))
+            .map_err(|_| bad("invalid header field value"))?;
+        headers.append(name, value);
+    }
+    let mut req = Request::new(());
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = if minor == 0 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    *req.headers_mut() = headers;
+    Ok(Some(Head {
+        req,
+        framing,
+        keep_alive,
+        expect_continue,
+    }))
+}
+
+/// The `date` field value, formatted once a second per thread.
+struct DateCache {
+    secs: std::cell::Cell<u64>,
+    text: std::cell::RefCell<String>,
+}
+
+impl DateCache {
+    fn get(&self) -> std::cell::Ref<'_, String> {
+        let now = SystemTime::now();
+        let secs = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if secs != self.secs.get() {
+            self.secs.set(secs);
+            *self.text.borrow_mut() = httpdate::fmt_http_date(now);
+        }
+        self.text.borrow()
+    }
+}
+
+thread_local! {
+    static DATE: DateCache = const {
+        DateCache { secs: std::cell::Cell::new(u64::MAX), text: std::cell::RefCell::new(String::new()) }
+    };
+}
+
+/// A stream whose first bytes were already read: they are served again before the stream's own
+/// (the HTTP/2 hand-over to hyper).
+pub struct Prefixed<S> {
+    pre: Bytes,
+    io: S,
+}
+
+impl<S> Prefixed<S> {
+    pub fn new(pre: Bytes, io: S) -> Self {
+        Prefixed { pre, io }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.pre.is_empty() {
+            let n = this.pre.len().min(out.remaining());
+            out.put_slice(&this.pre.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, out)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, b)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        b: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, b)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests;
