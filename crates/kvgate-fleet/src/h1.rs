@@ -593,24 +593,23 @@ impl Decode {
     pub fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
         loop {
             match self {
-                Decode::Chunked(Chunk::DataEnd) => {
-                    match buf.first() {
-                        None => return Ok(false),
-                        Some(b'\n') => {
-                            buf.advance(1);
-                            *self = Decode::Chunked(Chunk::Size);
-                        }
-                        Some(b'\r') if buf.len() < 2 => return Ok(false),
-                        Some(b'\r') if buf[1] == b'\n' => {
-                            buf.advance(2);
-                            *self = Decode::Chunked(Chunk::Size);
-                        }
-                        Some(_) => return Err(Error::Io(
-                            "malformed chunked body: chunk data longer than its size"
-                                .into(),
-                        )),
+                Decode::Chunked(Chunk::DataEnd) => match buf.first() {
+                    None => return Ok(false),
+                    Some(b'\n') => {
+                        buf.advance(1);
+                        *self = Decode::Chunked(Chunk::Size);
                     }
-                }
+                    Some(b'\r') if buf.len() < 2 => return Ok(false),
+                    Some(b'\r') if buf[1] == b'\n' => {
+                        buf.advance(2);
+                        *self = Decode::Chunked(Chunk::Size);
+                    }
+                    Some(_) => {
+                        return Err(Error::Io(
+                            "malformed chunked body: chunk data longer than its size".into(),
+                        ))
+                    }
+                },
                 Decode::Chunked(Chunk::Size) => {
                     let Some(line) = take_line(buf)? else {
                         return Ok(false);
@@ -670,9 +669,9 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
             }
             Ok(Some(line))
         }
-        None if buf.len() > MAX_LINE => Err(Error::Io(
-            "malformed chunked body: line too long".into(),
-        )),
+        None if buf.len() > MAX_LINE => {
+            Err(Error::Io("malformed chunked body: line too long".into()))
+        }
         None => Ok(None),
     }
 }

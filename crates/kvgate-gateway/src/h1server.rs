@@ -125,10 +125,7 @@ where
             mut keep_alive,
             expect_continue,
         } = head;
-        let body = match c
-            .read_body(framing, expect_continue, timer.as_mut())
-            .await
-        {
+        let body = match c.read_body(framing, expect_continue, timer.as_mut()).await {
             Ok(b) => b,
             Err(BodyFail::Closed) => return Ended::Closed,
             Err(BodyFail::Bad(e)) => {
@@ -250,16 +247,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         let mut armed = false;
         loop {
             if !self.buf.is_empty() {
-                if first && self.buf.starts_with(&H2_PREFACE[..self.buf.len().min(3)]) {
+                let n = self.buf.len().min(H2_PREFACE.len());
+                if first && H2_PREFACE.starts_with(&self.buf[..n]) {
                     // "PRI" is no method of ours: wait for the whole preface, then hand over.
-                    if self.buf.len() >= H2_PREFACE.len() {
-                        if self.buf.starts_with(H2_PREFACE) {
-                            return Ok(HeadRead::H2);
-                        }
-                    } else if H2_PREFACE.starts_with(&self.buf) {
-                        // keep reading
-                    } else if let Some(h) = parse_head(&mut self.buf, self.limits)? {
-                        return Ok(HeadRead::Head(h));
+                    if n == H2_PREFACE.len() {
+                        return Ok(HeadRead::H2);
                     }
                 } else if let Some(h) = parse_head(&mut self.buf, self.limits)? {
                     return Ok(HeadRead::Head(h));
@@ -391,7 +383,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
             count(&e);
         }
         let resp: Response<GwBody> = e.into_response();
-        if self.respond(resp, Version::HTTP_11, false, false).await.is_ok() {
+        if self
+            .respond(resp, Version::HTTP_11, false, false)
+            .await
+            .is_ok()
+        {
             self.linger().await;
         }
     }
@@ -425,12 +421,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         w.extend_from_slice(b"HTTP/1.1 ");
         w.extend_from_slice(status.as_str().as_bytes());
         w.push(b' ');
-        w.extend_from_slice(
-            status
-                .canonical_reason()
-                .unwrap_or("Unknown")
-                .as_bytes(),
-        );
+        w.extend_from_slice(status.canonical_reason().unwrap_or("Unknown").as_bytes());
         w.extend_from_slice(b"\r\n");
         let mut declared = None;
         for (name, value) in &parts.headers {
@@ -480,11 +471,25 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
             Out::Length(n) => n,
             _ => u64::MAX,
         };
+        // The head goes out with the first body bytes when they are ready, and on its own when
+        // they are not (a stream before its first event).
+        let mut ready = None;
+        match poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
+            Poll::Ready(f) => ready = Some(f),
+            Poll::Pending => {
+                write_all(&mut self.io, &mut [IoSlice::new(&self.wbuf)]).await?;
+                self.io.flush().await?;
+                head_sent = true;
+            }
+        }
         loop {
-            let frame = match self.next_frame(&mut body).await {
+            let frame = match ready.take() {
                 Some(f) => f,
-                // The client went away: dropping the body cancels the worker's request.
-                None => return Ok(false),
+                None => match self.next_frame(&mut body).await {
+                    Some(f) => f,
+                    // The client went away: dropping the body cancels the worker's request.
+                    None => return Ok(false),
+                },
             };
             let mut data = match frame {
                 Some(Ok(f)) => match f.into_data() {
@@ -501,7 +506,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
                     return Ok(false);
                 }
                 None => {
-                    let tail: &[u8] = if out == Out::Chunked { b"0\r\n\r\n" } else { b"" };
+                    let tail: &[u8] = if out == Out::Chunked {
+                        b"0\r\n\r\n"
+                    } else {
+                        b""
+                    };
                     let head: &[u8] = if head_sent { b"" } else { &self.wbuf };
                     write_all(&mut self.io, &mut [IoSlice::new(head), IoSlice::new(tail)]).await?;
                     self.io.flush().await?;
@@ -655,9 +664,7 @@ fn parse_len(v: &[u8]) -> Option<u64> {
         if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
             return None;
         }
-        let n = part
-            .iter()
-            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
         match out {
             Some(m) if m != n => return None,
             _ => out = Some(n),

@@ -567,3 +567,37 @@ async fn include_usage_is_added_for_counting_and_stripped_for_the_client() {
     assert_eq!(w.received().last().unwrap().body, body.as_bytes());
     gw.shutdown().await;
 }
+
+/// Plain-TCP clients speaking HTTP/2 (prior knowledge) are handed from kvgate's HTTP/1.1 loop to
+/// hyper; and `server.http1 = "hyper"` serves HTTP/1.1 as well as the default loop does.
+#[tokio::test]
+async fn h2_prior_knowledge_and_either_http1_server() {
+    let w = MockWorker::builder().tokens(3).spawn().await.unwrap();
+    for http1 in [
+        kvgate_gateway::config::Http1Server::Kvgate,
+        kvgate_gateway::config::Http1Server::Hyper,
+    ] {
+        let mut cfg = config_for(&[&w], "kv");
+        cfg.server.http1 = http1;
+        let gw = gateway(cfg).await;
+        let url = format!("{}/v1/chat/completions", gw.url());
+        let h2: TestClient =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .http2_only(true)
+                .build_http();
+        for c in [client(), h2] {
+            for stream in [false, true] {
+                let r = post(&c, &url, chat_body("sys", "hello", stream)).await;
+                assert_eq!(r.status, 200, "{http1:?} stream={stream}: {}", r.text());
+                if stream {
+                    assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
+                } else {
+                    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+                }
+            }
+            let r = get(&c, &format!("{}/v1/models", gw.url())).await;
+            assert_eq!(r.status, 200);
+        }
+        gw.shutdown().await;
+    }
+}
