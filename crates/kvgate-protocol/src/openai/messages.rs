@@ -1,11 +1,13 @@
 //! `messages` of `/v1/chat/completions`.
 //!
 //! Only `role` and the text of `content` are typed; everything else a chat template may need
-//! (`tool_calls`, `name`, `tool_call_id`, image parts, …) stays reachable through the raw JSON.
+//! (`tool_calls`, `name`, `tool_call_id`, image parts, …) stays reachable through the raw
+//! `messages` JSON ([`super::RequestView::messages`]).
 
 use std::borrow::Cow;
+use std::fmt;
 
-use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
 use super::cow::CowStr;
@@ -18,8 +20,6 @@ pub struct ChatMessage<'a> {
     pub role: Cow<'a, str>,
     /// `None` when `content` is absent or `null` (e.g. an assistant turn with only `tool_calls`).
     pub content: Option<MessageContent<'a>>,
-    /// The whole message object, for templates.
-    pub raw: &'a RawValue,
 }
 
 /// `content`: a string or an array of typed parts.
@@ -36,7 +36,6 @@ pub struct ContentPart<'a> {
     pub kind: Cow<'a, str>,
     /// `text` for text parts.
     pub text: Option<Cow<'a, str>>,
-    pub raw: &'a RawValue,
 }
 
 impl MessageContent<'_> {
@@ -67,87 +66,276 @@ impl MessageContent<'_> {
     }
 }
 
-#[derive(Deserialize)]
-struct RawMessage<'a> {
-    #[serde(borrow, default)]
-    role: Option<CowStr<'a>>,
-    #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct RawPart<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<CowStr<'a>>,
-    #[serde(borrow, default)]
-    text: Option<CowStr<'a>>,
-}
-
-/// Parses a raw `messages` array (what [`super::RequestView::messages`] does).
+/// Parses a raw `messages` array (what [`super::RequestView::messages`] does), in one pass over
+/// its text: every string is scanned once (a prompt can be hundreds of kilobytes).
 pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, RequestError> {
-    let bad = |m: String| RequestError::invalid("messages", m);
-    let items: Vec<&'a RawValue> = serde_json::from_str(raw.get())
-        .map_err(|_| bad("expected an array of message objects".into()))?;
-    if items.is_empty() {
-        return Err(bad("must contain at least one message".into()));
-    }
-    let mut out = Vec::with_capacity(items.len());
-    for (i, item) in items.into_iter().enumerate() {
-        if !item.get().starts_with('{') {
-            return Err(bad(format!("messages[{i}] must be an object")));
-        }
-        let m: RawMessage<'a> = serde_json::from_str(item.get())
-            .map_err(|e| bad(format!("messages[{i}]: {}", strip_position(&e))))?;
-        let role = m
-            .role
-            .ok_or_else(|| bad(format!("messages[{i}].role is required")))?
-            .0;
-        let content = match m.content {
-            None => None,
-            Some(c) if c.get() == "null" => None,
-            Some(c) => {
-                Some(parse_content(c).map_err(|e| bad(format!("messages[{i}].content: {e}")))?)
-            }
-        };
-        out.push(ChatMessage {
-            role,
-            content,
-            raw: item,
-        });
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    let out = de
+        .deserialize_any(MessagesVisitor)
+        .map_err(|e| RequestError::invalid("messages", strip_position(&e)))?;
+    if out.is_empty() {
+        return Err(RequestError::invalid(
+            "messages",
+            "must contain at least one message",
+        ));
     }
     Ok(out)
 }
 
-fn parse_content<'a>(raw: &'a RawValue) -> Result<MessageContent<'a>, String> {
-    let s = raw.get();
-    if s.starts_with('"') {
-        let t: CowStr<'a> = serde_json::from_str(s).map_err(|e| strip_position(&e))?;
-        return Ok(MessageContent::Text(t.0));
+/// serde_json puts " at line 1 column N" on errors raised inside a visitor too; only the
+/// outermost position is stripped by [`strip_position`], so inner messages drop theirs here.
+fn inner(e: impl fmt::Display) -> String {
+    let s = e.to_string();
+    match s.rfind(" at line ") {
+        Some(i) => s[..i].to_owned(),
+        None => s,
     }
-    if !s.starts_with('[') {
-        return Err("expected a string or an array of content parts".into());
-    }
-    let items: Vec<&'a RawValue> = serde_json::from_str(s).map_err(|e| strip_position(&e))?;
-    let mut parts = Vec::with_capacity(items.len());
-    for (j, item) in items.into_iter().enumerate() {
-        if !item.get().starts_with('{') {
-            return Err(format!("part {j} must be an object"));
+}
+
+/// Rejects every JSON type but the one the visitor is for, with `msg`.
+macro_rules! only {
+    ($msg:expr) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
         }
-        let p: RawPart<'a> = serde_json::from_str(item.get())
-            .map_err(|e| format!("part {j}: {}", strip_position(&e)))?;
-        let kind = p
-            .kind
-            .ok_or_else(|| format!("part {j}: 'type' is required"))?
-            .0;
-        let text = p.text.map(|t| t.0);
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+    };
+}
+
+struct MessagesVisitor;
+
+impl<'de> Visitor<'de> for MessagesVisitor {
+    type Value = Vec<ChatMessage<'de>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of message objects")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(4));
+        while let Some(m) = seq.next_element_seed(MessageSeed(out.len()))? {
+            out.push(m);
+        }
+        Ok(out)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(de::Error::custom(Self::not_array(&self)))
+    }
+
+    only!(Self::not_array);
+}
+
+impl MessagesVisitor {
+    fn not_array(&self) -> &'static str {
+        "expected an array of message objects"
+    }
+}
+
+/// Message `.0` of the array.
+struct MessageSeed(usize);
+
+impl<'de> DeserializeSeed<'de> for MessageSeed {
+    type Value = ChatMessage<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl MessageSeed {
+    fn not_object(&self) -> String {
+        format!("messages[{}] must be an object", self.0)
+    }
+}
+
+impl<'de> Visitor<'de> for MessageSeed {
+    type Value = ChatMessage<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a message object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let i = self.0;
+        let mut role = None;
+        let mut content = None;
+        while let Some(key) = map
+            .next_key::<CowStr<'de>>()
+            .map_err(|e| de::Error::custom(format!("messages[{i}]: {}", inner(e))))?
+        {
+            match &*key.0 {
+                "role" => {
+                    let r: CowStr<'de> = map
+                        .next_value()
+                        .map_err(|e| de::Error::custom(format!("messages[{i}]: {}", inner(e))))?;
+                    role = Some(r.0);
+                }
+                "content" => {
+                    content = map.next_value_seed(ContentSeed).map_err(|e| {
+                        de::Error::custom(format!("messages[{i}].content: {}", inner(e)))
+                    })?;
+                }
+                _ => {
+                    map.next_value::<de::IgnoredAny>()?;
+                }
+            }
+        }
+        let role =
+            role.ok_or_else(|| de::Error::custom(format!("messages[{i}].role is required")))?;
+        Ok(ChatMessage { role, content })
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(de::Error::custom(self.not_object()))
+    }
+
+    only!(Self::not_object);
+}
+
+/// `content`: `null`, a string, or an array of parts.
+struct ContentSeed;
+
+impl<'de> DeserializeSeed<'de> for ContentSeed {
+    type Value = Option<MessageContent<'de>>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl ContentSeed {
+    fn bad(&self) -> &'static str {
+        "expected a string or an array of content parts"
+    }
+}
+
+impl<'de> Visitor<'de> for ContentSeed {
+    type Value = Option<MessageContent<'de>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.bad())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Some(MessageContent::Text(Cow::Borrowed(v))))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Some(MessageContent::Text(Cow::Owned(v.to_owned()))))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Some(MessageContent::Text(Cow::Owned(v))))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(2));
+        while let Some(p) = seq.next_element_seed(PartSeed(parts.len()))? {
+            parts.push(p);
+        }
+        Ok(Some(MessageContent::Parts(parts)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(de::Error::custom(self.bad()))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Err(E::custom(self.bad()))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Err(E::custom(self.bad()))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Err(E::custom(self.bad()))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Err(E::custom(self.bad()))
+    }
+}
+
+/// Part `.0` of an array `content`.
+struct PartSeed(usize);
+
+impl<'de> DeserializeSeed<'de> for PartSeed {
+    type Value = ContentPart<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl PartSeed {
+    fn not_object(&self) -> String {
+        format!("part {} must be an object", self.0)
+    }
+}
+
+impl<'de> Visitor<'de> for PartSeed {
+    type Value = ContentPart<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a content part object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let j = self.0;
+        let mut kind = None;
+        let mut text = None;
+        while let Some(key) = map.next_key::<CowStr<'de>>()? {
+            match &*key.0 {
+                "type" => {
+                    let k: CowStr<'de> = map
+                        .next_value()
+                        .map_err(|e| de::Error::custom(format!("part {j}: {}", inner(e))))?;
+                    kind = Some(k.0);
+                }
+                "text" => {
+                    let t: CowStr<'de> = map
+                        .next_value()
+                        .map_err(|e| de::Error::custom(format!("part {j}: {}", inner(e))))?;
+                    text = Some(t.0);
+                }
+                _ => {
+                    map.next_value::<de::IgnoredAny>()?;
+                }
+            }
+        }
+        let kind =
+            kind.ok_or_else(|| de::Error::custom(format!("part {j}: 'type' is required")))?;
         if kind == "text" && text.is_none() {
-            return Err(format!("part {j}: text parts need 'text'"));
+            return Err(de::Error::custom(format!(
+                "part {j}: text parts need 'text'"
+            )));
         }
-        parts.push(ContentPart {
-            kind,
-            text,
-            raw: item,
-        });
+        Ok(ContentPart { kind, text })
     }
-    Ok(MessageContent::Parts(parts))
+
+    fn visit_seq<A: SeqAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(de::Error::custom(self.not_object()))
+    }
+
+    only!(Self::not_object);
 }

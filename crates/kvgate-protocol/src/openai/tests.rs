@@ -225,12 +225,12 @@ fn messages_content_shapes() {
         MessageContent::Parts(p) => {
             assert_eq!(p.len(), 3);
             assert_eq!(p[1].kind, "image_url");
-            assert!(p[1].raw.get().contains("\"url\""));
+            assert_eq!(p[1].text, None);
         }
         MessageContent::Text(_) => panic!("expected parts"),
     }
     assert!(m[2].content.is_none());
-    assert!(m[2].raw.get().contains("tool_calls"));
+    assert_eq!(m[2].role, "assistant");
     assert_eq!(m[3].role, "tool");
 }
 
@@ -321,5 +321,60 @@ proptest! {
         let b: serde_json::Value = serde_json::from_slice(&out).unwrap();
         a["stream_options"] = serde_json::json!({"include_usage": true});
         prop_assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn bad_messages_say_where() {
+    for (bad, want) in [
+        ("[]", "must contain at least one message"),
+        ("{}", "expected an array of message objects"),
+        ("\"hi\"", "expected an array of message objects"),
+        ("[1]", "messages[0] must be an object"),
+        (
+            r#"[{"role":"user","content":"a"},[]]"#,
+            "messages[1] must be an object",
+        ),
+        (r#"[{"content":"x"}]"#, "messages[0].role is required"),
+        (
+            r#"[{"role":3,"content":"x"}]"#,
+            "messages[0]: invalid type: integer `3`, expected a string",
+        ),
+        (
+            r#"[{"role":"user","content":5}]"#,
+            "messages[0].content: expected a string or an array of content parts",
+        ),
+        (
+            r#"[{"role":"user","content":[{"text":"x"}]}]"#,
+            "messages[0].content: part 0: 'type' is required",
+        ),
+        (
+            r#"[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text"}]}]"#,
+            "messages[0].content: part 1: text parts need 'text'",
+        ),
+        (
+            r#"[{"role":"user","content":["x"]}]"#,
+            "messages[0].content: part 0 must be an object",
+        ),
+    ] {
+        let body = format!(r#"{{"model":"m","messages":{bad}}}"#);
+        let v = RequestView::parse(body.as_bytes()).unwrap();
+        let e = v.messages().unwrap_err().to_string();
+        assert!(e.ends_with(want), "{bad}: {e}");
+        assert!(!e.contains(" at line "), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn message_strings_borrow_unless_escaped() {
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"plain"},{"role":"user","content":"tab\tquote\"","name":"x","extra":{"a":[1,2]}}]}"#;
+    let v = RequestView::parse(body.as_bytes()).unwrap();
+    let m = v.messages().unwrap();
+    match (&m[0].content, &m[1].content) {
+        (Some(MessageContent::Text(a)), Some(MessageContent::Text(b))) => {
+            assert!(matches!(a, Cow::Borrowed("plain")));
+            assert_eq!(b, "tab\tquote\"");
+        }
+        other => panic!("{other:?}"),
     }
 }

@@ -1,7 +1,7 @@
 //! The ChatML fallback, rendered without Jinja: it is the hot path for every model that has no
 //! template configured.
 
-use kvgate_protocol::openai::{parse_messages, ChatMessage};
+use kvgate_protocol::openai::{parse_messages, ChatMessage, MessageContent};
 use serde_json::value::RawValue;
 
 use crate::TokenizeError;
@@ -16,12 +16,23 @@ pub(super) fn render(
     Ok(render_messages(&messages, add_generation_prompt))
 }
 
+/// Bytes of a content's text (its parts joined by `\n`), without joining them.
+fn content_len(c: &MessageContent<'_>) -> usize {
+    match c {
+        MessageContent::Text(t) => t.len(),
+        MessageContent::Parts(p) => p
+            .iter()
+            .map(|p| p.text.as_ref().map_or(0, |t| t.len() + 1))
+            .sum(),
+    }
+}
+
 /// `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
 pub(crate) fn render_messages(messages: &[ChatMessage<'_>], add_generation_prompt: bool) -> String {
     let mut out = String::with_capacity(
         messages
             .iter()
-            .map(|m| m.raw.get().len() + 24)
+            .map(|m| m.role.len() + m.content.as_ref().map_or(0, content_len) + 24)
             .sum::<usize>()
             + 24,
     );
