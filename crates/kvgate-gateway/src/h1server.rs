@@ -1,6 +1,7 @@
-//! kvgate's own HTTP/1.1 server loop for plain-TCP client connections (`server.http1 = "kvgate"`,
-//! the default). TLS connections and HTTP/2 stay on hyper: a connection that opens with the
-//! HTTP/2 preface is handed over to hyper with the bytes already read.
+//! kvgate's own HTTP/1.1 server loop for client connections (`server.http1 = "kvgate"`, the
+//! default), plain or TLS. HTTP/2 stays on hyper: TLS connections that negotiate `h2` go to hyper
+//! at once, and a connection that opens with the HTTP/2 preface is handed over to hyper with the
+//! bytes already read.
 //!
 //! Why: after the kernel's share, hyper's HTTP/1 server was the largest part of the gateway's own
 //! CPU per proxied request (benches/overhead-results.md): its dispatcher state machine, a request

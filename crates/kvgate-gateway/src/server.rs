@@ -1,7 +1,7 @@
 //! Listeners: accept loop, the route table of the data-path listener, and graceful shutdown that
-//! drains in-flight streams. Plain-TCP HTTP/1.1 connections are served by kvgate's own loop
-//! ([`crate::h1server`], unless `server.http1 = "hyper"`); TLS connections and HTTP/2 by hyper-util's
-//! auto builder.
+//! drains in-flight streams. HTTP/1.1 connections (plain, or TLS without ALPN h2) are served by
+//! kvgate's own loop ([`crate::h1server`], unless `server.http1 = "hyper"`); HTTP/2 by
+//! hyper-util's auto builder.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -94,7 +94,7 @@ pub struct ServeOpts {
     /// client's socket to the worker's and back: no cross-thread wake-ups (futex, context switches)
     /// per request, which was most of the gateway's CPU cost per request on a multi-thread runtime.
     pub io_threads: usize,
-    /// Serve plain-TCP connections with kvgate's own HTTP/1.1 loop (`None`: hyper serves all).
+    /// Serve HTTP/1.1 connections with kvgate's own loop (`None`: hyper serves all).
     pub h1: Option<Arc<h1server::Limits>>,
 }
 
@@ -305,20 +305,30 @@ fn spawn_conn<F, Fut>(
     let h1 = c.h1.clone();
     let shutdown = c.shutdown.clone();
     tokio::spawn(async move {
-        let r = match (tls, h1) {
-            (None, Some(limits)) => match h1server::serve(stream, &h, &limits, &shutdown).await {
-                h1server::Ended::Closed => Ok(()),
-                h1server::Ended::H2(stream, read) => {
-                    let io = TokioIo::new(h1server::Prefixed::new(read, stream));
-                    let conn = builder.serve_connection(io, svc);
-                    watcher.watch(conn.into_owned()).await
+        // kvgate's HTTP/1.1 loop when configured (`limits`), hyper otherwise; a client that turns
+        // out to speak HTTP/2 goes to hyper with the bytes already read.
+        macro_rules! serve_io {
+            ($io:ident, $limits:expr) => {
+                match $limits {
+                    Some(limits) => match h1server::serve($io, &h, &limits, &shutdown).await {
+                        h1server::Ended::Closed => Ok(()),
+                        h1server::Ended::H2(io, read) => {
+                            let io = TokioIo::new(h1server::Prefixed::new(read, io));
+                            watcher
+                                .watch(builder.serve_connection(io, svc).into_owned())
+                                .await
+                        }
+                    },
+                    None => {
+                        let conn = builder.serve_connection(TokioIo::new($io), svc);
+                        watcher.watch(conn.into_owned()).await
+                    }
                 }
-            },
-            (None, None) => {
-                let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                watcher.watch(conn.into_owned()).await
-            }
-            (Some(acc), _) => {
+            };
+        }
+        let r = match tls {
+            None => serve_io!(stream, h1),
+            Some(acc) => {
                 let tls =
                     match tokio::time::timeout(Duration::from_secs(10), acc.accept(stream)).await {
                         Ok(Ok(s)) => s,
@@ -328,8 +338,9 @@ fn spawn_conn<F, Fut>(
                         }
                         Err(_) => return,
                     };
-                let conn = builder.serve_connection(TokioIo::new(tls), svc);
-                watcher.watch(conn.into_owned()).await
+                // ALPN h2: hyper's.
+                let h1 = h1.filter(|_| tls.get_ref().1.alpn_protocol() != Some(b"h2"));
+                serve_io!(tls, h1)
             }
         };
         if let Err(e) = r {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use kvgate_gateway::mock::MockWorker;
 use kvgate_gateway::{Gateway, StartOptions};
 use support::*;
@@ -293,7 +293,8 @@ async fn tls_termination() {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(cc));
+    let cc = Arc::new(cc);
+    let connector = tokio_rustls::TlsConnector::from(cc.clone());
     let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let tls = connector.connect(name, tcp).await.expect("TLS handshake");
@@ -309,6 +310,42 @@ async fn tls_termination() {
         .unwrap();
     let resp = sender.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
+    // A stream on the same connection (kvgate's HTTP/1.1 loop over TLS, chunked).
+    let req = http::Request::post("/v1/chat/completions")
+        .header("host", "localhost")
+        .body(Full::new(Bytes::from(chat_body("s", "u", true))))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["transfer-encoding"], "chunked");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(body.ends_with(b"data: [DONE]\n\n"), "{body:?}");
+    // ALPN h2: hyper's HTTP/2 server.
+    let mut cc2 = (*cc).clone();
+    cc2.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(cc2))
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!(
+        "https://localhost:{}/v1/chat/completions",
+        gw.addr.port()
+    ))
+    .body(Full::new(Bytes::from(chat_body("s", "u", false))))
+    .unwrap();
+    let resp = h2.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), http::Version::HTTP_2);
     // Plain HTTP on the TLS port fails.
     let plain = tokio::time::timeout(
         Duration::from_secs(5),
