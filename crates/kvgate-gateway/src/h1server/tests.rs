@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -16,53 +15,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 
-/// A response body for tests: whole, or fed by the test through a channel (dropping it is
-/// recorded).
-enum TBody {
-    Full(Option<Bytes>),
-    Chan(mpsc::Receiver<Bytes>, Arc<AtomicBool>),
-}
-
-impl Drop for TBody {
-    fn drop(&mut self) {
-        if let TBody::Chan(_, dropped) = self {
-            dropped.store(true, Ordering::SeqCst);
-        }
-    }
-}
-
-impl Body for TBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        match self.get_mut() {
-            TBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            TBody::Chan(rx, _) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self, TBody::Full(None))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            TBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
-            TBody::Full(None) => SizeHint::with_exact(0),
-            TBody::Chan(..) => SizeHint::default(),
-        }
-    }
-}
+type TBody = crate::mock::MockBody;
 
 #[derive(Default)]
 struct Shared {
-    /// The sender of the latest `/stream` response.
-    stream: parking_lot::Mutex<Option<mpsc::Sender<Bytes>>>,
-    body_dropped: Arc<AtomicBool>,
+    /// The sender of the latest `/stream` response (closed once the body is dropped).
+    stream: parking_lot::Mutex<Option<mpsc::Sender<Result<Bytes, std::io::Error>>>>,
     handler_dropped: AtomicBool,
     handler_started: AtomicBool,
     rejected: AtomicUsize,
@@ -92,7 +50,7 @@ async fn handle(s: Arc<Shared>, req: Request<ReqBody>) -> Response<TBody> {
         "/stream" => {
             let (tx, rx) = mpsc::channel(8);
             *s.stream.lock() = Some(tx);
-            Response::new(TBody::Chan(rx, s.body_dropped.clone()))
+            Response::new(TBody::Stream(rx))
         }
         "/slow" => {
             let _flag = DropFlag(&s.handler_dropped);
@@ -412,8 +370,8 @@ async fn http10_closes_unless_asked_to_keep_alive() {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    tx.send(Bytes::from_static(b"part1 ")).await.unwrap();
-    tx.send(Bytes::from_static(b"part2")).await.unwrap();
+    tx.send(Ok(Bytes::from_static(b"part1 "))).await.unwrap();
+    tx.send(Ok(Bytes::from_static(b"part2"))).await.unwrap();
     drop(tx);
     let out = read_all(&mut c).await;
     assert!(!out.contains("transfer-encoding"), "{out}");
@@ -438,7 +396,9 @@ async fn streams_are_chunked_and_each_frame_is_sent_at_once() {
     let tx = s.shared.stream.lock().take().unwrap();
     let mut body = resp.into_body();
     for part in ["data: 1\n\n", "data: 2\n\n"] {
-        tx.send(Bytes::from_static(part.as_bytes())).await.unwrap();
+        tx.send(Ok(Bytes::from_static(part.as_bytes())))
+            .await
+            .unwrap();
         // Arrives before the next one is even produced.
         let f = tokio::time::timeout(Duration::from_secs(10), body.frame())
             .await
@@ -472,13 +432,14 @@ async fn a_client_gone_mid_stream_drops_the_body() {
         .unwrap();
     let _ = read_until(&mut c, "\r\n\r\n").await;
     let tx = s.shared.stream.lock().take().unwrap();
-    tx.send(Bytes::from_static(b"first")).await.unwrap();
+    tx.send(Ok(Bytes::from_static(b"first"))).await.unwrap();
     let _ = read_until(&mut c, "first").await;
-    assert!(!s.shared.body_dropped.load(Ordering::SeqCst));
+    assert!(!tx.is_closed());
     drop(c);
     // No write is needed to notice: the body (and with it the worker's request) goes at once.
-    wait_for(&s.shared.body_dropped, "dropping the body").await;
-    drop(tx);
+    tokio::time::timeout(Duration::from_secs(5), tx.closed())
+        .await
+        .expect("the body is dropped");
 }
 
 #[tokio::test]
@@ -548,7 +509,9 @@ async fn shutdown_closes_idle_connections_and_lets_streams_finish() {
     assert_eq!(read_all(&mut idle).await, "", "the idle connection closes");
     assert_eq!(s.ended.recv().await, Some(None));
     // The stream goes on to its end, then its connection closes.
-    tx.send(Bytes::from_static(b"still here")).await.unwrap();
+    tx.send(Ok(Bytes::from_static(b"still here")))
+        .await
+        .unwrap();
     drop(tx);
     let out = read_all(&mut busy).await;
     assert!(out.contains("still here"), "{out}");
