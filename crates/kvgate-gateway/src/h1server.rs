@@ -253,6 +253,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         first: bool,
     ) -> Result<HeadRead, GatewayError> {
         let mut armed = false;
+        // Bytes known to hold no end of the head: a head trickled in byte by byte is parsed once
+        // it is complete, not once per byte (which would cost its length squared).
+        let mut scanned = 0;
         loop {
             if !self.buf.is_empty() {
                 let n = self.buf.len().min(H2_PREFACE.len());
@@ -261,8 +264,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
                     if n == H2_PREFACE.len() {
                         return Ok(HeadRead::H2);
                     }
-                } else if let Some(h) = parse_head(&mut self.buf, self.limits)? {
-                    return Ok(HeadRead::Head(h));
+                } else if scanned == 0
+                    || self.buf.len() >= self.limits.max_head
+                    || head_ends_after(&self.buf, scanned)
+                {
+                    // The first bytes are parsed at once: garbage is answered without waiting.
+                    match parse_head(&mut self.buf, self.limits)? {
+                        Some(h) => return Ok(HeadRead::Head(h)),
+                        None => scanned = self.buf.len(),
+                    }
                 }
             }
             if !armed {
@@ -678,6 +688,12 @@ fn parse_len(v: &[u8]) -> Option<u64> {
         }
     }
     out
+}
+
+/// Whether `buf` holds an empty line (the end of a head) ending past `from`.
+fn head_ends_after(buf: &[u8], from: usize) -> bool {
+    let tail = &buf[from.saturating_sub(3)..];
+    memchr::memmem::find(tail, b"\n\r\n").is_some() || memchr::memmem::find(tail, b"\n\n").is_some()
 }
 
 /// Whether a comma-separated field value holds `token` (case-insensitive).

@@ -553,5 +553,12 @@ fn small_helpers() {
     assert_eq!(parse_len(b"+7"), None);
     assert_eq!(parse_len(b""), None);
     assert!(has_token(b"Keep-Alive, Upgrade", b"keep-alive"));
+    let head = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n";
+    for from in 0..head.len() {
+        // The end of the head is found wherever the scan resumes, as long as it is not past it.
+        assert!(head_ends_after(head, from), "from {from}");
+    }
+    assert!(!head_ends_after(b"GET / HTTP/1.1\r\nhost: x\r\n", 0));
+    assert!(head_ends_after(b"GET / HTTP/1.0\n\n", 14));
     assert!(!has_token(b"closed", b"close"));
 }
