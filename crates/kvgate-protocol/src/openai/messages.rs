@@ -82,14 +82,10 @@ pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, Req
     Ok(out)
 }
 
-/// serde_json puts " at line 1 column N" on errors raised inside a visitor too; only the
-/// outermost position is stripped by [`strip_position`], so inner messages drop theirs here.
+/// serde_json puts " at line 1 column N" on errors raised inside a visitor too: an inner error
+/// wrapped in an outer one drops its own.
 fn inner(e: impl fmt::Display) -> String {
-    let s = e.to_string();
-    match s.rfind(" at line ") {
-        Some(i) => s[..i].to_owned(),
-        None => s,
-    }
+    strip_position(&e)
 }
 
 /// Rejects every JSON type but the one the visitor is for, with `msg`.

@@ -128,7 +128,7 @@ fn parse_include_usage(raw: &RawValue) -> Result<bool, RequestError> {
 }
 
 /// serde_json messages end in " at line 1 column 57"; useful for syntax errors, noise for type ones.
-pub(crate) fn strip_position(e: &serde_json::Error) -> String {
+pub(crate) fn strip_position(e: &impl std::fmt::Display) -> String {
     let s = e.to_string();
     match s.rfind(" at line ") {
         Some(i) => s[..i].to_owned(),
