@@ -171,6 +171,13 @@ async fn hyper_client(
     send
 }
 
+fn get(path: &str) -> Request<http_body_util::Full<Bytes>> {
+    Request::get(path)
+        .header("host", "x")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap()
+}
+
 async fn wait_for(flag: &AtomicBool, what: &str) {
     for _ in 0..500 {
         if flag.load(Ordering::SeqCst) {
@@ -383,15 +390,7 @@ async fn http10_closes_unless_asked_to_keep_alive() {
 async fn streams_are_chunked_and_each_frame_is_sent_at_once() {
     let s = server().await;
     let mut c = hyper_client(s.addr).await;
-    let resp = c
-        .send_request(
-            Request::get("/stream")
-                .header("host", "x")
-                .body(http_body_util::Full::new(Bytes::new()))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = c.send_request(get("/stream")).await.unwrap();
     assert_eq!(resp.headers()[header::TRANSFER_ENCODING], "chunked");
     let tx = s.shared.stream.lock().take().unwrap();
     let mut body = resp.into_body();
@@ -410,15 +409,7 @@ async fn streams_are_chunked_and_each_frame_is_sent_at_once() {
     drop(tx);
     assert!(body.frame().await.is_none());
     // The connection is still good for the next request.
-    let resp = c
-        .send_request(
-            Request::get("/after")
-                .header("host", "x")
-                .body(http_body_util::Full::new(Bytes::new()))
-                .unwrap(),
-        )
-        .await
-        .unwrap();
+    let resp = c.send_request(get("/after")).await.unwrap();
     let b = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(b, "GET /after ");
 }
