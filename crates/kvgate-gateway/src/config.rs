@@ -49,12 +49,12 @@ pub struct ServerConfig {
     /// Threads serving client connections, each with its own single-threaded runtime and worker
     /// connection pool (0 = one per CPU core).
     pub io_threads: usize,
-    /// Who serves plain-TCP HTTP/1.1 connections: kvgate's own loop or hyper.
+    /// Who serves HTTP/1.1 connections (plain and TLS): kvgate's own loop or hyper.
     pub http1: Http1Server,
     pub tls: Option<TlsConfig>,
 }
 
-/// `server.http1`: the HTTP/1.1 server of plain-TCP connections (TLS and HTTP/2 are always
+/// `server.http1`: the HTTP/1.1 server of client connections, plain and TLS (HTTP/2 is always
 /// hyper's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
