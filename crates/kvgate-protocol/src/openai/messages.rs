@@ -67,7 +67,9 @@ impl MessageContent<'_> {
 }
 
 /// Parses a raw `messages` array (what [`super::RequestView::messages`] does), in one pass over
-/// its text: every string is scanned once (a prompt can be hundreds of kilobytes).
+/// its text: every string is scanned once (a prompt can be hundreds of kilobytes). serde_json
+/// puts " at line 1 column N" on errors raised inside a visitor too: an inner error wrapped in an
+/// outer one drops its own ([`strip_position`]).
 pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, RequestError> {
     let mut de = serde_json::Deserializer::from_str(raw.get());
     let out = de
@@ -80,12 +82,6 @@ pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, Req
         ));
     }
     Ok(out)
-}
-
-/// serde_json puts " at line 1 column N" on errors raised inside a visitor too: an inner error
-/// wrapped in an outer one drops its own.
-fn inner(e: impl fmt::Display) -> String {
-    strip_position(&e)
 }
 
 /// Rejects every JSON type but the one the visitor is for, with `msg`.
@@ -172,18 +168,18 @@ impl<'de> Visitor<'de> for MessageSeed {
         let mut content = None;
         while let Some(key) = map
             .next_key::<CowStr<'de>>()
-            .map_err(|e| de::Error::custom(format!("messages[{i}]: {}", inner(e))))?
+            .map_err(|e| de::Error::custom(format!("messages[{i}]: {}", strip_position(&e))))?
         {
             match &*key.0 {
                 "role" => {
-                    let r: CowStr<'de> = map
-                        .next_value()
-                        .map_err(|e| de::Error::custom(format!("messages[{i}]: {}", inner(e))))?;
+                    let r: CowStr<'de> = map.next_value().map_err(|e| {
+                        de::Error::custom(format!("messages[{i}]: {}", strip_position(&e)))
+                    })?;
                     role = Some(r.0);
                 }
                 "content" => {
                     content = map.next_value_seed(ContentSeed).map_err(|e| {
-                        de::Error::custom(format!("messages[{i}].content: {}", inner(e)))
+                        de::Error::custom(format!("messages[{i}].content: {}", strip_position(&e)))
                     })?;
                 }
                 _ => {
@@ -303,15 +299,15 @@ impl<'de> Visitor<'de> for PartSeed {
         while let Some(key) = map.next_key::<CowStr<'de>>()? {
             match &*key.0 {
                 "type" => {
-                    let k: CowStr<'de> = map
-                        .next_value()
-                        .map_err(|e| de::Error::custom(format!("part {j}: {}", inner(e))))?;
+                    let k: CowStr<'de> = map.next_value().map_err(|e| {
+                        de::Error::custom(format!("part {j}: {}", strip_position(&e)))
+                    })?;
                     kind = Some(k.0);
                 }
                 "text" => {
-                    let t: CowStr<'de> = map
-                        .next_value()
-                        .map_err(|e| de::Error::custom(format!("part {j}: {}", inner(e))))?;
+                    let t: CowStr<'de> = map.next_value().map_err(|e| {
+                        de::Error::custom(format!("part {j}: {}", strip_position(&e)))
+                    })?;
                     text = Some(t.0);
                 }
                 _ => {
