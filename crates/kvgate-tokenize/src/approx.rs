@@ -19,7 +19,17 @@
 //! own), so a text and any extension of it share every token except those of the last piece.
 //! Ids never match the worker's, so this only makes routing consistent *between requests*
 //! (prefix sharing is still detected); the worker's real cache is keyed on real ids.
+//!
+//! Whole ChatML messages are cached ([`crate::segments`]): the text is cut before every
+//! `<|` that starts a line, which is always a piece boundary (a newline is a piece of its own
+//! class and ends at the first char of another class, and the piece after it starts afresh), so
+//! each segment's ids depend on its text only and the concatenated ids are those of the whole
+//! text. The system prompt and earlier turns of a conversation are then hashed once, not on
+//! every request.
 
+use std::sync::Mutex;
+
+use crate::segments::{self, SegCache};
 use crate::Tokenizer;
 
 /// Pieces up to this many bytes (leading space included) are one token.
@@ -28,17 +38,34 @@ const WHOLE_PIECE_MAX: usize = 8;
 const LONG_PIECE_CHUNK: usize = 4;
 const DEFAULT_VOCAB: u32 = 100_000;
 
+/// Text is cut into cached segments before each occurrence of this after a newline.
+const SEGMENT_START: &[u8] = b"<|";
+
 /// Deterministic, vocabulary-free, ~4 chars/token. See the module docs.
-#[derive(Debug, Clone)]
 pub struct ApproxTokenizer {
     vocab: u32,
+    /// Ids of whole segments (ChatML messages), shared by every encode.
+    segments: Mutex<SegCache>,
+}
+
+impl std::fmt::Debug for ApproxTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApproxTokenizer")
+            .field("vocab", &self.vocab)
+            .finish()
+    }
+}
+
+impl Clone for ApproxTokenizer {
+    /// The same ids; the clone starts with an empty segment cache of its own.
+    fn clone(&self) -> Self {
+        Self::with_vocab(self.vocab)
+    }
 }
 
 impl Default for ApproxTokenizer {
     fn default() -> Self {
-        Self {
-            vocab: DEFAULT_VOCAB,
-        }
+        Self::with_vocab(DEFAULT_VOCAB)
     }
 }
 
@@ -47,6 +74,7 @@ impl ApproxTokenizer {
     pub fn with_vocab(vocab: u32) -> Self {
         Self {
             vocab: vocab.max(1000),
+            segments: Mutex::new(SegCache::new(segments::DEFAULT_BUDGET_BYTES)),
         }
     }
 
@@ -319,11 +347,24 @@ fn for_each_piece<'t>(text: &'t str, mut f: impl FnMut(&'t str)) {
     }
 }
 
-impl Tokenizer for ApproxTokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
+impl ApproxTokenizer {
+    /// Appends the ids of one segment: from the cache when it is long enough to be worth it, else
+    /// (and then stored) encoded.
+    fn segment(&self, s: &str, out: &mut Vec<u32>) {
+        let cacheable = s.len() >= segments::MIN_SEGMENT_BYTES;
+        if cacheable && segments::lock(&self.segments).get_into(s, out) {
+            return;
+        }
+        let from = out.len();
+        self.encode_into(s, out);
+        if cacheable {
+            segments::lock(&self.segments).insert(s, &out[from..]);
+        }
+    }
+
+    /// The ids of `text`, piece by piece (no cache).
+    fn encode_into(&self, text: &str, out: &mut Vec<u32>) {
         let bytes = text.as_bytes();
-        // Prose is ~4 bytes a token, chat markup and code a little less: one allocation.
-        let mut out = Vec::with_capacity(bytes.len() / 3 + 1);
         let mut start = 0;
         while start < bytes.len() {
             start = match ascii_piece(bytes, start) {
@@ -333,12 +374,35 @@ impl Tokenizer for ApproxTokenizer {
                     end
                 }
                 Some((end, _)) => {
-                    self.push_ascii_chunks(&bytes[start..end], &mut out);
+                    self.push_ascii_chunks(&bytes[start..end], out);
                     end
                 }
-                None => self.encode_general(text, start, &mut out),
+                None => self.encode_general(text, start, out),
             };
         }
+    }
+
+    /// Segment cache `(hits, misses, entries)`.
+    #[cfg(test)]
+    fn segment_stats(&self) -> (u64, u64, usize) {
+        let c = segments::lock(&self.segments);
+        (c.hits, c.misses, c.len())
+    }
+}
+
+impl Tokenizer for ApproxTokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        let bytes = text.as_bytes();
+        // Prose is ~4 bytes a token, chat markup and code a little less: one allocation.
+        let mut out = Vec::with_capacity(bytes.len() / 3 + 1);
+        let mut start = 0;
+        for nl in memchr::memchr_iter(b'\n', bytes) {
+            if bytes[nl + 1..].starts_with(SEGMENT_START) {
+                self.segment(&text[start..=nl], &mut out);
+                start = nl + 1;
+            }
+        }
+        self.segment(&text[start..], &mut out);
         out
     }
 

@@ -11,6 +11,7 @@
 mod approx;
 mod hf;
 mod model;
+mod segments;
 mod spec;
 mod template;
 mod tiktoken;

@@ -310,6 +310,58 @@ fn encode_matches_reference_on_long_runs_and_chat_text() {
     }
 }
 
+#[test]
+fn chat_messages_come_from_the_segment_cache_with_the_same_ids() {
+    // ChatML conversations growing turn by turn: every earlier message is met again, at another
+    // offset, and must give the reference's ids from the cache.
+    let t = ApproxTokenizer::default();
+    let chat = |turns: u32| {
+        let mut s = format!("<|im_start|>system\n{PROSE}<|im_end|>\n");
+        for i in 0..turns {
+            s += &format!(
+                "<|im_start|>user\nQuestion {i}: tell me about topic {i}, and routers?<|im_end|>\n\
+                 <|im_start|>assistant\nAnswer {i}: topic {i} is about routers and workers.<|im_end|>\n"
+            );
+        }
+        s + "<|im_start|>assistant\n"
+    };
+    for turns in 1..8 {
+        let text = chat(turns);
+        assert_eq!(
+            t.encode(&text),
+            reference_encode(&t, &text),
+            "{turns} turns"
+        );
+        assert_eq!(
+            t.encode(&text),
+            reference_encode(&t, &text),
+            "{turns} turns, again"
+        );
+    }
+    let (hits, misses, entries) = t.segment_stats();
+    // 1 + 2·turns cacheable segments per chat, each encoded twice: only the first sight misses.
+    assert_eq!(misses as usize, entries);
+    assert_eq!(entries, 1 + 2 * 7);
+    assert_eq!(hits + misses, (1..8).map(|n| 2 * (1 + 2 * n)).sum::<u64>());
+    // A cut inside content (a line starting with `<|`), CRLF before it, and multi-byte text on
+    // both sides of cuts; a short segment is encoded, not stored.
+    for text in [
+        format!("{PROSE}\n<|not a marker|> {PROSE}\r\n<|x|>\n\n<|y"),
+        format!("é{PROSE}東\n<|東京 {PROSE}\n<|"),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n".to_owned(),
+        "\n<|".to_owned(),
+    ] {
+        assert_eq!(t.encode(&text), reference_encode(&t, &text), "{text:?}");
+        assert_eq!(
+            t.encode(&text),
+            reference_encode(&t, &text),
+            "{text:?}, again"
+        );
+    }
+    let (_, _, after) = t.segment_stats();
+    assert_eq!(after, entries + 4, "the long segments only");
+}
+
 proptest! {
     #[test]
     fn prefix_stable(text in "[a-zA-Z0-9 ,.!\\n\\t_é東-]{0,80}", cut in 0usize..80) {
@@ -345,6 +397,18 @@ proptest! {
         let t = ApproxTokenizer::with_vocab(vocab);
         prop_assert_eq!(t.encode(&text), reference_encode(&t, &text));
         prop_assert_eq!(t.encode(&text), previous::encode(&t, &text));
+    }
+
+    #[test]
+    fn cached_segments_match_the_reference(
+        parts in proptest::collection::vec(
+            "(<\\|im_start\\|>(user|system)\n|<\\|im_end\\|>\n|\n<\\||\r\n|[a-z é東,.]{0,90}|\n\n)", 0..12),
+    ) {
+        let t = ApproxTokenizer::default();
+        let text = parts.concat();
+        let expected = reference_encode(&t, &text);
+        prop_assert_eq!(&t.encode(&text), &expected);
+        prop_assert_eq!(&t.encode(&text), &expected);
     }
 
     #[test]

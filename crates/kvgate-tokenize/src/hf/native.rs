@@ -20,7 +20,6 @@
 
 mod added;
 mod merge;
-mod segments;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -28,9 +27,9 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 use tokenizers::{ModelWrapper, PreTokenizerWrapper, Token};
 
 use super::pretok::{piece_end, BYTE_CHARS};
+use crate::segments::{self, SegCache};
 use added::{AddedSet, Seg};
 use merge::{pair_key, Bpe, PairMap, Scratch, WordCache};
-use segments::SegCache;
 
 /// Independent caches; an encode takes the first free one (no waiting), so concurrent requests
 /// on the runtime's worker threads each get one.
@@ -151,10 +150,8 @@ impl Native {
         }
     }
 
-    /// The segment cache; a panic while it was held cannot leave it inconsistent (entries are
-    /// inserted whole), so a poisoned lock is taken over.
     fn seg_cache(&self) -> MutexGuard<'_, SegCache> {
-        self.segments.lock().unwrap_or_else(|p| p.into_inner())
+        segments::lock(&self.segments)
     }
 
     /// The first slot nobody holds (never waits).

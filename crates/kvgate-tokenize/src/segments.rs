@@ -1,10 +1,10 @@
-//! Segment cache: the ids of whole text segments — the text between two added (special) tokens.
-//!
-//! Added tokens split the input before anything else runs, and every segment is then encoded on
-//! its own (pre-tokenizer, BPE), so a segment's ids depend on its text only. A rendered chat is
-//! mostly segments seen before: `<|im_start|>` / `<|im_end|>` (or the template's equivalents)
-//! cut it into one segment per message, and the system prompt and every earlier turn of a
-//! conversation come back verbatim on the next request. Looking a segment up costs one hash and
+//! Segment cache: the ids of whole text segments, for tokenizers whose input splits into pieces
+//! that are encoded independently, so a segment's ids depend on its text only. For the HF
+//! backend a segment is the text between two added (special) tokens (`hf/native.rs`); for the
+//! approximate tokenizer, a ChatML message (`approx.rs`). A rendered chat is mostly segments
+//! seen before: `<|im_start|>` / `<|im_end|>` (or the template's equivalents) cut it into one
+//! segment per message, and the system prompt and every earlier turn of a conversation come back
+//! verbatim on the next request. Looking a segment up costs one hash and
 //! one compare of its bytes (~0.2 µs per KB) against ~20–30 µs per KB to encode it, so with the
 //! cache a request pays for its new text only.
 //!
@@ -13,6 +13,7 @@
 //! encode faster than they hash).
 
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
 
 /// Segments shorter than this are encoded every time.
 pub(crate) const MIN_SEGMENT_BYTES: usize = 64;
@@ -20,6 +21,12 @@ pub(crate) const MIN_SEGMENT_BYTES: usize = 64;
 pub(crate) const DEFAULT_BUDGET_BYTES: usize = 32 << 20;
 /// Per-entry bookkeeping counted against the budget (map slot, key and ids headers).
 const ENTRY_OVERHEAD: usize = 64;
+
+/// Locks a shared cache. A panic while it was held cannot leave it inconsistent (entries are
+/// inserted whole), so a poisoned lock is taken over.
+pub(crate) fn lock(cache: &Mutex<SegCache>) -> MutexGuard<'_, SegCache> {
+    cache.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 struct Entry {
     ids: Box<[u32]>,
