@@ -7,6 +7,12 @@
 //! per-touch counter, not the time, so two touches in the same instant are still ordered); the queue
 //! is compacted when stale entries outnumber live ones.
 //!
+//! A block used again within 1/[`REFRESH_DIVISOR`] of the TTL of its recorded last use is not
+//! refreshed: a hot prefix (a system prompt on every request) would otherwise push a queue entry
+//! per block per request and keep the compaction busy. Its recorded use, and so its expiry and
+//! its LRU position, may then lag the true ones by less than TTL/64 (under 2 s of the default
+//! 120 s): an approximate index's approximation, which the LRU model test accounts for.
+//!
 //! Exact workers use the same structure for their *predicted* blocks (inserted on route, alive for
 //! the predicted TTL unless a KV event confirms them first).
 
@@ -31,6 +37,10 @@ pub(crate) struct ApproxWorker {
 }
 
 const NO_FRONT: u64 = u64::MAX;
+
+/// Refresh granularity: a known block's use is recorded again only once its recorded last use
+/// is at least TTL / this old.
+pub(crate) const REFRESH_DIVISOR: u64 = 64;
 
 impl ApproxWorker {
     pub(crate) fn new(ttl_ns: u64, capacity: usize) -> Self {
@@ -109,12 +119,26 @@ impl ApproxWorker {
         removed
     }
 
-    /// Inserts or refreshes `h`; true when it is new.
+    /// Inserts or refreshes `h` (not when it was recorded less than TTL / [`REFRESH_DIVISOR`]
+    /// ago); true when it is new.
     pub(crate) fn touch(&mut self, h: BlockHash, now_ns: u64) -> bool {
+        use std::collections::hash_map::Entry;
         self.clock = self.clock.max(now_ns);
         let stamp = self.next_stamp;
+        let new = match self.last_use.entry(h) {
+            Entry::Occupied(mut e) => {
+                if self.clock - e.get().0 < self.ttl_ns / REFRESH_DIVISOR {
+                    return false;
+                }
+                e.insert((self.clock, stamp));
+                false
+            }
+            Entry::Vacant(e) => {
+                e.insert((self.clock, stamp));
+                true
+            }
+        };
         self.next_stamp += 1;
-        let new = self.last_use.insert(h, (self.clock, stamp)).is_none();
         self.queue.push_back((h, stamp));
         if self.queue.len() == 1 || self.at_front(h) {
             self.trim_front(); // first entry, or the front was this block's older entry

@@ -1,3 +1,4 @@
+use super::approx::REFRESH_DIVISOR;
 use super::*;
 use crate::hash::{block_hashes, BASE_SEED};
 use proptest::prelude::*;
@@ -357,6 +358,10 @@ proptest! {
                 ix.record_routed(WorkerId(w), &hashes[seq][..n], at);
                 l.retain(|&(_, t)| t + 100 > now);
                 for &h in &hashes[seq][..n] {
+                    // Used again within TTL/64 (1.5625 s here) of its recorded use: not refreshed.
+                    if l.iter().any(|&(x, t)| x == h && (now - t) * REFRESH_DIVISOR < 100) {
+                        continue;
+                    }
                     l.retain(|&(x, _)| x != h);
                     l.push((h, now));
                 }
