@@ -13,6 +13,11 @@
 //! lets [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt instead of
 //! one search per worker.
 //!
+//! A block whose count drops to zero keeps its map entries (count 0, empty worker set) until idle
+//! entries outnumber live ones ([`SWEEP_MIN`] at least): a prefix every request shares (a system
+//! prompt) goes 0 → 1 → 0 on each request at low concurrency, and re-inserting and removing its
+//! entries each time was most of the bookkeeping.
+//!
 //! Thread-safe: one `std::sync::Mutex` inside an `Arc`, held only for short, allocation-free sections.
 
 use crate::index::worker_set::{bits, WorkerSet};
@@ -43,10 +48,16 @@ struct Entry {
     started: Instant,
 }
 
+/// Idle entries (count 0, or an empty worker set) are dropped once there are more of them than
+/// live ones and at least this many.
+const SWEEP_MIN: usize = 4096;
+
 #[derive(Debug, Default)]
 struct WorkerState {
-    /// Router hash → number of in-flight requests on this worker that include it.
+    /// Router hash → number of in-flight requests on this worker that include it (0: idle entry).
     blocks: HashKeyed<u32>,
+    /// Entries of `blocks` with a count above 0.
+    active_blocks: u32,
     pending_prefill_tokens: u64,
     requests: HashMap<u64, Entry, std::hash::BuildHasherDefault<crate::nohash::MixHasher>>,
 }
@@ -54,7 +65,7 @@ struct WorkerState {
 impl WorkerState {
     fn load(&self) -> WorkerLoad {
         WorkerLoad {
-            active_blocks: self.blocks.len() as u32,
+            active_blocks: self.active_blocks,
             pending_prefill_tokens: self.pending_prefill_tokens,
             inflight: self.requests.len() as u32,
         }
@@ -64,7 +75,7 @@ impl WorkerState {
     /// prefixes, so the active part of a request is itself a prefix: gallop, then binary search, for
     /// O(log n) lookups instead of n.
     fn new_blocks(&self, hashes: &[BlockHash]) -> u32 {
-        let active = |i: usize| self.blocks.contains_key(&hashes[i]);
+        let active = |i: usize| self.blocks.get(&hashes[i]).is_some_and(|&n| n > 0);
         let n = hashes.len();
         if n == 0 || !active(0) {
             return n as u32;
@@ -73,23 +84,20 @@ impl WorkerState {
     }
 
     /// Frees request `key` of worker `w` (this state), keeping the inverse map `active` in step.
-    fn free(
-        &mut self,
-        w: WorkerId,
-        key: u64,
-        pool: &mut Vec<Vec<BlockHash>>,
-        active: &mut HashKeyed<WorkerSet>,
-    ) {
+    fn free(&mut self, w: WorkerId, key: u64, pool: &mut Vec<Vec<BlockHash>>, active: &mut Active) {
         let Some(mut e) = self.requests.remove(&key) else {
             return;
         };
         self.pending_prefill_tokens -= e.prefill;
         for h in &e.hashes {
             if let Some(n) = self.blocks.get_mut(h) {
+                if *n == 0 {
+                    continue; // a duplicate hash in the request, already freed
+                }
                 *n -= 1;
                 if *n == 0 {
-                    self.blocks.remove(h);
-                    unlink(active, *h, w);
+                    self.active_blocks -= 1;
+                    active.unlink(*h, w);
                 }
             }
         }
@@ -97,15 +105,56 @@ impl WorkerState {
             e.hashes.clear();
             pool.push(e.hashes);
         }
+        if self.blocks.len() > SWEEP_MIN.max(2 * self.active_blocks as usize) {
+            self.blocks.retain(|_, n| *n > 0);
+        }
     }
 }
 
-/// Removes `w` from the workers where `h` is active, dropping the entry once none is left.
-fn unlink(active: &mut HashKeyed<WorkerSet>, h: BlockHash, w: WorkerId) {
-    if let Some(set) = active.get_mut(&h) {
-        set.remove(w);
-        if set.is_empty() {
-            active.remove(&h);
+/// Router hash → workers where it is active (refcount > 0 in their `blocks`); the union of the
+/// workers' block maps, inverted. Sets that became empty stay until swept.
+#[derive(Debug, Default)]
+struct Active {
+    sets: HashKeyed<WorkerSet>,
+    /// Entries of `sets` that are empty.
+    empty: usize,
+}
+
+impl Active {
+    fn get(&self, h: &BlockHash) -> Option<&WorkerSet> {
+        self.sets.get(h).filter(|s| !s.is_empty())
+    }
+
+    /// Adds `w` to the workers where `h` is active.
+    fn link(&mut self, h: BlockHash, w: WorkerId) {
+        use std::collections::hash_map::Entry;
+        match self.sets.entry(h) {
+            Entry::Occupied(e) => {
+                let set = e.into_mut();
+                if set.is_empty() {
+                    self.empty -= 1;
+                }
+                set.insert(w);
+            }
+            Entry::Vacant(e) => {
+                e.insert(WorkerSet::default()).insert(w);
+            }
+        }
+    }
+
+    /// Removes `w` from the workers where `h` is active.
+    fn unlink(&mut self, h: BlockHash, w: WorkerId) {
+        if let Some(set) = self.sets.get_mut(&h) {
+            if set.remove(w) && set.is_empty() {
+                self.empty += 1;
+            }
+        }
+    }
+
+    fn maybe_sweep(&mut self) {
+        if self.empty > SWEEP_MIN.max(self.sets.len() - self.empty) {
+            self.sets.retain(|_, s| !s.is_empty());
+            self.empty = 0;
         }
     }
 }
@@ -116,9 +165,8 @@ const POOL_MAX: usize = 256;
 #[derive(Debug, Default)]
 struct Inner {
     workers: Vec<Option<WorkerState>>,
-    /// Router hash → workers where it is active (refcount > 0 in their `blocks`); the union of the
-    /// workers' block maps, inverted.
-    active: HashKeyed<WorkerSet>,
+    /// Block → workers where it is active.
+    active: Active,
     /// Scratch of [`ActiveSequences::fill_loads`], sized with `workers`: per worker, how many leading
     /// prompt blocks are active there, and the 64-worker words still matching.
     depth: Vec<u32>,
@@ -276,7 +324,8 @@ impl ActiveSequences {
             let n = ws.blocks.entry(h).or_insert(0);
             *n += 1;
             if *n == 1 {
-                inner.active.entry(h).or_default().insert(worker);
+                ws.active_blocks += 1;
+                inner.active.link(h, worker);
             }
         }
         ws.pending_prefill_tokens += prefill;
@@ -359,6 +408,7 @@ impl ActiveSequences {
                 ws.free(WorkerId(i as u32), k, &mut inner.pool, &mut inner.active);
             }
         }
+        inner.active.maybe_sweep();
         expired
     }
 
@@ -368,9 +418,12 @@ impl ActiveSequences {
         let inner = &mut *g;
         if let Some(slot) = inner.workers.get_mut(worker.index()) {
             if let Some(ws) = slot.take() {
-                for &h in ws.blocks.keys() {
-                    unlink(&mut inner.active, h, worker);
+                for (&h, &n) in &ws.blocks {
+                    if n > 0 {
+                        inner.active.unlink(h, worker);
+                    }
                 }
+                inner.active.maybe_sweep();
             }
         }
     }
@@ -400,6 +453,7 @@ impl ActiveSequences {
         let inner = &mut *g;
         if let Some(Some(ws)) = inner.workers.get_mut(worker.index()) {
             ws.free(worker, key, &mut inner.pool, &mut inner.active);
+            inner.active.maybe_sweep();
         }
     }
 
@@ -409,7 +463,9 @@ impl ActiveSequences {
     fn inverse(&self) -> std::collections::BTreeMap<BlockHash, std::collections::BTreeSet<u32>> {
         self.lock()
             .active
+            .sets
             .iter()
+            .filter(|(_, s)| !s.is_empty())
             .map(|(&h, s)| (h, s.iter().map(|w| w.0).collect()))
             .collect()
     }
@@ -422,7 +478,7 @@ impl ActiveSequences {
         let g = self.lock();
         let mut m = std::collections::BTreeMap::<_, std::collections::BTreeSet<u32>>::new();
         for (i, ws) in g.workers.iter().enumerate() {
-            for &h in ws.iter().flat_map(|ws| ws.blocks.keys()) {
+            for (&h, _) in ws.iter().flat_map(|ws| &ws.blocks).filter(|(_, &n)| n > 0) {
                 m.entry(h).or_default().insert(i as u32);
             }
         }

@@ -274,3 +274,59 @@ fn fill_loads_one_walk_finds_every_depth() {
     drop(guards);
     assert!(a.inverse().is_empty());
 }
+
+/// Idle entries (count 0, empty worker sets) are kept for the next request that needs them but
+/// swept once they outnumber live ones: memory stays bounded over many distinct prompts, and
+/// loads, depths and the inverse map stay exact across sweeps.
+#[test]
+fn idle_entries_are_swept_and_loads_stay_exact() {
+    let a = ActiveSequences::new();
+    let (w0, w1) = (WorkerId(0), WorkerId(1));
+    // One long-lived request keeps a prefix active on w1 throughout.
+    let pinned = a.add(w1, 0, &seq(8, 0), 0, 0);
+    let mut held = std::collections::VecDeque::new();
+    for i in 1..3000u32 {
+        let w = if i % 3 == 0 { w1 } else { w0 };
+        held.push_back(a.add(w, u64::from(i), &seq(6, i), 10, 0));
+        if held.len() > 4 {
+            drop(held.pop_front());
+        }
+        let g = a.lock();
+        let idle: usize = g
+            .workers
+            .iter()
+            .flatten()
+            .map(|ws| ws.blocks.len() - ws.active_blocks as usize)
+            .sum();
+        assert!(idle <= 2 * SWEEP_MIN, "{idle} idle block entries at {i}");
+        assert!(
+            g.active.empty <= SWEEP_MIN + 1,
+            "{} empty sets",
+            g.active.empty
+        );
+        drop(g);
+        if i % 500 == 0 {
+            assert_eq!(a.inverse(), a.inverse_naive());
+            // The pinned prefix is still found on w1 only; the shared 2-block prefix wherever a
+            // held request has it.
+            let mut cands = vec![Candidate::new(w0), Candidate::new(w1)];
+            a.fill_loads(&seq(8, 0), &mut cands);
+            assert_eq!(cands[1].new_blocks, 0);
+            assert_eq!(cands[1].new_blocks, a.new_blocks_for(w1, &seq(8, 0)));
+            assert_eq!(cands[0].new_blocks, a.new_blocks_for(w0, &seq(8, 0)));
+        }
+    }
+    // Six blocks per held request, the first two shared by all; eight pinned, sharing them too.
+    let total: u32 = a.all().iter().map(|(_, l)| l.active_blocks).sum();
+    let held_on = |w| held.iter().filter(|g| g.worker() == w).count() as u32;
+    let expect_w0 = if held_on(w0) > 0 {
+        2 + 4 * held_on(w0)
+    } else {
+        0
+    };
+    assert_eq!(total, expect_w0 + 8 + 4 * held_on(w1));
+    drop(held);
+    drop(pinned);
+    assert!(a.all().iter().all(|(_, l)| *l == WorkerLoad::default()));
+    assert!(a.inverse().is_empty());
+}
