@@ -8,11 +8,16 @@
 //! one compare of its bytes (~0.2 µs per KB) against ~20–30 µs per KB to encode it, so with the
 //! cache a request pays for its new text only.
 //!
+//! Entries are keyed by a seeded 64-bit xxh3 of the text (SIMD-fast on long segments, where a
+//! general-purpose hasher costs about a cycle per byte) and hold the text: a hit compares it
+//! whole, so a hash collision is only a miss.
+//!
 //! Bounded by bytes (text + ids + a fixed per-entry overhead); when full, the least recently
 //! used half is dropped. Only segments of at least [`MIN_SEGMENT_BYTES`] are cached (shorter ones
 //! encode faster than they hash).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 /// Segments shorter than this are encoded every time.
@@ -29,12 +34,31 @@ pub(crate) fn lock(cache: &Mutex<SegCache>) -> MutexGuard<'_, SegCache> {
 }
 
 struct Entry {
+    text: Box<str>,
     ids: Box<[u32]>,
     last_used: u64,
 }
 
+/// The map's keys are already hashes: used as they are.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, k: u64) {
+        self.0 = k;
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 pub(crate) struct SegCache {
-    map: HashMap<Box<str>, Entry, ahash::RandomState>,
+    map: HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>,
+    /// Per-cache seed of the key hash, so colliding texts cannot be prepared in advance.
+    seed: u64,
     bytes: usize,
     budget: usize,
     tick: u64,
@@ -46,6 +70,7 @@ impl SegCache {
     pub(crate) fn new(budget: usize) -> Self {
         Self {
             map: HashMap::default(),
+            seed: std::collections::hash_map::RandomState::new().hash_one(0u64),
             bytes: 0,
             budget,
             tick: 0,
@@ -58,10 +83,15 @@ impl SegCache {
         text.len() + 4 * ids + ENTRY_OVERHEAD
     }
 
+    fn key(&self, text: &str) -> u64 {
+        xxhash_rust::xxh3::xxh3_64_with_seed(text.as_bytes(), self.seed)
+    }
+
     /// Appends the cached ids of `text` to `out`; false (nothing appended) on a miss.
     pub(crate) fn get_into(&mut self, text: &str, out: &mut Vec<u32>) -> bool {
         self.tick += 1;
-        match self.map.get_mut(text) {
+        let key = self.key(text);
+        match self.map.get_mut(&key).filter(|e| *e.text == *text) {
             Some(e) => {
                 e.last_used = self.tick;
                 out.extend_from_slice(&e.ids);
@@ -77,8 +107,10 @@ impl SegCache {
 
     pub(crate) fn insert(&mut self, text: &str, ids: &[u32]) {
         let cost = Self::cost(text, ids.len());
-        if cost > self.budget / 4 || self.map.contains_key(text) {
-            return; // one huge segment must not flush everything else
+        let key = self.key(text);
+        // One huge segment must not flush everything else; a colliding text keeps its place.
+        if cost > self.budget / 4 || self.map.contains_key(&key) {
+            return;
         }
         if self.bytes + cost > self.budget {
             self.evict_older_half();
@@ -86,8 +118,9 @@ impl SegCache {
         self.tick += 1;
         self.bytes += cost;
         self.map.insert(
-            text.into(),
+            key,
             Entry {
+                text: text.into(),
                 ids: ids.into(),
                 last_used: self.tick,
             },
@@ -103,10 +136,10 @@ impl SegCache {
         let mid = lasts.len() / 2;
         let (_, &mut cut, _) = lasts.select_nth_unstable(mid);
         let mut bytes = 0;
-        self.map.retain(|k, e| {
+        self.map.retain(|_, e| {
             let keep = e.last_used > cut;
             if keep {
-                bytes += Self::cost(k, e.ids.len());
+                bytes += Self::cost(&e.text, e.ids.len());
             }
             keep
         });
@@ -139,6 +172,23 @@ mod tests {
         assert_eq!(out, [9, 1, 2, 3]);
         assert!(!c.get_into("system\nYou are a helpful assistant!", &mut out));
         assert_eq!((c.hits, c.misses), (1, 2));
+    }
+
+    #[test]
+    fn a_colliding_key_is_a_miss_not_someone_elses_ids() {
+        let mut c = SegCache::new(1 << 20);
+        c.insert("the first text", &[1, 2]);
+        // Another text under the first one's key, as a hash collision would put it.
+        let key = c.key("the first text");
+        let other = "another text with the same key";
+        c.map.get_mut(&key).unwrap().text = other.into();
+        let mut out = Vec::new();
+        assert!(!c.get_into("the first text", &mut out));
+        assert!(out.is_empty());
+        // Inserting the first text again leaves the occupant alone.
+        c.insert("the first text", &[3]);
+        assert!(!c.get_into("the first text", &mut out));
+        assert_eq!(&*c.map[&key].text, other);
     }
 
     #[test]

@@ -7,6 +7,11 @@ use super::super::pretok::is_space;
 
 struct Pat {
     bytes: Box<[u8]>,
+    /// The first (up to) 8 bytes as a little-endian word, and the mask of those present: a
+    /// candidate is compared whole only when the text's next 8 bytes agree (a model with a
+    /// dozen `<|…|>` tokens would otherwise call `memcmp` a dozen times at every `<`).
+    head: u64,
+    head_mask: u64,
     id: u32,
     lstrip: bool,
     rstrip: bool,
@@ -38,6 +43,8 @@ impl AddedSet {
             .into_iter()
             .filter(|(c, ..)| !c.is_empty())
             .map(|(c, id, lstrip, rstrip)| Pat {
+                head: word8(c.as_bytes()),
+                head_mask: u64::MAX >> (8 * (8 - c.len().min(8))),
                 bytes: c.into_bytes().into_boxed_slice(),
                 id,
                 lstrip,
@@ -69,9 +76,11 @@ impl AddedSet {
     /// The longest pattern matching at byte `i`.
     fn longest_at(&self, s: &[u8], i: usize) -> Option<&Pat> {
         let (a, b) = self.first[usize::from(s[i])];
+        let rest = &s[i..];
+        let word = word8(rest);
         self.pats[a as usize..b as usize]
             .iter()
-            .find(|p| s[i..].starts_with(&p.bytes))
+            .find(|p| word & p.head_mask == p.head && rest.starts_with(&p.bytes))
     }
 
     /// The leftmost match at or after `from`.
@@ -126,6 +135,14 @@ impl AddedSet {
             f(Seg::Text(&s[start_offset..]));
         }
     }
+}
+
+/// The first (up to) 8 bytes of `s` as a little-endian word, zero-padded.
+fn word8(s: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = s.len().min(8);
+    b[..n].copy_from_slice(&s[..n]);
+    u64::from_le_bytes(b)
 }
 
 /// Start of the whitespace run ending `s` (`s.len()` if none).
