@@ -46,7 +46,11 @@ pub async fn route_input_offloaded(
     }
     let (body, tokenizer) = (body.clone(), tokenizer.clone());
     let task = tokio::task::spawn_blocking(move || {
-        let view = RequestView::parse(&body)?;
+        let view = if endpoint == Endpoint::Chat {
+            RequestView::parse(&body)?
+        } else {
+            RequestView::parse_without_messages(&body)?
+        };
         route_input(&view, endpoint, block_size, &tokenizer)
     });
     match task.await {

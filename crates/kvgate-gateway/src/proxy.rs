@@ -67,7 +67,11 @@ async fn route_and_forward(
     .await?;
 
     let t_decide = Instant::now();
-    let view = RequestView::parse(&bytes).map_err(|e| {
+    let parsed = match ctx.endpoint {
+        Endpoint::Chat => RequestView::parse(&bytes),
+        Endpoint::Completions | Endpoint::Embeddings => RequestView::parse_without_messages(&bytes),
+    };
+    let view = parsed.map_err(|e| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     })?;

@@ -2,9 +2,10 @@
 //!
 //! The gateway forwards the client's body bytes unchanged, so it only needs to *read* a few fields:
 //! [`RequestView::parse`] walks the body once with serde_json, borrows strings where they carry no
-//! escapes, keeps `messages` / `prompt` as raw JSON slices, and skips every other field without
-//! building it. The typed accessors ([`RequestView::prompt_input`], [`RequestView::messages`]) parse
-//! those slices only when the router needs tokens.
+//! escapes, parses `messages` (role and text of each) in the same pass, keeps `prompt` as a raw
+//! JSON slice, and skips every other field without building it. [`RequestView::prompt_input`]
+//! parses the prompt slice only when the router needs tokens; [`RequestView::messages_raw`] finds
+//! the raw `messages` again for chat templates that need all of it.
 //!
 //! Layout: `request.rs` (the view and its single-pass visitor), `prompt.rs` (`prompt` as
 //! string | string[] | int[] | int[][]), `messages.rs` (chat messages), `splice.rs` (adding

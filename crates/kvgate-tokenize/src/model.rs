@@ -80,15 +80,14 @@ impl ModelTokenizer {
 
     /// The prompt text a chat request renders to (template applied, not yet tokenized).
     pub fn render_chat(&self, view: &RequestView<'_>) -> Result<String, TokenizeError> {
-        let raw = view.messages.ok_or(RequestError::Missing("messages"))?;
-        // Validates shape (and gives `param: "messages"` errors) before any template runs.
+        // Parsed (shape validated, `param: "messages"` errors given) with the view.
         let messages = view.messages()?;
         let add_generation_prompt = view.add_generation_prompt.unwrap_or(true);
         if self.template.is_chatml_fallback() {
-            return Ok(chatml::render_messages(&messages, add_generation_prompt));
+            return Ok(chatml::render_messages(messages, add_generation_prompt));
         }
         self.template.render_full(
-            raw.get(),
+            view.messages_raw()?.get(),
             view.tools.map(|t| t.get()),
             view.chat_template_kwargs.map(|k| k.get()),
             add_generation_prompt,

@@ -66,8 +66,8 @@ impl MessageContent<'_> {
     }
 }
 
-/// Parses a raw `messages` array (what [`super::RequestView::messages`] does), in one pass over
-/// its text: every string is scanned once (a prompt can be hundreds of kilobytes). serde_json
+/// Parses a raw `messages` array (what [`super::RequestView::parse`] does with the field), in
+/// one pass over its text: every string is scanned once (a prompt can be hundreds of kilobytes). serde_json
 /// puts " at line 1 column N" on errors raised inside a visitor too: an inner error wrapped in an
 /// outer one drops its own ([`strip_position`]).
 pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, RequestError> {
@@ -106,6 +106,53 @@ macro_rules! only {
             Err(E::custom($msg(&self)))
         }
     };
+}
+
+/// `messages` inside the request view: `null` (as absent) or the array.
+pub(super) struct OptMessagesSeed;
+
+impl<'de> DeserializeSeed<'de> for OptMessagesSeed {
+    type Value = Option<Vec<ChatMessage<'de>>>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for OptMessagesSeed {
+    type Value = Option<Vec<ChatMessage<'de>>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        MessagesVisitor.expecting(f)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        MessagesVisitor.visit_seq(seq).map(Some)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, _: A) -> Result<Self::Value, A::Error> {
+        Err(de::Error::custom(MessagesVisitor.not_array()))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Err(E::custom(MessagesVisitor.not_array()))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Err(E::custom(MessagesVisitor.not_array()))
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Err(E::custom(MessagesVisitor.not_array()))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Err(E::custom(MessagesVisitor.not_array()))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Err(E::custom(MessagesVisitor.not_array()))
+    }
 }
 
 struct MessagesVisitor;

@@ -9,7 +9,7 @@ use serde::Deserializer as _;
 use serde_json::value::RawValue;
 
 use super::cow::{CowStr, OptCowStr};
-use super::messages::{parse_messages, ChatMessage};
+use super::messages::{ChatMessage, OptMessagesSeed};
 use super::prompt::{parse_prompt, PromptInput};
 use super::RequestError;
 
@@ -35,8 +35,9 @@ pub struct RequestView<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// OpenAI's `prompt_cache_key`: a client-supplied cache-affinity hint.
     pub prompt_cache_key: Option<Cow<'a, str>>,
-    /// `messages` as raw JSON (chat).
-    pub messages: Option<&'a RawValue>,
+    /// `messages` (chat), parsed in the same pass as the rest (every message string is scanned
+    /// once); absent when the field is, or when parsed with [`RequestView::parse_without_messages`].
+    pub messages: Option<Vec<ChatMessage<'a>>>,
     /// `prompt` as raw JSON (completions).
     pub prompt: Option<&'a RawValue>,
     /// `tools` as raw JSON (chat templates render them).
@@ -45,11 +46,25 @@ pub struct RequestView<'a> {
     pub add_generation_prompt: Option<bool>,
     /// vLLM's `chat_template_kwargs` as raw JSON (extra template variables, e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<&'a RawValue>,
+    /// The whole body, for [`RequestView::messages_raw`].
+    body: &'a [u8],
 }
 
 impl<'a> RequestView<'a> {
-    /// Parses the routing fields of `body`.
+    /// Parses the routing fields of `body`, `messages` included. Malformed messages are an error
+    /// here (`param: "messages"`), and so is an empty array.
     pub fn parse(body: &'a [u8]) -> Result<Self, RequestError> {
+        Self::parse_inner(body, true)
+    }
+
+    /// Like [`RequestView::parse`] with `messages` skipped unread: for bodies where they mean
+    /// nothing (completions, embeddings), so that a stray `messages` field neither costs a parse
+    /// nor fails the request.
+    pub fn parse_without_messages(body: &'a [u8]) -> Result<Self, RequestError> {
+        Self::parse_inner(body, false)
+    }
+
+    fn parse_inner(body: &'a [u8], with_messages: bool) -> Result<Self, RequestError> {
         let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
         if first != Some(b'{') {
             // Tell "valid JSON, wrong shape" apart from "not JSON"; off the hot path.
@@ -60,7 +75,11 @@ impl<'a> RequestView<'a> {
         }
         let field = Cell::new(None);
         let mut de = serde_json::Deserializer::from_slice(body);
-        let fields = match de.deserialize_map(ViewVisitor { field: &field }) {
+        let visitor = ViewVisitor {
+            field: &field,
+            with_messages,
+        };
+        let fields = match de.deserialize_map(visitor) {
             Ok(f) => f,
             Err(e) => {
                 return Err(match (field.get(), e.classify()) {
@@ -74,6 +93,12 @@ impl<'a> RequestView<'a> {
         de.end().map_err(|e| RequestError::Json(e.to_string()))?;
 
         let model = fields.model.ok_or(RequestError::Missing("model"))?;
+        if fields.messages.as_ref().is_some_and(Vec::is_empty) {
+            return Err(RequestError::invalid(
+                "messages",
+                "must contain at least one message",
+            ));
+        }
         let include_usage = match fields.stream_options {
             Some(raw) => parse_include_usage(raw)?,
             None => false,
@@ -92,6 +117,7 @@ impl<'a> RequestView<'a> {
             tools: fields.tools,
             add_generation_prompt: fields.add_generation_prompt,
             chat_template_kwargs: fields.chat_template_kwargs,
+            body,
         })
     }
 
@@ -105,9 +131,39 @@ impl<'a> RequestView<'a> {
         parse_prompt(self.prompt.ok_or(RequestError::Missing("prompt"))?)
     }
 
-    /// `messages` (chat) parsed. Missing → `Missing("messages")`; empty array is invalid.
-    pub fn messages(&self) -> Result<Vec<ChatMessage<'a>>, RequestError> {
-        parse_messages(self.messages.ok_or(RequestError::Missing("messages"))?)
+    /// `messages` (chat). Missing → `Missing("messages")`.
+    pub fn messages(&self) -> Result<&[ChatMessage<'a>], RequestError> {
+        self.messages
+            .as_deref()
+            .ok_or(RequestError::Missing("messages"))
+    }
+
+    /// `messages` as raw JSON, for chat templates that read more than role and text (tool
+    /// calls, names, image parts). Found by walking the body again: only template rendering
+    /// needs it, and that costs far more than the walk. Missing → `Missing("messages")`.
+    pub fn messages_raw(&self) -> Result<&'a RawValue, RequestError> {
+        struct Raw;
+        impl<'de> Visitor<'de> for Raw {
+            type Value = Option<&'de RawValue>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Self::Value, M::Error> {
+                let mut out = None;
+                while let Some(key) = map.next_key::<CowStr<'de>>()? {
+                    if key.0 == "messages" {
+                        out = non_null(map.next_value()?);
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(out)
+            }
+        }
+        serde_json::Deserializer::from_slice(self.body)
+            .deserialize_map(Raw)
+            .map_err(|e| RequestError::Json(e.to_string()))?
+            .ok_or(RequestError::Missing("messages"))
     }
 }
 
@@ -145,7 +201,7 @@ struct Fields<'a> {
     max_completion_tokens: Option<u64>,
     cache_salt: Option<Cow<'a, str>>,
     prompt_cache_key: Option<Cow<'a, str>>,
-    messages: Option<&'a RawValue>,
+    messages: Option<Vec<ChatMessage<'a>>>,
     prompt: Option<&'a RawValue>,
     tools: Option<&'a RawValue>,
     add_generation_prompt: Option<bool>,
@@ -155,6 +211,7 @@ struct Fields<'a> {
 /// Records which known field is being read so a type error can name it as `param`.
 struct ViewVisitor<'c> {
     field: &'c Cell<Option<&'static str>>,
+    with_messages: bool,
 }
 
 impl<'de, 'c> Visitor<'de> for ViewVisitor<'c> {
@@ -175,7 +232,7 @@ impl<'de, 'c> Visitor<'de> for ViewVisitor<'c> {
                 "max_completion_tokens" => "max_completion_tokens",
                 "cache_salt" => "cache_salt",
                 "prompt_cache_key" => "prompt_cache_key",
-                "messages" => "messages",
+                "messages" if self.with_messages => "messages",
                 "prompt" => "prompt",
                 "tools" => "tools",
                 "add_generation_prompt" => "add_generation_prompt",
@@ -194,7 +251,7 @@ impl<'de, 'c> Visitor<'de> for ViewVisitor<'c> {
                 "max_completion_tokens" => out.max_completion_tokens = map.next_value()?,
                 "cache_salt" => out.cache_salt = map.next_value::<OptCowStr<'de>>()?.0,
                 "prompt_cache_key" => out.prompt_cache_key = map.next_value::<OptCowStr<'de>>()?.0,
-                "messages" => out.messages = non_null(map.next_value()?),
+                "messages" => out.messages = map.next_value_seed(OptMessagesSeed)?,
                 "prompt" => out.prompt = non_null(map.next_value()?),
                 "tools" => out.tools = non_null(map.next_value()?),
                 "add_generation_prompt" => out.add_generation_prompt = map.next_value()?,

@@ -23,7 +23,7 @@ fn chat_fields_are_read_and_borrowed() {
     assert_eq!(v.cache_salt.as_deref(), Some("s1"));
     assert_eq!(v.prompt_cache_key.as_deref(), Some("k1"));
     assert_eq!(
-        v.messages.unwrap().get(),
+        v.messages_raw().unwrap().get(),
         r#"[{"role":"user","content":"hi"}]"#
     );
     assert!(v.prompt.is_none());
@@ -249,9 +249,11 @@ fn bad_messages_are_rejected_with_param() {
         r#"[{"role":"user","content":["x"]}]"#,
     ] {
         let body = format!(r#"{{"model":"m","messages":{bad}}}"#);
-        let v = RequestView::parse(body.as_bytes()).unwrap();
-        let e = v.messages().unwrap_err();
+        let e = RequestView::parse(body.as_bytes()).unwrap_err();
         assert_eq!(e.param(), Some("messages"), "{bad}: {e}");
+        // Where messages mean nothing they are skipped, whatever they hold.
+        let v = RequestView::parse_without_messages(body.as_bytes()).unwrap();
+        assert!(v.messages.is_none());
     }
 }
 
@@ -304,7 +306,7 @@ proptest! {
 
     #[test]
     fn any_model_string_round_trips(model in ".{0,40}", extra in "[a-z]{1,8}") {
-        let body = serde_json::json!({ extra.clone(): [1, {"a": null}], "model": model, "messages": [] });
+        let body = serde_json::json!({ extra.clone(): [1, {"a": null}], "model": model, "messages": [{"role": "user"}] });
         let bytes = serde_json::to_vec(&body).unwrap();
         let v = RequestView::parse(&bytes).unwrap();
         prop_assert_eq!(&*v.model, model.as_str());
@@ -358,11 +360,40 @@ fn bad_messages_say_where() {
         ),
     ] {
         let body = format!(r#"{{"model":"m","messages":{bad}}}"#);
-        let v = RequestView::parse(body.as_bytes()).unwrap();
-        let e = v.messages().unwrap_err().to_string();
+        let e = RequestView::parse(body.as_bytes()).unwrap_err().to_string();
         assert!(e.ends_with(want), "{bad}: {e}");
         assert!(!e.contains(" at line "), "{bad}: {e}");
     }
+}
+
+#[test]
+fn raw_messages_are_found_again_for_templates() {
+    let raw = r#"[ {"role":"user","content":"a \"q\"","tool_calls":[{"id":"x"}]} ,{"role":"tool","name":"f","content":null}]"#;
+    let body = format!(r#"{{"messages":{raw} , "model":"m","messages_x":[1]}}"#);
+    let v = RequestView::parse(body.as_bytes()).unwrap();
+    assert_eq!(v.messages_raw().unwrap().get(), raw);
+    assert_eq!(v.messages().unwrap().len(), 2);
+    assert_eq!(v.messages().unwrap()[1].role, "tool");
+    assert!(v.messages().unwrap()[1].content.is_none());
+    // The last of duplicate fields, as parsed.
+    let body = r#"{"model":"m","messages":[{"role":"a"}],"messages":[{"role":"b"}]}"#;
+    let v = RequestView::parse(body.as_bytes()).unwrap();
+    assert_eq!(v.messages().unwrap()[0].role, "b");
+    assert_eq!(v.messages_raw().unwrap().get(), r#"[{"role":"b"}]"#);
+    // Absent or null: missing either way.
+    for body in [r#"{"model":"m"}"#, r#"{"model":"m","messages":null}"#] {
+        let v = RequestView::parse(body.as_bytes()).unwrap();
+        assert_eq!(v.messages().unwrap_err(), RequestError::Missing("messages"));
+        assert_eq!(
+            v.messages_raw().unwrap_err(),
+            RequestError::Missing("messages")
+        );
+    }
+    // Skipped messages are not parsed, but a template could still find them.
+    let v =
+        RequestView::parse_without_messages(br#"{"model":"m","messages":[{"role":"u"}]}"#).unwrap();
+    assert!(v.messages.is_none());
+    assert_eq!(v.messages_raw().unwrap().get(), r#"[{"role":"u"}]"#);
 }
 
 #[test]

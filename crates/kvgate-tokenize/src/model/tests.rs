@@ -51,14 +51,20 @@ fn request_errors_keep_their_param() {
     let m = ModelTokenizer::default();
     for (body, param) in [
         (r#"{"model":"m"}"#, "messages"),
-        (r#"{"model":"m","messages":[]}"#, "messages"),
-        (r#"{"model":"m","messages":[{"content":"x"}]}"#, "messages"),
         (r#"{"model":"m","prompt":[-1]}"#, "prompt"),
     ] {
         match m.encode_prompt(&view(body)) {
             Err(TokenizeError::Request(e)) => assert_eq!(e.param(), Some(param), "{body}"),
             other => panic!("{body}: {other:?}"),
         }
+    }
+    // Malformed messages are refused by the view itself, with the same param.
+    for body in [
+        r#"{"model":"m","messages":[]}"#,
+        r#"{"model":"m","messages":[{"content":"x"}]}"#,
+    ] {
+        let e = RequestView::parse(body.as_bytes()).unwrap_err();
+        assert_eq!(e.param(), Some("messages"), "{body}");
     }
 }
 
