@@ -15,6 +15,16 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use memchr::memmem;
 
+/// A searcher for `needle` built once per call site: setting one up costs more than searching
+/// a short event or response with it, and these searches run on every streamed event.
+macro_rules! finder {
+    ($kind:ident, $needle:expr) => {{
+        static F: std::sync::LazyLock<memmem::$kind<'static>> =
+            std::sync::LazyLock::new(|| memmem::$kind::new($needle));
+        &*F
+    }};
+}
+
 use crate::body::BodyError;
 use crate::ctx::{Outcome, RequestCtx, Usage};
 use crate::error::sse_error_event;
@@ -91,10 +101,10 @@ impl Strip {
 /// its neighbour, if there is one. A raw `"usage"` cannot occur inside a JSON string (its quotes
 /// would be escaped), so a match is a member of some object, in practice the chunk itself.
 fn null_usage(line: &[u8]) -> Option<(usize, usize)> {
-    let key = b"\"usage\"";
+    const KEY: &[u8] = b"\"usage\"";
     let ws = |b: &u8| matches!(b, b' ' | b'\t');
-    let k = memmem::find(line, key)?;
-    let mut e = k + key.len();
+    let k = finder!(Finder, KEY).find(line)?;
+    let mut e = k + KEY.len();
     e += line[e..].iter().take_while(|b| ws(b)).count();
     if line.get(e) != Some(&b':') {
         return None;
@@ -284,7 +294,9 @@ fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant
         return false;
     }
     if payload.starts_with(b"{\"error\"")
-        || memmem::find(payload, b"\"object\":\"error\"").is_some()
+        || finder!(Finder, b"\"object\":\"error\"")
+            .find(payload)
+            .is_some()
     {
         ctx.error = Some("upstream_stream");
         return false;
@@ -295,7 +307,7 @@ fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant
         ctx.usage = usage;
     }
     // The usage-only chunk (`"choices":[]`) is not a token.
-    let no_choices = memmem::find(payload, b"\"choices\":[]").is_some();
+    let no_choices = finder!(Finder, b"\"choices\":[]").find(payload).is_some();
     if !no_choices {
         ctx.on_token(now);
     }
@@ -305,9 +317,9 @@ fn sse_line(line: &[u8], ctx: &mut RequestCtx, saw_done: &mut bool, now: Instant
 /// Parse the last `"usage":{...}` object in `buf`. A raw `"usage":` cannot occur inside a JSON
 /// string (quotes are escaped there), so the last match is the document's own usage field.
 fn usage_in(buf: &[u8]) -> Option<Usage> {
-    let key = b"\"usage\":";
-    let at = memmem::rfind(buf, key)?;
-    let rest = &buf[at + key.len()..];
+    const KEY: &[u8] = b"\"usage\":";
+    let at = finder!(FinderRev, KEY).rfind(buf)?;
+    let rest = &buf[at + KEY.len()..];
     let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
     if rest[start] != b'{' {
         return None;
