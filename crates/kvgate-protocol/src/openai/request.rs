@@ -47,7 +47,7 @@ pub struct RequestView<'a> {
     /// vLLM's `chat_template_kwargs` as raw JSON (extra template variables, e.g. `enable_thinking`).
     pub chat_template_kwargs: Option<&'a RawValue>,
     /// The whole body, for [`RequestView::messages_raw`].
-    body: &'a [u8],
+    body: &'a str,
 }
 
 impl<'a> RequestView<'a> {
@@ -73,8 +73,13 @@ impl<'a> RequestView<'a> {
                 Err(e) => RequestError::Json(e.to_string()),
             });
         }
+        // The whole body checked as UTF-8 once (JSON text is UTF-8, and the workers refuse
+        // anything else too); then no string needs its own check as it is borrowed.
+        let body = std::str::from_utf8(body).map_err(|e| {
+            RequestError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to()))
+        })?;
         let field = Cell::new(None);
-        let mut de = serde_json::Deserializer::from_slice(body);
+        let mut de = serde_json::Deserializer::from_str(body);
         let visitor = ViewVisitor {
             field: &field,
             with_messages,
@@ -160,7 +165,7 @@ impl<'a> RequestView<'a> {
                 Ok(out)
             }
         }
-        serde_json::Deserializer::from_slice(self.body)
+        serde_json::Deserializer::from_str(self.body)
             .deserialize_map(Raw)
             .map_err(|e| RequestError::Json(e.to_string()))?
             .ok_or(RequestError::Missing("messages"))

@@ -145,12 +145,18 @@ fn malformed_and_non_object_bodies() {
             "{body:?}"
         );
     }
-    // Invalid UTF-8 inside a string is a JSON error, not a panic.
-    let e = RequestView::parse(b"{\"model\":\"\xff\"}").unwrap_err();
-    assert!(
-        matches!(e, RequestError::Json(_) | RequestError::Invalid { .. }),
-        "{e:?}"
-    );
+    // Invalid UTF-8 is a JSON error, not a panic, wherever it is (JSON text is UTF-8).
+    for body in [
+        &b"{\"model\":\"\xff\"}"[..],
+        b"{\"model\":\"m\",\"unknown\":\"\xc3\"}",
+        b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xe2\x82\"}]}",
+    ] {
+        let e = RequestView::parse(body).unwrap_err();
+        assert!(
+            matches!(&e, RequestError::Json(m) if m.starts_with("invalid UTF-8 at byte")),
+            "{e:?}"
+        );
+    }
 }
 
 #[test]
