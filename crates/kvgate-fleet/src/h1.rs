@@ -405,84 +405,114 @@ enum Parsed {
 
 /// Parse a response head at the start of `buf` and consume it; `None` if it is incomplete.
 fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Error> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut r = httparse::Response::new(&mut fields);
-    let len = match r.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => {
-            return Err(Error::Io(format!(
-                "malformed response head from worker: {e}"
-            )))
-        }
-    };
-    let code = r.code.unwrap_or(0);
-    let status = StatusCode::from_u16(code)
-        .map_err(|_| Error::Io(format!("worker sent an invalid status code {code}")))?;
-    if status.is_informational() {
-        if status == StatusCode::SWITCHING_PROTOCOLS {
-            return Err(Error::Io("worker switched protocols unasked".into()));
-        }
-        buf.advance(len);
-        return Ok(Some(Parsed::Interim));
-    }
-    let http11 = r.version == Some(1);
-    let mut headers = HeaderMap::with_capacity(r.headers.len());
-    let mut close = !http11;
+    // Where each kept field's name and value lie in the head: the header map is built after the
+    // head is split off, its values sharing that buffer instead of a copy each.
+    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut kept = 0;
+    let (len, status, http11);
+    let mut close;
     let mut chunked = false;
     let mut other_coding = false;
     let mut length: Option<u64> = None;
+    // Fields the worker's `Connection` header names (hop-by-hop too), beyond close/keep-alive.
     let mut connection_named: Vec<String> = Vec::new();
-    for f in r.headers.iter() {
-        let name = HeaderName::from_bytes(f.name.as_bytes())
-            .map_err(|_| Error::Io(format!("worker sent an invalid header name {:?}", f.name)))?;
-        if name == header::CONNECTION {
-            for t in String::from_utf8_lossy(f.value).split(',') {
-                let t = t.trim().to_ascii_lowercase();
-                match t.as_str() {
-                    "close" => close = true,
-                    "keep-alive" if !http11 => close = false,
-                    _ => {}
+    {
+        let mut fields =
+            [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut r = httparse::Response::new(&mut []);
+        len = match httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut r,
+            buf,
+            &mut fields,
+        ) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(e) => {
+                return Err(Error::Io(format!(
+                    "malformed response head from worker: {e}"
+                )))
+            }
+        };
+        let code = r.code.unwrap_or(0);
+        status = StatusCode::from_u16(code)
+            .map_err(|_| Error::Io(format!("worker sent an invalid status code {code}")))?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(Error::Io("worker switched protocols unasked".into()));
+            }
+            buf.advance(len);
+            return Ok(Some(Parsed::Interim));
+        }
+        http11 = r.version == Some(1);
+        close = !http11;
+        let base = buf.as_ptr() as usize;
+        let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
+        for f in r.headers.iter() {
+            let name = f.name.as_bytes();
+            if name.eq_ignore_ascii_case(b"connection") {
+                for t in String::from_utf8_lossy(f.value).split(',') {
+                    let t = t.trim();
+                    if t.eq_ignore_ascii_case("close") {
+                        close = true;
+                    } else if t.eq_ignore_ascii_case("keep-alive") {
+                        close &= http11;
+                    } else if !t.is_empty() {
+                        connection_named.push(t.to_ascii_lowercase());
+                    }
                 }
-                connection_named.push(t);
+                continue;
             }
-            continue;
-        }
-        if name == header::TRANSFER_ENCODING {
-            // Only the last coding decides the framing (RFC 9112 §6.3).
-            for t in String::from_utf8_lossy(f.value).split(',') {
-                let t = t.trim();
-                if t.is_empty() {
-                    continue;
+            if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                // Only the last coding decides the framing (RFC 9112 §6.3).
+                for t in String::from_utf8_lossy(f.value).split(',') {
+                    let t = t.trim();
+                    if t.is_empty() {
+                        continue;
+                    }
+                    chunked = t.eq_ignore_ascii_case("chunked");
+                    other_coding = !chunked;
                 }
-                chunked = t.eq_ignore_ascii_case("chunked");
-                other_coding = !chunked;
+                continue;
             }
-            continue;
-        }
-        if name == header::CONTENT_LENGTH {
-            let n = std::str::from_utf8(f.value)
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or_else(|| Error::Io("worker sent an invalid content-length".into()))?;
-            if length.is_some_and(|m| m != n) {
-                return Err(Error::Io("worker sent conflicting content-lengths".into()));
+            if name.eq_ignore_ascii_case(b"content-length") {
+                let n = std::str::from_utf8(f.value)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u64>().ok())
+                    .ok_or_else(|| Error::Io("worker sent an invalid content-length".into()))?;
+                if length.is_some_and(|m| m != n) {
+                    return Err(Error::Io("worker sent conflicting content-lengths".into()));
+                }
+                length = Some(n);
             }
-            length = Some(n);
+            spans[kept] = (
+                at(name),
+                at(name) + name.len() as u32,
+                at(f.value),
+                at(f.value) + f.value.len() as u32,
+            );
+            kept += 1;
         }
+    }
+    let head = buf.split_to(len).freeze();
+    let mut headers = HeaderMap::with_capacity(kept);
+    for &(ns, ne, vs, ve) in &spans[..kept] {
+        let raw = &head[ns as usize..ne as usize];
+        let name = HeaderName::from_bytes(raw).map_err(|_| {
+            Error::Io(format!(
+                "worker sent an invalid header name {:?}",
+                String::from_utf8_lossy(raw)
+            ))
+        })?;
         if is_hop_by_hop(&name) {
             continue;
         }
-        let value = HeaderValue::from_bytes(f.value)
+        let value = HeaderValue::from_maybe_shared(head.slice(vs as usize..ve as usize))
             .map_err(|_| Error::Io(format!("worker sent an invalid value for header {name}")))?;
         headers.append(name, value);
     }
     for n in &connection_named {
-        if n != "close" && n != "keep-alive" {
-            headers.remove(n.as_str());
-        }
+        headers.remove(n.as_str());
     }
-    buf.advance(len);
     let no_body = method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
