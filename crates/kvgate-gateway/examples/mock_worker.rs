@@ -19,6 +19,7 @@ fn main() -> anyhow::Result<()> {
         let w = kvgate_gateway::mock::MockWorker::builder()
             .addr(addr)
             .tokens(tokens)
+            .record(false)
             .spawn()
             .await?;
         eprintln!("mock worker on {}", w.addr);

@@ -47,6 +47,9 @@ pub struct MockConfig {
     pub cached_tokens: u64,
     /// Streams: send every event in pieces of at most this many bytes (lines split across chunks).
     pub chunk_bytes: Option<usize>,
+    /// Keep every request for [`MockHandle::received`] (tests). Off for long runs: the list
+    /// grows with every request (the benchmark's mock ran out of memory with it).
+    pub record: bool,
 }
 
 impl Default for MockConfig {
@@ -60,6 +63,7 @@ impl Default for MockConfig {
             die_after: None,
             cached_tokens: 0,
             chunk_bytes: None,
+            record: true,
         }
     }
 }
@@ -111,6 +115,12 @@ impl MockBuilder {
     }
     pub fn chunk_bytes(mut self, n: usize) -> Self {
         self.cfg.chunk_bytes = Some(n.max(1));
+        self
+    }
+
+    /// Whether requests are kept for [`MockHandle::received`] (default true).
+    pub fn record(mut self, on: bool) -> Self {
+        self.cfg.record = on;
         self
     }
 
@@ -248,11 +258,13 @@ async fn handle(s: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
         .await
         .map(|c| c.to_bytes())
         .unwrap_or_default();
-    s.requests.lock().push(Received {
-        path: path.clone(),
-        headers: parts.headers,
-        body: body.clone(),
-    });
+    if s.cfg.record {
+        s.requests.lock().push(Received {
+            path: path.clone(),
+            headers: parts.headers,
+            body: body.clone(),
+        });
+    }
     s.completions.fetch_add(1, Ordering::Relaxed);
     if let Some(code) = s.cfg.status {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

@@ -87,6 +87,25 @@ async fn chat_and_completions_stream_and_non_stream() {
     gw.shutdown().await;
 }
 
+/// The benchmark's mock keeps no requests (its list grew until the process ran out of memory);
+/// it still answers and counts them.
+#[tokio::test]
+async fn a_mock_without_recording_answers_and_keeps_nothing() {
+    let w = MockWorker::builder().record(false).spawn().await.unwrap();
+    let c = client();
+    for _ in 0..3 {
+        let r = post(
+            &c,
+            &format!("{}/v1/chat/completions", w.url()),
+            chat_body("sys", "hi", false),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(w.completions(), 3);
+    assert!(w.received().is_empty());
+}
+
 #[tokio::test]
 async fn body_bytes_and_unknown_fields_reach_the_worker_unchanged() {
     let w = MockWorker::builder().spawn().await.unwrap();
