@@ -84,9 +84,16 @@ pub fn parse_messages<'a>(raw: &'a RawValue) -> Result<Vec<ChatMessage<'a>>, Req
     Ok(out)
 }
 
-/// Rejects every JSON type but the one the visitor is for, with `msg`.
+/// Rejects every JSON type but the one the visitor is for, with `msg` (`null` too, unless
+/// `but_null` is given: the visitor then defines `visit_unit` itself).
 macro_rules! only {
     ($msg:expr) => {
+        only!($msg, but_null);
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Err(E::custom($msg(&self)))
+        }
+    };
+    ($msg:expr, but_null) => {
         fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
             Err(E::custom($msg(&self)))
         }
@@ -100,9 +107,6 @@ macro_rules! only {
             Err(E::custom($msg(&self)))
         }
         fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-            Err(E::custom($msg(&self)))
-        }
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
             Err(E::custom($msg(&self)))
         }
     };
@@ -138,21 +142,7 @@ impl<'de> Visitor<'de> for OptMessagesSeed {
         Err(de::Error::custom(MessagesVisitor.not_array()))
     }
 
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Err(E::custom(MessagesVisitor.not_array()))
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Err(E::custom(MessagesVisitor.not_array()))
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Err(E::custom(MessagesVisitor.not_array()))
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Err(E::custom(MessagesVisitor.not_array()))
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Err(E::custom(MessagesVisitor.not_array()))
-    }
+    only!(|_: &Self| MessagesVisitor.not_array(), but_null);
 }
 
 struct MessagesVisitor;
