@@ -5,8 +5,9 @@
 //! seen before: `<|im_start|>` / `<|im_end|>` (or the template's equivalents) cut it into one
 //! segment per message, and the system prompt and every earlier turn of a conversation come back
 //! verbatim on the next request. Looking a segment up costs one hash and
-//! one compare of its bytes (~0.2 µs per KB) against ~20–30 µs per KB to encode it, so with the
-//! cache a request pays for its new text only.
+//! one compare of its bytes (~0.2 µs per KB) against ~20–30 µs per KB to encode it with the HF
+//! encoder (a few µs with the approximate one), so with the cache a request pays for its new
+//! text only.
 //!
 //! Entries are keyed by a seeded 64-bit xxh3 of the text (SIMD-fast on long segments, where a
 //! general-purpose hasher costs about a cycle per byte) and hold the text: a hit compares it
