@@ -46,11 +46,7 @@ pub async fn route_input_offloaded(
     }
     let (body, tokenizer) = (body.clone(), tokenizer.clone());
     let task = tokio::task::spawn_blocking(move || {
-        let view = if endpoint == Endpoint::Chat {
-            RequestView::parse(&body)?
-        } else {
-            RequestView::parse_without_messages(&body)?
-        };
+        let view = parse_view(&body, endpoint)?;
         route_input(&view, endpoint, block_size, &tokenizer)
     });
     match task.await {
@@ -59,6 +55,15 @@ pub async fn route_input_offloaded(
             tracing::warn!(error = %e, "tokenizer task failed; routing on load only");
             Ok(RouteInput::default())
         }
+    }
+}
+
+/// The request view of a body sent to `endpoint`: chat messages are parsed with it; completions
+/// and embeddings skip them (a stray `messages` field there means nothing).
+pub fn parse_view(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, RequestError> {
+    match endpoint {
+        Endpoint::Chat => RequestView::parse(body),
+        Endpoint::Completions | Endpoint::Embeddings => RequestView::parse_without_messages(body),
     }
 }
 

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::{header, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use kvgate_core::WorkerId;
-use kvgate_protocol::openai::{splice_include_usage, RequestView};
+use kvgate_protocol::openai::splice_include_usage;
 
 use crate::admission::WaitError;
 use crate::body::{GwBody, ReqBody};
@@ -67,11 +67,7 @@ async fn route_and_forward(
     .await?;
 
     let t_decide = Instant::now();
-    let parsed = match ctx.endpoint {
-        Endpoint::Chat => RequestView::parse(&bytes),
-        Endpoint::Completions | Endpoint::Embeddings => RequestView::parse_without_messages(&bytes),
-    };
-    let view = parsed.map_err(|e| {
+    let view = crate::prompt::parse_view(&bytes, ctx.endpoint).map_err(|e| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     })?;
