@@ -87,6 +87,22 @@ async fn chat_and_completions_stream_and_non_stream() {
     gw.shutdown().await;
 }
 
+/// Completions ignore a stray `messages` field (the worker does too); chat checks it.
+#[tokio::test]
+async fn a_stray_messages_field_does_not_fail_a_completion() {
+    let w = MockWorker::builder().spawn().await.unwrap();
+    let gw = gateway(config_for(&[&w], "kv")).await;
+    let c = client();
+    let body = r#"{"model":"mock-model","prompt":"hello there","messages":5}"#;
+    let r = post(&c, &format!("{}/v1/completions", gw.url()), body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(w.received().last().unwrap().body, body.as_bytes());
+    let r = post(&c, &format!("{}/v1/chat/completions", gw.url()), body).await;
+    let e = assert_openai_error(&r, 400);
+    assert_eq!(e["param"], "messages");
+    gw.shutdown().await;
+}
+
 /// The benchmark's mock keeps no requests (its list grew until the process ran out of memory);
 /// it still answers and counts them.
 #[tokio::test]
