@@ -26,7 +26,7 @@ macro_rules! finder {
 }
 
 use crate::body::BodyError;
-use crate::ctx::{Outcome, RequestCtx, Usage};
+use crate::ctx::{Outcome, PromptDetails, RequestCtx, Usage};
 use crate::error::sse_error_event;
 use crate::upstream::ResponseBody;
 
@@ -324,8 +324,144 @@ fn usage_in(buf: &[u8]) -> Option<Usage> {
     if rest[start] != b'{' {
         return None;
     }
-    let mut it = serde_json::Deserializer::from_slice(&rest[start..]).into_iter::<Usage>();
+    let obj = &rest[start..];
+    usage_fast(obj).or_else(|| usage_serde(obj))
+}
+
+/// The `usage` object starting at `obj[0] == b'{'`, parsed by serde (any JSON shape).
+fn usage_serde(obj: &[u8]) -> Option<Usage> {
+    let mut it = serde_json::Deserializer::from_slice(obj).into_iter::<Usage>();
     it.next()?.ok()
+}
+
+/// [`usage_serde`] for the shape workers send (unescaped keys, integer or null values, one level
+/// of nesting), in one pass without serde's machinery. `None`: the object has something else (a
+/// string, an array, a float, a duplicate key, a syntax error…) and serde decides.
+fn usage_fast(obj: &[u8]) -> Option<Usage> {
+    let mut s = Scanner { b: obj, i: 0 };
+    let (mut u, mut seen) = (Usage::default(), 0u8);
+    s.object(|s, key| {
+        let bit = match key {
+            b"prompt_tokens" => 1,
+            b"completion_tokens" => 2,
+            b"prompt_tokens_details" => 4,
+            _ => return s.skip_scalar(),
+        };
+        if seen & bit != 0 {
+            return None; // a duplicate field: serde refuses the object
+        }
+        seen |= bit;
+        match bit {
+            1 => u.prompt_tokens = s.uint()?,
+            2 => u.completion_tokens = s.uint()?,
+            _ if s.null() => {}
+            _ => {
+                let mut cached = None::<Option<u64>>;
+                s.object(|s, key| {
+                    if key != b"cached_tokens" {
+                        return s.skip_scalar();
+                    }
+                    if cached.is_some() {
+                        return None;
+                    }
+                    cached = Some(if s.null() { None } else { Some(s.uint()?) });
+                    Some(())
+                })?;
+                u.prompt_tokens_details = Some(PromptDetails {
+                    cached_tokens: cached.flatten(),
+                });
+            }
+        }
+        Some(())
+    })?;
+    Some(u)
+}
+
+/// A forward-only reader for [`usage_fast`]: `None` for anything it does not handle.
+struct Scanner<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl Scanner<'_> {
+    fn ws(&mut self) {
+        while matches!(self.b.get(self.i), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> bool {
+        self.ws();
+        let hit = self.b.get(self.i) == Some(&c);
+        self.i += usize::from(hit);
+        hit
+    }
+
+    fn null(&mut self) -> bool {
+        self.ws();
+        let hit = self.b[self.i..].starts_with(b"null");
+        self.i += if hit { 4 } else { 0 };
+        hit
+    }
+
+    /// A JSON unsigned integer that fits u64 (no sign, fraction, exponent or leading zero).
+    fn uint(&mut self) -> Option<u64> {
+        self.ws();
+        let rest = &self.b[self.i..];
+        let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
+        let d = &rest[..digits];
+        if digits == 0 || (digits > 1 && d[0] == b'0') {
+            return None;
+        }
+        if matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        self.i += digits;
+        d.iter().try_fold(0u64, |n, c| {
+            n.checked_mul(10)?.checked_add(u64::from(c - b'0'))
+        })
+    }
+
+    /// The value of a member we do not read: null or an unsigned integer.
+    fn skip_scalar(&mut self) -> Option<()> {
+        if !self.null() {
+            self.uint()?;
+        }
+        Some(())
+    }
+
+    /// `{ "key": value, … }`, calling `member` after each key's colon to read the value.
+    fn object(&mut self, mut member: impl FnMut(&mut Self, &[u8]) -> Option<()>) -> Option<()> {
+        if !self.eat(b'{') {
+            return None;
+        }
+        if self.eat(b'}') {
+            return Some(());
+        }
+        loop {
+            if !self.eat(b'"') {
+                return None;
+            }
+            let rest = &self.b[self.i..];
+            let end = rest
+                .iter()
+                .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
+            if rest[end] != b'"' {
+                return None;
+            }
+            self.i += end + 1;
+            if !self.eat(b':') {
+                return None;
+            }
+            member(self, &rest[..end])?;
+            if self.eat(b'}') {
+                return Some(());
+            }
+            if !self.eat(b',') {
+                return None;
+            }
+        }
+    }
 }
 
 impl Body for ObservedBody {
@@ -480,5 +616,107 @@ mod tests {
         assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 3));
         assert_eq!(u.prompt_tokens_details.unwrap().cached_tokens, Some(8));
         assert!(usage_in(br#"{"usage":null}"#).is_none());
+    }
+
+    fn key(u: Option<Usage>) -> Option<(u64, u64, Option<Option<u64>>)> {
+        u.map(|u| {
+            let d = u.prompt_tokens_details.map(|d| d.cached_tokens);
+            (u.prompt_tokens, u.completion_tokens, d)
+        })
+    }
+
+    #[test]
+    fn worker_usage_shapes_take_the_fast_path() {
+        for (obj, want) in [
+            // vLLM
+            (
+                r#"{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,"prompt_tokens_details":null}"#,
+                (12, 3, None),
+            ),
+            (
+                r#"{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":8}}"#,
+                (12, 3, Some(Some(8))),
+            ),
+            // SGLang, spaced
+            (
+                "{ \"prompt_tokens\" : 7 ,\n \"completion_tokens\":0, \"total_tokens\": 7, \"prompt_tokens_details\": { \"cached_tokens\": null } }",
+                (7, 0, Some(None)),
+            ),
+            (r#"{}"#, (0, 0, None)),
+            (r#"{"completion_tokens":18446744073709551615}"#, (0, u64::MAX, None)),
+        ] {
+            let fast = usage_fast(obj.as_bytes());
+            assert_eq!(key(fast), Some(want), "{obj}");
+            assert_eq!(key(usage_serde(obj.as_bytes())), Some(want), "{obj}");
+        }
+    }
+
+    #[test]
+    fn other_shapes_are_left_to_serde() {
+        for obj in [
+            r#"{"prompt_tokens":12,"prompt_tokens":13}"#,
+            r#"{"prompt_tokens":1.0}"#,
+            r#"{"prompt_tokens":-1}"#,
+            r#"{"prompt_tokens":01}"#,
+            r#"{"prompt_tokens":null}"#,
+            r#"{"prompt_tokens":"12"}"#,
+            r#"{"completion_tokens":18446744073709551616}"#,
+            r#"{"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":2}}"#,
+            r#"{"prompt_tokens_details":{"audio_tokens":{"x":1}}}"#,
+            r#"{"extra":[1,2],"prompt_tokens":3}"#,
+            r#"{"extra":"text","prompt_tokens":3}"#,
+            r#"{"pro\u006dpt_tokens":3}"#,
+            r#"{"prompt_tokens":3,}"#,
+            r#"{"prompt_tokens":3"#,
+            r#"{"prompt_tokens" 3}"#,
+            r#"{"prompt_tokens":nullx}"#,
+        ] {
+            assert!(usage_fast(obj.as_bytes()).is_none(), "{obj}");
+        }
+        // serde still reads what it can.
+        let u = usage_in(br#"{"usage":{"extra":"text","prompt_tokens":3}}"#);
+        assert_eq!(key(u), Some((3, 0, None)));
+        let u = usage_in(br#"{"usage":{"pro\u006dpt_tokens":3}}"#);
+        assert_eq!(key(u), Some((3, 0, None)));
+    }
+
+    proptest::proptest! {
+        /// Whenever the fast path answers, serde answers the same; it answers for every object of
+        /// unescaped keys with integer or null values.
+        #[test]
+        fn fast_usage_agrees_with_serde(
+            members in proptest::collection::vec((0usize..6, 0usize..8, proptest::bool::ANY), 0..6),
+            inner in proptest::collection::vec((0usize..3, 0usize..8), 0..3),
+            ws in 0usize..3,
+        ) {
+            const KEYS: [&str; 6] = [
+                "prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
+                "x", "prompt_tokens_details",
+            ];
+            const VALUES: [&str; 8] = ["0", "7", "123456", "null", "1.5", "\"s\"", "-3", "012"];
+            const IN_KEYS: [&str; 3] = ["cached_tokens", "audio_tokens", "cached_tokens"];
+            let sp = [" ", "", "\n\t "][ws];
+            let nested: Vec<String> = inner
+                .iter()
+                .map(|&(k, v)| format!("\"{}\"{sp}:{sp}{}", IN_KEYS[k], VALUES[v]))
+                .collect();
+            let nested = format!("{{{sp}{}{sp}}}", nested.join(","));
+            let body: Vec<String> = members
+                .iter()
+                .map(|&(k, v, obj)| {
+                    let v = if KEYS[k] == "prompt_tokens_details" && obj { nested.as_str() } else { VALUES[v] };
+                    format!("{sp}\"{}\"{sp}:{v}", KEYS[k])
+                })
+                .collect();
+            let obj = format!("{{{}{sp}}}", body.join(","));
+            let serde = key(usage_serde(obj.as_bytes()));
+            if let Some(fast) = usage_fast(obj.as_bytes()) {
+                proptest::prop_assert_eq!(key(Some(fast)), serde, "{}", obj);
+            }
+            let simple = ["1.5", "\"s\"", "-3", "012"].iter().all(|v| !obj.contains(v));
+            if simple && serde.is_some() {
+                proptest::prop_assert!(usage_fast(obj.as_bytes()).is_some(), "{}", obj);
+            }
+        }
     }
 }
