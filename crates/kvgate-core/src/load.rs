@@ -9,14 +9,15 @@
 //! [`ActiveSequences::expire_stale`], drops entries older than a bound (guards of expired entries then
 //! free nothing).
 //!
-//! Beside each worker's refcounted blocks, an inverse map block → set of workers where it is active
-//! lets [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt instead of
-//! one search per worker.
+//! One map holds every active block: the set of workers where it is active, and per worker how
+//! many in-flight requests hold it (one hash lookup per block when a request starts and ends). The
+//! sets let [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt
+//! instead of one search per worker.
 //!
-//! A block whose count drops to zero keeps its map entries (count 0, empty worker set) until idle
-//! entries outnumber live ones ([`SWEEP_MIN`] at least): a prefix every request shares (a system
-//! prompt) goes 0 → 1 → 0 on each request at low concurrency, and re-inserting and removing its
-//! entries each time was most of the bookkeeping.
+//! A block no request holds any more keeps its entry (an empty worker set) until idle entries
+//! outnumber live ones ([`SWEEP_MIN`] at least): a prefix every request shares (a system prompt)
+//! goes 0 → 1 → 0 on each request at low concurrency, and re-inserting and removing its entry each
+//! time was most of the bookkeeping.
 //!
 //! Thread-safe: one `std::sync::Mutex` inside an `Arc`, held only for short, allocation-free sections.
 
@@ -48,15 +49,13 @@ struct Entry {
     started: Instant,
 }
 
-/// Idle entries (count 0, or an empty worker set) are dropped once there are more of them than
-/// live ones and at least this many.
+/// Idle entries (an empty worker set) are dropped once there are more of them than live ones and
+/// at least this many.
 const SWEEP_MIN: usize = 4096;
 
 #[derive(Debug, Default)]
 struct WorkerState {
-    /// Router hash → number of in-flight requests on this worker that include it (0: idle entry).
-    blocks: HashKeyed<u32>,
-    /// Entries of `blocks` with a count above 0.
+    /// Blocks active on this worker (held by at least one of its in-flight requests).
     active_blocks: u32,
     pending_prefill_tokens: u64,
     requests: HashMap<u64, Entry, std::hash::BuildHasherDefault<crate::nohash::MixHasher>>,
@@ -71,89 +70,102 @@ impl WorkerState {
         }
     }
 
-    /// Blocks of a chained-hash sequence not active here. Active blocks are unions of whole chained
-    /// prefixes, so the active part of a request is itself a prefix: gallop, then binary search, for
-    /// O(log n) lookups instead of n.
-    fn new_blocks(&self, hashes: &[BlockHash]) -> u32 {
-        let active = |i: usize| self.blocks.get(&hashes[i]).is_some_and(|&n| n > 0);
-        let n = hashes.len();
-        if n == 0 || !active(0) {
-            return n as u32;
-        }
-        (n - prefix_end(0, n, active)) as u32
-    }
-
-    /// Frees request `key` of worker `w` (this state), keeping the inverse map `active` in step.
+    /// Frees request `key` of worker `w` (this state), releasing its blocks in `active`.
     fn free(&mut self, w: WorkerId, key: u64, pool: &mut Vec<Vec<BlockHash>>, active: &mut Active) {
         let Some(mut e) = self.requests.remove(&key) else {
             return;
         };
         self.pending_prefill_tokens -= e.prefill;
-        for h in &e.hashes {
-            if let Some(n) = self.blocks.get_mut(h) {
-                if *n == 0 {
-                    continue; // a duplicate hash in the request, already freed
-                }
-                *n -= 1;
-                if *n == 0 {
-                    self.active_blocks -= 1;
-                    active.unlink(*h, w);
-                }
+        for &h in &e.hashes {
+            if active.release(h, w) {
+                self.active_blocks -= 1;
             }
         }
         if pool.len() < POOL_MAX {
             e.hashes.clear();
             pool.push(e.hashes);
         }
-        if self.blocks.len() > SWEEP_MIN.max(2 * self.active_blocks as usize) {
-            self.blocks.retain(|_, n| *n > 0);
-        }
     }
 }
 
-/// Router hash → workers where it is active (refcount > 0 in their `blocks`); the union of the
-/// workers' block maps, inverted. Sets that became empty stay until swept.
+/// One block of the active map.
+#[derive(Debug, Default)]
+struct Block {
+    /// Workers where the block is active.
+    set: WorkerSet,
+    /// `(worker, n)`: `n` more in-flight requests than the first hold the block on `worker` (only
+    /// for workers in `set`; most blocks are held once per worker and this stays empty).
+    extra: Vec<(u32, u32)>,
+}
+
+/// Router hash → where it is active and how many requests hold it there. Entries whose set became
+/// empty stay until swept.
 #[derive(Debug, Default)]
 struct Active {
-    sets: HashKeyed<WorkerSet>,
-    /// Entries of `sets` that are empty.
+    sets: HashKeyed<Block>,
+    /// Entries of `sets` with an empty set.
     empty: usize,
 }
 
 impl Active {
     fn get(&self, h: &BlockHash) -> Option<&WorkerSet> {
-        self.sets.get(h).filter(|s| !s.is_empty())
+        self.sets.get(h).map(|b| &b.set).filter(|s| !s.is_empty())
     }
 
-    /// Adds `w` to the workers where `h` is active.
-    fn link(&mut self, h: BlockHash, w: WorkerId) {
+    fn is_active_on(&self, h: &BlockHash, w: WorkerId) -> bool {
+        self.sets.get(h).is_some_and(|b| b.set.contains(w))
+    }
+
+    /// One more request on `w` holds `h`; true if `h` was not active on `w` before.
+    fn acquire(&mut self, h: BlockHash, w: WorkerId) -> bool {
         use std::collections::hash_map::Entry;
         match self.sets.entry(h) {
             Entry::Occupied(e) => {
-                let set = e.into_mut();
-                if set.is_empty() {
+                let b = e.into_mut();
+                if b.set.is_empty() {
                     self.empty -= 1;
                 }
-                set.insert(w);
+                if b.set.insert(w) {
+                    return true;
+                }
+                match b.extra.iter_mut().find(|(x, _)| *x == w.0) {
+                    Some((_, n)) => *n += 1,
+                    None => b.extra.push((w.0, 1)),
+                }
+                false
             }
             Entry::Vacant(e) => {
-                e.insert(WorkerSet::default()).insert(w);
+                e.insert(Block::default()).set.insert(w);
+                true
             }
         }
     }
 
-    /// Removes `w` from the workers where `h` is active.
-    fn unlink(&mut self, h: BlockHash, w: WorkerId) {
-        if let Some(set) = self.sets.get_mut(&h) {
-            if set.remove(w) && set.is_empty() {
+    /// One request fewer on `w` holds `h`; true if `h` is no longer active on `w`. Releasing a
+    /// block not held there (a worker already forgotten) changes nothing.
+    fn release(&mut self, h: BlockHash, w: WorkerId) -> bool {
+        let Some(b) = self.sets.get_mut(&h) else {
+            return false;
+        };
+        if let Some(i) = b.extra.iter().position(|(x, _)| *x == w.0) {
+            b.extra[i].1 -= 1;
+            if b.extra[i].1 == 0 {
+                b.extra.swap_remove(i);
+            }
+            return false;
+        }
+        if b.set.remove(w) {
+            if b.set.is_empty() {
                 self.empty += 1;
             }
+            return true;
         }
+        false
     }
 
     fn maybe_sweep(&mut self) {
         if self.empty > SWEEP_MIN.max(self.sets.len() - self.empty) {
-            self.sets.retain(|_, s| !s.is_empty());
+            self.sets.retain(|_, b| !b.set.is_empty());
             self.empty = 0;
         }
     }
@@ -223,6 +235,18 @@ impl Inner {
             }
             lo = hi;
         }
+    }
+
+    /// Blocks of a chained-hash sequence not active on `w`. Active blocks are unions of whole
+    /// chained prefixes, so the active part of a request is itself a prefix: gallop, then binary
+    /// search, for O(log n) lookups instead of n.
+    fn new_blocks(&self, w: WorkerId, hashes: &[BlockHash]) -> u32 {
+        let active = |i: usize| self.active.is_active_on(&hashes[i], w);
+        let n = hashes.len();
+        if n == 0 || !active(0) {
+            return n as u32;
+        }
+        (n - prefix_end(0, n, active)) as u32
     }
 
     fn worker(&self, w: WorkerId) -> Option<&WorkerState> {
@@ -321,11 +345,8 @@ impl ActiveSequences {
         buf.extend_from_slice(hashes);
         let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
         for &h in hashes {
-            let n = ws.blocks.entry(h).or_insert(0);
-            *n += 1;
-            if *n == 1 {
+            if inner.active.acquire(h, worker) {
                 ws.active_blocks += 1;
-                inner.active.link(h, worker);
             }
         }
         ws.pending_prefill_tokens += prefill;
@@ -358,10 +379,7 @@ impl ActiveSequences {
     /// How many of the request's blocks are not already active on the worker (the decode blocks the
     /// request would add there). Assumes chained hashes (see [`crate::hash`]).
     pub fn new_blocks_for(&self, worker: WorkerId, hashes: &[BlockHash]) -> u32 {
-        match self.lock().worker(worker) {
-            Some(ws) => ws.new_blocks(hashes),
-            None => hashes.len() as u32,
-        }
+        self.lock().new_blocks(worker, hashes)
     }
 
     /// Fills `active_blocks`, `new_blocks`, `pending_prefill_tokens` and `inflight` of every candidate
@@ -418,9 +436,9 @@ impl ActiveSequences {
         let inner = &mut *g;
         if let Some(slot) = inner.workers.get_mut(worker.index()) {
             if let Some(ws) = slot.take() {
-                for (&h, &n) in &ws.blocks {
-                    if n > 0 {
-                        inner.active.unlink(h, worker);
+                for e in ws.requests.values() {
+                    for &h in &e.hashes {
+                        inner.active.release(h, worker);
                     }
                 }
                 inner.active.maybe_sweep();
@@ -465,12 +483,12 @@ impl ActiveSequences {
             .active
             .sets
             .iter()
-            .filter(|(_, s)| !s.is_empty())
-            .map(|(&h, s)| (h, s.iter().map(|w| w.0).collect()))
+            .filter(|(_, b)| !b.set.is_empty())
+            .map(|(&h, b)| (h, b.set.iter().map(|w| w.0).collect()))
             .collect()
     }
 
-    /// The inverse map recomputed naively from the per-worker maps.
+    /// The inverse map recomputed naively from the workers' in-flight requests.
     #[cfg(test)]
     fn inverse_naive(
         &self,
@@ -478,8 +496,10 @@ impl ActiveSequences {
         let g = self.lock();
         let mut m = std::collections::BTreeMap::<_, std::collections::BTreeSet<u32>>::new();
         for (i, ws) in g.workers.iter().enumerate() {
-            for (&h, _) in ws.iter().flat_map(|ws| &ws.blocks).filter(|(_, &n)| n > 0) {
-                m.entry(h).or_default().insert(i as u32);
+            for e in ws.iter().flat_map(|ws| ws.requests.values()) {
+                for &h in &e.hashes {
+                    m.entry(h).or_default().insert(i as u32);
+                }
             }
         }
         m
