@@ -407,19 +407,23 @@ impl Scanner<'_> {
     /// A JSON unsigned integer that fits u64 (no sign, fraction, exponent or leading zero).
     fn uint(&mut self) -> Option<u64> {
         self.ws();
-        let rest = &self.b[self.i..];
-        let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
-        let d = &rest[..digits];
-        if digits == 0 || (digits > 1 && d[0] == b'0') {
+        let start = self.i;
+        let mut n = 0u64;
+        while let Some(&c) = self.b.get(self.i) {
+            if !c.is_ascii_digit() {
+                break;
+            }
+            n = n.checked_mul(10)?.checked_add(u64::from(c - b'0'))?;
+            self.i += 1;
+        }
+        let digits = self.i - start;
+        if digits == 0 || (digits > 1 && self.b[start] == b'0') {
             return None;
         }
-        if matches!(rest.get(digits), Some(b'.' | b'e' | b'E')) {
+        if matches!(self.b.get(self.i), Some(b'.' | b'e' | b'E')) {
             return None;
         }
-        self.i += digits;
-        d.iter().try_fold(0u64, |n, c| {
-            n.checked_mul(10)?.checked_add(u64::from(c - b'0'))
-        })
+        Some(n)
     }
 
     /// The value of a member we do not read: null or an unsigned integer.
@@ -443,10 +447,12 @@ impl Scanner<'_> {
                 return None;
             }
             let rest = &self.b[self.i..];
-            let end = rest
+            let end = memchr::memchr(b'"', rest)?;
+            // An escape or a control character: serde's business (branch-free, keys are short).
+            if rest[..end]
                 .iter()
-                .position(|&c| c == b'"' || c == b'\\' || c < 0x20)?;
-            if rest[end] != b'"' {
+                .fold(false, |odd, &c| odd | (c == b'\\') | (c < 0x20))
+            {
                 return None;
             }
             self.i += end + 1;
