@@ -12,6 +12,7 @@
 //! `stream_options.include_usage` to a body), `cow.rs` (borrow-if-possible string helper).
 
 mod cow;
+mod fast;
 mod messages;
 mod prompt;
 mod request;

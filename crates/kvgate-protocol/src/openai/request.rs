@@ -78,25 +78,11 @@ impl<'a> RequestView<'a> {
         let body = std::str::from_utf8(body).map_err(|e| {
             RequestError::Json(format!("invalid UTF-8 at byte {}", e.valid_up_to()))
         })?;
-        let field = Cell::new(None);
-        let mut de = serde_json::Deserializer::from_str(body);
-        let visitor = ViewVisitor {
-            field: &field,
-            with_messages,
+        // The usual shapes in one fast pass; anything else (errors included) through serde.
+        let fields = match super::fast::fields(body, with_messages) {
+            Some(f) => f,
+            None => serde_fields(body, with_messages)?,
         };
-        let fields = match de.deserialize_map(visitor) {
-            Ok(f) => f,
-            Err(e) => {
-                return Err(match (field.get(), e.classify()) {
-                    (Some(param), serde_json::error::Category::Data) => {
-                        RequestError::invalid(param, strip_position(&e))
-                    }
-                    _ => RequestError::Json(e.to_string()),
-                })
-            }
-        };
-        de.end().map_err(|e| RequestError::Json(e.to_string()))?;
-
         let model = fields.model.ok_or(RequestError::Missing("model"))?;
         if fields.messages.as_ref().is_some_and(Vec::is_empty) {
             return Err(RequestError::invalid(
@@ -172,6 +158,29 @@ impl<'a> RequestView<'a> {
     }
 }
 
+/// The routing fields of a JSON object text, by serde: every shape, and the errors.
+pub(super) fn serde_fields(body: &str, with_messages: bool) -> Result<Fields<'_>, RequestError> {
+    let field = Cell::new(None);
+    let mut de = serde_json::Deserializer::from_str(body);
+    let visitor = ViewVisitor {
+        field: &field,
+        with_messages,
+    };
+    let fields = match de.deserialize_map(visitor) {
+        Ok(f) => f,
+        Err(e) => {
+            return Err(match (field.get(), e.classify()) {
+                (Some(param), serde_json::error::Category::Data) => {
+                    RequestError::invalid(param, strip_position(&e))
+                }
+                _ => RequestError::Json(e.to_string()),
+            })
+        }
+    };
+    de.end().map_err(|e| RequestError::Json(e.to_string()))?;
+    Ok(fields)
+}
+
 fn parse_include_usage(raw: &RawValue) -> Result<bool, RequestError> {
     #[derive(serde::Deserialize)]
     struct StreamOptions {
@@ -197,20 +206,21 @@ pub(crate) fn strip_position(e: &impl std::fmt::Display) -> String {
     }
 }
 
-#[derive(Default)]
-struct Fields<'a> {
-    model: Option<Cow<'a, str>>,
-    stream: Option<bool>,
-    stream_options: Option<&'a RawValue>,
-    max_tokens: Option<u64>,
-    max_completion_tokens: Option<u64>,
-    cache_salt: Option<Cow<'a, str>>,
-    prompt_cache_key: Option<Cow<'a, str>>,
-    messages: Option<Vec<ChatMessage<'a>>>,
-    prompt: Option<&'a RawValue>,
-    tools: Option<&'a RawValue>,
-    add_generation_prompt: Option<bool>,
-    chat_template_kwargs: Option<&'a RawValue>,
+/// The fields as read (before the checks that need all of them).
+#[derive(Debug, Default)]
+pub(super) struct Fields<'a> {
+    pub(super) model: Option<Cow<'a, str>>,
+    pub(super) stream: Option<bool>,
+    pub(super) stream_options: Option<&'a RawValue>,
+    pub(super) max_tokens: Option<u64>,
+    pub(super) max_completion_tokens: Option<u64>,
+    pub(super) cache_salt: Option<Cow<'a, str>>,
+    pub(super) prompt_cache_key: Option<Cow<'a, str>>,
+    pub(super) messages: Option<Vec<ChatMessage<'a>>>,
+    pub(super) prompt: Option<&'a RawValue>,
+    pub(super) tools: Option<&'a RawValue>,
+    pub(super) add_generation_prompt: Option<bool>,
+    pub(super) chat_template_kwargs: Option<&'a RawValue>,
 }
 
 /// Records which known field is being read so a type error can name it as `param`.
