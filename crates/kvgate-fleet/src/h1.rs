@@ -279,7 +279,10 @@ pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
             .flatten()
         {
             Some(io) => (io, true),
-            None => (connect(&key.authority, tls, s).await?, false),
+            // Boxed: the connect future (TCP and TLS handshakes) is 1.5 KB, and inline it would
+            // grow every request's future (copied whole at each level as it is built) for a
+            // step that pooled connections skip.
+            None => (Box::pin(connect(&key.authority, tls, s)).await?, false),
         };
         match exchange(io, &head, &key, req, s).await {
             Err(Failure::Stale(e)) if reused => {
