@@ -29,6 +29,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::poll_fn;
+use std::hash::{Hash, Hasher};
 use std::io::{self, IoSlice, Write as _};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -906,10 +907,29 @@ async fn connect(authority: &Authority, tls: Option<&Tls>, s: &Settings) -> Resu
 }
 
 /// Pool key: a worker address, and the TLS configuration it is reached with (0: plain).
-#[derive(Clone, PartialEq, Eq, Hash)]
+///
+/// Compared and hashed as the exact text: `Authority`'s own impls ignore ASCII case a byte at a
+/// time (hashing each byte separately), and a worker's authority is always spelled the same way
+/// (it comes from its configured URL).
+#[derive(Clone)]
 struct Key {
     tls: u64,
     authority: Authority,
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.tls == other.tls && self.authority.as_str() == other.authority.as_str()
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.tls.hash(h);
+        self.authority.as_str().hash(h);
+    }
 }
 
 struct Idle {
