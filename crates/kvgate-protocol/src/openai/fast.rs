@@ -20,7 +20,13 @@ const MAX_DEPTH: u32 = 100;
 
 /// The fields of `body` (checked UTF-8 already), or `None`: ask serde.
 pub(super) fn fields(body: &str, with_messages: bool) -> Option<Fields<'_>> {
-    let mut r = Reader { s: body, i: 0 };
+    // A body without any control byte (compact JSON, what SDKs send) has none inside its
+    // strings either: one vectorised pass instead of a check per string.
+    let mut r = Reader {
+        s: body,
+        i: 0,
+        controls: has_control(body.as_bytes()),
+    };
     let mut out = Fields::default();
     // stream_options, prompt, tools, chat_template_kwargs: where their values lie.
     let mut raw: [Option<(usize, usize)>; 4] = [None; 4];
@@ -77,6 +83,20 @@ pub(super) fn fields(body: &str, with_messages: bool) -> Option<Fields<'_>> {
 struct Reader<'a> {
     s: &'a str,
     i: usize,
+    /// The body has control bytes somewhere: strings must be checked for them.
+    controls: bool,
+}
+
+/// The first `"` or `\\`. Keys and short values end within a few bytes, where a plain loop
+/// beats `memchr`'s setup.
+#[inline]
+fn quote_or_backslash(b: &[u8]) -> Option<usize> {
+    const SHORT: usize = 16;
+    if let Some(k) = b.iter().take(SHORT).position(|&c| c == b'"' || c == b'\\') {
+        return Some(k);
+    }
+    let rest = b.get(SHORT..)?;
+    memchr::memchr2(b'"', b'\\', rest).map(|k| k + SHORT)
 }
 
 /// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
@@ -146,8 +166,8 @@ impl<'a> Reader<'a> {
         let mut seg = self.i;
         let mut owned: Option<String> = None;
         loop {
-            let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
-            if has_control(&b[self.i..self.i + k]) {
+            let k = quote_or_backslash(&b[self.i..])?;
+            if self.controls && has_control(&b[self.i..self.i + k]) {
                 return None;
             }
             self.i += k;
@@ -203,8 +223,8 @@ impl<'a> Reader<'a> {
         }
         let b = self.bytes();
         loop {
-            let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
-            if has_control(&b[self.i..self.i + k]) {
+            let k = quote_or_backslash(&b[self.i..])?;
+            if self.controls && has_control(&b[self.i..self.i + k]) {
                 return None;
             }
             self.i += k + 1;
