@@ -115,9 +115,19 @@ async fn route_and_forward(
     let mut tried = [WorkerId(0); MAX_ATTEMPTS];
     let mut n_tried = 0usize;
     loop {
-        let pick = pick(app, ctx, &pool, &ri, &tried[..n_tried]).await?;
+        // The first choice is made as of the decision's start; later ones (retries, waits in the
+        // queue) read the clock again.
+        let at = if n_tried == 0 {
+            t_decide
+        } else {
+            Instant::now()
+        };
+        let pick = pick(app, ctx, &pool, &ri, &tried[..n_tried], at).await?;
+        let now = Instant::now();
         if n_tried == 0 {
-            ctx.decision_time = t_decide.elapsed().saturating_sub(ctx.queue_wait);
+            ctx.decision_time = now
+                .saturating_duration_since(t_decide)
+                .saturating_sub(ctx.queue_wait);
             app.metrics
                 .decision
                 .observe(ctx.decision_time.as_secs_f64());
@@ -127,7 +137,6 @@ async fn route_and_forward(
                 .observe(pick.decision.predicted_hit_ratio);
             ctx.overlap_blocks = pick.decision.overlap_blocks;
         }
-        let now = Instant::now();
         let mut guard = app
             .router
             .dispatch(&pick, &ri.hashes, ri.isl, pool.block_size, now);
@@ -227,13 +236,14 @@ async fn pick(
     pool: &Pool,
     ri: &RouteInput,
     tried: &[WorkerId],
+    mut now: Instant,
 ) -> Result<Pick, GatewayError> {
     let mut queued_at: Option<Instant> = None;
     let mut woken = false;
     loop {
         match app
             .router
-            .select(pool, &ri.hashes, ri.isl, ri.affinity, tried, Instant::now())
+            .select(pool, &ri.hashes, ri.isl, ri.affinity, tried, now)
         {
             Ok(p) => {
                 if let Some(q) = queued_at {
@@ -256,7 +266,10 @@ async fn pick(
         let q0 = *queued_at.get_or_insert_with(Instant::now);
         let deadline = tokio::time::Instant::from_std(q0 + app.admission.timeout());
         match app.admission.wait(woken, deadline).await {
-            Ok(()) => woken = true,
+            Ok(()) => {
+                woken = true;
+                now = Instant::now();
+            }
             Err(WaitError::Full) => {
                 return Err(GatewayError::new(
                     ErrorKind::QueueFull,
