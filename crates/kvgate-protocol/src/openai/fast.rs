@@ -92,11 +92,15 @@ struct Reader<'a> {
 #[inline]
 fn quote_or_backslash(b: &[u8]) -> Option<usize> {
     const SHORT: usize = 16;
-    if let Some(k) = b.iter().take(SHORT).position(|&c| c == b'"' || c == b'\\') {
-        return Some(k);
+    let n = b.len().min(SHORT);
+    let mut k = 0;
+    while k < n {
+        if matches!(b[k], b'"' | b'\\') {
+            return Some(k);
+        }
+        k += 1;
     }
-    let rest = b.get(SHORT..)?;
-    memchr::memchr2(b'"', b'\\', rest).map(|k| k + SHORT)
+    memchr::memchr2(b'"', b'\\', &b[n..]).map(|k| k + n)
 }
 
 /// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
