@@ -87,22 +87,6 @@ struct Reader<'a> {
     controls: bool,
 }
 
-/// The first `"` or `\\`. Keys and short values end within a few bytes, where a plain loop
-/// beats `memchr`'s setup.
-#[inline]
-fn quote_or_backslash(b: &[u8]) -> Option<usize> {
-    const SHORT: usize = 16;
-    let n = b.len().min(SHORT);
-    let mut k = 0;
-    while k < n {
-        if matches!(b[k], b'"' | b'\\') {
-            return Some(k);
-        }
-        k += 1;
-    }
-    memchr::memchr2(b'"', b'\\', &b[n..]).map(|k| k + n)
-}
-
 /// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
 /// exit inside, so the compiler vectorises them.
 #[inline]
@@ -170,7 +154,7 @@ impl<'a> Reader<'a> {
         let mut seg = self.i;
         let mut owned: Option<String> = None;
         loop {
-            let k = quote_or_backslash(&b[self.i..])?;
+            let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
             if self.controls && has_control(&b[self.i..self.i + k]) {
                 return None;
             }
@@ -227,7 +211,7 @@ impl<'a> Reader<'a> {
         }
         let b = self.bytes();
         loop {
-            let k = quote_or_backslash(&b[self.i..])?;
+            let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
             if self.controls && has_control(&b[self.i..self.i + k]) {
                 return None;
             }
