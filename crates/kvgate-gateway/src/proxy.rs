@@ -30,19 +30,6 @@ use crate::upstream;
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
 
-pub async fn handle(
-    app: Arc<AppState>,
-    req: Request<ReqBody>,
-    endpoint: Endpoint,
-    start: Instant,
-) -> Response<GwBody> {
-    let mut ctx = RequestCtx::new(app.clone(), endpoint, start);
-    match route_and_forward(&app, &mut ctx, req).await {
-        Ok(resp) => respond(&app, ctx, resp),
-        Err(e) => reject(ctx, e),
-    }
-}
-
 /// Answer with a gateway error, recording it.
 pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
     ctx.status = e.status().as_u16();
@@ -51,7 +38,10 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
     e.into_response()
 }
 
-async fn route_and_forward(
+/// Everything from auth to the worker's response head; the caller owns `ctx` and turns the result
+/// into the client's response ([`respond`] or [`reject`]). Called straight from the route table:
+/// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
+pub(crate) async fn route_and_forward(
     app: &Arc<AppState>,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
@@ -330,7 +320,11 @@ async fn read_body(
 }
 
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-fn respond(app: &AppState, mut ctx: RequestCtx, resp: upstream::Response) -> Response<GwBody> {
+pub(crate) fn respond(
+    app: &AppState,
+    mut ctx: RequestCtx,
+    resp: upstream::Response,
+) -> Response<GwBody> {
     let upstream::Response {
         status,
         mut headers,

@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use crate::api;
 use crate::body::{GwBody, ReqBody};
 use crate::config::ServerConfig;
-use crate::ctx::Endpoint;
+use crate::ctx::{Endpoint, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::h1server;
 use crate::proxy;
@@ -40,7 +40,11 @@ pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody
         if req.method() != Method::POST {
             return method_not_allowed(&app, "POST");
         }
-        return proxy::handle(app, req, ep, start).await;
+        let mut ctx = RequestCtx::new(app.clone(), ep, start);
+        return match proxy::route_and_forward(&app, &mut ctx, req).await {
+            Ok(resp) => proxy::respond(&app, ctx, resp),
+            Err(e) => proxy::reject(ctx, e),
+        };
     }
     let get = req.method() == Method::GET || req.method() == Method::HEAD;
     match req.uri().path() {
