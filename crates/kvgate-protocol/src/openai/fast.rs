@@ -2,8 +2,8 @@
 //! serde ([`super::RequestView::parse`]).
 //!
 //! serde_json finds the end of a string eight bytes at a time; message contents are most of a
-//! chat body, and here they are scanned with `memchr` (vectorised) plus a branch-free check for
-//! control characters. Everything this reader does not handle, or finds wrong, makes it give up
+//! chat body, and here they are scanned with `memchr` (vectorised), the body checked for control
+//! bytes once (its strings one by one only when it has some). Everything this reader does not handle, or finds wrong, makes it give up
 //! (`None`) and serde parses the body as before: errors, their messages and anything unusual
 //! (lone surrogate escapes, numbers where strings belong, deep nesting) stay serde's. When it
 //! does answer, the answer is serde's (a property test holds the two to each other).
@@ -31,38 +31,24 @@ pub(super) fn fields(body: &str, with_messages: bool) -> Option<Fields<'_>> {
     // stream_options, prompt, tools, chat_template_kwargs: where their values lie.
     let mut raw: [Option<(usize, usize)>; 4] = [None; 4];
     let depth = MAX_DEPTH - 1;
-    if !r.eat(b'{') {
-        return None;
-    }
-    if !r.eat(b'}') {
-        loop {
-            let key = r.string()?;
-            if !r.eat(b':') {
-                return None;
-            }
-            match &*key {
-                "model" => out.model = r.opt_string()?,
-                "stream" => out.stream = r.opt_bool()?,
-                "stream_options" => raw[0] = r.raw(depth)?,
-                "max_tokens" => out.max_tokens = r.opt_uint()?,
-                "max_completion_tokens" => out.max_completion_tokens = r.opt_uint()?,
-                "cache_salt" => out.cache_salt = r.opt_string()?,
-                "prompt_cache_key" => out.prompt_cache_key = r.opt_string()?,
-                "messages" if with_messages => out.messages = r.messages(depth)?,
-                "prompt" => raw[1] = r.raw(depth)?,
-                "tools" => raw[2] = r.raw(depth)?,
-                "add_generation_prompt" => out.add_generation_prompt = r.opt_bool()?,
-                "chat_template_kwargs" => raw[3] = r.raw(depth)?,
-                _ => r.skip(depth)?,
-            }
-            if r.eat(b'}') {
-                break;
-            }
-            if !r.eat(b',') {
-                return None;
-            }
+    r.object(|r, key| {
+        match &*key {
+            "model" => out.model = r.opt_string()?,
+            "stream" => out.stream = r.opt_bool()?,
+            "stream_options" => raw[0] = r.raw(depth)?,
+            "max_tokens" => out.max_tokens = r.opt_uint()?,
+            "max_completion_tokens" => out.max_completion_tokens = r.opt_uint()?,
+            "cache_salt" => out.cache_salt = r.opt_string()?,
+            "prompt_cache_key" => out.prompt_cache_key = r.opt_string()?,
+            "messages" if with_messages => out.messages = r.messages(depth)?,
+            "prompt" => raw[1] = r.raw(depth)?,
+            "tools" => raw[2] = r.raw(depth)?,
+            "add_generation_prompt" => out.add_generation_prompt = r.opt_bool()?,
+            "chat_template_kwargs" => raw[3] = r.raw(depth)?,
+            _ => r.skip(depth)?,
         }
-    }
+        Some(())
+    })?;
     r.ws();
     if r.i != body.len() {
         return None;

@@ -35,11 +35,8 @@ fn usual_bodies_take_the_fast_path() {
         "\n\t{ \"model\" : \"m\" , \"messages\" : [ { \"role\" : \"user\" , \"content\" : \"x\" } ] }\r\n",
     ];
     for body in bodies {
-        assert!(fields(body, true).is_some(), "fast path declined {body}");
-        proptest::test_runner::TestRunner::default()
-            .run(&Just(()), |()| agree(body, true).map(|_| ()))
-            .unwrap();
-        let _ = agree(body, false).unwrap();
+        assert!(agree(body, true).unwrap(), "fast path declined {body}");
+        assert!(agree(body, false).unwrap(), "fast path declined {body}");
     }
 }
 
