@@ -111,6 +111,7 @@ impl WorkerSet {
         }
     }
 
+    #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         match self {
             WorkerSet::Inline { len, .. } => *len == 0,
@@ -120,7 +121,25 @@ impl WorkerSet {
     }
 
     /// Adds `w`; false if it was already present.
+    #[inline]
     pub(crate) fn insert(&mut self, w: WorkerId) -> bool {
+        // The common case inline (a block on its first few workers), the rest out of line.
+        if let WorkerSet::Inline { len, ids } = self {
+            let n = *len as usize;
+            if ids[..n].contains(&w.0) {
+                return false;
+            }
+            if n < INLINE {
+                ids[n] = w.0;
+                *len += 1;
+                return true;
+            }
+        }
+        self.insert_slow(w)
+    }
+
+    #[inline(never)]
+    fn insert_slow(&mut self, w: WorkerId) -> bool {
         if self.contains(w) {
             return false;
         }
@@ -167,18 +186,25 @@ impl WorkerSet {
     }
 
     /// Removes `w`; false if it was absent.
+    #[inline]
     pub(crate) fn remove(&mut self, w: WorkerId) -> bool {
+        if let WorkerSet::Inline { len, ids } = self {
+            let n = *len as usize;
+            let Some(pos) = ids[..n].iter().position(|&x| x == w.0) else {
+                return false;
+            };
+            ids[pos] = ids[n - 1];
+            *len -= 1;
+            return true;
+        }
+        self.remove_slow(w)
+    }
+
+    #[inline(never)]
+    fn remove_slow(&mut self, w: WorkerId) -> bool {
         let (k, b) = split(w.0);
         match self {
-            WorkerSet::Inline { len, ids } => {
-                let n = *len as usize;
-                let Some(pos) = ids[..n].iter().position(|&x| x == w.0) else {
-                    return false;
-                };
-                ids[pos] = ids[n - 1];
-                *len -= 1;
-                return true;
-            }
+            WorkerSet::Inline { .. } => unreachable!("handled by remove"),
             WorkerSet::Mask(m) => {
                 if k != 0 || *m & b == 0 {
                     return false;
