@@ -9,13 +9,12 @@
 //! workers is enough for prefix matching (no radix tree needed).
 
 use crate::BlockHash;
-use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+#[cfg(not(target_endian = "little"))]
+use xxhash_rust::xxh3::Xxh3;
 
 /// The base seed (Dynamo's `XXH3_SEED`).
 pub const BASE_SEED: u64 = 1337;
-
-/// Tokens hashed through a stack buffer in one shot; longer blocks are streamed in chunks of this size.
-const STACK_TOKENS: usize = 256;
 
 /// The hashing seed for a request: [`BASE_SEED`] plus the LoRA adapter name and `cache_salt`
 /// contributions. `None` and `Some("")` are equivalent.
@@ -31,37 +30,29 @@ pub fn hash_seed(lora: Option<&str>, salt: Option<&str>) -> u64 {
 }
 
 /// The local (unchained) hash of one block: xxh3-64 over the tokens as little-endian `u32`.
-pub fn local_block_hash(tokens: &[u32], seed: u64) -> u64 {
-    // A stack buffer just large enough for the common block sizes: zeroing a 1 KiB buffer for a
-    // 16-token block cost more than hashing it.
-    match tokens.len() {
-        0..=16 => hash_le::<64>(tokens, seed),
-        17..=64 => hash_le::<256>(tokens, seed),
-        65..=STACK_TOKENS => hash_le::<{ STACK_TOKENS * 4 }>(tokens, seed),
-        _ => {
-            // Large blocks (e.g. 512-token blocks, hybrid models): stream, still allocation-free.
-            let mut buf = [0u8; STACK_TOKENS * 4];
-            let mut h = Xxh3::with_seed(seed);
-            for chunk in tokens.chunks(STACK_TOKENS) {
-                h.update(fill_le(&mut buf, chunk));
-            }
-            h.digest()
-        }
-    }
-}
-
-/// One-shot xxh3 of `tokens` (at most `N / 4` of them) as little-endian bytes.
+///
+/// On little-endian targets the tokens' own memory is those bytes: hashed in place, no copy.
+#[cfg(target_endian = "little")]
 #[inline]
-fn hash_le<const N: usize>(tokens: &[u32], seed: u64) -> u64 {
-    let mut buf = [0u8; N];
-    xxh3_64_with_seed(fill_le(&mut buf, tokens), seed)
+pub fn local_block_hash(tokens: &[u32], seed: u64) -> u64 {
+    use zerocopy::IntoBytes;
+    xxh3_64_with_seed(tokens.as_bytes(), seed)
 }
 
-fn fill_le<'a, const N: usize>(buf: &'a mut [u8; N], tokens: &[u32]) -> &'a [u8] {
-    for (dst, t) in buf.chunks_exact_mut(4).zip(tokens) {
-        dst.copy_from_slice(&t.to_le_bytes());
+/// The local (unchained) hash of one block: xxh3-64 over the tokens as little-endian `u32`.
+#[cfg(not(target_endian = "little"))]
+pub fn local_block_hash(tokens: &[u32], seed: u64) -> u64 {
+    // Big-endian: the bytes are built in a stack buffer (streamed for long blocks).
+    const STACK_TOKENS: usize = 256;
+    let mut buf = [0u8; STACK_TOKENS * 4];
+    let mut h = Xxh3::with_seed(seed);
+    for chunk in tokens.chunks(STACK_TOKENS) {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(chunk) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        h.update(&buf[..chunk.len() * 4]);
     }
-    &buf[..tokens.len() * 4]
+    h.digest()
 }
 
 /// The chained hash of a block given its parent's chained hash and its own local hash.
@@ -148,8 +139,8 @@ mod tests {
     }
 
     #[test]
-    fn every_buffer_size_matches_one_shot() {
-        // Each stack-buffer size class at its edges, and the streamed path.
+    fn every_block_length_matches_the_le_bytes() {
+        // Short, medium and long blocks (xxh3's size classes; the big-endian build streams past 256).
         let all: Vec<u32> = (0..1000u32).map(|t| t.wrapping_mul(2654435761)).collect();
         for n in [0, 1, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1000] {
             let tokens = &all[..n];
