@@ -54,6 +54,8 @@ const MAX_HEAD: usize = 64 << 10;
 const MAX_HEADERS: usize = 128;
 /// Read buffer growth step.
 const READ_CHUNK: usize = 8 << 10;
+/// A pooled connection keeps its read buffer up to this capacity (a larger one is freed).
+const KEEP_BUF: usize = 4 * READ_CHUNK;
 /// Longest chunk-size or trailer line accepted in a chunked body.
 const MAX_LINE: usize = 4 << 10;
 
@@ -275,17 +277,21 @@ pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
     };
     let mut fresh_only = false;
     loop {
-        let (io, reused) = match (!fresh_only)
+        let (io, buf, reused) = match (!fresh_only)
             .then(|| checkout(&key, Instant::now()))
             .flatten()
         {
-            Some(io) => (io, true),
+            Some((io, buf)) => (io, buf, true),
             // Boxed: the connect future (TCP and TLS handshakes) is 1.5 KB, and inline it would
             // grow every request's future (copied whole at each level as it is built) for a
             // step that pooled connections skip.
-            None => (Box::pin(connect(&key.authority, tls, s)).await?, false),
+            None => (
+                Box::pin(connect(&key.authority, tls, s)).await?,
+                BytesMut::new(),
+                false,
+            ),
         };
-        match exchange(io, &head, &key, req, s).await {
+        match exchange(io, buf, &head, &key, req, s).await {
             Err(Failure::Stale(e)) if reused => {
                 tracing::debug!(worker = %req.authority, error = %e, "reused connection was closed; sending again on a new one");
                 fresh_only = true;
@@ -305,6 +311,7 @@ enum Failure {
 
 async fn exchange(
     mut io: Conn,
+    mut buf: BytesMut,
     head: &[u8],
     key: &Key,
     req: &Outgoing<'_>,
@@ -339,7 +346,9 @@ async fn exchange(
             ))));
         }
     }
-    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    // A pooled connection's buffer comes back with it: once the last response's chunks are gone
+    // (sent to the client), this takes its memory back instead of allocating anew.
+    buf.reserve(READ_CHUNK);
     // Whether any response byte arrived (an interim 1xx response counts).
     let mut answered = false;
     loop {
@@ -756,9 +765,17 @@ impl ResponseBody {
     fn release(&mut self) {
         if let Some(io) = self.io.take() {
             if self.keep_alive && self.buf.is_empty() {
+                // The buffer stays with the connection unless a large response grew it.
+                let buf = std::mem::take(&mut self.buf);
+                let buf = if buf.capacity() <= KEEP_BUF {
+                    buf
+                } else {
+                    BytesMut::new()
+                };
                 checkin(
                     self.key.clone(),
                     io,
+                    buf,
                     Instant::now(),
                     self.idle_timeout,
                     self.max_idle,
@@ -934,6 +951,8 @@ impl Hash for Key {
 
 struct Idle {
     io: Conn,
+    /// The connection's read buffer, empty (its memory reused by the next response).
+    buf: BytesMut,
     since: Instant,
     expires: Instant,
 }
@@ -951,7 +970,7 @@ thread_local! {
 }
 
 /// A live idle connection for `key`, newest first.
-fn checkout(key: &Key, now: Instant) -> Option<Conn> {
+fn checkout(key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         let stack = p.get_mut(key)?;
@@ -962,14 +981,14 @@ fn checkout(key: &Key, now: Instant) -> Option<Conn> {
                 break;
             }
             if now.saturating_duration_since(c.since) < PROBE_AFTER || c.io.alive() {
-                return Some(c.io);
+                return Some((c.io, c.buf));
             }
         }
         None
     })
 }
 
-fn checkin(key: Key, io: Conn, now: Instant, idle: Duration, max: usize) {
+fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max: usize) {
     if max == 0 || idle.is_zero() {
         return;
     }
@@ -981,6 +1000,7 @@ fn checkin(key: Key, io: Conn, now: Instant, idle: Duration, max: usize) {
         }
         stack.push(Idle {
             io,
+            buf,
             since: now,
             expires: now + idle,
         });

@@ -11,12 +11,13 @@
 //! ([`route_input_offloaded`]): a 100k-token prompt takes milliseconds to tens of milliseconds to
 //! tokenize, and on an io thread that would stall every other request on it.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use kvgate_core::{block_hashes_into, hash_seed};
 use kvgate_protocol::openai::{RequestError, RequestView};
-use kvgate_tokenize::{ModelTokenizer, TokenizeError};
+use kvgate_tokenize::{ModelTokenizer, Scratch, TokenizeError};
 
 use crate::ctx::Endpoint;
 
@@ -75,37 +76,47 @@ pub fn route_input(
     block_size: u32,
     tokenizer: &ModelTokenizer,
 ) -> Result<RouteInput, TokenizeError> {
-    let prompt = match endpoint {
-        Endpoint::Embeddings => None,
+    thread_local! {
+        /// The rendered prompt and its ids: buffers kept from request to request.
+        static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    }
+    let mut hashes = Vec::new();
+    let mut isl = 0;
+    match endpoint {
+        Endpoint::Embeddings => {}
         Endpoint::Chat if view.messages.is_none() => {
             return Err(RequestError::Missing("messages").into())
         }
         Endpoint::Completions if view.prompt.is_none() => {
             return Err(RequestError::Missing("prompt").into())
         }
-        _ => match tokenizer.encode_prompt(view) {
-            Ok(p) => Some(p),
-            Err(e) if e.is_client_error() => return Err(e),
-            Err(e) => {
-                tracing::warn!(error = %e, "tokenizer failed; routing on load only");
-                None
-            }
-        },
-    };
-    // A batch goes to one worker as a whole: route on its first prompt.
-    let tokens: &[u32] = prompt.as_ref().map(|p| p.first()).unwrap_or(&[]);
-    // LoRA adapters are requested by model name, so the model name is not folded in: pools are
-    // per model name already. cache_salt changes the worker's hashes, so it changes ours.
-    let seed = hash_seed(None, view.cache_salt.as_deref());
-    let mut hashes = Vec::new();
-    block_hashes_into(tokens, block_size as usize, seed, &mut hashes);
+        _ => SCRATCH.with_borrow_mut(|scratch| {
+            // A batch goes to one worker as a whole: route on its first prompt.
+            let tokens = match tokenizer.routing_tokens(view, scratch) {
+                Ok(t) => t,
+                Err(e) if e.is_client_error() => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "tokenizer failed; routing on load only");
+                    &[]
+                }
+            };
+            // LoRA adapters are requested by model name, so the model name is not folded in:
+            // pools are per model name already. cache_salt changes the worker's hashes, so it
+            // changes ours.
+            let seed = hash_seed(None, view.cache_salt.as_deref());
+            block_hashes_into(tokens, block_size as usize, seed, &mut hashes);
+            isl = tokens.len() as u64;
+            scratch.trim();
+            Ok(())
+        })?,
+    }
     let affinity = view
         .prompt_cache_key
         .as_deref()
         .map(|k| xxhash_rust::xxh3::xxh3_64(k.as_bytes()));
     Ok(RouteInput {
         hashes,
-        isl: tokens.len() as u64,
+        isl,
         affinity,
     })
 }

@@ -390,20 +390,33 @@ impl ApproxTokenizer {
     }
 }
 
-impl Tokenizer for ApproxTokenizer {
-    fn encode(&self, text: &str) -> Vec<u32> {
+impl ApproxTokenizer {
+    /// [`Tokenizer::encode`], appending to `out`.
+    fn encode_appending(&self, text: &str, out: &mut Vec<u32>) {
         let bytes = text.as_bytes();
         // Prose is ~4 bytes a token, chat markup and code a little less: one allocation.
-        let mut out = Vec::with_capacity(bytes.len() / 3 + 1);
+        out.reserve(bytes.len() / 3 + 1);
         let mut start = 0;
         for nl in memchr::memchr_iter(b'\n', bytes) {
             if bytes[nl + 1..].starts_with(SEGMENT_START) {
-                self.segment(&text[start..=nl], &mut out);
+                self.segment(&text[start..=nl], out);
                 start = nl + 1;
             }
         }
-        self.segment(&text[start..], &mut out);
+        self.segment(&text[start..], out);
+    }
+}
+
+impl Tokenizer for ApproxTokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.encode_appending(text, &mut out);
         out
+    }
+
+    fn try_encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), crate::TokenizeError> {
+        self.encode_appending(text, out);
+        Ok(())
     }
 
     /// Ids are hashes, so the original text cannot come back. Each id becomes a pronounceable

@@ -173,6 +173,16 @@ impl Tokenizer for HfTokenizer {
         self.encode_ids(text, false)
     }
 
+    fn try_encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
+        if let Ok(native) = &self.native {
+            out.reserve(text.len() / 3 + 4);
+            native.encode_into(text, false, out);
+            return Ok(());
+        }
+        out.extend_from_slice(&self.encode_tokenizers(text, false)?);
+        Ok(())
+    }
+
     fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.encode_ids(text, true)
     }

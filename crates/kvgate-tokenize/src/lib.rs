@@ -18,7 +18,7 @@ mod tiktoken;
 
 pub use approx::ApproxTokenizer;
 pub use hf::HfTokenizer;
-pub use model::{ModelTokenizer, PromptTokens};
+pub use model::{ModelTokenizer, PromptTokens, Scratch};
 pub use spec::TokenizerSpec;
 pub use template::{ChatTemplate, SpecialTokens};
 pub use tiktoken::TiktokenTokenizer;
@@ -37,6 +37,12 @@ pub trait Tokenizer: Send + Sync {
     /// Like [`Tokenizer::encode`], reporting a backend failure instead of hiding it.
     fn try_encode(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         Ok(self.encode(text))
+    }
+
+    /// Like [`Tokenizer::try_encode`], appending to `out` (the hot path reuses one buffer).
+    fn try_encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
+        out.extend_from_slice(&self.try_encode(text)?);
+        Ok(())
     }
 
     /// Ids for a raw completions prompt, with the special tokens the worker adds to one (e.g. BOS

@@ -40,6 +40,28 @@ impl PromptTokens {
     }
 }
 
+/// Buffers for [`ModelTokenizer::routing_tokens`], reused from request to request.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    text: String,
+    ids: Vec<u32>,
+}
+
+impl Scratch {
+    /// Buffers grown past this (a huge prompt) are released after use instead of kept.
+    const KEEP_BYTES: usize = 256 << 10;
+
+    /// Release what a huge prompt left behind.
+    pub fn trim(&mut self) {
+        if self.text.capacity() > Self::KEEP_BYTES {
+            self.text = String::new();
+        }
+        if self.ids.capacity() * 4 > Self::KEEP_BYTES {
+            self.ids = Vec::new();
+        }
+    }
+}
+
 /// A tokenizer and a chat template for one model.
 pub struct ModelTokenizer {
     tokenizer: Arc<dyn Tokenizer>,
@@ -80,18 +102,54 @@ impl ModelTokenizer {
 
     /// The prompt text a chat request renders to (template applied, not yet tokenized).
     pub fn render_chat(&self, view: &RequestView<'_>) -> Result<String, TokenizeError> {
+        let mut out = String::new();
+        self.render_chat_into(view, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`ModelTokenizer::render_chat`], appending to `out`.
+    pub fn render_chat_into(
+        &self,
+        view: &RequestView<'_>,
+        out: &mut String,
+    ) -> Result<(), TokenizeError> {
         // Parsed (shape validated, `param: "messages"` errors given) with the view.
         let messages = view.messages()?;
         let add_generation_prompt = view.add_generation_prompt.unwrap_or(true);
         if self.template.is_chatml_fallback() {
-            return Ok(chatml::render_messages(messages, add_generation_prompt));
+            chatml::render_messages_into(messages, add_generation_prompt, out);
+            return Ok(());
         }
-        self.template.render_full(
+        out.push_str(&self.template.render_full(
             view.messages_raw()?.get(),
             view.tools.map(|t| t.get()),
             view.chat_template_kwargs.map(|k| k.get()),
             add_generation_prompt,
-        )
+        )?);
+        Ok(())
+    }
+
+    /// The ids a request routes on: [`ModelTokenizer::encode_prompt`]'s sequence, or a batch's
+    /// first, built in `scratch`'s buffers (kept between requests: a chat request allocates
+    /// nothing for its rendered text and ids once they have grown to size).
+    pub fn routing_tokens<'s>(
+        &self,
+        view: &RequestView<'_>,
+        scratch: &'s mut Scratch,
+    ) -> Result<&'s [u32], TokenizeError> {
+        scratch.text.clear();
+        scratch.ids.clear();
+        if view.messages.is_some() {
+            self.render_chat_into(view, &mut scratch.text)?;
+            self.tokenizer
+                .try_encode_into(&scratch.text, &mut scratch.ids)?;
+        } else {
+            scratch.ids = match self.encode_prompt(view)? {
+                PromptTokens::One(ids) => ids,
+                PromptTokens::Batch(b) => b.into_iter().next().unwrap_or_default(),
+            };
+        }
+        Ok(&scratch.ids)
     }
 
     /// Token ids for a request, as the worker will see them:

@@ -163,6 +163,34 @@ fn tiktoken_encodings_without_network() {
     assert_eq!(m.tokenizer().name(), "tiktoken:cl100k_base");
 }
 
+/// Every backend's appending encoder gives `try_encode`'s ids after whatever `out` held, in
+/// both the HF native path and its `tokenizers` fallback, the approximate one and tiktoken's
+/// default implementation.
+#[test]
+fn encode_into_appends_exactly_what_encode_gives() {
+    let backends: Vec<Box<dyn Tokenizer>> = vec![
+        Box::new(HfTokenizer::from_file(fixture("tokenizer.json")).unwrap()),
+        Box::new(ApproxTokenizer::default()),
+        Box::new(TiktokenTokenizer::new("cl100k_base").unwrap()),
+    ];
+    let texts = [
+        "",
+        "Hello world! The router hashes the prompt.",
+        "<|im_start|>user\nzq¿東京? 🙂<|im_end|>\n<|im_start|>assistant\n",
+        "line one\n<|im_start|>system\nsecond segment\n",
+    ];
+    for t in &backends {
+        let mut out = vec![u32::MAX, 7];
+        for text in texts {
+            let want = t.try_encode(text).unwrap();
+            let before = out.clone();
+            t.try_encode_into(text, &mut out).unwrap();
+            assert_eq!(&out[..before.len()], &before[..], "{}: {text:?}", t.name());
+            assert_eq!(&out[before.len()..], &want[..], "{}: {text:?}", t.name());
+        }
+    }
+}
+
 fn real_tokenizer() -> Option<PathBuf> {
     let p = PathBuf::from(
         std::env::var("KVGATE_REAL_TOKENIZER").unwrap_or("/work/real/tokenizer.json".into()),

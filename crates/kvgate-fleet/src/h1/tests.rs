@@ -369,6 +369,79 @@ async fn connections_are_reused_and_stale_ones_replaced() {
     assert_eq!(idle_count(&a), 0);
 }
 
+/// A pooled connection keeps its read buffer for the next response: a response body still held
+/// by its reader when the next one arrives on the same connection is left as it was; a buffer a
+/// large response grew is not kept; every answer arrives whole.
+#[tokio::test(flavor = "current_thread")]
+async fn pooled_read_buffers_never_overwrite_a_held_body() {
+    let s = settings();
+    let big = vec![b'x'; 3 * KEEP_BUF];
+    let big2 = big.clone();
+    let (a, conns) = fake_worker(
+        move |n| {
+            let body: Vec<u8> = match n % 3 {
+                0 => format!("first-{n:04}").into_bytes(),
+                1 => big2.clone(),
+                _ => format!("second-{n:04}").into_bytes(),
+            };
+            let mut r =
+                format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
+            r.extend_from_slice(&body);
+            r
+        },
+        |_| false,
+    )
+    .await;
+    let mut held = Vec::new();
+    for n in 0..9usize {
+        let h = HeaderMap::new();
+        let body = Bytes::from_static(b"{}");
+        let req = Outgoing {
+            https: false,
+            method: &Method::POST,
+            authority: &a,
+            path_prefix: "",
+            path_and_query: "/v1/completions",
+            headers: &h,
+            strip_client_auth: false,
+            worker_auth: None,
+            body: &body,
+        };
+        let r = send(&req, &s).await.unwrap();
+        // The chunks themselves (slices of the read buffer), not copies, are kept.
+        let mut chunks = Vec::new();
+        let mut b = r.body;
+        while let Some(f) = b.frame().await {
+            if let Ok(d) = f.unwrap().into_data() {
+                chunks.push(d);
+            }
+        }
+        held.push((n, chunks));
+        assert_eq!(idle_count(&a), 1);
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+    for (n, chunks) in &held {
+        let got: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        let want = match n % 3 {
+            0 => format!("first-{n:04}").into_bytes(),
+            1 => big.clone(),
+            _ => format!("second-{n:04}").into_bytes(),
+        };
+        assert!(got == want, "response {n} changed after later responses");
+    }
+    // Without held bodies, the buffer is kept between requests (and dropped by the sweep).
+    drop(held);
+    for _ in 0..3 {
+        assert_eq!(post(&a, &s).await.unwrap().0, StatusCode::OK);
+    }
+    POOL.with(|p| {
+        let p = p.borrow();
+        let idle = &p.values().next().unwrap()[0];
+        assert!(idle.buf.is_empty() && idle.buf.capacity() > 0 && idle.buf.capacity() <= KEEP_BUF);
+    });
+    evict_idle(Instant::now() + s.idle_timeout);
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn streamed_and_close_delimited_bodies_arrive_whole() {
     let s = settings();

@@ -84,3 +84,55 @@ fn shared_prefix_gives_shared_token_prefix() {
     let n = a.first().len() - 1; // the final piece may merge with what follows
     assert_eq!(&a.first()[..n], &b.first()[..n]);
 }
+
+/// The routing path's reused buffers give what `encode_prompt` gives, whatever came before
+/// (a longer prompt's leftovers must not leak into a shorter one's ids).
+#[test]
+fn routing_tokens_match_encode_prompt_with_reused_buffers() {
+    let m = ModelTokenizer::default();
+    let long = "word ".repeat(2000);
+    let bodies = [
+        format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{long}"}}]}}"#),
+        r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#.to_string(),
+        r#"{"model":"m","prompt":"a b c"}"#.to_string(),
+        r#"{"model":"m","prompt":["first one","second"]}"#.to_string(),
+        r#"{"model":"m","prompt":[[7,8,9],[1]]}"#.to_string(),
+        r#"{"model":"m","add_generation_prompt":false,"messages":[{"role":"user","content":"x"}]}"#.to_string(),
+    ];
+    let mut scratch = Scratch::default();
+    for round in 0..2 {
+        for b in &bodies {
+            let v = view(b);
+            let want = m.encode_prompt(&v).unwrap();
+            let got = m.routing_tokens(&v, &mut scratch).unwrap().to_vec();
+            assert_eq!(got, want.first(), "round {round}: {b:.60}");
+            scratch.trim();
+        }
+    }
+    // Errors are the same too.
+    for b in [r#"{"model":"m"}"#, r#"{"model":"m","prompt":[]}"#] {
+        let v = view(b);
+        assert_eq!(
+            m.routing_tokens(&v, &mut scratch).unwrap_err().to_string(),
+            m.encode_prompt(&v).unwrap_err().to_string()
+        );
+    }
+}
+
+/// `trim` lets go of what a huge prompt grew, and keeps ordinary buffers.
+#[test]
+fn scratch_trim_releases_only_huge_buffers() {
+    let m = ModelTokenizer::default();
+    let mut s = Scratch::default();
+    let small = r#"{"model":"m","messages":[{"role":"user","content":"hello"}]}"#;
+    m.routing_tokens(&view(small), &mut s).unwrap();
+    s.trim();
+    assert!(s.text.capacity() > 0 && !s.ids.is_empty());
+    let huge = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "abc ".repeat(100_000)
+    );
+    m.routing_tokens(&view(&huge), &mut s).unwrap();
+    s.trim();
+    assert_eq!((s.text.capacity(), s.ids.capacity()), (0, 0));
+}

@@ -29,7 +29,18 @@ fn content_len(c: &MessageContent<'_>) -> usize {
 
 /// `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
 pub(crate) fn render_messages(messages: &[ChatMessage<'_>], add_generation_prompt: bool) -> String {
-    let mut out = String::with_capacity(
+    let mut out = String::new();
+    render_messages_into(messages, add_generation_prompt, &mut out);
+    out
+}
+
+/// [`render_messages`], appending to `out`.
+pub(crate) fn render_messages_into(
+    messages: &[ChatMessage<'_>],
+    add_generation_prompt: bool,
+    out: &mut String,
+) {
+    out.reserve(
         messages
             .iter()
             .map(|m| m.role.len() + m.content.as_ref().map_or(0, content_len) + 24)
@@ -48,5 +59,4 @@ pub(crate) fn render_messages(messages: &[ChatMessage<'_>], add_generation_promp
     if add_generation_prompt {
         out.push_str("<|im_start|>assistant\n");
     }
-    out
 }
