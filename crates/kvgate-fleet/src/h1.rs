@@ -510,7 +510,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
     let mut headers = HeaderMap::with_capacity(kept);
     for &(ns, ne, vs, ve) in &spans[..kept] {
         let raw = &head[ns as usize..ne as usize];
-        let name = HeaderName::from_bytes(raw).map_err(|_| {
+        let name = header_name(raw).map_err(|_| {
             Error::Io(format!(
                 "worker sent an invalid header name {:?}",
                 String::from_utf8_lossy(raw)
@@ -1005,6 +1005,29 @@ fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max:
             expires: now + idle,
         });
     });
+}
+
+/// `HeaderName::from_bytes`, with the fields nearly every request and response carries looked up
+/// by length and a case-insensitive compare first (the general parse costs ~180 instructions a
+/// field). Same result either way: a standard name parses to the same constant.
+pub fn header_name(b: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
+    let known = match b.len() {
+        4 if b.eq_ignore_ascii_case(b"host") => Some(header::HOST),
+        4 if b.eq_ignore_ascii_case(b"date") => Some(header::DATE),
+        6 if b.eq_ignore_ascii_case(b"accept") => Some(header::ACCEPT),
+        6 if b.eq_ignore_ascii_case(b"server") => Some(header::SERVER),
+        10 if b.eq_ignore_ascii_case(b"user-agent") => Some(header::USER_AGENT),
+        10 if b.eq_ignore_ascii_case(b"connection") => Some(header::CONNECTION),
+        12 if b.eq_ignore_ascii_case(b"content-type") => Some(header::CONTENT_TYPE),
+        13 if b.eq_ignore_ascii_case(b"authorization") => Some(header::AUTHORIZATION),
+        14 if b.eq_ignore_ascii_case(b"content-length") => Some(header::CONTENT_LENGTH),
+        15 if b.eq_ignore_ascii_case(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
+        _ => None,
+    };
+    match known {
+        Some(n) => Ok(n),
+        None => HeaderName::from_bytes(b),
+    }
 }
 
 /// Close this thread's idle connections whose idle time is over (called every second by the io

@@ -37,7 +37,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use kvgate_fleet::h1::{Decode, Step};
@@ -787,7 +787,7 @@ fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Gatew
     let uri = Uri::from_maybe_shared(slice(path)).map_err(|_| bad("invalid request target"))?;
     let mut headers = HeaderMap::with_capacity(n_fields);
     for &(ns, ne, vs, ve) in &spans[..n_fields] {
-        let name = HeaderName::from_bytes(&head[ns as usize..ne as usize])
+        let name = kvgate_fleet::h1::header_name(&head[ns as usize..ne as usize])
             .map_err(|_| bad("invalid header field name"))?;
         let value = HeaderValue::from_maybe_shared(slice((vs, ve)))
             .map_err(|_| bad("invalid header field value"))?;

@@ -655,3 +655,61 @@ async fn https_workers_are_reached_over_tls_and_kept_alive() {
     assert!(Tls::load(Some(&fixture("key.pem"))).is_err());
     assert!(Tls::load(Some(std::path::Path::new("/nonexistent/ca.pem"))).is_err());
 }
+
+/// The shortcut for common field names gives exactly what `HeaderName::from_bytes` gives, for
+/// those names in any case, near misses, other names and invalid ones.
+#[test]
+fn header_name_matches_the_general_parse() {
+    let mut names: Vec<Vec<u8>> = Vec::new();
+    for n in [
+        "host",
+        "date",
+        "accept",
+        "server",
+        "user-agent",
+        "connection",
+        "content-type",
+        "authorization",
+        "content-length",
+        "accept-encoding",
+    ] {
+        names.push(n.as_bytes().to_vec());
+        names.push(n.to_ascii_uppercase().into_bytes());
+        let mut mixed = n.as_bytes().to_vec();
+        mixed[0] = mixed[0].to_ascii_uppercase();
+        names.push(mixed.clone());
+        // Same length, one byte off (last byte changed, a space inside, a non-ASCII byte).
+        let mut off = n.as_bytes().to_vec();
+        *off.last_mut().unwrap() ^= 1;
+        names.push(off);
+        let mut sp = n.as_bytes().to_vec();
+        sp[1] = b' ';
+        names.push(sp);
+        let mut hi = n.as_bytes().to_vec();
+        hi[0] = 0xC3;
+        names.push(hi);
+    }
+    for n in [
+        "x-request-id",
+        "X-Stainless-Lang",
+        "hosts",
+        "",
+        "content_type",
+        "te",
+        "a\r\nb",
+    ] {
+        names.push(n.as_bytes().to_vec());
+    }
+    for n in &names {
+        let want = HeaderName::from_bytes(n);
+        let got = header_name(n);
+        match (&want, &got) {
+            (Ok(w), Ok(g)) => {
+                assert_eq!(w, g, "{:?}", String::from_utf8_lossy(n));
+                assert_eq!(w.as_str(), g.as_str());
+            }
+            (Err(_), Err(_)) => {}
+            _ => panic!("{:?}: {want:?} vs {got:?}", String::from_utf8_lossy(n)),
+        }
+    }
+}
