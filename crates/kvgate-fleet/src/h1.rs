@@ -1012,22 +1012,34 @@ fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max:
 /// field). Same result either way: a standard name parses to the same constant.
 pub fn header_name(b: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
     let known = match b.len() {
-        4 if b.eq_ignore_ascii_case(b"host") => Some(header::HOST),
-        4 if b.eq_ignore_ascii_case(b"date") => Some(header::DATE),
-        6 if b.eq_ignore_ascii_case(b"accept") => Some(header::ACCEPT),
-        6 if b.eq_ignore_ascii_case(b"server") => Some(header::SERVER),
-        10 if b.eq_ignore_ascii_case(b"user-agent") => Some(header::USER_AGENT),
-        10 if b.eq_ignore_ascii_case(b"connection") => Some(header::CONNECTION),
-        12 if b.eq_ignore_ascii_case(b"content-type") => Some(header::CONTENT_TYPE),
-        13 if b.eq_ignore_ascii_case(b"authorization") => Some(header::AUTHORIZATION),
-        14 if b.eq_ignore_ascii_case(b"content-length") => Some(header::CONTENT_LENGTH),
-        15 if b.eq_ignore_ascii_case(b"accept-encoding") => Some(header::ACCEPT_ENCODING),
+        4 if eq_lower(b, b"host") => Some(header::HOST),
+        4 if eq_lower(b, b"date") => Some(header::DATE),
+        6 if eq_lower(b, b"accept") => Some(header::ACCEPT),
+        6 if eq_lower(b, b"server") => Some(header::SERVER),
+        10 if eq_lower(b, b"user-agent") => Some(header::USER_AGENT),
+        10 if eq_lower(b, b"connection") => Some(header::CONNECTION),
+        12 if eq_lower(b, b"content-type") => Some(header::CONTENT_TYPE),
+        13 if eq_lower(b, b"authorization") => Some(header::AUTHORIZATION),
+        14 if eq_lower(b, b"content-length") => Some(header::CONTENT_LENGTH),
+        15 if eq_lower(b, b"accept-encoding") => Some(header::ACCEPT_ENCODING),
         _ => None,
     };
     match known {
         Some(n) => Ok(n),
         None => HeaderName::from_bytes(b),
     }
+}
+
+/// `b` equals `lower` (lowercase letters and `-` only) ignoring ASCII case: a letter position
+/// accepts the byte with bit 5 cleared too (its capital), any other position only itself.
+/// Branch-free over the bytes, so the compiler can compare a fixed-length name in a few words.
+#[inline(always)]
+fn eq_lower(b: &[u8], lower: &[u8]) -> bool {
+    b.len() == lower.len()
+        && b.iter()
+            .zip(lower)
+            .fold(0u8, |d, (&x, &y)| d | ((x | ((y & 0x40) >> 1)) ^ y))
+            == 0
 }
 
 /// Close this thread's idle connections whose idle time is over (called every second by the io
