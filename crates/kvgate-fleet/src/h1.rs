@@ -54,7 +54,7 @@ const MAX_HEAD: usize = 64 << 10;
 const MAX_HEADERS: usize = 128;
 /// Read buffer growth step.
 const READ_CHUNK: usize = 8 << 10;
-/// A pooled connection keeps its read buffer up to this capacity (a larger one is freed).
+/// A pooled connection keeps its read buffer unless the buffer grew past this (then it is freed).
 const KEEP_BUF: usize = 4 * READ_CHUNK;
 /// Longest chunk-size or trailer line accepted in a chunked body.
 const MAX_LINE: usize = 4 << 10;
@@ -351,8 +351,10 @@ async fn exchange(
     buf.reserve(READ_CHUNK);
     // Whether any response byte arrived (an interim 1xx response counts).
     let mut answered = false;
+    let mut grown = false;
     loop {
         let n = poll_fn(|cx| io.poll_read(&mut buf, cx)).await;
+        grown |= buf.capacity() > KEEP_BUF;
         match n {
             Ok(0) if !answered => {
                 return Err(Failure::Stale(Error::Io(
@@ -384,6 +386,7 @@ async fn exchange(
                     let mut body = ResponseBody {
                         io: Some(io),
                         buf,
+                        grown,
                         decode: framing,
                         keep_alive,
                         key: key.clone(),
@@ -743,6 +746,10 @@ pub struct ResponseBody {
     /// `None` once the body ended (the connection went back to the pool, or was closed).
     io: Option<Conn>,
     buf: BytesMut,
+    /// The buffer grew past [`KEEP_BUF`] (a large head, a long chunk-size line): not pooled.
+    /// Its `capacity()` at the end cannot tell: that counts only what lies past the split-off
+    /// data, not the allocation.
+    grown: bool,
     decode: Decode,
     keep_alive: bool,
     key: Key,
@@ -766,11 +773,10 @@ impl ResponseBody {
         if let Some(io) = self.io.take() {
             if self.keep_alive && self.buf.is_empty() {
                 // The buffer stays with the connection unless a large response grew it.
-                let buf = std::mem::take(&mut self.buf);
-                let buf = if buf.capacity() <= KEEP_BUF {
-                    buf
-                } else {
+                let buf = if self.grown {
                     BytesMut::new()
+                } else {
+                    std::mem::take(&mut self.buf)
                 };
                 checkin(
                     self.key.clone(),
@@ -819,7 +825,9 @@ impl Body for ResponseBody {
             let Some(io) = &mut this.io else {
                 return Poll::Ready(None);
             };
-            match ready!(io.poll_read(&mut this.buf, cx)) {
+            let read = ready!(io.poll_read(&mut this.buf, cx));
+            this.grown |= this.buf.capacity() > KEEP_BUF;
+            match read {
                 Ok(0) => {
                     this.io = None;
                     if this.decode == Decode::Eof {

@@ -299,7 +299,8 @@ async fn fake_worker(
     (addr.to_string().parse().unwrap(), conns)
 }
 
-async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8>), Error> {
+/// A small POST to `authority`, up to the response head.
+async fn send_post(authority: &Authority, s: &Settings) -> Result<Response, Error> {
     let h = HeaderMap::new();
     let body = Bytes::from_static(b"{}");
     let req = Outgoing {
@@ -313,7 +314,11 @@ async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8
         worker_auth: None,
         body: &body,
     };
-    let r = send(&req, s).await?;
+    send(&req, s).await
+}
+
+async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8>), Error> {
+    let r = send_post(authority, s).await?;
     let data = r.body.collect().await?.to_bytes();
     Ok((r.status, data.to_vec()))
 }
@@ -375,15 +380,15 @@ async fn connections_are_reused_and_stale_ones_replaced() {
 #[tokio::test(flavor = "current_thread")]
 async fn pooled_read_buffers_never_overwrite_a_held_body() {
     let s = settings();
-    let big = vec![b'x'; 3 * KEEP_BUF];
-    let big2 = big.clone();
+    // Response n's body: small ones numbered, every third one large.
+    let want = |n: usize| match n % 3 {
+        1 => vec![b'x'; 3 * KEEP_BUF],
+        0 => format!("first-{n:04}").into_bytes(),
+        _ => format!("second-{n:04}").into_bytes(),
+    };
     let (a, conns) = fake_worker(
         move |n| {
-            let body: Vec<u8> = match n % 3 {
-                0 => format!("first-{n:04}").into_bytes(),
-                1 => big2.clone(),
-                _ => format!("second-{n:04}").into_bytes(),
-            };
+            let body = want(n);
             let mut r =
                 format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len()).into_bytes();
             r.extend_from_slice(&body);
@@ -394,20 +399,7 @@ async fn pooled_read_buffers_never_overwrite_a_held_body() {
     .await;
     let mut held = Vec::new();
     for n in 0..9usize {
-        let h = HeaderMap::new();
-        let body = Bytes::from_static(b"{}");
-        let req = Outgoing {
-            https: false,
-            method: &Method::POST,
-            authority: &a,
-            path_prefix: "",
-            path_and_query: "/v1/completions",
-            headers: &h,
-            strip_client_auth: false,
-            worker_auth: None,
-            body: &body,
-        };
-        let r = send(&req, &s).await.unwrap();
+        let r = send_post(&a, &s).await.unwrap();
         // The chunks themselves (slices of the read buffer), not copies, are kept.
         let mut chunks = Vec::new();
         let mut b = r.body;
@@ -422,23 +414,43 @@ async fn pooled_read_buffers_never_overwrite_a_held_body() {
     assert_eq!(conns.load(Ordering::SeqCst), 1);
     for (n, chunks) in &held {
         let got: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
-        let want = match n % 3 {
-            0 => format!("first-{n:04}").into_bytes(),
-            1 => big.clone(),
-            _ => format!("second-{n:04}").into_bytes(),
-        };
-        assert!(got == want, "response {n} changed after later responses");
+        assert!(
+            got == want(*n),
+            "response {n} changed after later responses"
+        );
     }
     // Without held bodies, the buffer is kept between requests (and dropped by the sweep).
     drop(held);
     for _ in 0..3 {
         assert_eq!(post(&a, &s).await.unwrap().0, StatusCode::OK);
     }
-    POOL.with(|p| {
-        let p = p.borrow();
-        let idle = &p.values().next().unwrap()[0];
-        assert!(idle.buf.is_empty() && idle.buf.capacity() > 0 && idle.buf.capacity() <= KEEP_BUF);
-    });
+    let kept = |a: &Authority| {
+        POOL.with(|p| {
+            let key = Key {
+                tls: 0,
+                authority: a.clone(),
+            };
+            let idle = &p.borrow()[&key][0];
+            assert!(idle.buf.is_empty());
+            idle.buf.capacity()
+        })
+    };
+    let cap = kept(&a);
+    assert!(cap > 0 && cap <= KEEP_BUF, "{cap}");
+    // A response head larger than KEEP_BUF grows the buffer: the connection is pooled without it.
+    let (b, _) = fake_worker(
+        |_| {
+            format!(
+                "HTTP/1.1 200 OK\r\nx-big: {}\r\ncontent-length: 2\r\n\r\nok",
+                "v".repeat(KEEP_BUF + 1024)
+            )
+            .into_bytes()
+        },
+        |_| false,
+    )
+    .await;
+    assert_eq!(post(&b, &s).await.unwrap().1, b"ok");
+    assert_eq!(kept(&b), 0);
     evict_idle(Instant::now() + s.idle_timeout);
 }
 
