@@ -3,7 +3,8 @@
 # nginx, kvgate (kv policy with a real tokenizer if available, and round_robin) and sglang-router,
 # side by side in one run, driven by wrk with a 1.3 KB chat body (shared/tools/peers/chat.lua).
 # Reports per target and concurrency: requests/s, p50/p99 latency, latency added over direct, and
-# CPU µs per request of the proxy process(es) (utime+stime from /proc over the run / requests).
+# CPU µs per request of the proxy process(es) (utime+stime from /proc over the run / requests),
+# and that CPU over nginx's in the same round (median over rounds; use several rounds for it).
 #
 # Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
 # Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there),
