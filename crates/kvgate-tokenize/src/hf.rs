@@ -83,13 +83,29 @@ impl HfTokenizer {
     }
 
     fn encode_ids(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
+        if self.native.is_err() {
+            return self.encode_tokenizers(text, special);
+        }
+        let mut out = Vec::new();
+        self.encode_ids_into(text, special, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`HfTokenizer::encode_ids`], appending to `out`.
+    fn encode_ids_into(
+        &self,
+        text: &str,
+        special: bool,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
         if let Ok(native) = &self.native {
             // ~4 bytes per token in prose; one allocation in the common case.
-            let mut out = Vec::with_capacity(text.len() / 3 + 4);
-            native.encode_into(text, special, &mut out);
-            return Ok(out);
+            out.reserve(text.len() / 3 + 4);
+            native.encode_into(text, special, out);
+            return Ok(());
         }
-        self.encode_tokenizers(text, special)
+        out.extend_from_slice(&self.encode_tokenizers(text, special)?);
+        Ok(())
     }
 
     /// Ids through the `tokenizers` pipeline (with the regex-free split where it applies): the
@@ -174,13 +190,7 @@ impl Tokenizer for HfTokenizer {
     }
 
     fn try_encode_into(&self, text: &str, out: &mut Vec<u32>) -> Result<(), TokenizeError> {
-        if let Ok(native) = &self.native {
-            out.reserve(text.len() / 3 + 4);
-            native.encode_into(text, false, out);
-            return Ok(());
-        }
-        out.extend_from_slice(&self.encode_tokenizers(text, false)?);
-        Ok(())
+        self.encode_ids_into(text, false, out)
     }
 
     fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {

@@ -120,12 +120,18 @@ impl ModelTokenizer {
             chatml::render_messages_into(messages, add_generation_prompt, out);
             return Ok(());
         }
-        out.push_str(&self.template.render_full(
+        let rendered = self.template.render_full(
             view.messages_raw()?.get(),
             view.tools.map(|t| t.get()),
             view.chat_template_kwargs.map(|k| k.get()),
             add_generation_prompt,
-        )?);
+        )?;
+        // Jinja renders into its own string: taken as is when there is nothing to append to.
+        if out.is_empty() {
+            *out = rendered;
+        } else {
+            out.push_str(&rendered);
+        }
         Ok(())
     }
 

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use kvgate_protocol::openai::RequestView;
 use kvgate_tokenize::{
-    ApproxTokenizer, HfTokenizer, PromptTokens, TiktokenTokenizer, TokenizeError, Tokenizer,
-    TokenizerSpec,
+    ApproxTokenizer, HfTokenizer, PromptTokens, Scratch, TiktokenTokenizer, TokenizeError,
+    Tokenizer, TokenizerSpec,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -83,6 +83,16 @@ fn spec_hf_uses_sibling_config_template() {
     let bos = m.tokenizer().encode("<s>")[0];
     assert_eq!(ids.iter().filter(|&&i| i == bos).count(), 1);
     assert_eq!(ids[0], bos);
+    // The routing path (reused buffers, the Jinja output taken as the prompt text) agrees, also
+    // after a longer request has used the same buffers.
+    let mut scratch = Scratch::default();
+    let long = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "Hello world ".repeat(200)
+    );
+    m.routing_tokens(&RequestView::parse(long.as_bytes()).unwrap(), &mut scratch)
+        .unwrap();
+    assert_eq!(m.routing_tokens(&v, &mut scratch).unwrap(), &ids[..]);
     // The template's raise_exception surfaces as a client error.
     let bad = br#"{"model":"m","messages":[{"role":"assistant","content":"x"}]}"#;
     let e = m
@@ -90,6 +100,13 @@ fn spec_hf_uses_sibling_config_template() {
         .unwrap_err();
     assert!(e.is_client_error());
     assert!(e.to_string().contains("alternate"), "{e}");
+    let e = m
+        .routing_tokens(&RequestView::parse(bad).unwrap(), &mut scratch)
+        .unwrap_err();
+    assert!(
+        e.is_client_error() && e.to_string().contains("alternate"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -3,10 +3,11 @@
 //!
 //! serde_json finds the end of a string eight bytes at a time; message contents are most of a
 //! chat body, and here they are scanned with `memchr` (vectorised), the body checked for control
-//! bytes once (its strings one by one only when it has some). Everything this reader does not handle, or finds wrong, makes it give up
-//! (`None`) and serde parses the body as before: errors, their messages and anything unusual
-//! (lone surrogate escapes, numbers where strings belong, deep nesting) stay serde's. When it
-//! does answer, the answer is serde's (a property test holds the two to each other).
+//! bytes once (its strings one by one only when it has some). Everything this reader does not
+//! handle, or finds wrong, makes it give up (`None`) and serde parses the body as before: errors,
+//! their messages and anything unusual (lone surrogate escapes, numbers where strings belong, deep
+//! nesting) stay serde's. When it does answer, the answer is serde's (a property test holds the
+//! two to each other).
 
 use std::borrow::Cow;
 
