@@ -14,6 +14,11 @@
 //! after the kernel's (benches/overhead-results.md). Workers speak plain HTTP/1.1 with
 //! content-length or chunked bodies; this is the small subset of HTTP a proxy hop needs.
 //!
+//! A pooled connection is state shared between users: one whose response left bytes unread, or
+//! that turned readable while idle (a stray response, the rest of a body its content-length
+//! undercounted, a close), is closed, never handed to the next request, which would otherwise read
+//! another request's answer. Every checkout probes the socket for that.
+//!
 //! Reuse races: a worker may close an idle keep-alive connection (uvicorn does after 5 s) just as
 //! a request is written to it. A request that fails on a *reused* connection before a single byte
 //! of response arrived is sent again once on a new connection, as nginx does; every other failure
@@ -961,15 +966,8 @@ struct Idle {
     io: Conn,
     /// The connection's read buffer, empty (its memory reused by the next response).
     buf: BytesMut,
-    since: Instant,
     expires: Instant,
 }
-
-/// A connection idle for less than this is handed out without probing it first. The probe costs
-/// a system call whenever the reactor still marks the socket readable from the last response,
-/// i.e. on nearly every request of a busy connection, and a connection used moments ago is rarely
-/// closed; when it is, the request is sent again on a new connection (see [`send`]).
-const PROBE_AFTER: Duration = Duration::from_millis(100);
 
 thread_local! {
     /// This thread's idle worker connections, newest last.
@@ -988,7 +986,13 @@ fn checkout(key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
                 stack.clear();
                 break;
             }
-            if now.saturating_duration_since(c.since) < PROBE_AFTER || c.io.alive() {
+            // Every checkout probes, however recently the connection was used: a worker that
+            // wrote anything after its last response (a stray response, the rest of a body its
+            // content-length undercounted, a close) must never have those bytes read as the
+            // next request's answer. The probe reads the socket itself (the reactor's readiness
+            // is still set from the last response's read, so it is never skipped on a stale
+            // flag): one non-blocking `recv` per reused connection.
+            if c.io.alive() {
                 return Some((c.io, c.buf));
             }
         }
@@ -1009,7 +1013,6 @@ fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max:
         stack.push(Idle {
             io,
             buf,
-            since: now,
             expires: now + idle,
         });
     });

@@ -247,17 +247,31 @@ async fn fake_worker(
     answer: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
     close_after: impl Fn(usize) -> bool + Send + Sync + 'static,
 ) -> (Authority, Arc<AtomicUsize>) {
+    misbehaving_worker(answer, close_after, |_| None).await
+}
+
+/// [`fake_worker`] that, after answering request n, waits and writes `later(n)` (bytes that belong
+/// to no request: a stray response, the rest of an undercounted body) on the same connection.
+async fn misbehaving_worker(
+    answer: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
+    close_after: impl Fn(usize) -> bool + Send + Sync + 'static,
+    later: impl Fn(usize) -> Option<(Duration, Vec<u8>)> + Send + Sync + 'static,
+) -> (Authority, Arc<AtomicUsize>) {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let conns = Arc::new(AtomicUsize::new(0));
     let requests = Arc::new(AtomicUsize::new(0));
-    let (answer, close_after) = (Arc::new(answer), Arc::new(close_after));
+    let (answer, close_after, later) = (Arc::new(answer), Arc::new(close_after), Arc::new(later));
     let c = conns.clone();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = l.accept().await {
             c.fetch_add(1, Ordering::SeqCst);
-            let (answer, close_after, requests) =
-                (answer.clone(), close_after.clone(), requests.clone());
+            let (answer, close_after, later, requests) = (
+                answer.clone(),
+                close_after.clone(),
+                later.clone(),
+                requests.clone(),
+            );
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
@@ -288,6 +302,12 @@ async fn fake_worker(
                     let n = requests.fetch_add(1, Ordering::SeqCst);
                     if s.write_all(&answer(n)).await.is_err() {
                         return;
+                    }
+                    if let Some((wait, bytes)) = later(n) {
+                        tokio::time::sleep(wait).await;
+                        if s.write_all(&bytes).await.is_err() {
+                            return;
+                        }
                     }
                     if close_after(n) {
                         return;
@@ -372,6 +392,68 @@ async fn connections_are_reused_and_stale_ones_replaced() {
     // Idle connections past their time are closed by the sweep.
     evict_idle(Instant::now() + s.idle_timeout);
     assert_eq!(idle_count(&a), 0);
+}
+
+/// A worker that writes bytes after a finished response (a second, stray response; the rest of a
+/// body its content-length undercounted) must never have them read as the next request's answer,
+/// however soon after the last use the connection is checked out again: the pooled connection is
+/// found readable at checkout and closed, and the next request gets its own answer on a new one.
+#[tokio::test(flavor = "current_thread")]
+async fn bytes_written_after_a_response_never_answer_the_next_request() {
+    let s = settings();
+    let numbered = |n: usize| {
+        let body = format!("answer-{n}");
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    };
+    let stray = |_| {
+        Some((
+            Duration::from_millis(5),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray".to_vec(),
+        ))
+    };
+    let undercount = |_| Some((Duration::from_millis(5), b"-rest-of-the-body".to_vec()));
+    let later: [&(dyn Fn(usize) -> Option<(Duration, Vec<u8>)> + Send + Sync); 2] =
+        [&stray, &undercount];
+    for (case, later) in later.into_iter().enumerate() {
+        let later = later(0);
+        let (a, conns) = misbehaving_worker(numbered, |_| false, move |_| later.clone()).await;
+        for i in 0..4 {
+            let (status, body) = post(&a, &s).await.unwrap();
+            assert_eq!(
+                (status, String::from_utf8(body).unwrap()),
+                (StatusCode::OK, format!("answer-{i}")),
+                "case {case}, request {i}"
+            );
+            // The stray bytes arrive well within what used to be the no-probe window.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        assert_eq!(
+            conns.load(Ordering::SeqCst),
+            4,
+            "case {case}: every connection that turned readable while idle was closed"
+        );
+    }
+    // Stray bytes that arrive together with the response are caught at the end of the body.
+    let (b, conns) = fake_worker(
+        move |n| {
+            let mut w = numbered(n);
+            w.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray");
+            w
+        },
+        |_| false,
+    )
+    .await;
+    for i in 0..3 {
+        assert_eq!(
+            post(&b, &s).await.unwrap().1,
+            format!("answer-{i}").into_bytes()
+        );
+    }
+    assert_eq!(conns.load(Ordering::SeqCst), 3);
 }
 
 /// A pooled connection keeps its read buffer for the next response: a response body still held
@@ -640,8 +722,8 @@ async fn https_workers_are_reached_over_tls_and_kept_alive() {
         1,
         "one TLS connection, kept alive"
     );
-    // Probed before reuse once idle for a while: still alive, still one connection.
-    tokio::time::sleep(PROBE_AFTER + Duration::from_millis(20)).await;
+    // Probed before each reuse, also after a while idle: still alive, still one connection.
+    tokio::time::sleep(Duration::from_millis(120)).await;
     trusted
         .get(&base, "/health", "*/*", Duration::from_secs(5))
         .await
