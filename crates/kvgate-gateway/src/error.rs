@@ -34,6 +34,8 @@ pub enum ErrorKind {
     PayloadTooLarge { limit: usize },
     /// Request head over `server.max_header_bytes` or 100 fields (431).
     HeadersTooLarge,
+    /// Request body not received within `server.body_read_timeout_s` (408).
+    RequestTimeout,
     /// Body not valid JSON or missing a routing field (400).
     BadRequest { param: Option<&'static str> },
     /// No pool serves the requested model (404).
@@ -80,6 +82,7 @@ impl GatewayError {
             | MethodNotAllowed
             | PayloadTooLarge { .. }
             | HeadersTooLarge
+            | RequestTimeout
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
             UpstreamConnect | UpstreamStatus(_) | UpstreamIo | UpstreamTimeout => Side::Upstream,
@@ -108,6 +111,7 @@ impl GatewayError {
             MethodNotAllowed => "method_not_allowed",
             PayloadTooLarge { .. } => "payload_too_large",
             HeadersTooLarge => "headers_too_large",
+            RequestTimeout => "request_timeout",
             BadRequest { .. } => "bad_request",
             ModelNotFound => "model_not_found",
             NoWorker => "no_worker",
@@ -162,6 +166,12 @@ impl GatewayError {
                 None,
             ),
             BadRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", None, None),
+            RequestTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                Some("request_timeout"),
+                None,
+            ),
             ModelNotFound => (
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
@@ -224,15 +234,21 @@ impl GatewayError {
         self.wire().0
     }
 
-    /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
-    pub fn into_response(self) -> Response<GwBody> {
-        let (status, typ, code, retry_after) = self.wire();
+    /// The OpenAI error JSON of this failure (the body of [`Self::into_response`]).
+    pub fn json(&self) -> Bytes {
+        let (_, typ, code, _) = self.wire();
         let param = match self.kind {
             ErrorKind::BadRequest { param } => param,
             ErrorKind::ModelNotFound => Some("model"),
             _ => None,
         };
-        let body = error_json(&self.message, typ, param, code);
+        error_json(&self.message, typ, param, code)
+    }
+
+    /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
+    pub fn into_response(self) -> Response<GwBody> {
+        let (status, _, _, retry_after) = self.wire();
+        let body = self.json();
         let mut resp = Response::new(GwBody::full(body));
         *resp.status_mut() = status;
         let h = resp.headers_mut();

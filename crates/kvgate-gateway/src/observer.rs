@@ -28,7 +28,7 @@ macro_rules! finder {
 use crate::body::BodyError;
 use crate::ctx::{Outcome, PromptDetails, RequestCtx, Usage};
 use crate::error::sse_error_event;
-use crate::upstream::ResponseBody;
+use kvgate_http::client::ResponseBody;
 
 /// Non-stream bodies: bytes kept from the end of the body to find `usage` in.
 const TAIL_KEEP: usize = 8 << 10;

@@ -1,6 +1,6 @@
 //! Listeners: accept loop, the route table of the data-path listener, and graceful shutdown that
 //! drains in-flight streams. HTTP/1.1 connections (plain, or TLS without ALPN h2) are served by
-//! kvgate's own loop ([`crate::h1server`], unless `server.http1 = "hyper"`); HTTP/2 by
+//! kvgate's own loop ([`kvgate_http::server`], unless `server.http1 = "hyper"`); HTTP/2 by
 //! hyper-util's auto builder.
 
 use std::convert::Infallible;
@@ -23,9 +23,9 @@ use crate::body::{GwBody, ReqBody};
 use crate::config::ServerConfig;
 use crate::ctx::{Endpoint, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
-use crate::h1server;
 use crate::proxy;
 use crate::state::AppState;
+use kvgate_http::server as h1server;
 
 /// Route table of the data-path listener.
 pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody> {
@@ -74,6 +74,32 @@ fn method_not_allowed(app: &AppState, allow: &'static str) -> Response<GwBody> {
     r.headers_mut()
         .insert(http::header::ALLOW, http::HeaderValue::from_static(allow));
     r
+}
+
+/// The HTTP/1.1 server loop's limits from `[server]`; `count` hears of every request the loop
+/// refuses itself (malformed, oversize or too slow), which is answered in the OpenAI error shape.
+pub fn h1_limits(
+    cfg: &ServerConfig,
+    count: Option<Arc<dyn Fn(&GatewayError) + Send + Sync>>,
+) -> h1server::Limits {
+    h1server::Limits {
+        max_head: cfg.max_header_bytes,
+        max_body: cfg.max_body_bytes,
+        read_timeout: Duration::from_millis(cfg.header_read_timeout_ms),
+        body_timeout: Duration::from_secs(cfg.body_read_timeout_s),
+        reject: Arc::new(move |r: &h1server::Reject| {
+            let kind = match r.status {
+                http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => ErrorKind::HeadersTooLarge,
+                http::StatusCode::REQUEST_TIMEOUT => ErrorKind::RequestTimeout,
+                _ => ErrorKind::BadRequest { param: None },
+            };
+            let e = GatewayError::new(kind, r.message.clone());
+            if let Some(count) = &count {
+                count(&e);
+            }
+            e.json()
+        }),
+    }
 }
 
 pub fn conn_builder(cfg: &ServerConfig) -> auto::Builder<TokioExecutor> {
@@ -237,7 +263,7 @@ async fn io_thread<F, Fut>(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            crate::upstream::evict_idle(Instant::now());
+            kvgate_http::client::evict_idle(Instant::now());
         }
     });
     let graceful = GracefulShutdown::new();
@@ -295,6 +321,10 @@ fn spawn_conn<F, Fut>(
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let h = handler.clone();
+    let h1h = {
+        let h = h.clone();
+        move |req: Request<h1server::RequestBody>| h(req.map(ReqBody::from))
+    };
     let svc = {
         let h = h.clone();
         service_fn(move |req: Request<Incoming>| {
@@ -314,7 +344,7 @@ fn spawn_conn<F, Fut>(
         macro_rules! serve_io {
             ($io:ident, $limits:expr) => {
                 match $limits {
-                    Some(limits) => match h1server::serve($io, &h, &limits, &shutdown).await {
+                    Some(limits) => match h1server::serve($io, &h1h, &limits, &shutdown).await {
                         h1server::Ended::Closed => Ok(()),
                         h1server::Ended::H2(io, read) => {
                             let io = TokioIo::new(h1server::Prefixed::new(read, io));
