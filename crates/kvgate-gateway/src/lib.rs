@@ -131,6 +131,13 @@ impl Gateway {
             server::ServeOpts {
                 io_threads,
                 h1: h1.clone(),
+                conn_limit: (server_cfg.max_connections > 0).then(|| {
+                    Arc::new(server::ConnLimit {
+                        max: server_cfg.max_connections,
+                        open: app.metrics.client_connections.clone(),
+                        refused: app.metrics.connections_refused.clone(),
+                    })
+                }),
             },
         )));
 
@@ -160,6 +167,7 @@ impl Gateway {
                     h1: h1
                         .as_ref()
                         .map(|_| Arc::new(server::h1_limits(&server_cfg, None))),
+                    conn_limit: None,
                 },
             )));
         }

@@ -126,9 +126,67 @@ pub struct ServeOpts {
     pub io_threads: usize,
     /// Serve HTTP/1.1 connections with kvgate's own loop (`None`: hyper serves all).
     pub h1: Option<Arc<h1server::Limits>>,
+    /// `server.max_connections` (`None`: no cap).
+    pub conn_limit: Option<Arc<ConnLimit>>,
 }
 
-type Accepted = (std::net::TcpStream, SocketAddr);
+/// `server.max_connections`: open client connections are counted; one accepted past the cap is
+/// answered 503 (plain HTTP/1.1; a TLS listener just closes it) and closed, so idle or dribbling
+/// clients cannot use up the process's file descriptors.
+pub struct ConnLimit {
+    pub max: usize,
+    /// Open connections (`kvgate_client_connections`).
+    pub open: prometheus_client::metrics::gauge::Gauge,
+    /// Refused ones (`kvgate_client_connections_refused_total`).
+    pub refused: prometheus_client::metrics::counter::Counter,
+}
+
+/// One open connection's place under the cap; given back when the connection's task ends.
+pub struct ConnPermit(Arc<ConnLimit>);
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        self.0.open.dec();
+    }
+}
+
+impl ConnLimit {
+    /// A place for a new connection, or `None` past the cap.
+    fn admit(self: &Arc<Self>) -> Option<ConnPermit> {
+        // Only the accept loop increments: check-then-increment does not race.
+        if self.open.get() >= self.max as i64 {
+            self.refused.inc();
+            return None;
+        }
+        self.open.inc();
+        Some(ConnPermit(self.clone()))
+    }
+}
+
+/// The answer to a connection over the cap: written once, best effort, then closed.
+async fn refuse(mut stream: tokio::net::TcpStream, tls: bool) {
+    if tls {
+        return;
+    }
+    let e = GatewayError::new(
+        ErrorKind::ShuttingDown,
+        "too many open connections (server.max_connections); retry later",
+    );
+    let body = e.json();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        use tokio::io::AsyncWriteExt;
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(&body).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}
+
+type Accepted = (std::net::TcpStream, SocketAddr, Option<ConnPermit>);
 
 /// Serve `listener` until `shutdown` fires, then let open connections finish their in-flight
 /// requests for up to `grace`.
@@ -184,30 +242,44 @@ pub async fn serve<F, Fut>(
     }
     if senders.is_empty() {
         let graceful = GracefulShutdown::new();
-        accept_loop(listener, &shutdown, |stream, peer| {
-            let c = Conn {
-                builder: &builder,
-                tls: &tls,
-                h1: &opts.h1,
-                shutdown: &shutdown,
-            };
-            spawn_conn(c, &handler, stream, peer, &graceful)
-        })
+        let limit = opts.conn_limit.clone();
+        accept_loop(
+            listener,
+            &shutdown,
+            limit.as_ref(),
+            tls.is_some(),
+            |stream, peer, permit| {
+                let c = Conn {
+                    builder: &builder,
+                    tls: &tls,
+                    h1: &opts.h1,
+                    shutdown: &shutdown,
+                };
+                spawn_conn(c, &handler, stream, peer, permit, &graceful)
+            },
+        )
         .await;
         drain(graceful, grace).await;
         return;
     }
     let mut next = 0usize;
-    accept_loop(listener, &shutdown, |stream, peer| {
-        // A connection stays on the thread that got it; hand them out in turn.
-        match stream.into_std() {
-            Ok(s) => {
-                let _ = senders[next % senders.len()].send((s, peer));
-                next = next.wrapping_add(1);
+    let limit = opts.conn_limit.clone();
+    accept_loop(
+        listener,
+        &shutdown,
+        limit.as_ref(),
+        tls.is_some(),
+        |stream, peer, permit| {
+            // A connection stays on the thread that got it; hand them out in turn.
+            match stream.into_std() {
+                Ok(s) => {
+                    let _ = senders[next % senders.len()].send((s, peer, permit));
+                    next = next.wrapping_add(1);
+                }
+                Err(e) => tracing::debug!(%peer, error = %e, "cannot hand over connection"),
             }
-            Err(e) => tracing::debug!(%peer, error = %e, "cannot hand over connection"),
-        }
-    })
+        },
+    )
     .await;
     drop(senders);
     for t in threads {
@@ -218,7 +290,9 @@ pub async fn serve<F, Fut>(
 async fn accept_loop(
     listener: TcpListener,
     shutdown: &CancellationToken,
-    mut on_conn: impl FnMut(tokio::net::TcpStream, SocketAddr),
+    limit: Option<&Arc<ConnLimit>>,
+    tls: bool,
+    mut on_conn: impl FnMut(tokio::net::TcpStream, SocketAddr, Option<ConnPermit>),
 ) {
     loop {
         let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
@@ -234,8 +308,17 @@ async fn accept_loop(
                 }
             },
         };
+        let permit = match limit.map(ConnLimit::admit) {
+            Some(None) => {
+                tracing::debug!(%peer, "connection refused: server.max_connections open");
+                tokio::spawn(refuse(stream, tls));
+                continue;
+            }
+            Some(Some(p)) => Some(p),
+            None => None,
+        };
         let _ = stream.set_nodelay(true);
-        on_conn(stream, peer);
+        on_conn(stream, peer, permit);
     }
     drop(listener);
 }
@@ -268,7 +351,7 @@ async fn io_thread<F, Fut>(
     });
     let graceful = GracefulShutdown::new();
     loop {
-        let (s, peer) = tokio::select! {
+        let (s, peer, permit) = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
             c = rx.recv() => match c {
@@ -284,7 +367,7 @@ async fn io_thread<F, Fut>(
                     h1: &h1,
                     shutdown: &shutdown,
                 };
-                spawn_conn(c, &handler, stream, peer, &graceful)
+                spawn_conn(c, &handler, stream, peer, permit, &graceful)
             }
             Err(e) => tracing::debug!(%peer, error = %e, "cannot adopt connection"),
         }
@@ -315,6 +398,7 @@ fn spawn_conn<F, Fut>(
     handler: &F,
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
+    permit: Option<ConnPermit>,
     graceful: &GracefulShutdown,
 ) where
     F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
@@ -339,6 +423,8 @@ fn spawn_conn<F, Fut>(
     let h1 = c.h1.clone();
     let shutdown = c.shutdown.clone();
     tokio::spawn(async move {
+        // The connection's place under `server.max_connections`, given back when it ends.
+        let _permit = permit;
         // kvgate's HTTP/1.1 loop when configured (`limits`), hyper otherwise; a client that turns
         // out to speak HTTP/2 goes to hyper with the bytes already read.
         macro_rules! serve_io {
