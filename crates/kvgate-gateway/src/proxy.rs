@@ -43,6 +43,7 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
 /// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
 pub(crate) async fn route_and_forward(
     app: &Arc<AppState>,
+    conns: &client::Pool,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
 ) -> Result<client::Response, GatewayError> {
@@ -147,7 +148,7 @@ pub(crate) async fn route_and_forward(
             worker_auth: worker.auth_header.as_ref(),
             body: spliced.as_ref().unwrap_or(&bytes),
         };
-        let sent = client::send(&out, &app.upstream);
+        let sent = client::send(&out, &app.upstream, conns);
         let result = match tokio::time::timeout(app.response_timeout, sent).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,

@@ -23,6 +23,9 @@ pub struct AppState {
     pub admission: Arc<Admission>,
     /// Settings of the client to workers (requests, model discovery).
     pub upstream: kvgate_http::client::Settings,
+    /// Connections of the control plane's requests to workers (model discovery), on the main
+    /// runtime; the data path uses its io thread's pool.
+    pub control_pool: kvgate_http::client::Pool,
     pub auth: ArcSwap<Auth>,
     pub retry: RetryBudget,
     pub max_attempts: AtomicU32,
@@ -79,6 +82,7 @@ impl AppState {
                 config.admission.queue_size,
                 Duration::from_millis(config.admission.queue_timeout_ms),
             )),
+            control_pool: kvgate_http::client::Pool::default(),
             upstream: kvgate_http::client::Settings {
                 connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
                 idle_timeout: Duration::from_secs(config.upstream.pool_idle_timeout_s),
