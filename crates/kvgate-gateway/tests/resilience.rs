@@ -195,6 +195,18 @@ async fn one_flapping_worker_costs_no_request() {
         failed.len(),
         statuses.len()
     );
+    // The flapping was felt: attempts on the down worker failed and were retried elsewhere.
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    let retries: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("kvgate_retries_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    eprintln!(
+        "measured: {} requests, {retries} retried, {cycles} flaps",
+        statuses.len()
+    );
+    assert!(retries >= 1.0, "no attempt hit the flapping worker:\n{m}");
     gw.shutdown().await;
 }
 
