@@ -120,7 +120,8 @@ seg_full = [r[0] for r in rows if r[3] >= seg_bound * 0.9]
 print(f"RSS kB: idle {rss0}, start {rss[0]}, peak {max(rss)}, end {rss[-1]}, 10 s after load {rss_after}")
 print(f"RSS over the last {share:.0%} of the run (t >= {tail[0][0]} s): mean {mean:.0f} kB, max deviation {dev:.1%}"
       f" -> {'PLATEAU (within ±5%)' if dev <= 0.05 else 'NOT flat (beyond ±5%)'}")
-print("segment cache reached 90% of its bound at t = %s s" % (seg_full[0] if seg_full else "never (raise the rate or the duration, or lower SEGMENT_BYTES)"))
+when = f"{seg_full[0]} s" if seg_full else "never (raise the rate or the duration, or lower SEGMENT_BYTES)"
+print(f"segment cache reached 90% of its bound at t = {when}")
 print(f"fds: before load {fd0}, end of load {fd_end}, 10 s after {fd_after}"
       f" -> {'back to baseline' if fd_after <= fd0 else 'NOT back to baseline'}")
 PY
