@@ -4,12 +4,14 @@
 # sizes (kvgate_cache_bytes/entries) every few seconds. Prints the samples, then:
 #   - RSS start (first sample under load) / peak / end, and whether RSS plateaus: the last
 #     PLATEAU_SHARE of the run stays within ±5% of its mean (judged once the caches stopped growing);
-#   - open fds before the load, at its end, and after a cool-down: whether they return to baseline.
+#   - open fds before the load, at its end, 10 s after it, and how long after it they were back to
+#     the baseline (idle pooled worker connections close after upstream.pool_idle_timeout_s, 90 s).
 #
 # Usage: benches/soak.sh [seconds=600] [rate=30]
 # Env: KVGATE_BIN (default target/release/kvgate, built if missing), SEGMENT_BYTES (the gateway's
 #      cache.tokenizer_segment_bytes, default 32 MiB), PROMPT_BYTES (~bytes of unique text per
-#      request, default 1500), SAMPLE_S (default 5), PLATEAU_SHARE (default 0.5), WORKERS (default 2).
+#      request, default 1500), SAMPLE_S (default 5), PLATEAU_SHARE (default 0.5), WORKERS (default 2),
+#      FD_WAIT_S (how long to wait for fds to return to baseline after the load, default 120).
 set -euo pipefail
 DUR=${1:-600}
 RATE=${2:-30}
@@ -20,6 +22,7 @@ PROMPT_BYTES=${PROMPT_BYTES:-1500}
 SAMPLE_S=${SAMPLE_S:-5}
 PLATEAU_SHARE=${PLATEAU_SHARE:-0.5}
 WORKERS=${WORKERS:-2}
+FD_WAIT_S=${FD_WAIT_S:-120}
 PY=${KVGATE_PYTHON:-python3}
 WORK=$(mktemp -d)
 PIDS=()
@@ -106,12 +109,18 @@ cat "$WORK/load.out"
 FD_END=$(tail -1 "$WORK/samples" | awk '{print $3}')
 sleep 10
 FD_AFTER=$(fds); RSS_AFTER=$(rss_kb)
+FD_BACK=-1
+for s in $(seq 10 "$FD_WAIT_S"); do
+  if [ "$(fds)" -le "$FD0" ]; then FD_BACK=$s; break; fi
+  sleep 1
+done
+FD_LAST=$(fds)
 
-"$PY" - "$WORK/samples" "$PLATEAU_SHARE" "$SEGMENT_BYTES" "$RSS0" "$FD0" "$FD_END" "$FD_AFTER" "$RSS_AFTER" <<'PY'
+"$PY" - "$WORK/samples" "$PLATEAU_SHARE" "$SEGMENT_BYTES" "$RSS0" "$FD0" "$FD_END" "$FD_AFTER" "$RSS_AFTER" "$FD_BACK" "$FD_LAST" <<'PY'
 import sys
 rows = [list(map(int, l.split())) for l in open(sys.argv[1]) if l.strip()]
 share, seg_bound = float(sys.argv[2]), int(sys.argv[3])
-rss0, fd0, fd_end, fd_after, rss_after = map(int, sys.argv[4:9])
+rss0, fd0, fd_end, fd_after, rss_after, fd_back, fd_last = map(int, sys.argv[4:11])
 rss = [r[1] for r in rows]
 tail = rows[int(len(rows) * (1 - share)):]
 mean = sum(r[1] for r in tail) / len(tail)
@@ -122,6 +131,6 @@ print(f"RSS over the last {share:.0%} of the run (t >= {tail[0][0]} s): mean {me
       f" -> {'PLATEAU (within ±5%)' if dev <= 0.05 else 'NOT flat (beyond ±5%)'}")
 when = f"{seg_full[0]} s" if seg_full else "never (raise the rate or the duration, or lower SEGMENT_BYTES)"
 print(f"segment cache reached 90% of its bound at t = {when}")
-print(f"fds: before load {fd0}, end of load {fd_end}, 10 s after {fd_after}"
-      f" -> {'back to baseline' if fd_after <= fd0 else 'NOT back to baseline'}")
+back = f"back to baseline {fd_back} s after the load" if fd_back >= 0 else f"NOT back to baseline ({fd_last})"
+print(f"fds: before load {fd0}, end of load {fd_end}, 10 s after {fd_after} -> {back}")
 PY
