@@ -380,3 +380,69 @@ async fn client_credentials_stay_at_the_gateway_when_auth_is_on() {
     assert_eq!(got["cookie"], "session=secret");
     gw.shutdown().await;
 }
+
+/// A worker that sends a non-streamed answer's head and the first bytes of its body, then stalls.
+async fn half_answer_worker() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 << 10];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 200\r\n\r\n{\"id\":\"cmpl-1\",",
+                    )
+                    .await;
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test]
+async fn a_body_that_stalls_after_the_head_is_cut_at_the_request_timeout() {
+    let (addr, task) = half_answer_worker().await;
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.server.request_log = false;
+    cfg.upstream.monitor = false;
+    cfg.upstream.request_timeout_s = 1;
+    let mut w = WorkerConfig::from_url(&format!("http://{addr}"));
+    w.models = vec!["mock-model".into()];
+    cfg.workers.push(w);
+    let gw = gateway(cfg).await;
+    let req = Request::post(format!("{}/v1/chat/completions", gw.url()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(chat())))
+        .unwrap();
+    let t0 = Instant::now();
+    let resp = tokio::time::timeout(Duration::from_secs(10), client().request(req))
+        .await
+        .expect("head in time")
+        .expect("head");
+    assert_eq!(resp.status(), 200, "the head went out before the stall");
+    // The client sees the body end in an error (a reset, the honest signal for a truncated JSON
+    // document), at the deadline rather than never.
+    let body = tokio::time::timeout(
+        Duration::from_secs(10),
+        http_body_util::BodyExt::collect(resp.into_body()),
+    )
+    .await
+    .expect("the body ends within the request timeout, not never");
+    assert!(body.is_err(), "a truncated body must not look complete");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert!(eventually(Duration::from_secs(5), || inflight(&gw) == [0]).await);
+    let m = get(&client(), &format!("{}/metrics", gw.url()))
+        .await
+        .text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"upstream_timeout\"} 1"),
+        "{m}"
+    );
+    gw.shutdown().await;
+    task.abort();
+}
