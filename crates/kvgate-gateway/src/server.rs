@@ -47,7 +47,7 @@ pub async fn route(
         }
         let mut ctx = RequestCtx::new(app.clone(), ep, start);
         return match proxy::route_and_forward(&app, &conns, &mut ctx, req).await {
-            Ok(resp) => proxy::respond(&app, ctx, resp),
+            Ok(fwd) => proxy::respond(&app, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),
         };
     }
