@@ -55,9 +55,25 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
     e.into_response()
 }
 
+/// A request read, parsed and tokenized: everything the attempts need.
+struct Prepared {
+    parts: http::request::Parts,
+    /// The client's body bytes, forwarded unchanged...
+    bytes: Bytes,
+    /// ...unless `stream_options.include_usage` was spliced in (then these go instead).
+    spliced: Option<Bytes>,
+    pool: Arc<crate::registry::Pool>,
+    ri: crate::prompt::RouteInput,
+    /// When the routing decision started (after the body was read).
+    t_decide: Instant,
+}
+
 /// Everything from auth to the worker's response head; the caller owns `ctx` and turns the result
 /// into the client's response ([`respond`] or [`reject`]). Called straight from the route table:
 /// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
+///
+/// The retry loop: pick a worker (queueing if all are busy), dispatch, one [`attempt`], and on a
+/// retry-safe failure another worker, within `retry.max_attempts` and the retry budget.
 pub(crate) async fn route_and_forward(
     app: &Arc<AppState>,
     conns: &client::Pool,
@@ -66,8 +82,109 @@ pub(crate) async fn route_and_forward(
 ) -> Result<Forwarded, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
+    let p = prepare(app, ctx, req, auth.enabled()).await?;
+    let max_attempts = (app.max_attempts.load(std::sync::atomic::Ordering::Relaxed) as usize)
+        .clamp(1, MAX_ATTEMPTS);
+    let mut tried = [WorkerId(0); MAX_ATTEMPTS];
+    let mut n_tried = 0usize;
+    loop {
+        // The first choice is made as of the decision's start; later ones (retries, waits in the
+        // queue) read the clock again.
+        let at = if n_tried == 0 {
+            p.t_decide
+        } else {
+            Instant::now()
+        };
+        let pick = pick(app, ctx, &p.pool, &p.ri, &tried[..n_tried], at).await?;
+        let now = Instant::now();
+        if n_tried == 0 {
+            ctx.decision_time = now
+                .saturating_duration_since(p.t_decide)
+                .saturating_sub(ctx.queue_wait);
+            app.metrics
+                .decision
+                .observe(ctx.decision_time.as_secs_f64());
+            app.metrics.queue_wait.observe(ctx.queue_wait.as_secs_f64());
+            app.metrics
+                .predicted_overlap
+                .observe(pick.decision.predicted_hit_ratio);
+            ctx.overlap_blocks = pick.decision.overlap_blocks;
+        }
+        let mut guard = app
+            .router
+            .dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
+        guard.on_release = Some(app.admission.clone());
+        tried[n_tried] = pick.worker.id;
+        n_tried += 1;
+        ctx.attempts += 1;
+        let worker = pick.worker;
+        let out = client::Outgoing {
+            https: worker.scheme == http::uri::Scheme::HTTPS,
+            method: &p.parts.method,
+            authority: &worker.authority,
+            path_prefix: &worker.path_prefix,
+            path_and_query: p.parts.uri.path_and_query().map_or("/", |q| q.as_str()),
+            headers: &p.parts.headers,
+            strip_client_auth: auth.enabled(),
+            worker_auth: worker.auth_header.as_ref(),
+            body: p.spliced.as_ref().unwrap_or(&p.bytes),
+        };
+        let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
+        let can_retry = |now: Instant| {
+            n_tried < max_attempts
+                && p.pool
+                    .workers
+                    .iter()
+                    .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
+                && app.retry.try_retry(now)
+        };
+        let now = Instant::now();
+        match result {
+            Ok(fwd) => {
+                let s = fwd.resp.status;
+                let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
+                // A worker shedding load (429) is alive; 5xx counts against its breaker.
+                worker.state.record_outcome(!s.is_server_error(), now);
+                if retryable && can_retry(now) {
+                    app.metrics
+                        .retries
+                        .get_or_create(&crate::metrics::ReasonLabel {
+                            reason: status_reason(s),
+                        })
+                        .inc();
+                    continue;
+                }
+                // Success, or nowhere else to go: the worker's own response goes to the client.
+                ctx.worker = Some(worker);
+                ctx.guard = Some(guard);
+                return Ok(fwd);
+            }
+            Err(e) => {
+                worker.state.record_outcome(false, now);
+                if e.retry_safe() && can_retry(now) {
+                    app.metrics
+                        .retries
+                        .get_or_create(&crate::metrics::ReasonLabel { reason: e.label() })
+                        .inc();
+                    continue;
+                }
+                ctx.worker = Some(worker);
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Read the body (client credentials dropped when auth is on), parse the routing fields, find
+/// the model's pool, tokenize and hash the prompt.
+async fn prepare(
+    app: &Arc<AppState>,
+    ctx: &mut RequestCtx,
+    req: Request<ReqBody>,
+    auth_enabled: bool,
+) -> Result<Prepared, GatewayError> {
     let (mut parts, body) = req.into_parts();
-    if auth.enabled() {
+    if auth_enabled {
         for h in &CLIENT_CREDENTIALS {
             parts.headers.remove(h);
         }
@@ -122,134 +239,67 @@ pub(crate) async fn route_and_forward(
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
     app.retry.on_request(ctx.start);
+    Ok(Prepared {
+        parts,
+        bytes,
+        spliced,
+        pool,
+        ri,
+        t_decide,
+    })
+}
 
-    let max_attempts = (app.max_attempts.load(std::sync::atomic::Ordering::Relaxed) as usize)
-        .clamp(1, MAX_ATTEMPTS);
-    let mut tried = [WorkerId(0); MAX_ATTEMPTS];
-    let mut n_tried = 0usize;
-    loop {
-        // The first choice is made as of the decision's start; later ones (retries, waits in the
-        // queue) read the clock again.
-        let at = if n_tried == 0 {
-            t_decide
-        } else {
-            Instant::now()
-        };
-        let pick = pick(app, ctx, &pool, &ri, &tried[..n_tried], at).await?;
-        let now = Instant::now();
-        if n_tried == 0 {
-            ctx.decision_time = now
-                .saturating_duration_since(t_decide)
-                .saturating_sub(ctx.queue_wait);
-            app.metrics
-                .decision
-                .observe(ctx.decision_time.as_secs_f64());
-            app.metrics.queue_wait.observe(ctx.queue_wait.as_secs_f64());
-            app.metrics
-                .predicted_overlap
-                .observe(pick.decision.predicted_hit_ratio);
-            ctx.overlap_blocks = pick.decision.overlap_blocks;
-        }
-        let mut guard = app
-            .router
-            .dispatch(&pick, &ri.hashes, ri.isl, pool.block_size, now);
-        guard.on_release = Some(app.admission.clone());
-        tried[n_tried] = pick.worker.id;
-        n_tried += 1;
-        ctx.attempts += 1;
-        let worker = pick.worker;
-
-        let out = client::Outgoing {
-            https: worker.scheme == http::uri::Scheme::HTTPS,
-            method: &parts.method,
-            authority: &worker.authority,
-            path_prefix: &worker.path_prefix,
-            path_and_query: parts.uri.path_and_query().map_or("/", |p| p.as_str()),
-            headers: &parts.headers,
-            strip_client_auth: auth.enabled(),
-            worker_auth: worker.auth_header.as_ref(),
-            body: spliced.as_ref().unwrap_or(&bytes),
-        };
-        // Streams: head and first byte within `first_byte_timeout`; others: the whole response
-        // within `request_timeout`; either way the head within `response_timeout`.
-        let sent_at = tokio::time::Instant::now();
-        let within = if ctx.stream {
-            app.first_byte_timeout
-        } else {
-            app.request_timeout
-        };
-        let deadline = sent_at + within;
-        let head_by = deadline.min(sent_at + app.response_timeout);
-        let sent = client::send(&out, &app.upstream, conns);
-        let result = match tokio::time::timeout_at(head_by, sent).await {
-            Err(_) => Err(GatewayError::new(
+/// One try on one worker: send, and wait for the response head (streams: and the first body
+/// bytes) within the timeouts. Streams: head and first byte within `first_byte_timeout`; others:
+/// the whole response within `request_timeout`; either way the head within `response_timeout`.
+async fn attempt(
+    app: &AppState,
+    conns: &client::Pool,
+    stream: bool,
+    worker: &str,
+    out: &client::Outgoing<'_>,
+) -> Result<Forwarded, GatewayError> {
+    let sent_at = tokio::time::Instant::now();
+    let within = if stream {
+        app.first_byte_timeout
+    } else {
+        app.request_timeout
+    };
+    let deadline = sent_at + within;
+    let head_by = deadline.min(sent_at + app.response_timeout);
+    let sent = client::send(out, &app.upstream, conns);
+    let (resp, first) = match tokio::time::timeout_at(head_by, sent).await {
+        Err(_) => {
+            return Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
                 format!(
-                    "worker {} sent no response within {:?}",
-                    worker.name,
+                    "worker {worker} sent no response within {:?}",
                     head_by - sent_at
                 ),
-            )),
-            Ok(Err(e)) if e.is_connect() => Err(GatewayError::new(
-                ErrorKind::UpstreamConnect,
-                format!("cannot connect to worker {}: {e}", worker.name),
-            )),
-            Ok(Err(e)) => Err(GatewayError::new(
-                ErrorKind::UpstreamIo,
-                format!("worker {} failed before responding: {e}", worker.name),
-            )),
-            Ok(Ok(resp)) if ctx.stream && resp.status.is_success() => {
-                first_bytes(resp, deadline, within, &worker.name).await
-            }
-            Ok(Ok(resp)) => Ok((resp, None)),
-        };
-        let can_retry = |now: Instant| {
-            n_tried < max_attempts
-                && pool
-                    .workers
-                    .iter()
-                    .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
-                && app.retry.try_retry(now)
-        };
-        let now = Instant::now();
-        match result {
-            Ok((resp, first)) => {
-                let s = resp.status;
-                let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
-                // A worker shedding load (429) is alive; 5xx counts against its breaker.
-                worker.state.record_outcome(!s.is_server_error(), now);
-                if retryable && can_retry(now) {
-                    app.metrics
-                        .retries
-                        .get_or_create(&crate::metrics::ReasonLabel {
-                            reason: status_reason(s),
-                        })
-                        .inc();
-                    continue;
-                }
-                // Success, or nowhere else to go: the worker's own response goes to the client.
-                ctx.worker = Some(worker);
-                ctx.guard = Some(guard);
-                return Ok(Forwarded {
-                    resp,
-                    first,
-                    body_deadline: (!ctx.stream).then_some(deadline),
-                });
-            }
-            Err(e) => {
-                worker.state.record_outcome(false, now);
-                if e.retry_safe() && can_retry(now) {
-                    app.metrics
-                        .retries
-                        .get_or_create(&crate::metrics::ReasonLabel { reason: e.label() })
-                        .inc();
-                    continue;
-                }
-                ctx.worker = Some(worker);
-                return Err(e);
-            }
+            ))
         }
-    }
+        Ok(Err(e)) if e.is_connect() => {
+            return Err(GatewayError::new(
+                ErrorKind::UpstreamConnect,
+                format!("cannot connect to worker {worker}: {e}"),
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(GatewayError::new(
+                ErrorKind::UpstreamIo,
+                format!("worker {worker} failed before responding: {e}"),
+            ))
+        }
+        Ok(Ok(resp)) if stream && resp.status.is_success() => {
+            first_bytes(resp, deadline, within, worker).await?
+        }
+        Ok(Ok(resp)) => (resp, None),
+    };
+    Ok(Forwarded {
+        resp,
+        first,
+        body_deadline: (!stream).then_some(deadline),
+    })
 }
 
 /// A stream's first body bytes, read before anything goes to the client: a worker that sent its
