@@ -29,7 +29,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-[ -n "${SKIP_BUILD:-}" ] || (cd "$ROOT" && cargo build -q --release -p kvgate-gateway --example serve --example mock_worker)
+[ -n "${SKIP_BUILD:-}" ] || (cd "$ROOT" && cargo build -q --release -p kvgate-gateway --features mock --example serve --example mock_worker)
 SERVE=$TGT/release/examples/serve
 MOCK=$TGT/release/examples/mock_worker
 HZ=$(getconf CLK_TCK)

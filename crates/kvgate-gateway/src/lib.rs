@@ -17,7 +17,8 @@
 //!   `fleet.rs` (kvgate-fleet monitors feeding worker state and the KV index).
 //! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
 //! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
-//! - `mock.rs`: a mock OpenAI worker for tests and the overhead benchmark.
+//! - `mock.rs` (feature `mock`, test support only): a mock OpenAI worker for this crate's tests and
+//!   the overhead benchmark's `mock_worker` example.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -34,6 +35,7 @@ pub mod error;
 pub mod fleet;
 pub mod forward;
 pub mod metrics;
+#[cfg(feature = "mock")]
 pub mod mock;
 pub mod observer;
 pub mod prompt;
