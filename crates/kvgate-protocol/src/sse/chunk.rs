@@ -1,15 +1,20 @@
 //! What the gateway and the load generator learn from one streamed event, found by byte search.
 //!
 //! A key found by searching for `"name"` cannot be a false hit inside a JSON string: there, quotes
-//! are escaped, so the closing quote of the needle would be preceded by a backslash instead.
+//! are escaped, so the closing quote of the needle would be preceded by a backslash instead. Only
+//! a `usage` object is parsed (`usage::find_usage`'s one-pass reader). A typical chunk costs one
+//! pass for `"error"`, the tail for `"usage"` and the head up to its `"content"`/`"text"`.
 //!
 //! **The one definition of "a token arrived"** (TTFT, inter-token latency; docs/metrics.md): an
 //! event whose JSON carries generated content — a non-empty string under `content`, `text`,
 //! `reasoning_content`, `reasoning`, `refusal` or a tool call's (or legacy function call's)
-//! `arguments`, or a non-empty `tool_calls` array. A role-only first chunk (`{"role":"assistant","content":""}`), an empty
-//! delta that only carries `finish_reason`, the usage-only chunk and error events are not tokens:
-//! a worker may send the role chunk when the request is scheduled, before prefill ends.
-//! [`has_token_plain`] is the same definition over parsed JSON, held equal by a property test.
+//! `arguments`, or a non-empty `tool_calls` array. A role-only first chunk (`{"role":"assistant",
+//! "content":""}`), an empty delta that only carries `finish_reason`, the usage-only chunk and
+//! error events are not tokens: a worker may send the role chunk when the request is scheduled,
+//! before prefill ends. `plain_facts` (tests) is the same definition over parsed JSON, held equal
+//! by a property test.
+
+use memchr::memmem::Finder;
 
 use crate::usage::{find_usage, finder, value_start, Usage};
 
@@ -24,7 +29,7 @@ pub struct ChunkInfo {
     /// `"choices": []` plus `usage`: the extra chunk `include_usage` adds at the end.
     pub usage_only: bool,
     /// An `error` object or string (OpenAI, llama.cpp, TGI), or vLLM/SGLang's flat
-    /// `"object": "error"` shape: a worker failing mid-stream.
+    /// `"object": "error"` shape: a worker failing mid-stream. Such an event has no other facts.
     pub error: bool,
 }
 
@@ -43,9 +48,8 @@ impl ChunkInfo {
         info.has_token = has_token(data);
         info.usage = find_usage(data);
         if info.usage.is_some() {
-            const KEY: &[u8] = b"\"choices\"";
-            info.usage_only = finder!(Finder, KEY).find_iter(data).any(|at| {
-                matches!(value_start(data, at + KEY.len()), Some((v, b'['))
+            info.usage_only = hits(finder!(Finder, b"\"choices\""), data).any(|end| {
+                matches!(value_start(data, end), Some((v, b'['))
                     if data[v + 1..].trim_ascii_start().first() == Some(&b']'))
             });
         }
@@ -53,15 +57,25 @@ impl ChunkInfo {
     }
 }
 
+/// Where each occurrence of `f`'s needle ends in `data`, first to last. (A loop of `find` rather
+/// than `find_iter`: most searches stop at the first hit, and this one sets up nothing else.)
+fn hits<'a>(f: &'a Finder<'static>, data: &'a [u8]) -> impl Iterator<Item = usize> + 'a {
+    let n = f.needle().len();
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        let end = from + f.find(data.get(from..)?)? + n;
+        from = end;
+        Some(end)
+    })
+}
+
 /// `"error": {…}` / `"error": "text"` (not `"error": null`), or `"object": "error"`.
 fn is_error(data: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"error\"";
-    finder!(Finder, KEY).find_iter(data).any(|at| {
-        match value_start(data, at + KEY.len()) {
-            Some((_, b'{' | b'"')) => true,
-            Some(_) => false,
+    hits(finder!(Finder, b"\"error\""), data).any(|end| {
+        match value_start(data, end) {
+            Some((_, first)) => matches!(first, b'{' | b'"'),
             // A string value: is it the value of `"object"`?
-            None => data[..at]
+            None => data[..end - 7]
                 .trim_ascii_end()
                 .strip_suffix(b":")
                 .is_some_and(|k| k.trim_ascii_end().ends_with(b"\"object\"")),
@@ -69,44 +83,52 @@ fn is_error(data: &[u8]) -> bool {
     })
 }
 
-/// The fast path of the token definition: a key search per field, no parse.
+/// The token definition by key search (most likely keys first: chat content, completion text).
 fn has_token(data: &[u8]) -> bool {
-    // Most likely first: chat content, completion text.
-    let string_keys = [
+    let non_empty_string = [
         finder!(Finder, b"\"content\""),
         finder!(Finder, b"\"text\""),
         finder!(Finder, b"\"reasoning_content\""),
         finder!(Finder, b"\"reasoning\""),
         finder!(Finder, b"\"refusal\""),
         finder!(Finder, b"\"arguments\""),
-    ];
-    let non_empty_string = string_keys.iter().any(|f| {
-        f.find_iter(data).any(|at| {
-            let end = at + f.needle().len();
+    ]
+    .into_iter()
+    .any(|f| {
+        hits(f, data).any(|end| {
             matches!(value_start(data, end), Some((v, b'"')) if data.get(v + 1) != Some(&b'"'))
         })
     });
-    non_empty_string || {
-        const KEY: &[u8] = b"\"tool_calls\"";
-        finder!(Finder, KEY).find_iter(data).any(|at| {
-            matches!(value_start(data, at + KEY.len()), Some((v, b'['))
+    non_empty_string
+        || hits(finder!(Finder, b"\"tool_calls\""), data).any(|end| {
+            matches!(value_start(data, end), Some((v, b'['))
                 if !matches!(data[v + 1..].trim_ascii_start().first(), Some(b']') | None))
         })
-    }
 }
 
-/// The token definition over parsed JSON, the plain twin of the byte search: any choice whose
-/// `text`, or whose `delta`/`message` `content`, `reasoning_content`, `reasoning`, `refusal` or
-/// `function_call.arguments` is a non-empty string, or whose `tool_calls` is a non-empty array.
+/// The same facts over parsed JSON, the plain twin of [`ChunkInfo::scan`] for JSON objects:
+/// `error` for a top-level `error` object or string or `"object": "error"`; a token for any
+/// choice whose `text`, or whose `delta`/`message` `content`, `reasoning_content`, `reasoning`,
+/// `refusal` or `function_call.arguments` is a non-empty string, or whose `tool_calls` is a
+/// non-empty array; `usage_only` for a readable `usage` object with `"choices": []`.
 /// `None`: not JSON.
 #[cfg(test)]
-pub(crate) fn has_token_plain(data: &[u8]) -> Option<bool> {
-    let v: serde_json::Value = serde_json::from_slice(data).ok()?;
-    let non_empty = |x: &serde_json::Value| x.as_str().is_some_and(|s| !s.is_empty());
+pub(crate) fn plain_facts(data: &[u8]) -> Option<ChunkInfo> {
+    use serde_json::Value;
+    let v: Value = serde_json::from_slice(data).ok()?;
+    let error = matches!(v.get("error"), Some(Value::Object(_) | Value::String(_)))
+        || v.get("object").and_then(Value::as_str) == Some("error");
+    if error {
+        return Some(ChunkInfo {
+            error: true,
+            ..ChunkInfo::default()
+        });
+    }
+    let non_empty = |x: &Value| x.as_str().is_some_and(|s| !s.is_empty());
     let choices = v.get("choices").and_then(|c| c.as_array());
-    Some(choices.is_some_and(|cs| {
+    let has_token = choices.is_some_and(|cs| {
         cs.iter().any(|c| {
-            let part = |d: &serde_json::Value| {
+            let part = |d: &Value| {
                 ["content", "reasoning_content", "reasoning", "refusal"]
                     .iter()
                     .any(|k| non_empty(&d[*k]))
@@ -115,5 +137,18 @@ pub(crate) fn has_token_plain(data: &[u8]) -> Option<bool> {
             };
             non_empty(&c["text"]) || part(&c["delta"]) || part(&c["message"])
         })
-    }))
+    });
+    let usage = match v.get("usage") {
+        Some(u @ Value::Object(_)) => {
+            crate::usage::find_usage(format!(r#"{{"usage":{u}}}"#).as_bytes())
+        }
+        _ => None,
+    };
+    Some(ChunkInfo {
+        done: false,
+        has_token,
+        usage,
+        usage_only: usage.is_some() && choices.is_some_and(|c| c.is_empty()),
+        error: false,
+    })
 }

@@ -28,6 +28,9 @@ pub struct SseScanner {
     /// The current line when it started in an earlier chunk.
     line: Vec<u8>,
     data: Vec<u8>,
+    /// Within one `feed`: the pending event's only data line so far, as a range of the chunk, not
+    /// yet copied into `data` (an event that starts and ends in one chunk is never copied).
+    borrowed: Option<(usize, usize)>,
     event: Vec<u8>,
     /// At least one `data` field was seen for the pending event.
     has_data: bool,
@@ -51,6 +54,7 @@ impl SseScanner {
         Self {
             line: Vec::new(),
             data: Vec::new(),
+            borrowed: None,
             event: Vec::new(),
             has_data: false,
             after_cr: false,
@@ -69,6 +73,7 @@ impl SseScanner {
         while pos < chunk.len() {
             let rest = &chunk[pos..];
             let Some(end) = memchr2(b'\n', b'\r', rest) else {
+                self.own_borrowed(chunk);
                 if self.oversized {
                     self.skipped_line = true;
                 } else if self.line.len() + rest.len() + self.data.len() > self.max_event_bytes {
@@ -101,15 +106,24 @@ impl SseScanner {
                     self.reset();
                 }
             } else if self.line.is_empty() {
-                self.process_line(&rest[..end], line_end, &mut on_event);
+                self.process_line(chunk, Some(pos), &rest[..end], line_end, &mut on_event);
             } else {
                 let mut line = std::mem::take(&mut self.line);
                 line.extend_from_slice(&rest[..end]);
-                self.process_line(&line, line_end, &mut on_event);
+                self.process_line(chunk, None, &line, line_end, &mut on_event);
                 line.clear();
                 self.line = line; // keep the allocation
             }
             pos += next;
+        }
+        self.own_borrowed(chunk);
+    }
+
+    /// Copies a borrowed data line into `data` (the chunk it lives in is about to go away, or a
+    /// second data line follows).
+    fn own_borrowed(&mut self, chunk: &[u8]) {
+        if let Some((a, b)) = self.borrowed.take() {
+            self.data.extend_from_slice(&chunk[a..b]);
         }
     }
 
@@ -131,24 +145,38 @@ impl SseScanner {
 
     fn skip_event(&mut self) {
         self.oversized = true;
+        self.borrowed = None;
         self.line.clear();
         self.data.clear();
         self.has_data = false;
     }
 
     fn reset(&mut self) {
+        self.borrowed = None;
         self.data.clear();
         self.event.clear();
         self.has_data = false;
         self.oversized = false;
     }
 
-    fn process_line(&mut self, line: &[u8], end: usize, on_event: &mut impl FnMut(SseEvent<'_>)) {
+    /// One complete line; `at`: its offset in `chunk` when it lies there whole.
+    fn process_line(
+        &mut self,
+        chunk: &[u8],
+        at: Option<usize>,
+        line: &[u8],
+        end: usize,
+        on_event: &mut impl FnMut(SseEvent<'_>),
+    ) {
         if line.is_empty() {
             if self.has_data {
+                let data = match self.borrowed {
+                    Some((a, b)) => &chunk[a..b],
+                    None => &self.data[..],
+                };
                 on_event(SseEvent {
                     event: &self.event,
-                    data: &self.data,
+                    data,
                     oversized: false,
                     end,
                 });
@@ -168,6 +196,18 @@ impl SseScanner {
         };
         match name {
             b"data" => {
+                if let (Some(at), false) = (at, self.has_data) {
+                    if value.len() + 1 > self.max_event_bytes {
+                        self.skip_event();
+                        return;
+                    }
+                    // `value` ends the line: its place in the chunk follows from the lengths.
+                    let from = at + line.len() - value.len();
+                    self.borrowed = Some((from, from + value.len()));
+                    self.has_data = true;
+                    return;
+                }
+                self.own_borrowed(chunk);
                 if self.data.len() + value.len() + 1 > self.max_event_bytes {
                     self.skip_event();
                     return;

@@ -1,6 +1,6 @@
 use proptest::prelude::*;
 
-use super::chunk::has_token_plain;
+use super::chunk::plain_facts;
 use super::relay::null_usage;
 use super::*;
 
@@ -365,13 +365,32 @@ fn chunk_strategy() -> impl Strategy<Value = String> {
         (0usize..VALUES.len())
             .prop_map(|v| format!(r#"{{"index":0,"text":{},"finish_reason":null}}"#, VALUES[v])),
     ];
-    (proptest::collection::vec(choice, 0..3), proptest::bool::ANY).prop_map(|(cs, usage)| {
-        let usage = if usage { r#","usage":null"# } else { "" };
-        format!(
-            r#"{{"id":"x","object":"chat.completion.chunk","choices":[{}]{usage}}}"#,
-            cs.join(",")
-        )
-    })
+    const TOP: [&str; 7] = [
+        "",
+        r#","usage":null"#,
+        r#","usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":4}}"#,
+        r#","usage": {"prompt_tokens": 9, "completion_tokens": 2}"#,
+        r#","error":null"#,
+        r#","error":{"message":"boom","code":500}"#,
+        r#","error":"boom""#,
+    ];
+    (
+        proptest::collection::vec(choice, 0..3),
+        0usize..TOP.len(),
+        proptest::bool::ANY,
+    )
+        .prop_map(|(cs, top, flat_error)| {
+            let object = if flat_error {
+                "error"
+            } else {
+                "chat.completion.chunk"
+            };
+            format!(
+                r#"{{"id":"x","object":"{object}","choices":[{}]{}}}"#,
+                cs.join(","),
+                TOP[top]
+            )
+        })
 }
 
 proptest! {
@@ -385,12 +404,12 @@ proptest! {
         prop_assert_eq!(relay(&cut_at(WITH_USAGE, cuts), 1 << 20).0, STRIPPED.to_vec());
     }
 
-    /// The byte search and the parsed-JSON definition of "a token arrived" agree.
+    /// The one-pass scan and the parsed-JSON definitions (token, error, usage-only) agree.
     #[test]
-    fn token_search_agrees_with_parsed_json(chunk in chunk_strategy()) {
-        let plain = has_token_plain(chunk.as_bytes());
+    fn scan_agrees_with_parsed_json(chunk in chunk_strategy()) {
+        let plain = plain_facts(chunk.as_bytes());
         prop_assert!(plain.is_some(), "{}", chunk);
-        prop_assert_eq!(Some(ChunkInfo::scan(chunk.as_bytes()).has_token), plain, "{}", chunk);
+        prop_assert_eq!(Some(ChunkInfo::scan(chunk.as_bytes())), plain, "{}", chunk);
     }
 
     #[test]
