@@ -11,7 +11,9 @@
 #      TOKENIZER_JSON (default /work/real/tokenizer.json), PEERS (dir of setup.sh, default /work/peers),
 #      CHAT_LUA (default /work/shared/tools/peers/chat.lua),
 #      BEFORE_SERVE (optional: an older `serve` binary, run as kvgate-rr(before) and
-#      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons).
+#      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons),
+#      HYPER_H1=1 (also run kvgate kv with `server.http1 = "hyper"`: hyper's HTTP/1 server
+#      against kvgate's own loop, same binary, same run).
 # kvgate kv runs with the approximate tokenizer, and again with the HF tokenizer when
 # TOKENIZER_JSON exists. Rounds interleave the targets, so machine noise hits all of them alike.
 set -euo pipefail
@@ -77,6 +79,12 @@ TARGETS=(direct nginx "kvgate-kv(approx-tok)" kvgate-rr)
 if [ -f "$TOKENIZER_JSON" ]; then
   start_serve "kvgate-kv(hf-tok)" 30103 "$SERVE" --policy kv --tokenizer-json "$TOKENIZER_JSON"
   TARGETS+=("kvgate-kv(hf-tok)")
+fi
+if [ -n "${HYPER_H1:-}" ]; then
+  # The same binary with hyper's HTTP/1 server instead of kvgate's own loop (server.http1).
+  printf '[server]\nhttp1 = "hyper"\n' > "$WORK/hyper-h1.toml"
+  start_serve "kvgate-kv(approx-tok,hyper-h1)" 30106 "$SERVE" --policy kv --config "$WORK/hyper-h1.toml"
+  TARGETS+=("kvgate-kv(approx-tok,hyper-h1)")
 fi
 if [ -n "${BEFORE_SERVE:-}" ]; then
   start_serve "kvgate-kv(approx-tok,before)" 30104 "$BEFORE_SERVE" --policy kv

@@ -5,7 +5,7 @@
 #   - grafana/kvgate-dashboard.json is valid JSON with panels and queries,
 #   - the Helm chart renders (Helm's own engine, helm/render.py) exactly to k8s/, lints clean, and
 #     renders with every option on.
-# Usage: deploy/check.sh           check (CI: crates/kvgate/tests/deploy_check.rs runs this)
+# Usage: deploy/check.sh           check (CI: tests/deploy_check.rs runs this)
 #        deploy/check.sh --write   re-render deploy/k8s/ from the chart, then check
 # Python: $KVGATE_PYTHON (else python3) with helm-python-sdk installed (.ci/requirements.txt).
 # Exit: 0 all checked and fine; 1 a check failed; 77 nothing failed but a tool was missing

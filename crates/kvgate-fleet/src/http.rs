@@ -1,4 +1,4 @@
-//! Scrapes, probes and event polls: whole-body requests over the [`h1`](crate::h1) client's
+//! Scrapes, probes and event polls: whole-body requests over kvgate-http's client's
 //! keep-alive pool. Every call carries its own deadline: a stalled worker costs one timeout, never
 //! a stuck task.
 
@@ -7,7 +7,7 @@ use http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use http_body_util::{BodyExt, Limited};
 use std::time::Duration;
 
-use crate::h1;
+use kvgate_http::client as h1;
 
 /// Scrape bodies larger than this are refused (a vLLM `/metrics` with many LoRAs is ~200 KB).
 const MAX_BODY: usize = 8 << 20;

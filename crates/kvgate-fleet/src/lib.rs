@@ -20,7 +20,7 @@
 //!   `trtllm_poll.rs`: TRT-LLM `POST /kv_cache_events`.
 //! - `health.rs`: health probes; `breaker.rs`: the circuit breaker.
 //! - `discover.rs`: `kind = auto` probing and KV-event endpoint discovery.
-//! - `http.rs`: the small pooled HTTP client with per-call deadlines; `stats.rs`: [`FleetStats`].
+//! - `http.rs`: whole-body requests with per-call deadlines over kvgate-http's pooled client; `stats.rs`: [`FleetStats`].
 //! - `dns.rs`: DNS-based pool discovery (re-resolved `host:port` → address diffs).
 #![forbid(unsafe_code)]
 
@@ -28,7 +28,6 @@ mod apply;
 pub mod breaker;
 pub mod discover;
 pub mod dns;
-pub mod h1;
 mod health;
 pub mod http;
 mod kind;

@@ -67,7 +67,7 @@ pub struct MonitorConfig {
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     /// Certificates trusted when `base_url` is `https://`.
-    pub tls: Option<crate::h1::Tls>,
+    pub tls: Option<kvgate_http::Tls>,
     /// `authorization` value for health checks, scrapes and polls (the worker's API key).
     pub auth: Option<http::HeaderValue>,
     pub replay_timeout: Duration,

@@ -19,7 +19,7 @@ pub enum GwBody {
 
 /// The error a gateway body can yield: only a non-streamed worker body failing mid-way (the client
 /// then sees the connection reset, which is the honest signal for a truncated JSON document).
-pub type BodyError = crate::upstream::Error;
+pub type BodyError = kvgate_http::client::Error;
 
 impl GwBody {
     pub fn full(b: impl Into<Bytes>) -> Self {
@@ -62,13 +62,22 @@ impl Body for GwBody {
 }
 
 /// The request body the route handlers get: read by hyper (HTTP/2, TLS), or already read whole
-/// by kvgate's own HTTP/1.1 server (`h1server`), which stops reading at `server.max_body_bytes`.
+/// by kvgate's own HTTP/1.1 server (`kvgate_http::server`), which stops reading at `server.max_body_bytes`.
 pub enum ReqBody {
     Hyper(hyper::body::Incoming),
     Full(Option<Bytes>),
     /// The body is larger than `server.max_body_bytes`; it was not read (the connection closes
     /// after the response).
     TooLarge,
+}
+
+impl From<kvgate_http::server::RequestBody> for ReqBody {
+    fn from(b: kvgate_http::server::RequestBody) -> ReqBody {
+        match b {
+            kvgate_http::server::RequestBody::Full(b) => ReqBody::Full(b),
+            kvgate_http::server::RequestBody::TooLarge => ReqBody::TooLarge,
+        }
+    }
 }
 
 /// What reading a [`ReqBody`] can fail with.

@@ -38,6 +38,12 @@ pub struct ServerConfig {
     /// HTTP/1 read buffer bound; request heads larger than this are rejected.
     pub max_header_bytes: usize,
     pub header_read_timeout_ms: u64,
+    /// Longest time a request body may take to arrive whole (kvgate's HTTP/1.1 server): a client
+    /// that dribbles its body gets 408 and the connection closes.
+    pub body_read_timeout_s: u64,
+    /// Most client connections open at once on the data-path listener (0 = no cap); past it a
+    /// new connection gets 503 and is closed.
+    pub max_connections: usize,
     /// Max concurrent HTTP/2 streams per connection.
     pub h2_max_streams: u32,
     /// How long shutdown waits for in-flight streams before closing them.
@@ -73,6 +79,8 @@ impl Default for ServerConfig {
             max_body_bytes: 8 << 20,
             max_header_bytes: 64 << 10,
             header_read_timeout_ms: 30_000,
+            body_read_timeout_s: 60,
+            max_connections: 16384,
             h2_max_streams: 1024,
             shutdown_grace_s: 30,
             reload_poll_ms: 2000,

@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Limited};
 use crate::metrics::Lbl;
 use crate::registry::Worker;
 use crate::state::AppState;
-use crate::upstream;
+use kvgate_http::client;
 
 /// One discovery round over every worker without configured models. Returns whether any changed.
 pub async fn refresh_once(app: &Arc<AppState>) -> bool {
@@ -54,7 +54,7 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
     let headers = http::HeaderMap::new();
     let empty = Bytes::new();
     let path = format!("{}/v1/models", w.path_prefix);
-    let req = upstream::Outgoing {
+    let req = client::Outgoing {
         https: w.scheme == http::uri::Scheme::HTTPS,
         method: &http::Method::GET,
         authority: &w.authority,
@@ -66,7 +66,7 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
         body: &empty,
     };
     let fetch = async {
-        let resp = upstream::send(&req, &app.upstream).await?;
+        let resp = client::send(&req, &app.upstream).await?;
         if !resp.status.is_success() {
             anyhow::bail!("GET /v1/models answered {}", resp.status);
         }

@@ -36,6 +36,8 @@ pub enum ErrorKind {
     PayloadTooLarge { limit: usize },
     /// Request head over `server.max_header_bytes` or 100 fields (431).
     HeadersTooLarge,
+    /// Request body not received within `server.body_read_timeout_s` (408).
+    RequestTimeout,
     /// Body not valid JSON or missing a routing field (400).
     BadRequest { param: Option<&'static str> },
     /// No pool serves the requested model (404).
@@ -52,6 +54,8 @@ pub enum ErrorKind {
     UpstreamIo,
     /// No response headers within `upstream.response_timeout`.
     UpstreamTimeout,
+    /// The gateway cannot take the request now (shutting down, or `server.max_connections`).
+    ShuttingDown,
 }
 
 /// A request-path failure.
@@ -78,10 +82,11 @@ impl GatewayError {
             | MethodNotAllowed
             | PayloadTooLarge { .. }
             | HeadersTooLarge
+            | RequestTimeout
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
             UpstreamConnect | UpstreamIo | UpstreamTimeout => Side::Upstream,
-            NoWorker | QueueFull | QueueTimeout => Side::Internal,
+            NoWorker | QueueFull | QueueTimeout | ShuttingDown => Side::Internal,
         }
     }
 
@@ -103,6 +108,7 @@ impl GatewayError {
             MethodNotAllowed => "method_not_allowed",
             PayloadTooLarge { .. } => "payload_too_large",
             HeadersTooLarge => "headers_too_large",
+            RequestTimeout => "request_timeout",
             BadRequest { .. } => "bad_request",
             ModelNotFound => "model_not_found",
             NoWorker => "no_worker",
@@ -111,6 +117,7 @@ impl GatewayError {
             UpstreamConnect => "upstream_connect",
             UpstreamIo => "upstream_io",
             UpstreamTimeout => "upstream_timeout",
+            ShuttingDown => "shutting_down",
         }
     }
 
@@ -155,6 +162,12 @@ impl GatewayError {
                 None,
             ),
             BadRequest { .. } => (StatusCode::BAD_REQUEST, types::INVALID_REQUEST, None, None),
+            RequestTimeout => (
+                StatusCode::REQUEST_TIMEOUT,
+                types::INVALID_REQUEST,
+                Some("request_timeout"),
+                None,
+            ),
             ModelNotFound => (
                 StatusCode::NOT_FOUND,
                 types::INVALID_REQUEST,
@@ -191,6 +204,12 @@ impl GatewayError {
                 Some("upstream_timeout"),
                 None,
             ),
+            ShuttingDown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::SERVER,
+                Some("shutting_down"),
+                Some(1),
+            ),
         }
     }
 
@@ -198,22 +217,28 @@ impl GatewayError {
         self.wire().0
     }
 
-    /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
-    pub fn into_response(self) -> Response<GwBody> {
-        let (status, typ, code, retry_after) = self.wire();
+    /// The OpenAI error JSON of this failure (the body of [`Self::into_response`]).
+    pub fn json(&self) -> bytes::Bytes {
+        let (_, typ, code, _) = self.wire();
         let param = match self.kind {
             ErrorKind::BadRequest { param } => param,
             ErrorKind::ModelNotFound => Some("model"),
             _ => None,
         };
-        let body = OpenAiError {
-            status: status.as_u16(),
-            message: Cow::Owned(self.message),
+        OpenAiError {
+            status: self.status().as_u16(),
+            message: Cow::Owned(self.message.clone()),
             type_: Cow::Borrowed(typ),
             param: param.map(Cow::Borrowed),
             code: code.map(Cow::Borrowed),
         }
-        .to_json();
+        .to_json()
+    }
+
+    /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
+    pub fn into_response(self) -> Response<GwBody> {
+        let (status, _, _, retry_after) = self.wire();
+        let body = self.json();
         let mut resp = Response::new(GwBody::full(body));
         *resp.status_mut() = status;
         let h = resp.headers_mut();

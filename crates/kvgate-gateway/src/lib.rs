@@ -8,8 +8,8 @@
 //!   → admission → dispatch → forward → retry → observe).
 //! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
 //!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
-//!   `upstream` (= `kvgate_fleet::h1`: the HTTP/1.1 client to workers — per-thread keep-alive
-//!   pool, header hygiene, TLS for https workers), `forward.rs` (retry budget), `observer.rs` (the response body
+//!   kvgate-http's client (the HTTP/1.1 client to workers — per-thread keep-alive pool, header
+//!   hygiene, TLS for https workers), `forward.rs` (retry budget), `observer.rs` (the response body
 //!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
 //!   the end), `error.rs` (the one error type and its one mapping to HTTP).
 //! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
@@ -33,7 +33,6 @@ pub mod dns_pool;
 pub mod error;
 pub mod fleet;
 pub mod forward;
-pub mod h1server;
 pub mod metrics;
 pub mod mock;
 pub mod observer;
@@ -46,8 +45,6 @@ pub mod server;
 pub mod state;
 pub mod tls;
 /// The HTTP/1.1 client of the proxy hop (shared with kvgate-fleet's probes and scrapes).
-pub use kvgate_fleet::h1 as upstream;
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -116,14 +113,13 @@ impl Gateway {
             n => n,
         };
         let h1 = (server_cfg.http1 == config::Http1Server::Kvgate).then(|| {
-            let mut limits = h1server::Limits::new(
-                server_cfg.max_header_bytes,
-                server_cfg.max_body_bytes,
-                Duration::from_millis(server_cfg.header_read_timeout_ms),
-            );
             let a = app.clone();
-            limits.on_reject = Some(Arc::new(move |e| a.metrics.error(e.label())));
-            Arc::new(limits)
+            Arc::new(server::h1_limits(
+                &server_cfg,
+                Some(Arc::new(move |e: &error::GatewayError| {
+                    a.metrics.error(e.label())
+                })),
+            ))
         });
         tasks.push(tokio::spawn(server::serve(
             listener,
@@ -135,6 +131,13 @@ impl Gateway {
             server::ServeOpts {
                 io_threads,
                 h1: h1.clone(),
+                conn_limit: (server_cfg.max_connections > 0).then(|| {
+                    Arc::new(server::ConnLimit {
+                        max: server_cfg.max_connections,
+                        open: app.metrics.client_connections.clone(),
+                        refused: app.metrics.connections_refused.clone(),
+                    })
+                }),
             },
         )));
 
@@ -161,12 +164,10 @@ impl Gateway {
                 server::ServeOpts {
                     io_threads: 0,
                     // Admin refusals are not the data path's errors.
-                    h1: h1.as_ref().map(|l| {
-                        Arc::new(h1server::Limits {
-                            on_reject: None,
-                            ..(**l).clone()
-                        })
-                    }),
+                    h1: h1
+                        .as_ref()
+                        .map(|_| Arc::new(server::h1_limits(&server_cfg, None))),
+                    conn_limit: None,
                 },
             )));
         }

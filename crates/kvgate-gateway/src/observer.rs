@@ -23,7 +23,7 @@ use kvgate_protocol::usage::find_usage;
 
 use crate::body::BodyError;
 use crate::ctx::{Outcome, RequestCtx};
-use crate::upstream::ResponseBody;
+use kvgate_http::client::ResponseBody;
 
 /// Non-stream bodies: bytes kept from the end of the body to find `usage` in.
 const TAIL_KEEP: usize = 8 << 10;

@@ -25,7 +25,7 @@ use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::registry::Pool;
 use crate::router::{NoPick, Pick};
 use crate::state::AppState;
-use crate::upstream;
+use kvgate_http::client;
 
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
@@ -45,7 +45,7 @@ pub(crate) async fn route_and_forward(
     app: &Arc<AppState>,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
-) -> Result<upstream::Response, GatewayError> {
+) -> Result<client::Response, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let (parts, body) = req.into_parts();
@@ -136,7 +136,7 @@ pub(crate) async fn route_and_forward(
         ctx.attempts += 1;
         let worker = pick.worker;
 
-        let out = upstream::Outgoing {
+        let out = client::Outgoing {
             https: worker.scheme == http::uri::Scheme::HTTPS,
             method: &parts.method,
             authority: &worker.authority,
@@ -147,7 +147,7 @@ pub(crate) async fn route_and_forward(
             worker_auth: worker.auth_header.as_ref(),
             body: spliced.as_ref().unwrap_or(&bytes),
         };
-        let sent = upstream::send(&out, &app.upstream);
+        let sent = client::send(&out, &app.upstream);
         let result = match tokio::time::timeout(app.response_timeout, sent).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
@@ -323,9 +323,9 @@ async fn read_body(
 pub(crate) fn respond(
     app: &AppState,
     mut ctx: RequestCtx,
-    resp: upstream::Response,
+    resp: client::Response,
 ) -> Response<GwBody> {
-    let upstream::Response {
+    let client::Response {
         status,
         mut headers,
         body,

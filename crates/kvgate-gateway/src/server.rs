@@ -1,6 +1,6 @@
 //! Listeners: accept loop, the route table of the data-path listener, and graceful shutdown that
 //! drains in-flight streams. HTTP/1.1 connections (plain, or TLS without ALPN h2) are served by
-//! kvgate's own loop ([`crate::h1server`], unless `server.http1 = "hyper"`); HTTP/2 by
+//! kvgate's own loop ([`kvgate_http::server`], unless `server.http1 = "hyper"`); HTTP/2 by
 //! hyper-util's auto builder.
 
 use std::convert::Infallible;
@@ -23,9 +23,9 @@ use crate::body::{GwBody, ReqBody};
 use crate::config::ServerConfig;
 use crate::ctx::{Endpoint, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
-use crate::h1server;
 use crate::proxy;
 use crate::state::AppState;
+use kvgate_http::server as h1server;
 
 /// Route table of the data-path listener.
 pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody> {
@@ -76,6 +76,32 @@ fn method_not_allowed(app: &AppState, allow: &'static str) -> Response<GwBody> {
     r
 }
 
+/// The HTTP/1.1 server loop's limits from `[server]`; `count` hears of every request the loop
+/// refuses itself (malformed, oversize or too slow), which is answered in the OpenAI error shape.
+pub fn h1_limits(
+    cfg: &ServerConfig,
+    count: Option<Arc<dyn Fn(&GatewayError) + Send + Sync>>,
+) -> h1server::Limits {
+    h1server::Limits {
+        max_head: cfg.max_header_bytes,
+        max_body: cfg.max_body_bytes,
+        read_timeout: Duration::from_millis(cfg.header_read_timeout_ms),
+        body_timeout: Duration::from_secs(cfg.body_read_timeout_s),
+        reject: Arc::new(move |r: &h1server::Reject| {
+            let kind = match r.status {
+                http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => ErrorKind::HeadersTooLarge,
+                http::StatusCode::REQUEST_TIMEOUT => ErrorKind::RequestTimeout,
+                _ => ErrorKind::BadRequest { param: None },
+            };
+            let e = GatewayError::new(kind, r.message.clone());
+            if let Some(count) = &count {
+                count(&e);
+            }
+            e.json()
+        }),
+    }
+}
+
 pub fn conn_builder(cfg: &ServerConfig) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     b.http1()
@@ -100,9 +126,67 @@ pub struct ServeOpts {
     pub io_threads: usize,
     /// Serve HTTP/1.1 connections with kvgate's own loop (`None`: hyper serves all).
     pub h1: Option<Arc<h1server::Limits>>,
+    /// `server.max_connections` (`None`: no cap).
+    pub conn_limit: Option<Arc<ConnLimit>>,
 }
 
-type Accepted = (std::net::TcpStream, SocketAddr);
+/// `server.max_connections`: open client connections are counted; one accepted past the cap is
+/// answered 503 (plain HTTP/1.1; a TLS listener just closes it) and closed, so idle or dribbling
+/// clients cannot use up the process's file descriptors.
+pub struct ConnLimit {
+    pub max: usize,
+    /// Open connections (`kvgate_client_connections`).
+    pub open: prometheus_client::metrics::gauge::Gauge,
+    /// Refused ones (`kvgate_client_connections_refused_total`).
+    pub refused: prometheus_client::metrics::counter::Counter,
+}
+
+/// One open connection's place under the cap; given back when the connection's task ends.
+pub struct ConnPermit(Arc<ConnLimit>);
+
+impl Drop for ConnPermit {
+    fn drop(&mut self) {
+        self.0.open.dec();
+    }
+}
+
+impl ConnLimit {
+    /// A place for a new connection, or `None` past the cap.
+    fn admit(self: &Arc<Self>) -> Option<ConnPermit> {
+        // Only the accept loop increments: check-then-increment does not race.
+        if self.open.get() >= self.max as i64 {
+            self.refused.inc();
+            return None;
+        }
+        self.open.inc();
+        Some(ConnPermit(self.clone()))
+    }
+}
+
+/// The answer to a connection over the cap: written once, best effort, then closed.
+async fn refuse(mut stream: tokio::net::TcpStream, tls: bool) {
+    if tls {
+        return;
+    }
+    let e = GatewayError::new(
+        ErrorKind::ShuttingDown,
+        "too many open connections (server.max_connections); retry later",
+    );
+    let body = e.json();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        use tokio::io::AsyncWriteExt;
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(&body).await?;
+        stream.shutdown().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+}
+
+type Accepted = (std::net::TcpStream, SocketAddr, Option<ConnPermit>);
 
 /// Serve `listener` until `shutdown` fires, then let open connections finish their in-flight
 /// requests for up to `grace`.
@@ -158,30 +242,44 @@ pub async fn serve<F, Fut>(
     }
     if senders.is_empty() {
         let graceful = GracefulShutdown::new();
-        accept_loop(listener, &shutdown, |stream, peer| {
-            let c = Conn {
-                builder: &builder,
-                tls: &tls,
-                h1: &opts.h1,
-                shutdown: &shutdown,
-            };
-            spawn_conn(c, &handler, stream, peer, &graceful)
-        })
+        let limit = opts.conn_limit.clone();
+        accept_loop(
+            listener,
+            &shutdown,
+            limit.as_ref(),
+            tls.is_some(),
+            |stream, peer, permit| {
+                let c = Conn {
+                    builder: &builder,
+                    tls: &tls,
+                    h1: &opts.h1,
+                    shutdown: &shutdown,
+                };
+                spawn_conn(c, &handler, stream, peer, permit, &graceful)
+            },
+        )
         .await;
         drain(graceful, grace).await;
         return;
     }
     let mut next = 0usize;
-    accept_loop(listener, &shutdown, |stream, peer| {
-        // A connection stays on the thread that got it; hand them out in turn.
-        match stream.into_std() {
-            Ok(s) => {
-                let _ = senders[next % senders.len()].send((s, peer));
-                next = next.wrapping_add(1);
+    let limit = opts.conn_limit.clone();
+    accept_loop(
+        listener,
+        &shutdown,
+        limit.as_ref(),
+        tls.is_some(),
+        |stream, peer, permit| {
+            // A connection stays on the thread that got it; hand them out in turn.
+            match stream.into_std() {
+                Ok(s) => {
+                    let _ = senders[next % senders.len()].send((s, peer, permit));
+                    next = next.wrapping_add(1);
+                }
+                Err(e) => tracing::debug!(%peer, error = %e, "cannot hand over connection"),
             }
-            Err(e) => tracing::debug!(%peer, error = %e, "cannot hand over connection"),
-        }
-    })
+        },
+    )
     .await;
     drop(senders);
     for t in threads {
@@ -192,7 +290,9 @@ pub async fn serve<F, Fut>(
 async fn accept_loop(
     listener: TcpListener,
     shutdown: &CancellationToken,
-    mut on_conn: impl FnMut(tokio::net::TcpStream, SocketAddr),
+    limit: Option<&Arc<ConnLimit>>,
+    tls: bool,
+    mut on_conn: impl FnMut(tokio::net::TcpStream, SocketAddr, Option<ConnPermit>),
 ) {
     loop {
         let (stream, peer): (tokio::net::TcpStream, SocketAddr) = tokio::select! {
@@ -208,8 +308,17 @@ async fn accept_loop(
                 }
             },
         };
+        let permit = match limit.map(ConnLimit::admit) {
+            Some(None) => {
+                tracing::debug!(%peer, "connection refused: server.max_connections open");
+                tokio::spawn(refuse(stream, tls));
+                continue;
+            }
+            Some(Some(p)) => Some(p),
+            None => None,
+        };
         let _ = stream.set_nodelay(true);
-        on_conn(stream, peer);
+        on_conn(stream, peer, permit);
     }
     drop(listener);
 }
@@ -237,12 +346,12 @@ async fn io_thread<F, Fut>(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            crate::upstream::evict_idle(Instant::now());
+            kvgate_http::client::evict_idle(Instant::now());
         }
     });
     let graceful = GracefulShutdown::new();
     loop {
-        let (s, peer) = tokio::select! {
+        let (s, peer, permit) = tokio::select! {
             biased;
             _ = shutdown.cancelled() => break,
             c = rx.recv() => match c {
@@ -258,7 +367,7 @@ async fn io_thread<F, Fut>(
                     h1: &h1,
                     shutdown: &shutdown,
                 };
-                spawn_conn(c, &handler, stream, peer, &graceful)
+                spawn_conn(c, &handler, stream, peer, permit, &graceful)
             }
             Err(e) => tracing::debug!(%peer, error = %e, "cannot adopt connection"),
         }
@@ -289,12 +398,17 @@ fn spawn_conn<F, Fut>(
     handler: &F,
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
+    permit: Option<ConnPermit>,
     graceful: &GracefulShutdown,
 ) where
     F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let h = handler.clone();
+    let h1h = {
+        let h = h.clone();
+        move |req: Request<h1server::RequestBody>| h(req.map(ReqBody::from))
+    };
     let svc = {
         let h = h.clone();
         service_fn(move |req: Request<Incoming>| {
@@ -309,12 +423,14 @@ fn spawn_conn<F, Fut>(
     let h1 = c.h1.clone();
     let shutdown = c.shutdown.clone();
     tokio::spawn(async move {
+        // The connection's place under `server.max_connections`, given back when it ends.
+        let _permit = permit;
         // kvgate's HTTP/1.1 loop when configured (`limits`), hyper otherwise; a client that turns
         // out to speak HTTP/2 goes to hyper with the bytes already read.
         macro_rules! serve_io {
             ($io:ident, $limits:expr) => {
                 match $limits {
-                    Some(limits) => match h1server::serve($io, &h, &limits, &shutdown).await {
+                    Some(limits) => match h1server::serve($io, &h1h, &limits, &shutdown).await {
                         h1server::Ended::Closed => Ok(()),
                         h1server::Ended::H2(io, read) => {
                             let io = TokioIo::new(h1server::Prefixed::new(read, io));

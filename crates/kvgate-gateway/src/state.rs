@@ -22,7 +22,7 @@ pub struct AppState {
     pub router: Router,
     pub admission: Arc<Admission>,
     /// Settings of the client to workers (requests, model discovery).
-    pub upstream: crate::upstream::Settings,
+    pub upstream: kvgate_http::client::Settings,
     pub auth: ArcSwap<Auth>,
     pub retry: RetryBudget,
     pub max_attempts: AtomicU32,
@@ -45,9 +45,9 @@ pub struct AppState {
 /// Certificates for `https://` workers: `upstream.ca_file` (must load), else the system bundle
 /// (must load only if an https worker is configured; workers added later by a reload find out at
 /// connect time, with the reason in the error).
-fn worker_tls(config: &Config) -> anyhow::Result<Option<crate::upstream::Tls>> {
+fn worker_tls(config: &Config) -> anyhow::Result<Option<kvgate_http::client::Tls>> {
     let ca_file = config.upstream.ca_file.as_deref();
-    match crate::upstream::Tls::load(ca_file) {
+    match kvgate_http::client::Tls::load(ca_file) {
         Ok(t) => Ok(Some(t)),
         Err(e) if ca_file.is_some() => Err(anyhow::anyhow!("upstream.ca_file: {e}")),
         Err(e)
@@ -79,7 +79,7 @@ impl AppState {
                 config.admission.queue_size,
                 Duration::from_millis(config.admission.queue_timeout_ms),
             )),
-            upstream: crate::upstream::Settings {
+            upstream: kvgate_http::client::Settings {
                 connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
                 idle_timeout: Duration::from_secs(config.upstream.pool_idle_timeout_s),
                 max_idle_per_host: config.upstream.pool_max_idle_per_host,

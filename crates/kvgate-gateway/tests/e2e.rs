@@ -636,3 +636,74 @@ async fn h2_prior_knowledge_and_either_http1_server() {
         gw.shutdown().await;
     }
 }
+
+/// `server.max_connections`: past the cap a new connection gets a 503 in the OpenAI error shape
+/// and is closed (counted); connections that close give their place back.
+#[tokio::test]
+async fn connections_past_the_cap_get_503_and_places_come_back() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = MockWorker::builder().tokens(2).spawn().await.unwrap();
+    let mut cfg = config_for(&[&w], "round_robin");
+    cfg.server.max_connections = 2;
+    let gw = gateway(cfg).await;
+    let addr = gw.url().trim_start_matches("http://").to_string();
+    let metric = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(-1.0)
+    };
+    let held_a = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let held_b = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // The third is over the cap: answered and closed without a request being read.
+    let mut third = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut out))
+        .await
+        .expect("closed in time")
+        .unwrap();
+    let out = String::from_utf8_lossy(&out);
+    assert!(out.starts_with("HTTP/1.1 503 "), "{out}");
+    assert!(out.contains("retry-after: 1\r\n"), "{out}");
+    let body = &out[out.find("\r\n\r\n").unwrap() + 4..];
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("server.max_connections"),
+        "{body}"
+    );
+    drop((held_a, held_b));
+    // Places come back once the held connections close: a request goes through and the gauge
+    // returns to the one connection it uses.
+    let c = client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if text.starts_with("HTTP/1.1 200") && metric(&text, "kvgate_client_connections") == 1.0 {
+            break text;
+        }
+        assert!(std::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The third connection, and any poll above that came before the server saw the held ones
+    // close.
+    assert!(
+        metric(&text, "kvgate_client_connections_refused_total") >= 1.0,
+        "{text}"
+    );
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("sys", "hello", false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    gw.shutdown().await;
+}

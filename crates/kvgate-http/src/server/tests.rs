@@ -15,7 +15,38 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 
-type TBody = crate::mock::MockBody;
+/// A whole body (sent with a content-length) or a stream of chunks from a channel (chunked).
+enum TBody {
+    Full(Option<Bytes>),
+    Stream(mpsc::Receiver<Result<Bytes, std::io::Error>>),
+}
+
+impl Body for TBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        match self.get_mut() {
+            TBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(http_body::Frame::data(b)))),
+            TBody::Stream(rx) => rx
+                .poll_recv(cx)
+                .map(|o| o.map(|r| r.map(http_body::Frame::data))),
+        }
+    }
+    fn is_end_stream(&self) -> bool {
+        matches!(self, TBody::Full(None))
+    }
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            TBody::Full(b) => {
+                http_body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            TBody::Stream(_) => http_body::SizeHint::default(),
+        }
+    }
+}
 
 #[derive(Default)]
 struct Shared {
@@ -34,7 +65,7 @@ impl Drop for DropFlag<'_> {
     }
 }
 
-async fn handle(s: Arc<Shared>, req: Request<ReqBody>) -> Response<TBody> {
+async fn handle(s: Arc<Shared>, req: Request<RequestBody>) -> Response<TBody> {
     let (parts, body) = req.into_parts();
     let full = |status: StatusCode, b: String| {
         let mut r = Response::new(TBody::Full(Some(Bytes::from(b))));
@@ -42,9 +73,8 @@ async fn handle(s: Arc<Shared>, req: Request<ReqBody>) -> Response<TBody> {
         r
     };
     let body = match body {
-        ReqBody::Full(b) => b.unwrap_or_default(),
-        ReqBody::TooLarge => return full(StatusCode::PAYLOAD_TOO_LARGE, "too large".into()),
-        ReqBody::Hyper(_) => unreachable!("only the h1 loop serves here"),
+        RequestBody::Full(b) => b.unwrap_or_default(),
+        RequestBody::TooLarge => return full(StatusCode::PAYLOAD_TOO_LARGE, "too large".into()),
     };
     match parts.uri.path() {
         "/stream" => {
@@ -83,9 +113,12 @@ fn limits(s: &Arc<Shared>) -> Limits {
         max_head: 1024,
         max_body: 64,
         read_timeout: Duration::from_millis(400),
-        on_reject: Some(Arc::new(move |_| {
+        body_timeout: Duration::from_millis(1500),
+        reject: Arc::new(move |r: &Reject| {
             s.rejected.fetch_add(1, Ordering::SeqCst);
-        })),
+            let v = serde_json::json!({"error": {"message": r.message, "type": "invalid_request_error"}});
+            Bytes::from(v.to_string())
+        }),
     }
 }
 
@@ -297,7 +330,10 @@ async fn oversize_bodies_reach_the_handler_as_too_large_and_close() {
 async fn bad_heads_get_openai_errors_and_a_close() {
     let s = server().await;
     let many: String = (0..101).map(|i| format!("x-h{i}: v\r\n")).collect();
-    let long = format!("GET / HTTP/1.1\r\nx-long: {}\r\n\r\n", "a".repeat(1100));
+    let long = format!(
+        "GET / HTTP/1.1\r\nhost: t\r\nx-long: {}\r\n\r\n",
+        "a".repeat(1100)
+    );
     let cases: Vec<(Vec<u8>, &str, &str)> = vec![
         (
             b"hello there\r\n\r\n".to_vec(),
@@ -305,34 +341,72 @@ async fn bad_heads_get_openai_errors_and_a_close() {
             "malformed request head",
         ),
         (
-            b"POST / HTTP/1.1\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n".to_vec(),
+            b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n".to_vec(),
             "400 Bad Request",
             "both transfer-encoding and content-length",
         ),
         (
-            b"POST / HTTP/1.1\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(),
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: gzip\r\n\r\n".to_vec(),
             "400 Bad Request",
             "unsupported transfer-encoding",
         ),
         (
-            b"POST / HTTP/1.1\r\ncontent-length: 1x\r\n\r\n".to_vec(),
+            b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1x\r\n\r\n".to_vec(),
             "400 Bad Request",
             "invalid content-length",
         ),
         (
-            b"POST / HTTP/1.1\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n".to_vec(),
+            b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n".to_vec(),
             "400 Bad Request",
             "conflicting content-length",
         ),
         (
-            b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".to_vec(),
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n".to_vec(),
             "400 Bad Request",
             "bad chunk size",
         ),
         (
-            format!("GET / HTTP/1.1\r\n{many}\r\n").into_bytes(),
+            format!("GET / HTTP/1.1\r\nhost: t\r\n{many}\r\n").into_bytes(),
             "431 Request Header Fields Too Large",
-            "request_header_fields_too_large",
+            "or 100 fields",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: identity, chunked\r\n\r\n0\r\n\r\n"
+                .to_vec(),
+            "400 Bad Request",
+            "unsupported transfer-encoding",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n"
+                .to_vec(),
+            "400 Bad Request",
+            "unsupported transfer-encoding",
+        ),
+        (
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+                .to_vec(),
+            "400 Bad Request",
+            "unsupported transfer-encoding",
+        ),
+        (
+            b"POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n".to_vec(),
+            "400 Bad Request",
+            "transfer-encoding in an HTTP/1.0 request",
+        ),
+        (
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+            "400 Bad Request",
+            "missing Host header",
+        ),
+        (
+            b"GET / HTTP/1.1\r\nhost: a\r\nHost: b\r\n\r\n".to_vec(),
+            "400 Bad Request",
+            "more than one Host header",
+        ),
+        (
+            b"GET / HTTP/1.0\r\nhost: a\r\nhost: a\r\n\r\n".to_vec(),
+            "400 Bad Request",
+            "more than one Host header",
         ),
         (
             long.into_bytes(),
@@ -352,6 +426,43 @@ async fn bad_heads_get_openai_errors_and_a_close() {
         assert!(body.contains(msg), "{msg:?} in {body}");
     }
     assert_eq!(s.shared.rejected.load(Ordering::SeqCst), n);
+}
+
+/// A body that dribbles in (a byte per read timeout, so no single read times out) is cut off at
+/// the body deadline with a 408, and the handler never sees it.
+#[tokio::test]
+async fn a_dribbled_body_gets_408_at_the_body_deadline() {
+    let s = server().await;
+    let mut c = TcpStream::connect(s.addr).await.unwrap();
+    c.write_all(b"POST /slowbody HTTP/1.1\r\nhost: t\r\ncontent-length: 60\r\n\r\n")
+        .await
+        .unwrap();
+    // 250 ms per byte: under the 400 ms read timeout, past the 1.5 s body deadline by byte 7.
+    let mut answer = Vec::new();
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        if c.write_all(b"x").await.is_err() {
+            break;
+        }
+        let mut tmp = [0u8; 1024];
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(1), c.read(&mut tmp)).await {
+            answer.extend_from_slice(&tmp[..n]);
+            if n == 0 || !answer.is_empty() {
+                break;
+            }
+        }
+    }
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(3), c.read_to_end(&mut rest)).await;
+    answer.extend_from_slice(&rest);
+    let out = String::from_utf8_lossy(&answer);
+    assert!(out.starts_with("HTTP/1.1 408 Request Timeout\r\n"), "{out}");
+    assert!(
+        out.contains("request body not received within 1.5 s"),
+        "{out}"
+    );
+    assert!(out.contains("connection: close\r\n"), "{out}");
+    assert_eq!(s.shared.rejected.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
@@ -474,10 +585,14 @@ async fn idle_and_slow_connections_are_closed_after_the_read_timeout() {
     let mut c = TcpStream::connect(s.addr).await.unwrap();
     assert_eq!(read_all(&mut c).await, "");
     // Half a head.
-    let out = raw(s.addr, b"GET / HTTP/1.1\r\nhost").await;
+    let out = raw(s.addr, b"GET / HTTP/1.1\r\nhost: t\r\nhost").await;
     assert_eq!(out, "");
     // Half a body.
-    let out = raw(s.addr, b"POST / HTTP/1.1\r\ncontent-length: 10\r\n\r\nabc").await;
+    let out = raw(
+        s.addr,
+        b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 10\r\n\r\nabc",
+    )
+    .await;
     assert_eq!(out, "");
     assert_eq!(s.shared.rejected.load(Ordering::SeqCst), 0);
 }
@@ -524,7 +639,11 @@ async fn the_http2_preface_is_handed_over_with_what_was_read() {
         .unwrap();
     assert_eq!(got.as_deref(), Some(H2_PREFACE));
     // A method that merely starts like the preface is HTTP/1.
-    let out = raw(s.addr, b"PRIX / HTTP/1.1\r\nconnection: close\r\n\r\n").await;
+    let out = raw(
+        s.addr,
+        b"PRIX / HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n",
+    )
+    .await;
     assert!(out.ends_with("PRIX / "), "{out}");
 }
 

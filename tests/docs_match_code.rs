@@ -3,10 +3,10 @@
 //! lists are read from the source, so a new metric or key without docs fails here, naming it.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    kvgate_system_tests::repo_root()
 }
 
 fn read(rel: &str) -> String {

@@ -86,8 +86,8 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     let Some(py) = python_with_openai() else {
         return;
     };
-    let bin = env!("CARGO_BIN_EXE_kvgate");
-    let mut sim = Command::new(bin)
+    let bin = kvgate_system_tests::kvgate_bin();
+    let mut sim = Command::new(&bin)
         .args([
             "sim",
             "--workers",
@@ -118,7 +118,7 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     });
     assert_eq!(urls.len(), 3);
 
-    let mut serve = Command::new(bin)
+    let mut serve = Command::new(&bin)
         .args([
             "serve",
             "--listen",

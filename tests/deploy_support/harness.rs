@@ -5,16 +5,13 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .expect("repo root")
+    kvgate_system_tests::repo_root()
 }
 
 /// The common brief's rule for external tools: missing locally → print "skipped" and return
@@ -51,7 +48,7 @@ impl Proc {
     /// As [`Proc::kvgate`] with extra environment variables. Inherited `KVGATE_*` variables are
     /// removed so the developer's shell cannot change what the test runs.
     pub fn kvgate_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+        let mut cmd = Command::new(kvgate_system_tests::kvgate_bin());
         cmd.args(args).env("NO_COLOR", "1");
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("KVGATE_") && k != "KVGATE_PYTHON" {

@@ -13,7 +13,7 @@ use serde_json::Value;
 /// stdout, stderr).
 fn run_kvgate(args: &[&str], dir: &Path, limit: Duration) -> (bool, String, String) {
     let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvgate"))
+    let mut child = Command::new(kvgate_system_tests::kvgate_bin())
         .args(args)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).unwrap())

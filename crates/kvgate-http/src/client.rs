@@ -14,6 +14,11 @@
 //! after the kernel's (benches/overhead-results.md). Workers speak plain HTTP/1.1 with
 //! content-length or chunked bodies; this is the small subset of HTTP a proxy hop needs.
 //!
+//! A pooled connection is state shared between users: one whose response left bytes unread, or
+//! that turned readable while idle (a stray response, the rest of a body its content-length
+//! undercounted, a close), is closed, never handed to the next request, which would otherwise read
+//! another request's answer. Every checkout probes the socket for that.
+//!
 //! Reuse races: a worker may close an idle keep-alive connection (uvicorn does after 5 s) just as
 //! a request is written to it. A request that fails on a *reused* connection before a single byte
 //! of response arrived is sent again once on a new connection, as nginx does; every other failure
@@ -38,7 +43,10 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+use crate::chunked::{Chunk, ChunkError, Decode, Step};
+use crate::head::{header_name, is_hop_by_hop, push_field, FieldKind, FramingFields, MAX_HEADERS};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
 use http_body::{Body, Frame, SizeHint};
@@ -50,14 +58,10 @@ use tokio_rustls::TlsConnector;
 
 /// Largest response head accepted from a worker.
 const MAX_HEAD: usize = 64 << 10;
-/// Most header fields in a worker's response head.
-const MAX_HEADERS: usize = 128;
 /// Read buffer growth step.
 const READ_CHUNK: usize = 8 << 10;
 /// A pooled connection keeps its read buffer unless the buffer grew past this (then it is freed).
 const KEEP_BUF: usize = 4 * READ_CHUNK;
-/// Longest chunk-size or trailer line accepted in a chunked body.
-const MAX_LINE: usize = 4 << 10;
 
 /// Called with the time each new connection took to open (the gateway's
 /// `kvgate_upstream_connect_seconds`).
@@ -169,17 +173,10 @@ impl std::fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
-/// Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    name == header::CONNECTION
-        || name == header::TRANSFER_ENCODING
-        || name == header::TE
-        || name == header::TRAILER
-        || name == header::UPGRADE
-        || name == header::PROXY_AUTHENTICATE
-        || name == header::PROXY_AUTHORIZATION
-        || name.as_str() == "keep-alive"
-        || name.as_str() == "proxy-connection"
+impl From<ChunkError> for Error {
+    fn from(e: ChunkError) -> Error {
+        Error::Io(e.to_string())
+    }
 }
 
 /// Whether the `Connection` header values in `h` name `name` (those fields are hop-by-hop too).
@@ -242,13 +239,6 @@ impl Outgoing<'_> {
         }
         out
     }
-}
-
-fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
 }
 
 /// A worker's response head, hop-by-hop fields removed, and its body.
@@ -405,11 +395,6 @@ async fn exchange(
                 None => break,
             }
         }
-        if buf.len() > MAX_HEAD {
-            return Err(Failure::Other(Error::Io(format!(
-                "worker response head is larger than {MAX_HEAD} bytes"
-            ))));
-        }
     }
 }
 
@@ -426,10 +411,7 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
     let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
     let mut kept = 0;
     let (len, status, http11);
-    let mut close;
-    let mut chunked = false;
-    let mut other_coding = false;
-    let mut length: Option<u64> = None;
+    let mut framing = FramingFields::default();
     // Fields the worker's `Connection` header names (hop-by-hop too), beyond close/keep-alive.
     let mut connection_named: Vec<String> = Vec::new();
     {
@@ -441,8 +423,16 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
             buf,
             &mut fields,
         ) {
+            // The limit holds however the head arrived: in pieces or in one read.
+            Ok(httparse::Status::Complete(n)) if n > MAX_HEAD => return Err(head_too_large()),
             Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => return Err(head_too_large()),
             Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => {
+                return Err(Error::Io(format!(
+                    "worker response head has more than {MAX_HEADERS} fields"
+                )))
+            }
             Err(e) => {
                 return Err(Error::Io(format!(
                     "malformed response head from worker: {e}"
@@ -460,45 +450,28 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
             return Ok(Some(Parsed::Interim));
         }
         http11 = r.version == Some(1);
-        close = !http11;
         let base = buf.as_ptr() as usize;
         let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
         for f in r.headers.iter() {
             let name = f.name.as_bytes();
-            if name.eq_ignore_ascii_case(b"connection") {
-                for t in String::from_utf8_lossy(f.value).split(',') {
-                    let t = t.trim();
-                    if t.eq_ignore_ascii_case("close") {
-                        close = true;
-                    } else if t.eq_ignore_ascii_case("keep-alive") {
-                        close &= http11;
-                    } else if !t.is_empty() {
-                        connection_named.push(t.to_ascii_lowercase());
+            let kind = framing
+                .field(name, f.value)
+                .map_err(|e| Error::Io(format!("worker response: {e}")))?;
+            match kind {
+                FieldKind::Connection => {
+                    for t in String::from_utf8_lossy(f.value).split(',') {
+                        let t = t.trim();
+                        if !t.is_empty()
+                            && !t.eq_ignore_ascii_case("close")
+                            && !t.eq_ignore_ascii_case("keep-alive")
+                        {
+                            connection_named.push(t.to_ascii_lowercase());
+                        }
                     }
+                    continue;
                 }
-                continue;
-            }
-            if name.eq_ignore_ascii_case(b"transfer-encoding") {
-                // Only the last coding decides the framing (RFC 9112 §6.3).
-                for t in String::from_utf8_lossy(f.value).split(',') {
-                    let t = t.trim();
-                    if t.is_empty() {
-                        continue;
-                    }
-                    chunked = t.eq_ignore_ascii_case("chunked");
-                    other_coding = !chunked;
-                }
-                continue;
-            }
-            if name.eq_ignore_ascii_case(b"content-length") {
-                let n = std::str::from_utf8(f.value)
-                    .ok()
-                    .and_then(|s| s.trim().parse::<u64>().ok())
-                    .ok_or_else(|| Error::Io("worker sent an invalid content-length".into()))?;
-                if length.is_some_and(|m| m != n) {
-                    return Err(Error::Io("worker sent conflicting content-lengths".into()));
-                }
-                length = Some(n);
+                FieldKind::Framing if name.len() == 17 => continue, // transfer-encoding
+                _ => {}
             }
             spans[kept] = (
                 at(name),
@@ -507,6 +480,14 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
                 at(f.value) + f.value.len() as u32,
             );
             kept += 1;
+        }
+        framing
+            .finish()
+            .map_err(|e| Error::Io(format!("worker response: {e}")))?;
+        if framing.chunked && !http11 {
+            return Err(Error::Io(
+                "worker response: transfer-encoding in an HTTP/1.0 response".into(),
+            ));
         }
     }
     let head = buf.split_to(len).freeze();
@@ -529,20 +510,16 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
     for n in &connection_named {
         headers.remove(n.as_str());
     }
+    // HTTP/1.1 stays open unless the worker says close; HTTP/1.0 only if it says keep-alive.
+    let mut close = framing.close || (!http11 && !framing.keep_alive);
     let no_body = method == Method::HEAD
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
     let decode = if no_body {
         Decode::Done
-    } else if chunked && !other_coding {
-        // A message with both is framed by transfer-encoding; the length is not to be passed on.
-        headers.remove(header::CONTENT_LENGTH);
+    } else if framing.chunked {
         Decode::Chunked(Chunk::Size)
-    } else if chunked || other_coding {
-        headers.remove(header::CONTENT_LENGTH);
-        close = true;
-        Decode::Eof
-    } else if let Some(n) = length {
+    } else if let Some(n) = framing.length {
         if n == 0 {
             Decode::Done
         } else {
@@ -553,6 +530,12 @@ fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Err
         Decode::Eof
     };
     Ok(Some(Parsed::Head(status, headers, decode, !close)))
+}
+
+fn head_too_large() -> Error {
+    Error::Io(format!(
+        "worker response head is larger than {MAX_HEAD} bytes"
+    ))
 }
 
 /// A connection to a worker.
@@ -596,149 +579,6 @@ impl Conn {
             }
         }
     }
-}
-
-/// HTTP/1.1 body framing state: the decoder of this client's response bodies, and of the
-/// gateway server's request bodies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decode {
-    /// `content-length`: bytes still to come.
-    Length(u64),
-    Chunked(Chunk),
-    /// Close-delimited: everything until the worker closes.
-    Eof,
-    Done,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Chunk {
-    /// Expecting a chunk-size line.
-    Size,
-    /// Inside a chunk's data: bytes still to come.
-    Data(u64),
-    /// Expecting the CRLF that ends a chunk's data.
-    DataEnd,
-    /// After the last chunk: trailer fields (dropped) until an empty line.
-    Trailers,
-}
-
-/// One step of decoding what is buffered.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Step {
-    Data(Bytes),
-    NeedMore,
-    Done,
-}
-
-impl Decode {
-    /// A chunked body, before its first chunk-size line.
-    pub const CHUNKED: Decode = Decode::Chunked(Chunk::Size);
-
-    /// Consume the framing at the front of `buf` (chunk-ending CRLFs, chunk-size lines, the last
-    /// chunk and its trailers) up to the next data byte or the end. `false`: more bytes needed.
-    pub fn skip_framing(&mut self, buf: &mut BytesMut) -> Result<bool, Error> {
-        loop {
-            match self {
-                Decode::Chunked(Chunk::DataEnd) => match buf.first() {
-                    None => return Ok(false),
-                    Some(b'\n') => {
-                        buf.advance(1);
-                        *self = Decode::Chunked(Chunk::Size);
-                    }
-                    Some(b'\r') if buf.len() < 2 => return Ok(false),
-                    Some(b'\r') if buf[1] == b'\n' => {
-                        buf.advance(2);
-                        *self = Decode::Chunked(Chunk::Size);
-                    }
-                    Some(_) => {
-                        return Err(Error::Io(
-                            "malformed chunked body: chunk data longer than its size".into(),
-                        ))
-                    }
-                },
-                Decode::Chunked(Chunk::Size) => {
-                    let Some(line) = take_line(buf)? else {
-                        return Ok(false);
-                    };
-                    let size = chunk_size(&line)?;
-                    *self = if size == 0 {
-                        Decode::Chunked(Chunk::Trailers)
-                    } else {
-                        Decode::Chunked(Chunk::Data(size))
-                    };
-                }
-                Decode::Chunked(Chunk::Trailers) => {
-                    let Some(line) = take_line(buf)? else {
-                        return Ok(false);
-                    };
-                    if line.is_empty() {
-                        *self = Decode::Done;
-                    }
-                }
-                _ => return Ok(true),
-            }
-        }
-    }
-
-    /// Decode from `buf`, consuming what is used: the next piece of body data, or the end.
-    pub fn step(&mut self, buf: &mut BytesMut) -> Result<Step, Error> {
-        if !self.skip_framing(buf)? {
-            return Ok(Step::NeedMore);
-        }
-        let left = match self {
-            Decode::Done => return Ok(Step::Done),
-            _ if buf.is_empty() => return Ok(Step::NeedMore),
-            Decode::Eof => return Ok(Step::Data(buf.split().freeze())),
-            Decode::Length(n) | Decode::Chunked(Chunk::Data(n)) => n,
-            Decode::Chunked(_) => unreachable!("skip_framing stops at data or the end"),
-        };
-        let take = (*left).min(buf.len() as u64) as usize;
-        *left -= take as u64;
-        if *left == 0 {
-            *self = match self {
-                Decode::Length(_) => Decode::Done,
-                _ => Decode::Chunked(Chunk::DataEnd),
-            };
-        }
-        Ok(Step::Data(buf.split_to(take).freeze()))
-    }
-}
-
-/// A whole line (without its CRLF or LF) from the front of `buf`, if buffered.
-fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, Error> {
-    match memchr::memchr(b'\n', buf) {
-        Some(i) => {
-            let mut line = buf.split_to(i + 1);
-            line.truncate(i);
-            if line.last() == Some(&b'\r') {
-                line.truncate(i - 1);
-            }
-            Ok(Some(line))
-        }
-        None if buf.len() > MAX_LINE => {
-            Err(Error::Io("malformed chunked body: line too long".into()))
-        }
-        None => Ok(None),
-    }
-}
-
-/// The size of a chunk-size line (`1a;ext=1`).
-fn chunk_size(line: &[u8]) -> Result<u64, Error> {
-    let bad = || Error::Io("malformed chunked body: bad chunk size".into());
-    let end = line
-        .iter()
-        .position(|&b| b == b';' || b == b' ' || b == b'\t')
-        .unwrap_or(line.len());
-    let hex = &line[..end];
-    if hex.is_empty() || hex.len() > 15 {
-        return Err(bad());
-    }
-    let mut n: u64 = 0;
-    for &b in hex {
-        let d = (b as char).to_digit(16).ok_or_else(bad)?;
-        n = n * 16 + u64::from(d);
-    }
-    Ok(n)
 }
 
 /// A worker's response body, read from its connection as the client side polls it.
@@ -805,7 +645,7 @@ impl Body for ResponseBody {
                 Err(e) => {
                     this.decode = Decode::Done;
                     this.io = None;
-                    return Poll::Ready(Some(Err(e)));
+                    return Poll::Ready(Some(Err(e.into())));
                 }
                 Ok(Step::Done) => {
                     this.release();
@@ -961,15 +801,8 @@ struct Idle {
     io: Conn,
     /// The connection's read buffer, empty (its memory reused by the next response).
     buf: BytesMut,
-    since: Instant,
     expires: Instant,
 }
-
-/// A connection idle for less than this is handed out without probing it first. The probe costs
-/// a system call whenever the reactor still marks the socket readable from the last response,
-/// i.e. on nearly every request of a busy connection, and a connection used moments ago is rarely
-/// closed; when it is, the request is sent again on a new connection (see [`send`]).
-const PROBE_AFTER: Duration = Duration::from_millis(100);
 
 thread_local! {
     /// This thread's idle worker connections, newest last.
@@ -988,7 +821,13 @@ fn checkout(key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
                 stack.clear();
                 break;
             }
-            if now.saturating_duration_since(c.since) < PROBE_AFTER || c.io.alive() {
+            // Every checkout probes, however recently the connection was used: a worker that
+            // wrote anything after its last response (a stray response, the rest of a body its
+            // content-length undercounted, a close) must never have those bytes read as the
+            // next request's answer. The probe reads the socket itself (the reactor's readiness
+            // is still set from the last response's read, so it is never skipped on a stale
+            // flag): one non-blocking `recv` per reused connection.
+            if c.io.alive() {
                 return Some((c.io, c.buf));
             }
         }
@@ -1009,45 +848,9 @@ fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max:
         stack.push(Idle {
             io,
             buf,
-            since: now,
             expires: now + idle,
         });
     });
-}
-
-/// `HeaderName::from_bytes`, with the fields nearly every request and response carries looked up
-/// by length and a case-insensitive compare first (the general parse costs ~180 instructions a
-/// field). Same result either way: a standard name parses to the same constant.
-pub fn header_name(b: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
-    let known = match b.len() {
-        4 if eq_lower(b, b"host") => Some(header::HOST),
-        4 if eq_lower(b, b"date") => Some(header::DATE),
-        6 if eq_lower(b, b"accept") => Some(header::ACCEPT),
-        6 if eq_lower(b, b"server") => Some(header::SERVER),
-        10 if eq_lower(b, b"user-agent") => Some(header::USER_AGENT),
-        10 if eq_lower(b, b"connection") => Some(header::CONNECTION),
-        12 if eq_lower(b, b"content-type") => Some(header::CONTENT_TYPE),
-        13 if eq_lower(b, b"authorization") => Some(header::AUTHORIZATION),
-        14 if eq_lower(b, b"content-length") => Some(header::CONTENT_LENGTH),
-        15 if eq_lower(b, b"accept-encoding") => Some(header::ACCEPT_ENCODING),
-        _ => None,
-    };
-    match known {
-        Some(n) => Ok(n),
-        None => HeaderName::from_bytes(b),
-    }
-}
-
-/// `b` equals `lower` (lowercase letters and `-` only) ignoring ASCII case: a letter position
-/// accepts the byte with bit 5 cleared too (its capital), any other position only itself.
-/// Branch-free over the bytes, so the compiler can compare a fixed-length name in a few words.
-#[inline(always)]
-fn eq_lower(b: &[u8], lower: &[u8]) -> bool {
-    b.len() == lower.len()
-        && b.iter()
-            .zip(lower)
-            .fold(0u8, |d, (&x, &y)| d | ((x | ((y & 0x40) >> 1)) ^ y))
-            == 0
 }
 
 /// Close this thread's idle connections whose idle time is over (called every second by the io

@@ -40,16 +40,12 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
-use kvgate_fleet::h1::{Decode, Step};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
-use crate::body::{GwBody, ReqBody};
-use crate::error::{ErrorKind, GatewayError};
-
-/// Most header fields in a request head (hyper's default too).
-const MAX_HEADERS: usize = 100;
+use crate::chunked::{chunk_prefix, Decode, Step};
+use crate::head::{header_name, parse_len, push_field, FramingFields, MAX_HEADERS};
 /// What a connection opening with HTTP/2 (prior knowledge) sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Read buffer growth step.
@@ -60,28 +56,48 @@ const READ_CHUNK: usize = 8 << 10;
 const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 1 << 20;
 
-/// Bounds of a connection, from `[server]`, and where refused requests are counted.
+/// Bounds of a connection, from `[server]`, and how refused requests are answered.
 #[derive(Clone)]
 pub struct Limits {
     pub max_head: usize,
     pub max_body: usize,
+    /// Longest wait for the next bytes of a head or body, and for an idle keep-alive
+    /// connection's next request.
     pub read_timeout: Duration,
-    /// Called with each request the server refuses itself (malformed or oversize head).
-    pub on_reject: Option<RejectHook>,
+    /// Longest time a request body may take to arrive whole, from the end of its head (a client
+    /// that dribbles one byte per `read_timeout` is cut off here): 408, then close.
+    pub body_timeout: Duration,
+    /// Renders (and counts) each request the server refuses itself: the JSON body of the answer.
+    pub reject: RejectHook,
 }
 
-/// See [`Limits::on_reject`].
-pub type RejectHook = Arc<dyn Fn(&GatewayError) + Send + Sync>;
+/// See [`Limits::reject`].
+pub type RejectHook = Arc<dyn Fn(&Reject) -> Bytes + Send + Sync>;
 
-impl Limits {
-    pub fn new(max_head: usize, max_body: usize, read_timeout: Duration) -> Limits {
-        Limits {
-            max_head,
-            max_body,
-            read_timeout,
-            on_reject: None,
+/// A request this server refuses before any handler sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reject {
+    /// 400 (malformed head or body), 408 (body too slow), 431 (head too large).
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl Reject {
+    fn bad(message: impl Into<String>) -> Reject {
+        Reject {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
         }
     }
+}
+
+/// A request body as the handler gets it: read whole, bounded by `Limits::max_body`.
+#[derive(Debug)]
+pub enum RequestBody {
+    Full(Option<Bytes>),
+    /// The body is larger than `Limits::max_body`; it was not read (the connection closes after
+    /// the response).
+    TooLarge,
 }
 
 /// How a connection ended.
@@ -100,7 +116,7 @@ pub async fn serve<S, F, Fut, B>(
 ) -> Ended<S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
-    F: Fn(Request<ReqBody>) -> Fut,
+    F: Fn(Request<RequestBody>) -> Fut,
     Fut: Future<Output = Response<B>>,
     B: Body<Data = Bytes> + Unpin,
 {
@@ -137,7 +153,7 @@ where
                 return Ended::Closed;
             }
         };
-        let unread = matches!(body, ReqBody::TooLarge);
+        let unread = matches!(body, RequestBody::TooLarge);
         keep_alive &= !unread;
         let (parts, ()) = req.into_parts();
         let version = parts.version;
@@ -197,7 +213,7 @@ enum Framing {
 enum BodyFail {
     /// The client went away, or stalled past the timeout.
     Closed,
-    Bad(GatewayError),
+    Bad(Reject),
 }
 
 /// What woke a read.
@@ -215,10 +231,6 @@ enum Out {
     Chunked,
     /// Until the connection closes (HTTP/1.0 client, unknown length).
     Eof,
-}
-
-fn bad(msg: impl Into<String>) -> GatewayError {
-    GatewayError::new(ErrorKind::BadRequest { param: None }, msg)
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
@@ -251,7 +263,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         mut timer: Pin<&mut Sleep>,
         shutdown: &CancellationToken,
         first: bool,
-    ) -> Result<HeadRead, GatewayError> {
+    ) -> Result<HeadRead, Reject> {
         let mut armed = false;
         // Bytes known to hold no end of the head: a head trickled in byte by byte is parsed once
         // it is complete, not once per byte (which would cost its length squared).
@@ -296,11 +308,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         framing: Framing,
         expect_continue: bool,
         mut timer: Pin<&mut Sleep>,
-    ) -> Result<ReqBody, BodyFail> {
+    ) -> Result<RequestBody, BodyFail> {
         let max = self.limits.max_body;
         let n = match framing {
-            Framing::None => return Ok(ReqBody::Full(None)),
-            Framing::Length(n) if n > max as u64 => return Ok(ReqBody::TooLarge),
+            Framing::None => return Ok(RequestBody::Full(None)),
+            Framing::Length(n) if n > max as u64 => return Ok(RequestBody::TooLarge),
             Framing::Length(n) => n as usize,
             Framing::Chunked => return self.read_chunked(expect_continue, timer).await,
         };
@@ -308,51 +320,65 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
             if expect_continue {
                 self.continue_100().await?;
             }
+            let deadline = tokio::time::Instant::now() + self.limits.body_timeout;
             self.buf.reserve(n - self.buf.len());
             while self.buf.len() < n {
-                self.rearm(timer.as_mut());
-                match self.fill(timer.as_mut(), None).await {
-                    Ok(Fill::Data) => {}
-                    _ => return Err(BodyFail::Closed),
-                }
+                self.more_body(timer.as_mut(), deadline).await?;
             }
         }
-        Ok(ReqBody::Full(Some(self.buf.split_to(n).freeze())))
+        Ok(RequestBody::Full(Some(self.buf.split_to(n).freeze())))
     }
 
     async fn read_chunked(
         &mut self,
         expect_continue: bool,
         mut timer: Pin<&mut Sleep>,
-    ) -> Result<ReqBody, BodyFail> {
+    ) -> Result<RequestBody, BodyFail> {
         if expect_continue && self.buf.is_empty() {
             self.continue_100().await?;
         }
+        let deadline = tokio::time::Instant::now() + self.limits.body_timeout;
         let mut decode = Decode::CHUNKED;
         let mut body = BytesMut::new();
         loop {
             match decode.step(&mut self.buf) {
                 Ok(Step::Data(d)) => {
                     if body.len() + d.len() > self.limits.max_body {
-                        return Ok(ReqBody::TooLarge);
+                        return Ok(RequestBody::TooLarge);
                     }
                     body.extend_from_slice(&d);
                 }
-                Ok(Step::Done) => return Ok(ReqBody::Full(Some(body.freeze()))),
-                Ok(Step::NeedMore) => {
-                    self.rearm(timer.as_mut());
-                    match self.fill(timer.as_mut(), None).await {
-                        Ok(Fill::Data) => {}
-                        _ => return Err(BodyFail::Closed),
-                    }
-                }
-                Err(e) => return Err(BodyFail::Bad(bad(format!("request body: {e}")))),
+                Ok(Step::Done) => return Ok(RequestBody::Full(Some(body.freeze()))),
+                Ok(Step::NeedMore) => self.more_body(timer.as_mut(), deadline).await?,
+                Err(e) => return Err(BodyFail::Bad(Reject::bad(format!("request body: {e}")))),
             }
         }
     }
 
-    fn rearm(&self, timer: Pin<&mut Sleep>) {
-        timer.reset(tokio::time::Instant::now() + self.limits.read_timeout);
+    /// Read more of a request body: within `read_timeout` of the last bytes, and before the
+    /// body's `deadline` (past it: 408).
+    async fn more_body(
+        &mut self,
+        mut timer: Pin<&mut Sleep>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), BodyFail> {
+        let now = tokio::time::Instant::now();
+        timer
+            .as_mut()
+            .reset((now + self.limits.read_timeout).min(deadline));
+        match self.fill(timer, None).await {
+            Ok(Fill::Data) => Ok(()),
+            Ok(Fill::Timeout) if tokio::time::Instant::now() >= deadline => {
+                Err(BodyFail::Bad(Reject {
+                    status: StatusCode::REQUEST_TIMEOUT,
+                    message: format!(
+                        "request body not received within {} s",
+                        self.limits.body_timeout.as_secs_f64()
+                    ),
+                }))
+            }
+            _ => Err(BodyFail::Closed),
+        }
     }
 
     async fn continue_100(&mut self) -> Result<(), BodyFail> {
@@ -395,11 +421,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
     }
 
     /// Answer a request the server itself refuses (malformed or oversize head), then close.
-    async fn reject(&mut self, e: GatewayError) {
-        if let Some(count) = &self.limits.on_reject {
-            count(&e);
-        }
-        let resp: Response<GwBody> = e.into_response();
+    async fn reject(&mut self, e: Reject) {
+        let body = (self.limits.reject)(&e);
+        let mut resp = Response::new(http_body_util::Full::new(body));
+        *resp.status_mut() = e.status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if self
             .respond(resp, Version::HTTP_11, false, false)
             .await
@@ -635,30 +664,6 @@ async fn write_all<S: AsyncWrite + Unpin>(io: &mut S, bufs: &mut [IoSlice<'_>]) 
     Ok(())
 }
 
-fn push_field(w: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    w.extend_from_slice(name);
-    w.extend_from_slice(b": ");
-    w.extend_from_slice(value);
-    w.extend_from_slice(b"\r\n");
-}
-
-/// `{len:x}\r\n` into `buf`.
-fn chunk_prefix(len: usize, buf: &mut [u8; 18]) -> &[u8] {
-    let mut i = 16;
-    let mut n = len;
-    loop {
-        i -= 1;
-        buf[i] = b"0123456789abcdef"[n & 15];
-        n >>= 4;
-        if n == 0 {
-            break;
-        }
-    }
-    buf[16] = b'\r';
-    buf[17] = b'\n';
-    &buf[i..]
-}
-
 /// `n` in decimal, written at the end of `buf`.
 fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = 20;
@@ -671,23 +676,6 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
         }
     }
     &buf[i..]
-}
-
-/// A `content-length` value: digits only, or a comma list of equal values.
-fn parse_len(v: &[u8]) -> Option<u64> {
-    let mut out: Option<u64> = None;
-    for part in v.split(|&b| b == b',') {
-        let part = part.trim_ascii();
-        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
-        match out {
-            Some(m) if m != n => return None,
-            _ => out = Some(n),
-        }
-    }
-    out
 }
 
 /// Whether `buf` holds an empty line (the end of a head) ending past `from`.
@@ -704,19 +692,17 @@ fn has_token(v: &[u8], token: &[u8]) -> bool {
 
 /// Parse a complete request head at the front of `buf` (consumed), or `None` if more bytes are
 /// needed.
-fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, GatewayError> {
-    let too_large = || {
-        GatewayError::new(
-            ErrorKind::HeadersTooLarge,
-            format!(
-                "request head exceeds the limit of {} bytes or {MAX_HEADERS} fields",
-                limits.max_head
-            ),
-        )
+fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Reject> {
+    let too_large = || Reject {
+        status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+        message: format!(
+            "request head exceeds the limit of {} bytes or {MAX_HEADERS} fields",
+            limits.max_head
+        ),
     };
     // Where each piece lies in `buf`: the parsed head borrows it, the request shares it.
     let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
-    let (len, n_fields, method, path, minor, framing, mut keep_alive, expect_continue);
+    let (len, n_fields, method, path, minor, framing, keep_alive, expect_continue);
     {
         let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut []);
@@ -728,7 +714,7 @@ fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Gatew
             }
             Ok(httparse::Status::Partial) => return Ok(None),
             Err(httparse::Error::TooManyHeaders) => return Err(too_large()),
-            Err(e) => return Err(bad(format!("malformed request head: {e}"))),
+            Err(e) => return Err(Reject::bad(format!("malformed request head: {e}"))),
         };
         let base = buf.as_ptr() as usize;
         let at = |s: &[u8]| (s.as_ptr() as usize - base) as u32;
@@ -738,59 +724,46 @@ fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Gatew
         method = span(m);
         path = span(p);
         minor = req.version.unwrap_or(1);
-        keep_alive = minor == 1;
-        let mut length: Option<u64> = None;
-        let mut chunked = false;
-        let mut expect = false;
+        let mut f = FramingFields::default();
         n_fields = req.headers.len();
         for (i, h) in req.headers.iter().enumerate() {
             let name = h.name.as_bytes();
             let (ns, ne) = span(name);
             let (vs, ve) = span(h.value);
             spans[i] = (ns, ne, vs, ve);
-            if name.eq_ignore_ascii_case(b"content-length") {
-                let n = parse_len(h.value).ok_or_else(|| bad("invalid content-length"))?;
-                if length.is_some_and(|m| m != n) {
-                    return Err(bad("conflicting content-length fields"));
-                }
-                length = Some(n);
-            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
-                // Only `chunked`, last, is a framing we can read.
-                let last = h.value.rsplit(|&b| b == b',').next().unwrap_or(b"");
-                if chunked || !last.trim_ascii().eq_ignore_ascii_case(b"chunked") || minor == 0 {
-                    return Err(bad("unsupported transfer-encoding"));
-                }
-                chunked = true;
-            } else if name.eq_ignore_ascii_case(b"connection") {
-                if has_token(h.value, b"close") {
-                    keep_alive = false;
-                } else if has_token(h.value, b"keep-alive") {
-                    keep_alive = true;
-                }
-            } else if name.eq_ignore_ascii_case(b"expect") {
-                expect = h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
-            }
+            f.field(name, h.value).map_err(|e| Reject::bad(e.0))?;
         }
-        if chunked && length.is_some() {
-            return Err(bad("both transfer-encoding and content-length"));
+        f.finish().map_err(|e| Reject::bad(e.0))?;
+        if f.chunked && minor == 0 {
+            return Err(Reject::bad("transfer-encoding in an HTTP/1.0 request"));
         }
-        framing = match (chunked, length) {
+        // RFC 9112 §3.2: an HTTP/1.1 request has exactly one Host field; none or several: 400.
+        if f.hosts > 1 || (minor == 1 && f.hosts == 0) {
+            return Err(Reject::bad(if f.hosts == 0 {
+                "missing Host header"
+            } else {
+                "more than one Host header"
+            }));
+        }
+        keep_alive = !f.close && (minor == 1 || f.keep_alive);
+        framing = match (f.chunked, f.length) {
             (true, _) => Framing::Chunked,
             (false, Some(0) | None) => Framing::None,
             (false, Some(n)) => Framing::Length(n),
         };
-        expect_continue = expect && minor == 1 && framing != Framing::None;
+        expect_continue = f.expect_continue && minor == 1 && framing != Framing::None;
     }
     let head = buf.split_to(len).freeze();
     let slice = |(a, b): (u32, u32)| head.slice(a as usize..b as usize);
-    let method = Method::from_bytes(&slice(method)).map_err(|_| bad("invalid method"))?;
-    let uri = Uri::from_maybe_shared(slice(path)).map_err(|_| bad("invalid request target"))?;
+    let method = Method::from_bytes(&slice(method)).map_err(|_| Reject::bad("invalid method"))?;
+    let uri =
+        Uri::from_maybe_shared(slice(path)).map_err(|_| Reject::bad("invalid request target"))?;
     let mut headers = HeaderMap::with_capacity(n_fields);
     for &(ns, ne, vs, ve) in &spans[..n_fields] {
-        let name = kvgate_fleet::h1::header_name(&head[ns as usize..ne as usize])
-            .map_err(|_| bad("invalid header field name"))?;
+        let name = header_name(&head[ns as usize..ne as usize])
+            .map_err(|_| Reject::bad("invalid header field name"))?;
         let value = HeaderValue::from_maybe_shared(slice((vs, ve)))
-            .map_err(|_| bad("invalid header field value"))?;
+            .map_err(|_| Reject::bad("invalid header field value"))?;
         headers.append(name, value);
     }
     let mut req = Request::new(());

@@ -1,0 +1,186 @@
+//! What both sides of the proxy share about a message head: the framing rules (one set, for
+//! requests from clients and responses from workers alike), header-name lookup, field writing and
+//! the hop-by-hop list.
+//!
+//! The rules (RFC 9112 §6.1-6.3, strict where the RFC allows a choice, because a gateway that
+//! reads framing differently from its peer is how requests get smuggled and responses split):
+//! - `content-length`: decimal digits, or a comma list of one repeated value (`5, 5`); several
+//!   fields must agree; anything else is malformed.
+//! - `transfer-encoding`: exactly `chunked` (case-insensitive), in one field. Any other coding
+//!   (`gzip, chunked`, `identity, chunked`, `chunked, chunked`) is refused: a proxy that strips the
+//!   field and re-frames the body would pass on a coding nobody can undo.
+//! - both at once: refused (RFC 9112 §6.3 allows it as "transfer-encoding wins", and calls it
+//!   what a smuggling attempt looks like).
+//! - at most [`MAX_HEADERS`] fields and `max_head` bytes, whether the head arrives in one read or
+//!   trickles in.
+
+use http::header::{self, HeaderName};
+
+/// Most header fields in a head, requests and responses alike (hyper's default for requests).
+pub const MAX_HEADERS: usize = 100;
+
+/// The framing-relevant fields of one head, folded in one field at a time.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FramingFields {
+    /// `content-length`, if the head has one.
+    pub length: Option<u64>,
+    /// `transfer-encoding: chunked`.
+    pub chunked: bool,
+    /// `connection: close`.
+    pub close: bool,
+    /// `connection: keep-alive`.
+    pub keep_alive: bool,
+    /// How many `host` fields.
+    pub hosts: u32,
+    /// `expect: 100-continue`.
+    pub expect_continue: bool,
+}
+
+/// What kind of field [`FramingFields::field`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldKind {
+    /// `content-length` or `transfer-encoding`.
+    Framing,
+    /// `connection`: its other tokens name hop-by-hop fields.
+    Connection,
+    Other,
+}
+
+/// A rule a head broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FramingError(pub &'static str);
+
+impl std::fmt::Display for FramingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl FramingFields {
+    /// Fold in one field (`name` in any case).
+    pub fn field(&mut self, name: &[u8], value: &[u8]) -> Result<FieldKind, FramingError> {
+        match name.len() {
+            14 if name.eq_ignore_ascii_case(b"content-length") => {
+                let n = parse_len(value).ok_or(FramingError("invalid content-length"))?;
+                if self.length.is_some_and(|m| m != n) {
+                    return Err(FramingError("conflicting content-length fields"));
+                }
+                self.length = Some(n);
+                Ok(FieldKind::Framing)
+            }
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
+                if self.chunked || !value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                    return Err(FramingError(
+                        "unsupported transfer-encoding (only a single `chunked` is accepted)",
+                    ));
+                }
+                self.chunked = true;
+                Ok(FieldKind::Framing)
+            }
+            10 if name.eq_ignore_ascii_case(b"connection") => {
+                for t in value.split(|&b| b == b',') {
+                    let t = t.trim_ascii();
+                    if t.eq_ignore_ascii_case(b"close") {
+                        self.close = true;
+                    } else if t.eq_ignore_ascii_case(b"keep-alive") {
+                        self.keep_alive = true;
+                    }
+                }
+                Ok(FieldKind::Connection)
+            }
+            4 if name.eq_ignore_ascii_case(b"host") => {
+                self.hosts += 1;
+                Ok(FieldKind::Other)
+            }
+            6 if name.eq_ignore_ascii_case(b"expect") => {
+                self.expect_continue = value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
+                Ok(FieldKind::Other)
+            }
+            _ => Ok(FieldKind::Other),
+        }
+    }
+
+    /// Checks that need the whole head.
+    pub fn finish(&self) -> Result<(), FramingError> {
+        if self.chunked && self.length.is_some() {
+            return Err(FramingError("both transfer-encoding and content-length"));
+        }
+        Ok(())
+    }
+}
+
+/// A `content-length` value: digits only, or a comma list of equal values.
+pub fn parse_len(v: &[u8]) -> Option<u64> {
+    let mut out: Option<u64> = None;
+    for part in v.split(|&b| b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let n = part.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0'));
+        match out {
+            Some(m) if m != n => return None,
+            _ => out = Some(n),
+        }
+    }
+    out
+}
+
+/// Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::TRANSFER_ENCODING
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Append `name: value\r\n`.
+pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `HeaderName::from_bytes`, with the fields nearly every request and response carries looked up
+/// by length and a case-insensitive compare first (the general parse costs ~180 instructions a
+/// field). Same result either way: a standard name parses to the same constant.
+pub fn header_name(b: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
+    let known = match b.len() {
+        4 if eq_lower(b, b"host") => Some(header::HOST),
+        4 if eq_lower(b, b"date") => Some(header::DATE),
+        6 if eq_lower(b, b"accept") => Some(header::ACCEPT),
+        6 if eq_lower(b, b"server") => Some(header::SERVER),
+        10 if eq_lower(b, b"user-agent") => Some(header::USER_AGENT),
+        10 if eq_lower(b, b"connection") => Some(header::CONNECTION),
+        12 if eq_lower(b, b"content-type") => Some(header::CONTENT_TYPE),
+        13 if eq_lower(b, b"authorization") => Some(header::AUTHORIZATION),
+        14 if eq_lower(b, b"content-length") => Some(header::CONTENT_LENGTH),
+        15 if eq_lower(b, b"accept-encoding") => Some(header::ACCEPT_ENCODING),
+        _ => None,
+    };
+    match known {
+        Some(n) => Ok(n),
+        None => HeaderName::from_bytes(b),
+    }
+}
+
+/// `b` equals `lower` (lowercase letters and `-` only) ignoring ASCII case: a letter position
+/// accepts the byte with bit 5 cleared too (its capital), any other position only itself.
+/// Branch-free over the bytes, so the compiler can compare a fixed-length name in a few words.
+#[inline(always)]
+fn eq_lower(b: &[u8], lower: &[u8]) -> bool {
+    b.len() == lower.len()
+        && b.iter()
+            .zip(lower)
+            .fold(0u8, |d, (&x, &y)| d | ((x | ((y & 0x40) >> 1)) ^ y))
+            == 0
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+use super::*;
+
+/// The shortcut for common field names gives exactly what `HeaderName::from_bytes` gives, for
+/// those names in any case, near misses, other names and invalid ones.
+#[test]
+fn header_name_matches_the_general_parse() {
+    let mut names: Vec<Vec<u8>> = Vec::new();
+    for n in [
+        "host",
+        "date",
+        "accept",
+        "server",
+        "user-agent",
+        "connection",
+        "content-type",
+        "authorization",
+        "content-length",
+        "accept-encoding",
+    ] {
+        names.push(n.as_bytes().to_vec());
+        names.push(n.to_ascii_uppercase().into_bytes());
+        let mut mixed = n.as_bytes().to_vec();
+        mixed[0] = mixed[0].to_ascii_uppercase();
+        names.push(mixed.clone());
+        // Same length, one byte off (last byte changed, a space inside, a non-ASCII byte).
+        let mut off = n.as_bytes().to_vec();
+        *off.last_mut().unwrap() ^= 1;
+        names.push(off);
+        let mut sp = n.as_bytes().to_vec();
+        sp[1] = b' ';
+        names.push(sp);
+        let mut hi = n.as_bytes().to_vec();
+        hi[0] = 0xC3;
+        names.push(hi);
+    }
+    for n in [
+        "x-request-id",
+        "X-Stainless-Lang",
+        "hosts",
+        "",
+        "content_type",
+        "te",
+        "a\r\nb",
+    ] {
+        names.push(n.as_bytes().to_vec());
+    }
+    for n in &names {
+        let want = HeaderName::from_bytes(n);
+        let got = header_name(n);
+        match (&want, &got) {
+            (Ok(w), Ok(g)) => {
+                assert_eq!(w, g, "{:?}", String::from_utf8_lossy(n));
+                assert_eq!(w.as_str(), g.as_str());
+            }
+            (Err(_), Err(_)) => {}
+            _ => panic!("{:?}: {want:?} vs {got:?}", String::from_utf8_lossy(n)),
+        }
+    }
+}
+
+fn fold(fields: &[(&str, &str)]) -> Result<FramingFields, FramingError> {
+    let mut f = FramingFields::default();
+    for (n, v) in fields {
+        f.field(n.as_bytes(), v.as_bytes())?;
+    }
+    f.finish()?;
+    Ok(f)
+}
+
+#[test]
+fn content_length_is_digits_or_one_repeated_value() {
+    assert_eq!(fold(&[("Content-Length", "5")]).unwrap().length, Some(5));
+    assert_eq!(fold(&[("content-length", " 5 ")]).unwrap().length, Some(5));
+    assert_eq!(fold(&[("content-length", "5, 5")]).unwrap().length, Some(5));
+    assert_eq!(
+        fold(&[("content-length", "5"), ("content-length", "5")])
+            .unwrap()
+            .length,
+        Some(5)
+    );
+    for bad in [
+        "5, 6",
+        "-1",
+        "+5",
+        "0x10",
+        "",
+        "5 5",
+        "1e3",
+        "12345678901234567890",
+    ] {
+        assert!(
+            fold(&[("content-length", bad)]).is_err(),
+            "content-length {bad:?} accepted"
+        );
+    }
+    assert!(fold(&[("content-length", "5"), ("content-length", "6")]).is_err());
+}
+
+#[test]
+fn only_a_single_chunked_coding_is_accepted() {
+    assert!(fold(&[("Transfer-Encoding", "chunked")]).unwrap().chunked);
+    assert!(fold(&[("transfer-encoding", " CHUNKED ")]).unwrap().chunked);
+    for bad in [
+        "identity, chunked",
+        "gzip, chunked",
+        "chunked, chunked",
+        "chunked, gzip",
+        "gzip",
+        "identity",
+        "",
+        "chunked;q=1",
+        "xchunked",
+    ] {
+        assert!(
+            fold(&[("transfer-encoding", bad)]).is_err(),
+            "transfer-encoding {bad:?} accepted"
+        );
+    }
+    assert!(fold(&[
+        ("transfer-encoding", "chunked"),
+        ("transfer-encoding", "chunked")
+    ])
+    .is_err());
+    assert!(fold(&[("transfer-encoding", "chunked"), ("content-length", "3")]).is_err());
+    assert!(fold(&[("content-length", "3"), ("transfer-encoding", "chunked")]).is_err());
+}
+
+#[test]
+fn connection_host_and_expect_are_noted() {
+    let f = fold(&[
+        ("Connection", "Keep-Alive, x-hop"),
+        ("host", "a"),
+        ("HOST", "b"),
+        ("expect", "100-Continue"),
+    ])
+    .unwrap();
+    assert!(f.keep_alive && !f.close && f.expect_continue);
+    assert_eq!(f.hosts, 2);
+    assert!(fold(&[("connection", "close")]).unwrap().close);
+    let mut f = FramingFields::default();
+    assert_eq!(f.field(b"connection", b"x").unwrap(), FieldKind::Connection);
+    assert_eq!(
+        f.field(b"content-length", b"1").unwrap(),
+        FieldKind::Framing
+    );
+    assert_eq!(f.field(b"x-other", b"1").unwrap(), FieldKind::Other);
+}
