@@ -18,6 +18,9 @@ pub(crate) struct HealthSettings {
     pub base: String,
     pub path: &'static str,
     pub interval: Duration,
+    /// Probe period while the worker is down or its breaker is not closed: how soon a worker
+    /// that answers again becomes routable.
+    pub recovery_interval: Duration,
     pub timeout: Duration,
     /// Consecutive failed probes before the worker is reported down (one timeout is not an outage).
     pub down_after: u32,
@@ -86,18 +89,14 @@ pub(crate) async fn run(
         let now = Instant::now();
         if ok {
             inc(&stats.health_ok);
-            // An open breaker closes only through its half-open probe, after the cool-down. A
-            // closed one is left alone: a good `/health` says nothing about failing requests, so
-            // it must not break their run of failures.
-            if breaker.state() != BreakerState::Closed
-                && breaker.try_acquire(now)
-                && breaker.record_success()
-            {
+            // See `breaker.rs`: closes a breaker whose worker was unreachable at once, one opened
+            // by failing requests only after its cool-down; a closed one is left alone.
+            if breaker.record_probe_success(now) {
                 tracing::info!(worker = %name, "breaker closed by a successful health probe");
             }
         } else {
             inc(&stats.health_failed);
-            if breaker.record_failure(now) {
+            if breaker.record_probe_failure(now) {
                 tracing::warn!(worker = %name, "breaker opened by failed health probes");
             }
         }
@@ -116,9 +115,17 @@ pub(crate) async fn run(
             }
             sink.on_health(worker, up);
         }
+        // Probe a worker that is out of rotation more often, so one that answers again is
+        // routable within `recovery_interval` (plus one probe), not a full `interval`.
+        let out = !ok || breaker.state() != BreakerState::Closed;
+        let pause = if out {
+            s.recovery_interval.min(s.interval)
+        } else {
+            s.interval
+        };
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(s.interval) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct Fetched {
 #[derive(Clone)]
 pub struct HttpClient {
     settings: h1::Settings,
+    /// Its keep-alive connections (clones of a client share them).
+    pool: h1::Pool,
     /// `authorization` sent with every call (the worker's API key).
     auth: Option<HeaderValue>,
 }
@@ -51,6 +53,7 @@ impl Default for HttpClient {
 impl HttpClient {
     pub fn new() -> Self {
         HttpClient {
+            pool: h1::Pool::default(),
             settings: h1::Settings {
                 connect_timeout: Duration::from_secs(2),
                 idle_timeout: Duration::from_secs(30),
@@ -135,7 +138,7 @@ impl HttpClient {
             body: &body,
         };
         let fut = async {
-            let resp = h1::send(&req, &self.settings)
+            let resp = h1::send(&req, &self.settings, &self.pool)
                 .await
                 .map_err(|e| HttpError::Request(e.to_string()))?;
             let body = Limited::new(resp.body, MAX_BODY)

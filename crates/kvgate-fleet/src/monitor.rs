@@ -59,6 +59,8 @@ pub struct MonitorConfig {
     /// TRT-LLM `/kv_cache_events` poll period.
     pub kv_poll_interval: Duration,
     pub health_interval: Duration,
+    /// Health probe period while the worker is down or its breaker is open (≤ `health_interval`).
+    pub health_recovery_interval: Duration,
     pub health_timeout: Duration,
     /// Failed probes in a row before the worker is reported down.
     pub health_down_after: u32,
@@ -74,8 +76,8 @@ pub struct MonitorConfig {
 }
 
 impl MonitorConfig {
-    /// Defaults: scrape every 1 s ±10 % with a 500 ms timeout, stale after 5 s, health every 2 s,
-    /// events discovered for kinds that publish them.
+    /// Defaults: scrape every 1 s ±10 % with a 500 ms timeout, stale after 5 s, health every 2 s
+    /// (every 500 ms while the worker is down or its breaker open), events discovered for kinds that publish them.
     pub fn new(worker: WorkerId, base_url: impl Into<String>, kind: WorkerKind) -> Self {
         let base_url = base_url.into();
         let name = crate::http::host_of(&base_url)
@@ -101,6 +103,7 @@ impl MonitorConfig {
             },
             kv_poll_interval: Duration::from_millis(200),
             health_interval: Duration::from_secs(2),
+            health_recovery_interval: Duration::from_millis(500),
             health_timeout: Duration::from_secs(1),
             health_down_after: 2,
             breaker: BreakerConfig::default(),
@@ -210,6 +213,7 @@ async fn supervise(
             base: cfg.base_url.clone(),
             path: health_path,
             interval: cfg.health_interval,
+            recovery_interval: cfg.health_recovery_interval,
             timeout: cfg.health_timeout,
             down_after: cfg.health_down_after,
             breaker,

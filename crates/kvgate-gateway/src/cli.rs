@@ -124,6 +124,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if config.workers.is_empty() {
         anyhow::bail!("no workers: pass --worker URL (repeatable) or list [[workers]] in --config");
     }
+    let drain_delay_s = config.server.drain_delay_s;
     let a = args.clone();
     let overrides: crate::reload::Overrides = Arc::new(move |c: &mut Config| a.apply(c));
     let gw = Gateway::start(StartOptions {
@@ -138,9 +139,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("kvgate serve: admin on http://{a}");
     }
     let stop = gw.shutdown_token();
+    let app = gw.app.clone();
+    let delay = std::time::Duration::from_secs(drain_delay_s);
     tokio::spawn(async move {
         shutdown_signal().await;
-        tracing::info!("shutting down: draining in-flight requests");
+        if !delay.is_zero() {
+            // The preStop pattern: load balancers polling /ready see 503 and stop sending while
+            // the listener still accepts and serves; a second signal cuts the delay short.
+            app.draining
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(
+                delay_s = delay.as_secs(),
+                "shutting down: /ready reports 503; still serving until the drain delay ends"
+            );
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = shutdown_signal() => {}
+            }
+        }
+        tracing::info!("shutting down: listener closed, draining in-flight requests");
         stop.cancel();
     });
     gw.wait().await;

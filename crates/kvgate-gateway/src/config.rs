@@ -2,7 +2,7 @@
 //!
 //! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
 //! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
-//! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`.
+//! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`, `[cache]`.
 //! Restart needed: `[server]` (listen address, TLS, limits) and `[admin]`.
 
 use std::collections::BTreeMap;
@@ -22,6 +22,7 @@ pub struct Config {
     pub admission: AdmissionConfig,
     pub retry: RetryConfig,
     pub upstream: UpstreamConfig,
+    pub cache: CacheConfig,
     pub slo: SloConfig,
     /// Per-model settings keyed by the model name clients send.
     pub models: BTreeMap<String, ModelConfig>,
@@ -48,6 +49,9 @@ pub struct ServerConfig {
     pub h2_max_streams: u32,
     /// How long shutdown waits for in-flight streams before closing them.
     pub shutdown_grace_s: u64,
+    /// On SIGTERM: seconds `/ready` answers 503 while the listener still accepts and serves, so
+    /// load balancers stop sending before the port closes (0 = close at once).
+    pub drain_delay_s: u64,
     /// Config file poll interval for hot reload (0 = only SIGHUP).
     pub reload_poll_ms: u64,
     /// One JSON log line per request on stdout (target `kvgate::request`).
@@ -83,6 +87,7 @@ impl Default for ServerConfig {
             max_connections: 16384,
             h2_max_streams: 1024,
             shutdown_grace_s: 30,
+            drain_delay_s: 5,
             reload_poll_ms: 2000,
             request_log: true,
             io_threads: 0,
@@ -231,8 +236,20 @@ impl Default for RetryConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
-    /// Time to the worker's response headers (prefill of long prompts can be slow for non-streams).
+    /// Upper bound on the time to the worker's response headers, any request (the two below are
+    /// tighter, per kind).
     pub response_timeout_s: u64,
+    /// Non-streaming requests: the worker's whole response (head and body) within this, else 504
+    /// (retried on another worker while nothing reached the client).
+    pub request_timeout_s: u64,
+    /// Streaming requests: the worker's head and first body byte within this, else 504 (retried
+    /// like a failed connect); gaps after the first byte are `stream_idle_timeout_s`'s.
+    pub stream_first_byte_timeout_s: u64,
+    /// Health probe period of each worker.
+    pub health_interval_ms: u64,
+    /// Health probe period while a worker is down or its breaker open: a worker that answers again
+    /// is routable within about this.
+    pub health_recovery_interval_ms: u64,
     pub pool_idle_timeout_s: u64,
     pub pool_max_idle_per_host: usize,
     /// How often worker `/v1/models` is re-read for workers without a configured model list.
@@ -250,12 +267,34 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             connect_timeout_ms: 2000,
             response_timeout_s: 600,
+            request_timeout_s: 300,
+            stream_first_byte_timeout_s: 60,
+            health_interval_ms: 2000,
+            health_recovery_interval_ms: 500,
             pool_idle_timeout_s: 90,
             pool_max_idle_per_host: 256,
             models_refresh_s: 30,
             stream_idle_timeout_s: 300,
             monitor: true,
             ca_file: None,
+        }
+    }
+}
+
+/// Bounds of the gateway's own caches (the KV index's are `routing.approx_*`); every cache's size
+/// is exported as `kvgate_cache_entries{cache}` / `kvgate_cache_bytes{cache}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Per model tokenizer: bytes of the segment cache (ids of whole chat messages seen before;
+    /// least recently used half dropped when full; 0 = off).
+    pub tokenizer_segment_bytes: usize,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            tokenizer_segment_bytes: 32 << 20,
         }
     }
 }
@@ -463,6 +502,32 @@ impl Config {
         }
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be >= 1");
+        }
+        for (key, v) in [
+            (
+                "upstream.response_timeout_s",
+                self.upstream.response_timeout_s,
+            ),
+            (
+                "upstream.request_timeout_s",
+                self.upstream.request_timeout_s,
+            ),
+            (
+                "upstream.stream_first_byte_timeout_s",
+                self.upstream.stream_first_byte_timeout_s,
+            ),
+            (
+                "upstream.health_interval_ms",
+                self.upstream.health_interval_ms,
+            ),
+            (
+                "upstream.health_recovery_interval_ms",
+                self.upstream.health_recovery_interval_ms,
+            ),
+        ] {
+            if v == 0 {
+                bail!("{key} must be > 0");
+            }
         }
         if self.admin.listen.is_some() && self.admin.key.as_deref().unwrap_or("").is_empty() {
             bail!("admin.listen is set but admin.key is empty: the admin API must be protected");

@@ -66,7 +66,7 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
         body: &empty,
     };
     let fetch = async {
-        let resp = client::send(&req, &app.upstream).await?;
+        let resp = client::send(&req, &app.upstream, &app.control_pool).await?;
         if !resp.status.is_success() {
             anyhow::bail!("GET /v1/models answered {}", resp.status);
         }

@@ -52,7 +52,8 @@ pub enum ErrorKind {
     UpstreamConnect,
     /// The worker connection failed after the request was sent, before response headers.
     UpstreamIo,
-    /// No response headers within `upstream.response_timeout`.
+    /// No response headers within `upstream.response_timeout_s` / `request_timeout_s`, or (streams)
+    /// no first body byte within `upstream.stream_first_byte_timeout_s` (504, retry-safe).
     UpstreamTimeout,
     /// The gateway cannot take the request now (shutting down, or `server.max_connections`).
     ShuttingDown,

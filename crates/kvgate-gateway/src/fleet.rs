@@ -70,6 +70,9 @@ impl Monitors {
         let mut mc = MonitorConfig::new(w.id, base, kind);
         mc.name = w.name.to_string();
         mc.block_size = Some(block_size);
+        mc.health_interval = std::time::Duration::from_millis(cfg.upstream.health_interval_ms);
+        mc.health_recovery_interval =
+            std::time::Duration::from_millis(cfg.upstream.health_recovery_interval_ms);
         mc.tls = app.upstream.tls.clone();
         mc.auth = w.auth_header.clone();
         if let Some(ep) = &w.cfg.kv_events {

@@ -108,7 +108,10 @@ impl Gateway {
         let grace = Duration::from_secs(server_cfg.shutdown_grace_s);
         let builder = Arc::new(server::conn_builder(&server_cfg));
         let a = app.clone();
-        let handler = move |req| server::route(a.clone(), req);
+        let handler = move |pool: kvgate_http::client::Pool| {
+            let a = a.clone();
+            move |req| server::route(a.clone(), pool.clone(), req)
+        };
         let io_threads = match server_cfg.io_threads {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
@@ -154,7 +157,10 @@ impl Gateway {
                 config_path: config_path.clone(),
                 overrides: overrides.clone(),
             });
-            let handler = move |req| admin::route(actx.clone(), req);
+            let handler = move |_pool| {
+                let actx = actx.clone();
+                move |req| admin::route(actx.clone(), req)
+            };
             tasks.push(tokio::spawn(server::serve(
                 l,
                 builder,

@@ -55,6 +55,13 @@ pub struct KindLabel {
     pub kind: &'static str,
 }
 
+/// One of the gateway's bounded caches (a fixed set: `tokenizer_segments`, `tokenizer_words`,
+/// `kv_index`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheLabel {
+    pub cache: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: &'static str,
@@ -113,6 +120,8 @@ pub struct Metrics {
     pub worker_breaker: Family<WorkerLabel, Gauge>,
     pub index_blocks: Gauge,
     pub index_predicted_blocks: Gauge,
+    pub cache_entries: Family<CacheLabel, Gauge>,
+    pub cache_bytes: Family<CacheLabel, Gauge>,
     pub predicted_overlap: Histogram,
     pub realised_cached: Histogram,
     pub retries: Family<ReasonLabel, Counter>,
@@ -204,6 +213,8 @@ impl Metrics {
             worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
             index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers), predicted ones included.", Gauge::default()),
             index_predicted_blocks: reg!("kvgate_index_predicted_blocks", "Index entries predicted on route for workers with KV events and not yet confirmed by their events (they lapse after routing.predicted_ttl_s).", Gauge::default()),
+            cache_entries: reg!("kvgate_cache_entries", "Entries in each of the gateway's bounded caches (tokenizer_segments, tokenizer_words: summed over the models' tokenizers; kv_index: (block, worker) pairs).", Family::default()),
+            cache_bytes: reg!("kvgate_cache_bytes", "Bytes held by each tokenizer cache (as counted against its bound; tokenizer_words estimated).", Family::default()),
             predicted_overlap: reg!("kvgate_predicted_overlap_ratio", "Fraction of the prompt's blocks the router predicted cached on the chosen worker.", ratio_buckets()),
             realised_cached: reg!("kvgate_realised_cached_ratio", "Fraction of the prompt the worker reported as cached (cached_tokens / prompt_tokens).", ratio_buckets()),
             retries: reg!("kvgate_retries", "Attempts on another worker, by reason.", Family::default()),
@@ -264,6 +275,16 @@ impl Metrics {
                 h
             })
             .unwrap_or_else(|_| new())
+    }
+
+    /// `kvgate_cache_entries` of one cache, and `kvgate_cache_bytes` when its bytes are measured.
+    pub fn set_cache(&self, cache: &'static str, entries: usize, bytes: Option<usize>) {
+        let l = CacheLabel { cache };
+        let n = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.cache_entries.get_or_create(&l).set(n(entries));
+        if let Some(b) = bytes {
+            self.cache_bytes.get_or_create(&l).set(n(b));
+        }
     }
 
     pub fn error(&self, kind: &'static str) {

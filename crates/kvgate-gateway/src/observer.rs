@@ -39,6 +39,12 @@ pub struct ObservedBody {
     /// SSE error event still to deliver before the end.
     pending: Option<Bytes>,
     done: bool,
+    /// Bytes the request path read before the client's head (a stream's first chunk), and when.
+    first: Option<(Bytes, Instant)>,
+    /// Non-streamed bodies: when the whole response must have arrived (`upstream.request_timeout_s`),
+    /// and its timer, armed only once the body has to be waited for.
+    deadline: Option<tokio::time::Instant>,
+    deadline_timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 enum Scan {
@@ -75,10 +81,24 @@ impl ObservedBody {
             scan,
             pending: None,
             done: false,
+            first: None,
+            deadline: None,
+            deadline_timer: None,
         }
     }
 
-    fn observe(&mut self, data: &[u8]) {
+    /// Bytes already read from `inner` (delivered first, observed as arrived at their instant),
+    /// and the non-stream body's deadline.
+    pub fn prefetched(
+        &mut self,
+        first: Option<(Bytes, Instant)>,
+        deadline: Option<tokio::time::Instant>,
+    ) {
+        self.first = first;
+        self.deadline = deadline.filter(|_| matches!(self.scan, Scan::Json { .. }));
+    }
+
+    fn observe(&mut self, data: &[u8], at: Option<Instant>) {
         match &mut self.scan {
             Scan::Json { tail } => {
                 if data.len() >= TAIL_KEEP {
@@ -91,7 +111,7 @@ impl ObservedBody {
                 }
             }
             Scan::Sse(relay) => {
-                let now = Instant::now();
+                let now = at.unwrap_or_else(Instant::now);
                 let ctx = &mut self.ctx;
                 relay.feed(data, |ev| {
                     if ev.error {
@@ -162,10 +182,14 @@ impl Body for ObservedBody {
             return Poll::Ready(None);
         }
         loop {
-            match Pin::new(&mut this.inner).poll_frame(cx) {
+            let (polled, at) = match this.first.take() {
+                Some((data, at)) => (Poll::Ready(Some(Ok(Frame::data(data)))), Some(at)),
+                None => (Pin::new(&mut this.inner).poll_frame(cx), None),
+            };
+            match polled {
                 Poll::Ready(Some(Ok(mut frame))) => {
                     if let Some(data) = frame.data_ref() {
-                        this.observe(data);
+                        this.observe(data, at);
                         if let Some(out) = this.take_out() {
                             frame = Frame::data(out);
                         }
@@ -206,6 +230,22 @@ impl Body for ObservedBody {
                     return Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))));
                 }
                 Poll::Pending => {
+                    if let Some(at) = this.deadline {
+                        let timer = this
+                            .deadline_timer
+                            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                        if timer.as_mut().poll(cx).is_ready() {
+                            // Headers are out: the honest signal for a truncated JSON document
+                            // is a reset connection (as for a worker failing mid-body).
+                            this.done = true;
+                            this.ctx.error = Some("upstream_timeout");
+                            this.ctx.finish(Outcome::StreamError);
+                            return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(
+                                "worker did not finish its response within upstream.request_timeout_s"
+                                    .into(),
+                            ))));
+                        }
+                    }
                     if let Some((sleep, d)) = &mut this.idle {
                         if sleep.as_mut().poll(cx).is_ready() {
                             let secs = d.as_secs_f64();
@@ -226,9 +266,14 @@ impl Body for ObservedBody {
 
     fn size_hint(&self) -> SizeHint {
         if self.idle.is_some() {
-            SizeHint::default()
-        } else {
-            self.inner.size_hint()
+            return SizeHint::default();
+        }
+        let inner = self.inner.size_hint();
+        match (&self.first, inner.exact()) {
+            (None, _) => inner,
+            // The bytes read ahead are part of the body too.
+            (Some((b, _)), Some(n)) => SizeHint::with_exact(n + b.len() as u64),
+            (Some(_), None) => SizeHint::default(),
         }
     }
 }

@@ -30,6 +30,23 @@ use kvgate_http::client;
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
 
+/// Client credentials a worker never needs when the gateway authenticates clients itself
+/// (`authorization` is dropped by the upstream client, which adds the worker's own key).
+const CLIENT_CREDENTIALS: [http::HeaderName; 3] = [
+    http::HeaderName::from_static("x-api-key"),
+    http::HeaderName::from_static("api-key"),
+    header::COOKIE,
+];
+
+/// The worker's answer as the client will get it: its head, the first body bytes already read
+/// (streams: read before the client's head is sent, so a silent worker can still be retried)
+/// with their arrival time, and when a non-streamed body must have ended.
+pub(crate) struct Forwarded {
+    pub resp: client::Response,
+    pub first: Option<(Bytes, Instant)>,
+    pub body_deadline: Option<tokio::time::Instant>,
+}
+
 /// Answer with a gateway error, recording it.
 pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
     ctx.status = e.status().as_u16();
@@ -43,12 +60,18 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
 /// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
 pub(crate) async fn route_and_forward(
     app: &Arc<AppState>,
+    conns: &client::Pool,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
-) -> Result<client::Response, GatewayError> {
+) -> Result<Forwarded, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
+    if auth.enabled() {
+        for h in &CLIENT_CREDENTIALS {
+            parts.headers.remove(h);
+        }
+    }
     let bytes = read_body(
         body,
         parts.headers.get(header::CONTENT_LENGTH),
@@ -147,13 +170,24 @@ pub(crate) async fn route_and_forward(
             worker_auth: worker.auth_header.as_ref(),
             body: spliced.as_ref().unwrap_or(&bytes),
         };
-        let sent = client::send(&out, &app.upstream);
-        let result = match tokio::time::timeout(app.response_timeout, sent).await {
+        // Streams: head and first byte within `first_byte_timeout`; others: the whole response
+        // within `request_timeout`; either way the head within `response_timeout`.
+        let sent_at = tokio::time::Instant::now();
+        let within = if ctx.stream {
+            app.first_byte_timeout
+        } else {
+            app.request_timeout
+        };
+        let deadline = sent_at + within;
+        let head_by = deadline.min(sent_at + app.response_timeout);
+        let sent = client::send(&out, &app.upstream, conns);
+        let result = match tokio::time::timeout_at(head_by, sent).await {
             Err(_) => Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
                 format!(
                     "worker {} sent no response within {:?}",
-                    worker.name, app.response_timeout
+                    worker.name,
+                    head_by - sent_at
                 ),
             )),
             Ok(Err(e)) if e.is_connect() => Err(GatewayError::new(
@@ -164,7 +198,10 @@ pub(crate) async fn route_and_forward(
                 ErrorKind::UpstreamIo,
                 format!("worker {} failed before responding: {e}", worker.name),
             )),
-            Ok(Ok(resp)) => Ok(resp),
+            Ok(Ok(resp)) if ctx.stream && resp.status.is_success() => {
+                first_bytes(resp, deadline, within, &worker.name).await
+            }
+            Ok(Ok(resp)) => Ok((resp, None)),
         };
         let can_retry = |now: Instant| {
             n_tried < max_attempts
@@ -176,7 +213,7 @@ pub(crate) async fn route_and_forward(
         };
         let now = Instant::now();
         match result {
-            Ok(resp) => {
+            Ok((resp, first)) => {
                 let s = resp.status;
                 let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
                 // A worker shedding load (429) is alive; 5xx counts against its breaker.
@@ -193,7 +230,11 @@ pub(crate) async fn route_and_forward(
                 // Success, or nowhere else to go: the worker's own response goes to the client.
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
-                return Ok(resp);
+                return Ok(Forwarded {
+                    resp,
+                    first,
+                    body_deadline: (!ctx.stream).then_some(deadline),
+                });
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
@@ -207,6 +248,40 @@ pub(crate) async fn route_and_forward(
                 ctx.worker = Some(worker);
                 return Err(e);
             }
+        }
+    }
+}
+
+/// A stream's first body bytes, read before anything goes to the client: a worker that sent its
+/// head but stays silent past `deadline` is a 504 that may be retried elsewhere (dropping the
+/// response closes its connection, which cancels the request on the worker).
+async fn first_bytes(
+    mut resp: client::Response,
+    deadline: tokio::time::Instant,
+    within: std::time::Duration,
+    worker: &str,
+) -> Result<(client::Response, Option<(Bytes, Instant)>), GatewayError> {
+    loop {
+        match tokio::time::timeout_at(deadline, resp.body.frame()).await {
+            Err(_) => {
+                return Err(GatewayError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!("worker {worker} sent no first byte within {within:?}"),
+                ))
+            }
+            Ok(None) => return Ok((resp, None)),
+            Ok(Some(Err(e))) => {
+                return Err(GatewayError::new(
+                    ErrorKind::UpstreamIo,
+                    format!("worker {worker} failed before its first byte: {e}"),
+                ))
+            }
+            Ok(Some(Ok(frame))) => match frame.into_data() {
+                Ok(d) if d.is_empty() => continue,
+                Ok(d) => return Ok((resp, Some((d, Instant::now())))),
+                // Trailers before any data: nothing for an SSE client; the body has ended.
+                Err(_) => return Ok((resp, None)),
+            },
         }
     }
 }
@@ -320,11 +395,12 @@ async fn read_body(
 }
 
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-pub(crate) fn respond(
-    app: &AppState,
-    mut ctx: RequestCtx,
-    resp: client::Response,
-) -> Response<GwBody> {
+pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
+    let Forwarded {
+        resp,
+        first,
+        body_deadline,
+    } = fwd;
     let client::Response {
         status,
         mut headers,
@@ -338,7 +414,8 @@ pub(crate) fn respond(
         // We may append an error event; the length would then be wrong.
         headers.remove(header::CONTENT_LENGTH);
     }
-    let body = ObservedBody::new(body, ctx, sse, app.stream_idle_timeout);
+    let mut body = ObservedBody::new(body, ctx, sse, app.stream_idle_timeout);
+    body.prefetched(first, body_deadline);
     let mut r = Response::new(GwBody::Observed(Box::new(body)));
     *r.status_mut() = status;
     *r.headers_mut() = headers;

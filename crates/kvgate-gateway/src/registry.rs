@@ -406,6 +406,10 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
                     .map_err(|e| anyhow::anyhow!("tokenizer of model {model}: {e}"))?,
             ),
         };
+        // `[cache]` is reloadable: an unchanged bound is a no-op, a smaller one evicts now.
+        tokenizer
+            .tokenizer()
+            .set_segment_cache_budget(cfg.cache.tokenizer_segment_bytes);
         tokenizers.insert(key, tokenizer.clone());
         let pool = Arc::new(Pool {
             model: model.clone(),

@@ -25,10 +25,15 @@ use crate::ctx::{Endpoint, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::proxy;
 use crate::state::AppState;
+use kvgate_http::client;
 use kvgate_http::server as h1server;
 
 /// Route table of the data-path listener.
-pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody> {
+pub async fn route(
+    app: Arc<AppState>,
+    conns: client::Pool,
+    req: Request<ReqBody>,
+) -> Response<GwBody> {
     let start = Instant::now();
     let endpoint = match req.uri().path() {
         "/v1/chat/completions" => Some(Endpoint::Chat),
@@ -41,8 +46,8 @@ pub async fn route(app: Arc<AppState>, req: Request<ReqBody>) -> Response<GwBody
             return method_not_allowed(&app, "POST");
         }
         let mut ctx = RequestCtx::new(app.clone(), ep, start);
-        return match proxy::route_and_forward(&app, &mut ctx, req).await {
-            Ok(resp) => proxy::respond(&app, ctx, resp),
+        return match proxy::route_and_forward(&app, &conns, &mut ctx, req).await {
+            Ok(fwd) => proxy::respond(&app, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),
         };
     }
@@ -189,16 +194,19 @@ async fn refuse(mut stream: tokio::net::TcpStream, tls: bool) {
 type Accepted = (std::net::TcpStream, SocketAddr, Option<ConnPermit>);
 
 /// Serve `listener` until `shutdown` fires, then let open connections finish their in-flight
-/// requests for up to `grace`.
-pub async fn serve<F, Fut>(
+/// requests for up to `grace`. `make_handler` is called once per runtime that serves
+/// connections, with that runtime's pool of worker connections (a connection belongs to the
+/// runtime that opened it), and gives the request handler for it.
+pub async fn serve<M, F, Fut>(
     listener: TcpListener,
     builder: Arc<auto::Builder<TokioExecutor>>,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    handler: F,
+    make_handler: M,
     shutdown: CancellationToken,
     grace: Duration,
     opts: ServeOpts,
 ) where
+    M: Fn(client::Pool) -> F,
     F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
@@ -206,10 +214,11 @@ pub async fn serve<F, Fut>(
     let mut senders = Vec::new();
     for i in 0..opts.io_threads {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Accepted>();
+        let pool = client::Pool::default();
         let (b, t, h, s, h1) = (
             builder.clone(),
             tls.clone(),
-            handler.clone(),
+            make_handler(pool.clone()),
             shutdown.clone(),
             opts.h1.clone(),
         );
@@ -229,7 +238,7 @@ pub async fn serve<F, Fut>(
                         return;
                     }
                 };
-                rt.block_on(io_thread(rx, b, t, h, s, grace, h1));
+                rt.block_on(io_thread(rx, b, t, h, pool, s, grace, h1));
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -241,6 +250,7 @@ pub async fn serve<F, Fut>(
         }
     }
     if senders.is_empty() {
+        let handler = make_handler(client::Pool::default());
         let graceful = GracefulShutdown::new();
         let limit = opts.conn_limit.clone();
         accept_loop(
@@ -329,6 +339,7 @@ async fn io_thread<F, Fut>(
     builder: Arc<auto::Builder<TokioExecutor>>,
     tls: Option<tokio_rustls::TlsAcceptor>,
     handler: F,
+    pool: client::Pool,
     shutdown: CancellationToken,
     grace: Duration,
     h1: Option<Arc<h1server::Limits>>,
@@ -341,12 +352,12 @@ async fn io_thread<F, Fut>(
     // whenever a new timer is due before the driver's next planned wake-up; a timer that is
     // always due within a second keeps that wake-up near, so hyper's timers register silently.
     // The same tick closes this thread's worker connections that stayed idle too long.
-    let ticker = tokio::spawn(async {
+    let ticker = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            kvgate_http::client::evict_idle(Instant::now());
+            pool.evict_idle(Instant::now());
         }
     });
     let graceful = GracefulShutdown::new();

@@ -23,13 +23,24 @@ pub struct AppState {
     pub admission: Arc<Admission>,
     /// Settings of the client to workers (requests, model discovery).
     pub upstream: kvgate_http::client::Settings,
+    /// Connections of the control plane's requests to workers (model discovery), on the main
+    /// runtime; the data path uses its io thread's pool.
+    pub control_pool: kvgate_http::client::Pool,
     pub auth: ArcSwap<Auth>,
     pub retry: RetryBudget,
     pub max_attempts: AtomicU32,
     pub slo: ArcSwap<SloConfig>,
     pub request_log: bool,
     pub max_body: usize,
+    /// Time to the worker's response head, any request (`upstream.response_timeout_s`).
     pub response_timeout: Duration,
+    /// Non-streaming: the whole response (`upstream.request_timeout_s`).
+    pub request_timeout: Duration,
+    /// Streaming: head and first body byte (`upstream.stream_first_byte_timeout_s`).
+    pub first_byte_timeout: Duration,
+    /// Set on SIGTERM before the listener closes: `/ready` answers 503 while requests are still
+    /// served (`server.drain_delay_s`).
+    pub draining: std::sync::atomic::AtomicBool,
     pub stream_idle_timeout: Option<Duration>,
     pub unknown_model: Lbl,
     pub no_worker: Lbl,
@@ -79,6 +90,7 @@ impl AppState {
                 config.admission.queue_size,
                 Duration::from_millis(config.admission.queue_timeout_ms),
             )),
+            control_pool: kvgate_http::client::Pool::default(),
             upstream: kvgate_http::client::Settings {
                 connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
                 idle_timeout: Duration::from_secs(config.upstream.pool_idle_timeout_s),
@@ -99,6 +111,9 @@ impl AppState {
             request_log: config.server.request_log,
             max_body: config.server.max_body_bytes,
             response_timeout: Duration::from_secs(config.upstream.response_timeout_s),
+            request_timeout: Duration::from_secs(config.upstream.request_timeout_s),
+            first_byte_timeout: Duration::from_secs(config.upstream.stream_first_byte_timeout_s),
+            draining: std::sync::atomic::AtomicBool::new(false),
             stream_idle_timeout: (config.upstream.stream_idle_timeout_s > 0)
                 .then(|| Duration::from_secs(config.upstream.stream_idle_timeout_s)),
             unknown_model: Lbl::from("unknown"),
@@ -231,12 +246,39 @@ impl AppState {
         } else {
             0.0
         });
-        {
+        let index_entries = {
             let index = self.router.index.read();
             m.index_blocks.set(index.total_entries() as i64);
             m.index_predicted_blocks
                 .set(index.predicted_entries() as i64);
+            index.total_entries()
+        };
+        // Pools that share a tokenizer spec share one tokenizer (and its caches): count it once.
+        let mut seen: Vec<*const kvgate_tokenize::ModelTokenizer> = Vec::new();
+        let mut caches = kvgate_tokenize::CacheStats::default();
+        for pool in fleet.pools.values() {
+            let p = Arc::as_ptr(&pool.tokenizer);
+            if seen.contains(&p) {
+                continue;
+            }
+            seen.push(p);
+            let s = pool.tokenizer.tokenizer().cache_stats();
+            caches.segment_entries += s.segment_entries;
+            caches.segment_bytes += s.segment_bytes;
+            caches.word_entries += s.word_entries;
+            caches.word_bytes += s.word_bytes;
         }
+        m.set_cache(
+            "tokenizer_segments",
+            caches.segment_entries,
+            Some(caches.segment_bytes),
+        );
+        m.set_cache(
+            "tokenizer_words",
+            caches.word_entries,
+            Some(caches.word_bytes),
+        );
+        m.set_cache("kv_index", index_entries, None);
         m.queue_depth.set(self.admission.len() as i64);
     }
 }

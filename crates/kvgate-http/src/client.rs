@@ -2,7 +2,7 @@
 //! probes, scrapes and polls too.
 //!
 //! A request is forwarded by the task serving the client's connection itself: it checks a
-//! keep-alive connection out of this thread's pool (or connects), writes the request head and the
+//! keep-alive connection out of the pool it is given (or connects), writes the request head and the
 //! client's body bytes with one `writev`, reads the response head, and hands back a body that
 //! reads the worker's socket when the client side polls it. When the body has been read to its
 //! end, the connection goes back to the pool; a body dropped before its end (the client went away)
@@ -27,14 +27,12 @@
 //! `https://` workers are reached over TLS (rustls) with the certificates of [`Tls`]: the system's
 //! bundle or `upstream.ca_file`.
 //!
-//! The pool is per thread (each io thread serves its connections with its own runtime), keyed by
-//! worker address, last in first out (a few hot connections rather than many lukewarm ones), and
-//! bounded by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
+//! The pool ([`Pool`], `client/pool.rs`) is a handle the caller passes in: the gateway gives each
+//! io thread (each serving its connections with its own runtime) its own; it is keyed by worker
+//! address, last in first out (a few hot connections rather than many lukewarm ones), and bounded
+//! by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::future::poll_fn;
-use std::hash::{Hash, Hasher};
 use std::io::{self, IoSlice, Write as _};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -43,6 +41,11 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
+
+mod pool;
+
+use pool::Key;
+pub use pool::Pool;
 
 use crate::chunked::{Chunk, ChunkError, Decode, Step};
 use crate::head::{header_name, is_hop_by_hop, push_field, FieldKind, FramingFields, MAX_HEADERS};
@@ -248,8 +251,9 @@ pub struct Response {
     pub body: ResponseBody,
 }
 
-/// Send `req` to its worker and read the response head.
-pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
+/// Send `req` to its worker over a connection from `pool` (or a new one) and read the response
+/// head. The connection goes back to `pool` when the body has been read to its end.
+pub async fn send(req: &Outgoing<'_>, s: &Settings, pool: &Pool) -> Result<Response, Error> {
     let tls = match (req.https, &s.tls) {
         (false, _) => None,
         (true, Some(t)) => Some(t),
@@ -268,7 +272,7 @@ pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
     let mut fresh_only = false;
     loop {
         let (io, buf, reused) = match (!fresh_only)
-            .then(|| checkout(&key, Instant::now()))
+            .then(|| pool.checkout(&key, Instant::now()))
             .flatten()
         {
             Some((io, buf)) => (io, buf, true),
@@ -281,7 +285,7 @@ pub async fn send(req: &Outgoing<'_>, s: &Settings) -> Result<Response, Error> {
                 false,
             ),
         };
-        match exchange(io, buf, &head, &key, req, s).await {
+        match exchange(io, buf, &head, &key, pool, req, s).await {
             Err(Failure::Stale(e)) if reused => {
                 tracing::debug!(worker = %req.authority, error = %e, "reused connection was closed; sending again on a new one");
                 fresh_only = true;
@@ -304,6 +308,7 @@ async fn exchange(
     mut buf: BytesMut,
     head: &[u8],
     key: &Key,
+    pool: &Pool,
     req: &Outgoing<'_>,
     s: &Settings,
 ) -> Result<Response, Failure> {
@@ -380,6 +385,7 @@ async fn exchange(
                         decode: framing,
                         keep_alive,
                         key: key.clone(),
+                        pool: pool.clone(),
                         idle_timeout: s.idle_timeout,
                         max_idle: s.max_idle_per_host,
                     };
@@ -593,6 +599,8 @@ pub struct ResponseBody {
     decode: Decode,
     keep_alive: bool,
     key: Key,
+    /// Where the connection goes back to.
+    pool: Pool,
     idle_timeout: Duration,
     max_idle: usize,
 }
@@ -618,7 +626,7 @@ impl ResponseBody {
                 } else {
                     std::mem::take(&mut self.buf)
                 };
-                checkin(
+                self.pool.checkin(
                     self.key.clone(),
                     io,
                     buf,
@@ -769,110 +777,6 @@ async fn connect(authority: &Authority, tls: Option<&Tls>, s: &Settings) -> Resu
         hook(start.elapsed());
     }
     Ok(io)
-}
-
-/// Pool key: a worker address, and the TLS configuration it is reached with (0: plain).
-///
-/// Compared and hashed as the exact text: `Authority`'s own impls ignore ASCII case a byte at a
-/// time (hashing each byte separately), and a worker's authority is always spelled the same way
-/// (it comes from its configured URL).
-#[derive(Clone)]
-struct Key {
-    tls: u64,
-    authority: Authority,
-}
-
-impl PartialEq for Key {
-    fn eq(&self, other: &Self) -> bool {
-        self.tls == other.tls && self.authority.as_str() == other.authority.as_str()
-    }
-}
-
-impl Eq for Key {}
-
-impl Hash for Key {
-    fn hash<H: Hasher>(&self, h: &mut H) {
-        self.tls.hash(h);
-        self.authority.as_str().hash(h);
-    }
-}
-
-struct Idle {
-    io: Conn,
-    /// The connection's read buffer, empty (its memory reused by the next response).
-    buf: BytesMut,
-    expires: Instant,
-}
-
-thread_local! {
-    /// This thread's idle worker connections, newest last.
-    static POOL: RefCell<HashMap<Key, Vec<Idle>, ahash::RandomState>> =
-        RefCell::new(HashMap::default());
-}
-
-/// A live idle connection for `key`, newest first.
-fn checkout(key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
-    POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        let stack = p.get_mut(key)?;
-        while let Some(mut c) = stack.pop() {
-            if c.expires <= now {
-                // Everything below is older still.
-                stack.clear();
-                break;
-            }
-            // Every checkout probes, however recently the connection was used: a worker that
-            // wrote anything after its last response (a stray response, the rest of a body its
-            // content-length undercounted, a close) must never have those bytes read as the
-            // next request's answer. The probe reads the socket itself (the reactor's readiness
-            // is still set from the last response's read, so it is never skipped on a stale
-            // flag): one non-blocking `recv` per reused connection.
-            if c.io.alive() {
-                return Some((c.io, c.buf));
-            }
-        }
-        None
-    })
-}
-
-fn checkin(key: Key, io: Conn, buf: BytesMut, now: Instant, idle: Duration, max: usize) {
-    if max == 0 || idle.is_zero() {
-        return;
-    }
-    POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        let stack = p.entry(key).or_default();
-        if stack.len() >= max {
-            stack.remove(0);
-        }
-        stack.push(Idle {
-            io,
-            buf,
-            expires: now + idle,
-        });
-    });
-}
-
-/// Close this thread's idle connections whose idle time is over (called every second by the io
-/// threads, so connections to a worker that gets no more traffic do not stay open).
-pub fn evict_idle(now: Instant) {
-    POOL.with(|p| {
-        let mut p = p.borrow_mut();
-        p.retain(|_, stack| {
-            stack.retain(|c| c.expires > now);
-            !stack.is_empty()
-        });
-    });
-}
-
-/// Idle plain connections to `authority` in this thread's pool (tests).
-#[cfg(test)]
-fn idle_count(authority: &Authority) -> usize {
-    let key = Key {
-        tls: 0,
-        authority: authority.clone(),
-    };
-    POOL.with(|p| p.borrow().get(&key).map_or(0, Vec::len))
 }
 
 #[cfg(test)]

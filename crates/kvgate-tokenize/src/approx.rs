@@ -408,6 +408,19 @@ impl ApproxTokenizer {
 }
 
 impl Tokenizer for ApproxTokenizer {
+    fn cache_stats(&self) -> crate::CacheStats {
+        let (segment_entries, segment_bytes) = segments::lock(&self.segments).size();
+        crate::CacheStats {
+            segment_entries,
+            segment_bytes,
+            ..Default::default()
+        }
+    }
+
+    fn set_segment_cache_budget(&self, bytes: usize) {
+        segments::lock(&self.segments).set_budget(bytes);
+    }
+
     fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
         self.encode_appending(text, &mut out);

@@ -171,6 +171,19 @@ impl HfTokenizer {
 }
 
 impl Tokenizer for HfTokenizer {
+    fn cache_stats(&self) -> crate::CacheStats {
+        self.native
+            .as_ref()
+            .map(Native::cache_stats)
+            .unwrap_or_default()
+    }
+
+    fn set_segment_cache_budget(&self, bytes: usize) {
+        if let Ok(n) = &self.native {
+            n.set_segment_budget(bytes);
+        }
+    }
+
     /// Special-token *strings* in `text` (e.g. `<|im_start|>` from a template) still map to their
     /// ids, as in the engines; only post-processor additions (BOS) are left out.
     fn encode(&self, text: &str) -> Vec<u32> {

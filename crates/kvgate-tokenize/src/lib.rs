@@ -45,11 +45,31 @@ pub trait Tokenizer: Send + Sync {
         Ok(())
     }
 
+    /// Sizes of the tokenizer's caches right now (all zero for a backend without caches).
+    fn cache_stats(&self) -> CacheStats {
+        CacheStats::default()
+    }
+
+    /// Bounds the segment cache ([`CacheStats::segment_bytes`]) to `bytes`; 0 turns it off.
+    /// Entries over the new bound are dropped at once. No-op for backends without one.
+    fn set_segment_cache_budget(&self, _bytes: usize) {}
+
     /// Ids for a raw completions prompt, with the special tokens the worker adds to one (e.g. BOS
     /// from a `tokenizer.json` post-processor): vLLM's `add_special_tokens=True` default there.
     fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
         self.try_encode(text)
     }
+}
+
+/// A tokenizer's cache sizes, for the gateway's `kvgate_cache_*` metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Segment cache (`segments.rs`): entries and bytes counted against its budget.
+    pub segment_entries: usize,
+    pub segment_bytes: usize,
+    /// Native BPE word caches (`hf/native/merge.rs`, fixed bounds): entries and approximate bytes.
+    pub word_entries: usize,
+    pub word_bytes: usize,
 }
 
 /// Everything that can go wrong loading a tokenizer or encoding a prompt.

@@ -128,6 +128,24 @@ impl SegCache {
         );
     }
 
+    /// Changes the budget; entries over it are dropped now (all of them for 0, which turns the
+    /// cache off: `insert` then refuses everything).
+    pub(crate) fn set_budget(&mut self, budget: usize) {
+        self.budget = budget;
+        while self.bytes > self.budget && !self.map.is_empty() {
+            self.evict_older_half();
+        }
+        if budget == 0 {
+            self.map = HashMap::default();
+            self.bytes = 0;
+        }
+    }
+
+    /// Entries and bytes counted against the budget.
+    pub(crate) fn size(&self) -> (usize, usize) {
+        (self.map.len(), self.bytes)
+    }
+
     /// Drops the entries used least recently, about half of them (by entry count).
     fn evict_older_half(&mut self) {
         let mut lasts: Vec<u64> = self.map.values().map(|e| e.last_used).collect();
@@ -213,5 +231,26 @@ mod tests {
         c.insert(&huge, &[1]);
         let mut out = Vec::new();
         assert!(!c.get_into(&huge, &mut out));
+    }
+
+    #[test]
+    fn a_smaller_budget_evicts_at_once_and_zero_turns_it_off() {
+        let mut c = SegCache::new(1 << 20);
+        for i in 0..1_000 {
+            c.insert(&format!("{i:0>200}"), &[1; 50]);
+        }
+        let (n, bytes) = c.size();
+        assert_eq!(n, 1_000);
+        assert!(bytes > 64 * 1024);
+        c.set_budget(64 * 1024);
+        let (n2, bytes2) = c.size();
+        assert!(
+            bytes2 <= 64 * 1024 && n2 > 0 && n2 < n,
+            "{n2} entries, {bytes2} bytes"
+        );
+        c.set_budget(0);
+        assert_eq!(c.size(), (0, 0));
+        c.insert(&"y".repeat(100), &[1]);
+        assert_eq!(c.size(), (0, 0), "budget 0: nothing is cached");
     }
 }

@@ -1,5 +1,5 @@
 //! `GET /health` (the process is alive) and `GET /ready` (at least one routable worker that serves
-//! a known model).
+//! a known model, and not draining for shutdown).
 
 use http::{header, HeaderValue, Response, StatusCode};
 
@@ -11,6 +11,10 @@ pub fn live() -> Response<GwBody> {
 }
 
 pub fn ready(app: &AppState) -> Response<GwBody> {
+    // SIGTERM with `server.drain_delay_s`: not ready, while requests are still served.
+    if app.draining.load(std::sync::atomic::Ordering::Relaxed) && !app.shutdown.is_cancelled() {
+        return json(StatusCode::SERVICE_UNAVAILABLE, r#"{"status":"draining"}"#);
+    }
     if app.shutdown.is_cancelled() {
         return json(
             StatusCode::SERVICE_UNAVAILABLE,

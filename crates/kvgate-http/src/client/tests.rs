@@ -163,6 +163,23 @@ fn request_heads_keep_end_to_end_fields_only() {
     assert!(!text.contains("client-key"));
 }
 
+thread_local! {
+    /// Each test's pool (a test runs on one thread).
+    static POOL: Pool = Pool::default();
+}
+
+fn pool() -> Pool {
+    POOL.with(Pool::clone)
+}
+
+fn idle_count(a: &Authority) -> usize {
+    pool().idle_count(a)
+}
+
+fn evict_idle(now: Instant) {
+    pool().evict_idle(now)
+}
+
 fn settings() -> Settings {
     Settings {
         connect_timeout: Duration::from_secs(2),
@@ -267,7 +284,7 @@ async fn send_post(authority: &Authority, s: &Settings) -> Result<Response, Erro
         worker_auth: None,
         body: &body,
     };
-    send(&req, s).await
+    send(&req, s, &pool()).await
 }
 
 async fn post(authority: &Authority, s: &Settings) -> Result<(StatusCode, Vec<u8>), Error> {
@@ -440,15 +457,13 @@ async fn pooled_read_buffers_never_overwrite_a_held_body() {
         assert_eq!(post(&a, &s).await.unwrap().0, StatusCode::OK);
     }
     let kept = |a: &Authority| {
-        POOL.with(|p| {
-            let key = Key {
-                tls: 0,
-                authority: a.clone(),
-            };
-            let idle = &p.borrow()[&key][0];
-            assert!(idle.buf.is_empty());
-            idle.buf.capacity()
-        })
+        let key = Key {
+            tls: 0,
+            authority: a.clone(),
+        };
+        let (empty, cap) = pool().newest_buf(&key).expect("an idle connection");
+        assert!(empty);
+        cap
     };
     let cap = kept(&a);
     assert!(cap > 0 && cap <= KEEP_BUF, "{cap}");
@@ -568,7 +583,7 @@ async fn a_body_dropped_midway_closes_its_connection() {
         worker_auth: None,
         body: &body,
     };
-    let mut r = send(&req, &s).await.unwrap();
+    let mut r = send(&req, &s, &pool()).await.unwrap();
     let first = r.body.frame().await.unwrap().unwrap().into_data().unwrap();
     assert_eq!(&first[..], b"first");
     assert!(!r.body.is_end_stream());
@@ -653,7 +668,7 @@ async fn get_https(a: &Authority, tls: Option<Tls>) -> Result<(StatusCode, Vec<u
         worker_auth: None,
         body: &body,
     };
-    let r = send(&req, &s).await?;
+    let r = send(&req, &s, &pool()).await?;
     let data = r.body.collect().await?.to_bytes();
     Ok((r.status, data.to_vec()))
 }

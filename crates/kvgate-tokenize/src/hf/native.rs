@@ -150,6 +150,28 @@ impl Native {
         }
     }
 
+    /// Cache sizes. Word caches held by an encode right now are skipped (never waits).
+    pub(crate) fn cache_stats(&self) -> crate::CacheStats {
+        let (segment_entries, segment_bytes) = self.seg_cache().size();
+        let mut s = crate::CacheStats {
+            segment_entries,
+            segment_bytes,
+            ..Default::default()
+        };
+        for m in &self.slots {
+            if let Ok(g) = m.try_lock() {
+                let (n, bytes) = g.cache.size();
+                s.word_entries += n;
+                s.word_bytes += bytes;
+            }
+        }
+        s
+    }
+
+    pub(crate) fn set_segment_budget(&self, bytes: usize) {
+        self.seg_cache().set_budget(bytes);
+    }
+
     fn seg_cache(&self) -> MutexGuard<'_, SegCache> {
         segments::lock(&self.segments)
     }

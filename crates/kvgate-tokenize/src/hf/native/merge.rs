@@ -95,6 +95,8 @@ pub(crate) struct WordCache {
     /// Keys are request text: a randomly seeded hasher (fast, unlike std's SipHash).
     map: HashMap<Box<[u8]>, (u32, u32), ahash::RandomState>,
     arena: Vec<u32>,
+    /// Sum of the keys' lengths (for [`WordCache::size`]).
+    key_bytes: usize,
 }
 
 impl WordCache {
@@ -107,7 +109,9 @@ impl WordCache {
         if self.map.len() >= CACHE_ENTRIES || self.arena.len() + ids.len() > CACHE_IDS {
             self.map.clear();
             self.arena.clear();
+            self.key_bytes = 0;
         }
+        self.key_bytes += word.len();
         let start = self.arena.len() as u32;
         self.arena.extend_from_slice(ids);
         self.map.insert(word.into(), (start, ids.len() as u32));
@@ -116,6 +120,12 @@ impl WordCache {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Entries, and bytes held: keys, ids and a per-entry estimate of the map's slot and headers.
+    pub(crate) fn size(&self) -> (usize, usize) {
+        let n = self.map.len();
+        (n, self.key_bytes + 4 * self.arena.len() + 40 * n)
     }
 }
 

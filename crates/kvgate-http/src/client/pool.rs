@@ -1,0 +1,137 @@
+//! The keep-alive pool of the worker client: see [`Pool`].
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use http::uri::Authority;
+
+use super::Conn;
+
+/// Pool key: a worker address, and the TLS configuration it is reached with (0: plain).
+///
+/// Compared and hashed as the exact text: `Authority`'s own impls ignore ASCII case a byte at a
+/// time (hashing each byte separately), and a worker's authority is always spelled the same way
+/// (it comes from its configured URL).
+#[derive(Clone)]
+pub(crate) struct Key {
+    pub(crate) tls: u64,
+    pub(crate) authority: Authority,
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.tls == other.tls && self.authority.as_str() == other.authority.as_str()
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.tls.hash(h);
+        self.authority.as_str().hash(h);
+    }
+}
+
+struct Idle {
+    io: Conn,
+    /// The connection's read buffer, empty (its memory reused by the next response).
+    buf: BytesMut,
+    expires: Instant,
+}
+
+type Stacks = HashMap<Key, Vec<Idle>, ahash::RandomState>;
+
+/// Idle keep-alive connections to workers, keyed by worker address, newest last (a few hot
+/// connections rather than many lukewarm ones), bounded by `Settings::max_idle_per_host` and
+/// `Settings::idle_timeout`. A handle: clones share one pool.
+///
+/// A connection is registered with the reactor of the runtime that opened it, so a pool belongs
+/// to one runtime: the gateway gives each io thread (each its own single-threaded runtime) its
+/// own pool, and a request checks connections out of its thread's. The lock is never contended
+/// there (one thread), and never held across an `.await`.
+#[derive(Clone, Default)]
+pub struct Pool(Arc<Mutex<Stacks>>);
+
+impl Pool {
+    fn stacks(&self) -> std::sync::MutexGuard<'_, Stacks> {
+        // Nothing under the lock can panic half-way through an update.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A live idle connection for `key`, newest first.
+    pub(super) fn checkout(&self, key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
+        let mut p = self.stacks();
+        let stack = p.get_mut(key)?;
+        while let Some(mut c) = stack.pop() {
+            if c.expires <= now {
+                // Everything below is older still.
+                stack.clear();
+                break;
+            }
+            // Every checkout probes, however recently the connection was used: a worker that
+            // wrote anything after its last response (a stray response, the rest of a body its
+            // content-length undercounted, a close) must never have those bytes read as the
+            // next request's answer. The probe reads the socket itself (the reactor's readiness
+            // is still set from the last response's read, so it is never skipped on a stale
+            // flag): one non-blocking `recv` per reused connection.
+            if c.io.alive() {
+                return Some((c.io, c.buf));
+            }
+        }
+        None
+    }
+
+    pub(super) fn checkin(
+        &self,
+        key: Key,
+        io: Conn,
+        buf: BytesMut,
+        now: Instant,
+        idle: Duration,
+        max: usize,
+    ) {
+        if max == 0 || idle.is_zero() {
+            return;
+        }
+        let mut p = self.stacks();
+        let stack = p.entry(key).or_default();
+        if stack.len() >= max {
+            stack.remove(0);
+        }
+        stack.push(Idle {
+            io,
+            buf,
+            expires: now + idle,
+        });
+    }
+
+    /// Close the idle connections whose idle time is over (the gateway's io threads call this
+    /// every second, so connections to a worker that gets no more traffic do not stay open).
+    pub fn evict_idle(&self, now: Instant) {
+        self.stacks().retain(|_, stack| {
+            stack.retain(|c| c.expires > now);
+            !stack.is_empty()
+        });
+    }
+
+    /// Idle connections to `authority` (plain or TLS).
+    pub fn idle_count(&self, authority: &Authority) -> usize {
+        self.stacks()
+            .iter()
+            .filter(|(k, _)| k.authority.as_str() == authority.as_str())
+            .map(|(_, s)| s.len())
+            .sum()
+    }
+
+    /// The newest idle connection's read buffer for `key`: (empty, capacity) (tests).
+    #[cfg(test)]
+    pub(crate) fn newest_buf(&self, key: &Key) -> Option<(bool, usize)> {
+        let p = self.stacks();
+        let c = p.get(key)?.last()?;
+        Some((c.buf.is_empty(), c.buf.capacity()))
+    }
+}

@@ -1,0 +1,183 @@
+//! Graceful drain through the real binary (issue 16, the preStop pattern): on SIGTERM `/ready`
+//! turns 503 at once while the listener keeps accepting and serving for `server.drain_delay_s`,
+//! then the port closes and the process exits cleanly.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`: (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("not HTTP: {out:?}")))?;
+    let body = out
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Ok((status, body))
+}
+
+fn read_until<R: BufRead>(r: &mut R, within: Duration, mut f: impl FnMut(&str) -> bool) -> String {
+    let end = Instant::now() + within;
+    let mut line = String::new();
+    while Instant::now() < end {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        if f(line.trim()) {
+            return line.trim().to_string();
+        }
+    }
+    panic!("expected line not seen (last: {line:?})");
+}
+
+#[test]
+fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
+    let bin = kvgate_system_tests::kvgate_bin();
+    let mut sim = Command::new(&bin)
+        .args([
+            "sim",
+            "--workers",
+            "1",
+            "--port",
+            "0",
+            "--model",
+            "sim-model",
+            "--speedup",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvgate sim starts");
+    let mut sim_out = BufReader::new(sim.stdout.take().unwrap());
+    let _sim = Proc(sim);
+    let mut url = String::new();
+    read_until(&mut sim_out, Duration::from_secs(30), |l| {
+        if let Some(h) = l
+            .strip_prefix("worker ")
+            .and_then(|r| r.split_whitespace().find_map(|f| f.strip_prefix("http=")))
+        {
+            url = format!("http://{h}");
+        }
+        l == "ready"
+    });
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("kvgate.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\ndrain_delay_s = 4\n\
+             [[workers]]\nurl = \"{url}\"\nmodels = [\"sim-model\"]\n"
+        ),
+    )
+    .unwrap();
+    let mut gw = Command::new(&bin)
+        .args(["serve", "--config", cfg.to_str().unwrap(), "--log", "warn"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate serve starts");
+    let mut gw_err = BufReader::new(gw.stderr.take().unwrap());
+    let pid = gw.id();
+    let mut gw = Proc(gw);
+    let line = read_until(&mut gw_err, Duration::from_secs(30), |l| {
+        l.starts_with("kvgate serve: listening on http://")
+    });
+    let addr: SocketAddr = line
+        .trim_start_matches("kvgate serve: listening on http://")
+        .parse()
+        .unwrap();
+    // Keep draining the gateway's stderr so it never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while gw_err.read_line(&mut sink).unwrap_or(0) > 0 {
+            sink.clear();
+        }
+    });
+
+    let end = Instant::now() + Duration::from_secs(30);
+    while http(addr, "GET", "/ready", "").map(|r| r.0).ok() != Some(200) {
+        assert!(Instant::now() < end, "gateway never became ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let chat =
+        r#"{"model":"sim-model","messages":[{"role":"user","content":"hello"}],"max_tokens":4}"#;
+    assert_eq!(
+        http(addr, "POST", "/v1/chat/completions", chat).unwrap().0,
+        200
+    );
+
+    let term = Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+
+    // Not ready at once, while still accepting and serving.
+    let end = Instant::now() + Duration::from_secs(3);
+    loop {
+        let (status, body) = http(addr, "GET", "/ready", "").expect("listener still open");
+        if status == 503 {
+            assert!(body.contains("draining"), "{body}");
+            break;
+        }
+        assert!(Instant::now() < end, "/ready still {status} after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, body) = http(addr, "POST", "/v1/chat/completions", chat)
+        .expect("requests are still served during the drain delay");
+    assert_eq!(status, 200, "{body}");
+    let served_at = term.elapsed();
+    eprintln!("measured: /ready 503 and a request served {served_at:?} after SIGTERM");
+
+    // Then the port closes and the process exits by itself.
+    let end = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok() {
+        assert!(
+            Instant::now() < end,
+            "listener still open 30 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let closed_at = term.elapsed();
+    eprintln!("measured: port refused {closed_at:?} after SIGTERM (drain_delay_s = 4)");
+    // The gateway's delay starts when it gets the signal, after `term` was read.
+    assert!(
+        closed_at >= Duration::from_secs(4),
+        "closed after {closed_at:?}"
+    );
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(st) = gw.0.try_wait().unwrap() {
+            assert!(st.success(), "gateway exit status {st}");
+            break;
+        }
+        assert!(Instant::now() < end, "gateway did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
