@@ -171,6 +171,18 @@ fn bench_compare_two_policies_on_two_sims() {
     // The kv gateway routes a group's later prompts to the worker holding its prefix.
     assert!(hits[1] > 0.0, "kv hit rate {hits:?}");
     assert!(out.join("logs/sim.log").exists());
+    // The capacity oracle holds what the sims report on /metrics (vllm:cache_config_info).
+    let json = read_json(&out.join("compare.json"));
+    for w in json["worker_capacity"].as_array().unwrap() {
+        assert_eq!(w["source"], "cache_config_info", "{w}");
+        assert_eq!(
+            (w["num_gpu_blocks"].as_u64(), w["block_size"].as_u64()),
+            (Some(256), Some(16))
+        );
+    }
+    assert_eq!(json["worker_capacity"].as_array().unwrap().len(), 2);
+    assert_eq!(json["oracle"]["capacity_blocks"], 512);
+    assert!(!stderr.contains("note:"), "{stderr}");
     // The spec's routing key reached that gateway's config.
     let cfg = std::fs::read_to_string(out.join("logs/serve-kv_prefill_weight_4.toml")).unwrap();
     assert!(cfg.ends_with("\n[routing]\nprefill_weight = 4\n"), "{cfg}");

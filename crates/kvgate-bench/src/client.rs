@@ -1,4 +1,5 @@
-//! Sends one streaming OpenAI request and times it: TTFT (first content chunk), inter-token gaps,
+//! Sends one streaming OpenAI request and times it: TTFT (first chunk with generated content, as
+//! kvgate-protocol's `sse::ChunkInfo` defines it for the gateway's metric too), inter-token gaps,
 //! end-to-end latency, token counts and `cached_tokens` from the final usage chunk
 //! (`stream_options.include_usage`).
 
@@ -8,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use serde_json::Value;
+use kvgate_protocol::sse::ChunkInfo;
 
 use crate::sse::SseSplitter;
 use crate::stats::Outcome;
@@ -185,28 +186,24 @@ struct StreamState {
 }
 
 impl StreamState {
+    /// One event's data. What counts as a token is kvgate-protocol's one definition (the
+    /// gateway's TTFT metric uses the same): generated content, not the role-only first chunk.
     fn on_event(&mut self, data: &[u8], now: Duration) {
-        if data.trim_ascii() == b"[DONE]" {
+        let info = ChunkInfo::scan(data);
+        if info.done {
             self.done = true;
             return;
         }
-        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+        // Every OpenAI chunk is a JSON object; anything else is a broken stream.
+        if data.trim_ascii_start().first() != Some(&b'{') {
             self.error = Some("bad_chunk".into());
             return;
-        };
-        if v.get("error").is_some_and(|e| !e.is_null()) {
+        }
+        if info.error {
             self.error = Some("stream_error".into());
             return;
         }
-        let has_content = v["choices"].as_array().is_some_and(|cs| {
-            cs.iter().any(|c| {
-                let nonempty = |x: &Value| x.as_str().is_some_and(|s| !s.is_empty());
-                nonempty(&c["text"])
-                    || nonempty(&c["delta"]["content"])
-                    || nonempty(&c["delta"]["reasoning_content"])
-            })
-        });
-        if has_content {
+        if info.has_token {
             self.chunks += 1;
             match self.last {
                 None => self.first = Some(now),
@@ -214,10 +211,10 @@ impl StreamState {
             }
             self.last = Some(now);
         }
-        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-            self.usage_prompt = u["prompt_tokens"].as_u64();
-            self.usage_completion = u["completion_tokens"].as_u64();
-            self.usage_cached = u["prompt_tokens_details"]["cached_tokens"].as_u64();
+        if let Some(u) = info.usage {
+            self.usage_prompt = Some(u.prompt_tokens);
+            self.usage_completion = Some(u.completion_tokens);
+            self.usage_cached = u.cached_tokens;
         }
     }
 }
@@ -225,6 +222,7 @@ impl StreamState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     #[test]
     fn stream_state_counts_content_and_reads_usage() {
@@ -240,6 +238,11 @@ mod tests {
         );
         st.on_event(br#"{"choices":[{"delta":{"content":"b"}}]}"#, ms(15));
         st.on_event(br#"{"choices":[{"text":"c"}]}"#, ms(22));
+        // The finish chunk carries no content: not a token.
+        st.on_event(
+            br#"{"choices":[{"delta":{},"finish_reason":"length"}]}"#,
+            ms(23),
+        );
         st.on_event(
             br#"{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}"#,
             ms(23),
@@ -264,6 +267,10 @@ mod tests {
             ms(1),
         );
         assert_eq!(st.error.as_deref(), Some("stream_error"));
+
+        let mut st = StreamState::default();
+        st.on_event(b"not json", ms(1));
+        assert_eq!(st.error.as_deref(), Some("bad_chunk"));
     }
 
     #[test]

@@ -6,10 +6,12 @@
 //! every run, while sampling each worker's running requests. Writes `compare.md`, `compare.json`,
 //! `ttft_cdf.svg` and `worker_load.svg` to `--out-dir`.
 //!
-//! Files: `children.rs` (process guards, ports, readiness), `http.rs` (control calls),
+//! Files: `capacity.rs` (each worker's KV capacity for the oracle, from its `/metrics`),
+//! `children.rs` (process guards, ports, readiness), `http.rs` (control calls),
 //! `policy_spec.rs` (`--policies` entries with per-gateway routing keys), `sampler.rs` (load
 //! sampling).
 
+pub mod capacity;
 pub mod children;
 pub mod http;
 pub mod policy_spec;
@@ -71,7 +73,8 @@ pub struct FleetArgs {
     /// KV block size of the fleet (also the oracle's).
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// KV blocks per worker (also assumed for `--worker` fleets, for the capacity oracle).
+    /// KV blocks per worker of a started fleet; for the capacity oracle, assumed only for a worker
+    /// whose `/metrics` has no `vllm:cache_config_info` (a note is printed).
     #[arg(long, default_value_t = 2048)]
     pub num_gpu_blocks: usize,
     /// Simulated speed-up of the timing model.
@@ -109,6 +112,8 @@ struct CompareJson<'a> {
     workers: Vec<String>,
     block_size: usize,
     num_gpu_blocks: Option<usize>,
+    /// Each worker's KV capacity as used by the oracle, and where it came from.
+    worker_capacity: &'a [capacity::WorkerCapacity],
     oracle: &'a Oracle,
     rows: &'a [PolicyRow],
     load_samples: Vec<(&'a str, &'a [Sample])>,
@@ -358,20 +363,11 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     let log_dir = a.out_dir.join("logs");
     std::fs::create_dir_all(&log_dir)
         .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", log_dir.display()))?;
-    let owned_fleet = a.fleet.worker_urls.is_empty();
-    // Borrowed fleets (--worker) are assumed to have --num-gpu-blocks per worker too.
-    let n_workers = if owned_fleet {
-        a.fleet.workers
-    } else {
-        a.fleet.worker_urls.len()
-    };
-    let capacity = Some(n_workers * a.fleet.num_gpu_blocks);
     let n_sent = cfg
         .max_requests
         .unwrap_or(usize::MAX)
         .min(wl.requests.len());
     let sent = wl.head(n_sent);
-    let oracle = crate::oracle::compute(&sent, a.fleet.block_size, capacity);
 
     // An approximate-index comparison needs sims that publish no events: the gateway would
     // otherwise discover the publishers through /kv_event_sources and subscribe anyway.
@@ -385,6 +381,12 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         fleet.urls.len(),
         fleet.urls.join(" ")
     );
+    // The pooled-LRU oracle holds what the workers say they hold (an external fleet's real
+    // capacity), not this command's --num-gpu-blocks default.
+    let bs = a.fleet.block_size as u64;
+    let worker_capacity = capacity::read(&fleet.urls, a.fleet.num_gpu_blocks as u64, bs).await;
+    let pooled = capacity::pooled_blocks(&worker_capacity, bs);
+    let oracle = crate::oracle::compute(&sent, a.fleet.block_size, Some(pooled));
     // Every exit from here on, error or not, stops (and reaps) the fleet before returning;
     // dropping it would only send the kill.
     let measured = async {
@@ -484,6 +486,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         workers: worker_urls,
         block_size: a.fleet.block_size,
         num_gpu_blocks: Some(a.fleet.num_gpu_blocks),
+        worker_capacity: &worker_capacity,
         oracle: &oracle,
         rows: &rows,
         load_samples: loads

@@ -2,7 +2,7 @@
 //! tested, allocation-light splitter) yields each event's `data`, plus the end-of-stream flush
 //! a load generator needs for servers that omit the last blank line.
 
-use kvgate_protocol::sse::{SseError, SseScanner};
+use kvgate_protocol::sse::{SseScanner, DEFAULT_MAX_EVENT_BYTES};
 
 /// Feed bytes as they arrive, get back the `data:` payload of every complete event.
 #[derive(Default)]
@@ -10,11 +10,36 @@ pub struct SseSplitter {
     scanner: SseScanner,
 }
 
+/// An event larger than the scanner's bound: not an OpenAI stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventTooLarge;
+
+impl std::fmt::Display for EventTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SSE event larger than {DEFAULT_MAX_EVENT_BYTES} bytes")
+    }
+}
+
 impl SseSplitter {
     /// Feeds bytes; calls `on_event` with each complete event's data (lines joined by `\n`).
-    /// Fails only on an event larger than the scanner's bound (8 MiB).
-    pub fn feed(&mut self, bytes: &[u8], mut on_event: impl FnMut(&[u8])) -> Result<(), SseError> {
-        self.scanner.feed(bytes, |ev| on_event(ev.data))
+    /// Fails only on an event larger than the scanner's bound (8 MiB), as soon as it is.
+    pub fn feed(
+        &mut self,
+        bytes: &[u8],
+        mut on_event: impl FnMut(&[u8]),
+    ) -> Result<(), EventTooLarge> {
+        let mut too_large = false;
+        self.scanner.feed(bytes, |ev| {
+            if ev.oversized {
+                too_large = true;
+            } else {
+                on_event(ev.data);
+            }
+        });
+        if too_large || self.scanner.skipping() {
+            return Err(EventTooLarge);
+        }
+        Ok(())
     }
 
     /// Data of an event left unterminated at end of stream (servers that omit the last blank line).
@@ -22,9 +47,11 @@ impl SseSplitter {
         let mut out = None;
         // Two line ends terminate the pending line and then the pending event, whatever state
         // the scanner is in (including a chunk that ended on `\r`); nothing else is emitted.
-        let _ = self
-            .scanner
-            .feed(b"\n\n", |ev| out = Some(ev.data.to_vec()));
+        self.scanner.feed(b"\n\n", |ev| {
+            if !ev.oversized {
+                out = Some(ev.data.to_vec());
+            }
+        });
         out
     }
 }
@@ -65,7 +92,7 @@ mod tests {
     #[test]
     fn oversized_event_is_an_error_not_unbounded_memory() {
         let mut s = SseSplitter::default();
-        let big = vec![b'x'; kvgate_protocol::sse::DEFAULT_MAX_EVENT_BYTES + 1];
+        let big = vec![b'x'; DEFAULT_MAX_EVENT_BYTES + 1];
         let mut r = s.feed(b"data: ", |_| {});
         assert!(r.is_ok());
         r = s.feed(&big, |_| {});

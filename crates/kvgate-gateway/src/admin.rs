@@ -19,7 +19,6 @@ use serde_json::json;
 use crate::auth::key_matches;
 use crate::body::{GwBody, ReqBody};
 use crate::config::WorkerConfig;
-use crate::error::error_json;
 use crate::reload::{self, Overrides};
 use crate::state::AppState;
 
@@ -213,8 +212,9 @@ fn ok(v: serde_json::Value) -> Response<GwBody> {
     r
 }
 
-fn err(status: StatusCode, typ: &str, msg: &str) -> Response<GwBody> {
-    let mut r = Response::new(GwBody::full(error_json(msg, typ, None, None)));
+fn err(status: StatusCode, typ: &'static str, msg: &str) -> Response<GwBody> {
+    let e = kvgate_protocol::error::OpenAiError::new(status.as_u16(), typ, msg.to_owned());
+    let mut r = Response::new(GwBody::full(e.to_json()));
     *r.status_mut() = status;
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use kvgate_protocol::usage::Usage;
+use serde::Serialize;
 
 use crate::metrics::{Lbl, RequestHandles};
 use crate::registry::Worker;
@@ -29,23 +30,6 @@ impl Endpoint {
             Endpoint::Embeddings => "/v1/embeddings",
         }
     }
-}
-
-/// `usage` as workers report it (fields we do not use are ignored).
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-pub struct Usage {
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    #[serde(default)]
-    pub completion_tokens: u64,
-    #[serde(default)]
-    pub prompt_tokens_details: Option<PromptDetails>,
-}
-
-#[derive(Debug, Clone, Copy, Default, Deserialize)]
-pub struct PromptDetails {
-    #[serde(default)]
-    pub cached_tokens: Option<u64>,
 }
 
 /// How a request ended, for metrics and the log line.
@@ -127,7 +111,8 @@ impl RequestCtx {
         }
     }
 
-    /// A generated-token event arrived (stream) or the whole response did (non-stream).
+    /// A generated-token event arrived (stream; `sse::ChunkInfo::has_token` in kvgate-protocol is
+    /// the definition) or the whole response did (non-stream).
     pub fn on_token(&mut self, now: Instant) {
         if self.first_token.is_none() {
             self.first_token = Some(now);
@@ -201,11 +186,7 @@ impl RequestCtx {
             h.jitter(m).observe(var.sqrt());
         }
         let (prompt, completion, cached) = match self.usage {
-            Some(u) => (
-                u.prompt_tokens,
-                u.completion_tokens,
-                u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-            ),
+            Some(u) => (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
             None => (
                 self.prompt_tokens_est as u64,
                 self.token_events as u64,

@@ -2,12 +2,14 @@
 //!
 //! Every failure records which side caused it (client, upstream worker, the gateway itself) and
 //! whether trying another worker is safe. `GatewayError::into_response` is the only place where a
-//! failure becomes a status code + OpenAI error JSON, so status and shape cannot drift apart.
+//! failure becomes a status code + OpenAI error JSON (written by kvgate-protocol's `OpenAiError`),
+//! so status and shape cannot drift apart.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{header, HeaderValue, Response, StatusCode};
+use kvgate_protocol::error::{types, OpenAiError};
 
 use crate::body::GwBody;
 
@@ -48,14 +50,12 @@ pub enum ErrorKind {
     QueueTimeout,
     /// TCP connect to the worker failed (retry-safe).
     UpstreamConnect,
-    /// The worker answered 429/5xx before any byte reached the client (retry-safe).
-    UpstreamStatus(StatusCode),
     /// The worker connection failed after the request was sent, before response headers.
     UpstreamIo,
     /// No response headers within `upstream.response_timeout_s` / `request_timeout_s`, or (streams)
     /// no first body byte within `upstream.stream_first_byte_timeout_s` (504, retry-safe).
     UpstreamTimeout,
-    /// The gateway is shutting down.
+    /// The gateway cannot take the request now (shutting down, or `server.max_connections`).
     ShuttingDown,
 }
 
@@ -86,20 +86,17 @@ impl GatewayError {
             | RequestTimeout
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
-            UpstreamConnect | UpstreamStatus(_) | UpstreamIo | UpstreamTimeout => Side::Upstream,
+            UpstreamConnect | UpstreamIo | UpstreamTimeout => Side::Upstream,
             NoWorker | QueueFull | QueueTimeout | ShuttingDown => Side::Internal,
         }
     }
 
     /// Whether another worker may be tried. Only failures that happened before the worker sent a
-    /// byte to the client qualify; the request path never calls this after the first byte.
+    /// byte to the client qualify; the request path never calls this after the first byte. (A
+    /// worker's own 429/5xx answer is a response, not a `GatewayError`: `proxy.rs` retries it.)
     pub fn retry_safe(&self) -> bool {
         use ErrorKind::*;
-        match self.kind {
-            UpstreamConnect | UpstreamIo | UpstreamTimeout => true,
-            UpstreamStatus(s) => s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error(),
-            _ => false,
-        }
+        matches!(self.kind, UpstreamConnect | UpstreamIo | UpstreamTimeout)
     }
 
     /// Bounded label for `kvgate_errors_total{kind}`.
@@ -119,7 +116,6 @@ impl GatewayError {
             QueueFull => "queue_full",
             QueueTimeout => "queue_timeout",
             UpstreamConnect => "upstream_connect",
-            UpstreamStatus(_) => "upstream_status",
             UpstreamIo => "upstream_io",
             UpstreamTimeout => "upstream_timeout",
             ShuttingDown => "shutting_down",
@@ -132,99 +128,86 @@ impl GatewayError {
         match &self.kind {
             Unauthorized => (
                 StatusCode::UNAUTHORIZED,
-                "authentication_error",
+                types::AUTHENTICATION,
                 Some("invalid_api_key"),
                 None,
             ),
             RateLimited { retry_after } => (
                 StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
+                types::RATE_LIMIT,
                 Some("rate_limit_exceeded"),
                 Some(retry_after.as_secs_f64().ceil().max(1.0) as u64),
             ),
             NotFound => (
                 StatusCode::NOT_FOUND,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("not_found"),
                 None,
             ),
             MethodNotAllowed => (
                 StatusCode::METHOD_NOT_ALLOWED,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("method_not_allowed"),
                 None,
             ),
             PayloadTooLarge { .. } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("payload_too_large"),
                 None,
             ),
             HeadersTooLarge => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("request_header_fields_too_large"),
                 None,
             ),
-            BadRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", None, None),
+            BadRequest { .. } => (StatusCode::BAD_REQUEST, types::INVALID_REQUEST, None, None),
             RequestTimeout => (
                 StatusCode::REQUEST_TIMEOUT,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("request_timeout"),
                 None,
             ),
             ModelNotFound => (
                 StatusCode::NOT_FOUND,
-                "invalid_request_error",
+                types::INVALID_REQUEST,
                 Some("model_not_found"),
                 None,
             ),
             NoWorker => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
+                types::SERVER,
                 Some("no_worker_available"),
                 Some(1),
             ),
             QueueFull => (
                 StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
+                types::RATE_LIMIT,
                 Some("gateway_overloaded"),
                 Some(1),
             ),
             QueueTimeout => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
+                types::SERVER,
                 Some("queue_timeout"),
                 Some(1),
             ),
             UpstreamConnect | UpstreamIo => (
                 StatusCode::BAD_GATEWAY,
-                "server_error",
+                types::SERVER,
                 Some("upstream_unavailable"),
                 None,
             ),
             UpstreamTimeout => (
                 StatusCode::GATEWAY_TIMEOUT,
-                "server_error",
+                types::SERVER,
                 Some("upstream_timeout"),
                 None,
             ),
-            // Retries exhausted on 429/5xx: pass the worker's class on (429 stays 429, 5xx → 502).
-            UpstreamStatus(s) if *s == StatusCode::TOO_MANY_REQUESTS => (
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                Some("upstream_overloaded"),
-                Some(1),
-            ),
-            UpstreamStatus(_) => (
-                StatusCode::BAD_GATEWAY,
-                "server_error",
-                Some("upstream_error"),
-                Some(1),
-            ),
             ShuttingDown => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
+                types::SERVER,
                 Some("shutting_down"),
                 Some(1),
             ),
@@ -236,14 +219,21 @@ impl GatewayError {
     }
 
     /// The OpenAI error JSON of this failure (the body of [`Self::into_response`]).
-    pub fn json(&self) -> Bytes {
+    pub fn json(&self) -> bytes::Bytes {
         let (_, typ, code, _) = self.wire();
         let param = match self.kind {
             ErrorKind::BadRequest { param } => param,
             ErrorKind::ModelNotFound => Some("model"),
             _ => None,
         };
-        error_json(&self.message, typ, param, code)
+        OpenAiError {
+            status: self.status().as_u16(),
+            message: Cow::Owned(self.message.clone()),
+            type_: Cow::Borrowed(typ),
+            param: param.map(Cow::Borrowed),
+            code: code.map(Cow::Borrowed),
+        }
+        .to_json()
     }
 
     /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
@@ -275,72 +265,99 @@ impl std::fmt::Display for GatewayError {
 
 impl std::error::Error for GatewayError {}
 
-/// `{"error":{"message","type","param","code"}}` as bytes.
-pub fn error_json(message: &str, typ: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
-    let v = serde_json::json!({
-        "error": { "message": message, "type": typ, "param": param, "code": code }
-    });
-    Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
-}
-
-/// The SSE event that ends a stream whose worker failed after the first byte.
-pub fn sse_error_event(message: &str) -> Bytes {
-    let json = error_json(message, "server_error", None, Some("upstream_stream_error"));
-    let mut out = Vec::with_capacity(json.len() + 8);
-    out.extend_from_slice(b"data: ");
-    out.extend_from_slice(&json);
-    out.extend_from_slice(b"\n\n");
-    Bytes::from(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn statuses_and_shape() {
+    async fn body_json(r: Response<GwBody>) -> serde_json::Value {
+        use http_body_util::BodyExt;
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    #[tokio::test]
+    async fn statuses_and_shape() {
         let cases = [
-            (ErrorKind::Unauthorized, 401),
-            (ErrorKind::MethodNotAllowed, 405),
-            (ErrorKind::PayloadTooLarge { limit: 1 }, 413),
-            (ErrorKind::BadRequest { param: None }, 400),
-            (ErrorKind::ModelNotFound, 404),
-            (ErrorKind::NoWorker, 503),
-            (ErrorKind::QueueFull, 429),
             (
-                ErrorKind::UpstreamStatus(StatusCode::SERVICE_UNAVAILABLE),
-                502,
+                ErrorKind::Unauthorized,
+                401,
+                "authentication_error",
+                Some("invalid_api_key"),
+            ),
+            (
+                ErrorKind::MethodNotAllowed,
+                405,
+                "invalid_request_error",
+                Some("method_not_allowed"),
+            ),
+            (
+                ErrorKind::PayloadTooLarge { limit: 1 },
+                413,
+                "invalid_request_error",
+                Some("payload_too_large"),
+            ),
+            (
+                ErrorKind::BadRequest {
+                    param: Some("messages"),
+                },
+                400,
+                "invalid_request_error",
+                None,
+            ),
+            (
+                ErrorKind::ModelNotFound,
+                404,
+                "invalid_request_error",
+                Some("model_not_found"),
+            ),
+            (
+                ErrorKind::NoWorker,
+                503,
+                "server_error",
+                Some("no_worker_available"),
+            ),
+            (
+                ErrorKind::QueueFull,
+                429,
+                "rate_limit_error",
+                Some("gateway_overloaded"),
+            ),
+            (
+                ErrorKind::UpstreamTimeout,
+                504,
+                "server_error",
+                Some("upstream_timeout"),
             ),
         ];
-        for (kind, code) in cases {
-            let e = GatewayError::new(kind, "m");
+        for (kind, code, typ, err_code) in cases {
+            let e = GatewayError::new(kind.clone(), "m \"quoted\"");
             assert_eq!(e.status().as_u16(), code, "{e}");
+            let r = e.into_response();
+            assert_eq!(r.status().as_u16(), code);
+            let j = body_json(r).await;
+            assert_eq!(j["error"]["message"], "m \"quoted\"", "{kind:?}");
+            assert_eq!(j["error"]["type"], typ, "{kind:?}");
+            assert_eq!(j["error"]["code"].as_str(), err_code, "{kind:?}");
+            let param = match kind {
+                ErrorKind::BadRequest { param } => param,
+                ErrorKind::ModelNotFound => Some("model"),
+                _ => None,
+            };
+            assert_eq!(j["error"]["param"].as_str(), param, "{kind:?}");
         }
-        let j: serde_json::Value =
-            serde_json::from_slice(&error_json("boom", "server_error", None, Some("x"))).unwrap();
-        assert_eq!(j["error"]["message"], "boom");
-        assert!(j["error"]["param"].is_null());
-        assert_eq!(j["error"]["code"], "x");
     }
 
     #[test]
     fn retry_safety() {
         let e = |k| GatewayError::new(k, "");
         assert!(e(ErrorKind::UpstreamConnect).retry_safe());
-        assert!(e(ErrorKind::UpstreamStatus(StatusCode::SERVICE_UNAVAILABLE)).retry_safe());
-        assert!(e(ErrorKind::UpstreamStatus(StatusCode::TOO_MANY_REQUESTS)).retry_safe());
-        assert!(!e(ErrorKind::UpstreamStatus(StatusCode::BAD_REQUEST)).retry_safe());
+        assert!(e(ErrorKind::UpstreamIo).retry_safe());
+        assert!(e(ErrorKind::UpstreamTimeout).retry_safe());
+        assert!(!e(ErrorKind::NoWorker).retry_safe());
         assert!(!e(ErrorKind::BadRequest { param: None }).retry_safe());
         assert_eq!(
             e(ErrorKind::BadRequest { param: None }).side(),
             Side::Client
         );
-    }
-
-    #[test]
-    fn sse_event_is_one_data_line() {
-        let ev = sse_error_event("worker died");
-        assert!(ev.starts_with(b"data: {\"error\":"));
-        assert!(ev.ends_with(b"\n\n"));
     }
 }

@@ -10,7 +10,8 @@
 //!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
 //!   kvgate-http's client (the HTTP/1.1 client to workers — per-thread keep-alive pool, header
 //!   hygiene, TLS for https workers), `forward.rs` (retry budget), `observer.rs` (the response body
-//!   observer: TTFT, ITL, usage, mid-stream errors), `ctx.rs` (per-request state, metrics + log at
+//!   observer: times TTFT and ITL, records usage and mid-stream errors as kvgate-protocol's
+//!   `sse::Relay` reads them), `ctx.rs` (per-request state, metrics + log at
 //!   the end), `error.rs` (the one error type and its one mapping to HTTP).
 //! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
 //!   (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS),

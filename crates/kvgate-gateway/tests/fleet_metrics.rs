@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use kvgate_gateway::config::{Config, WorkerConfig};
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::io::AsyncWriteExt;
 use tokio_util::sync::CancellationToken;
 
 /// vLLM 0.x text: two DP engines (sums: running 5, waiting 1), block size 32 (the pool uses 16).
@@ -41,52 +40,36 @@ const LLAMACPP_METRICS: &str =
 /// A one-request-per-connection HTTP/1.1 worker on 127.0.0.1:0: `/health` and `/v1/models` answer,
 /// `/metrics` serves `metrics` or, when `None`, never answers. Stops when `stop` fires.
 async fn worker(metrics: Option<&'static str>, stop: CancellationToken) -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let (mut s, _) = tokio::select! {
-                _ = stop.cancelled() => return,
-                r = l.accept() => match r { Ok(c) => c, Err(_) => return },
-            };
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+    let stalled = stop.clone();
+    raw_worker(stop, move |head, mut s| {
+        let stalled = stalled.clone();
+        async move {
+            let path = head.split(' ').nth(1).unwrap_or("").to_string();
+            let (status, body) = match path.as_str() {
+                "/metrics" => match metrics {
+                    Some(m) => (200, m.to_string()),
+                    None => {
+                        stalled.cancelled().await;
+                        return;
                     }
-                }
-                let head = String::from_utf8_lossy(&buf).to_string();
-                let path = head.split(' ').nth(1).unwrap_or("").to_string();
-                let (status, body) = match path.as_str() {
-                    "/metrics" => match metrics {
-                        Some(m) => (200, m.to_string()),
-                        None => {
-                            stop.cancelled().await;
-                            return;
-                        }
-                    },
-                    "/health" => (200, String::new()),
-                    // Recorded from a real llama-server (2 slots × n_ctx 2048).
-                    "/slots" => (200, LLAMACPP_SLOTS.to_string()),
-                    "/v1/models" => (
-                        200,
-                        r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#.into(),
-                    ),
-                    _ => (404, "not found".into()),
-                };
-                let resp = format!(
-                    "HTTP/1.1 {status} X\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(resp.as_bytes()).await;
-            });
+                },
+                "/health" => (200, String::new()),
+                // Recorded from a real llama-server (2 slots × n_ctx 2048).
+                "/slots" => (200, LLAMACPP_SLOTS.to_string()),
+                "/v1/models" => (
+                    200,
+                    r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#.into(),
+                ),
+                _ => (404, "not found".into()),
+            };
+            let resp = format!(
+                "HTTP/1.1 {status} X\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
         }
-    });
-    addr
+    })
+    .await
 }
 
 /// The value of the sample line starting with `series` (`name{labels}`), if present.

@@ -1,18 +1,14 @@
 //! The OpenAI error JSON shape: `{"error":{"message","type","param","code"}}`.
 //!
-//! Every error the gateway answers with goes through [`OpenAiError`], so clients (the official SDKs
-//! included) always find `error.message`. `normalize` turns the differing shapes workers send
-//! (vLLM's int `code` and `"BadRequestError"` types, llama.cpp, SGLang, TGI's `{"error": "text"}`)
-//! into the same shape.
-
-mod normalize;
+//! Every error the gateway answers with is written by [`OpenAiError`], as a JSON body or as the
+//! SSE event that ends a stream which failed after its first byte, so clients (the official SDKs
+//! included) always find `error.message`. Which status, type and code a failure gets is the
+//! gateway's business (`GatewayError::into_response`, its one mapping).
 
 use std::borrow::Cow;
 
 use bytes::Bytes;
 use serde::Serialize;
-
-pub use normalize::normalize_worker_error;
 
 /// An OpenAI-shaped error plus the HTTP status it is sent with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,8 +28,6 @@ pub struct OpenAiError {
 pub mod types {
     pub const INVALID_REQUEST: &str = "invalid_request_error";
     pub const AUTHENTICATION: &str = "authentication_error";
-    pub const PERMISSION: &str = "permission_error";
-    pub const NOT_FOUND: &str = "not_found_error";
     pub const RATE_LIMIT: &str = "rate_limit_error";
     pub const SERVER: &str = "server_error";
 }
@@ -77,99 +71,6 @@ impl OpenAiError {
         self
     }
 
-    /// 400 `invalid_request_error`; `param` names the offending field when known.
-    pub fn invalid_request(
-        message: impl Into<Cow<'static, str>>,
-        param: Option<&'static str>,
-    ) -> Self {
-        let e = Self::new(400, types::INVALID_REQUEST, message);
-        match param {
-            Some(p) => e.with_param(p),
-            None => e,
-        }
-    }
-
-    /// 400 for a body that is not JSON (`detail` is the parser's message).
-    pub fn invalid_json(detail: impl std::fmt::Display) -> Self {
-        Self::new(
-            400,
-            types::INVALID_REQUEST,
-            format!("We could not parse the JSON body of your request: {detail}"),
-        )
-        .with_code("invalid_json")
-    }
-
-    /// 401: missing or wrong API key.
-    pub fn authentication(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(401, types::AUTHENTICATION, message).with_code("invalid_api_key")
-    }
-
-    /// 403: the key is valid but not allowed to do this.
-    pub fn permission(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(403, types::PERMISSION, message)
-    }
-
-    /// 404 for a model no routable worker serves.
-    pub fn model_not_found(model: &str) -> Self {
-        Self::new(
-            404,
-            types::INVALID_REQUEST,
-            format!("The model `{model}` does not exist or no available worker serves it."),
-        )
-        .with_param("model")
-        .with_code("model_not_found")
-    }
-
-    /// 404 for an unknown path.
-    pub fn not_found(path: &str) -> Self {
-        Self::new(404, types::NOT_FOUND, format!("Unknown path: {path}")).with_code("not_found")
-    }
-
-    /// 405 for a known path with the wrong method.
-    pub fn method_not_allowed(method: &str, path: &str) -> Self {
-        Self::new(
-            405,
-            types::INVALID_REQUEST,
-            format!("Method {method} is not allowed for {path}."),
-        )
-        .with_code("method_not_allowed")
-    }
-
-    /// 413: request body over the configured limit.
-    pub fn payload_too_large(limit_bytes: u64) -> Self {
-        Self::new(
-            413,
-            types::INVALID_REQUEST,
-            format!("Request body is larger than the limit of {limit_bytes} bytes."),
-        )
-        .with_code("request_too_large")
-    }
-
-    /// 429: a per-key rate limit or the admission queue is full.
-    pub fn rate_limited(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(429, types::RATE_LIMIT, message).with_code("rate_limit_exceeded")
-    }
-
-    /// 503: no routable worker (send with `Retry-After`).
-    pub fn service_unavailable(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(503, types::SERVER, message).with_code("service_unavailable")
-    }
-
-    /// 502: the worker failed (connect error, broken response, error after retries).
-    pub fn upstream(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(502, types::SERVER, message).with_code("upstream_error")
-    }
-
-    /// 504: the worker did not answer in time.
-    pub fn upstream_timeout(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(504, types::SERVER, message).with_code("upstream_timeout")
-    }
-
-    /// 500: a bug or an unexpected state inside kvgate.
-    pub fn internal(message: impl Into<Cow<'static, str>>) -> Self {
-        Self::new(500, types::SERVER, message).with_code("internal_error")
-    }
-
     /// Appends the JSON body to `out`.
     pub fn write_json(&self, out: &mut Vec<u8>) {
         let body = Body {
@@ -181,7 +82,7 @@ impl OpenAiError {
             },
         };
         // Serializing string fields into a Vec cannot fail.
-        serde_json::to_writer(&mut *out, &body).expect("serializing strings to a Vec never fails");
+        let _ = serde_json::to_writer(&mut *out, &body);
     }
 
     /// The JSON body `{"error":{...}}`.

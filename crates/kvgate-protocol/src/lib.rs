@@ -1,7 +1,9 @@
 //! kvgate-protocol: wire formats without I/O.
 //!
 //! - `openai`: borrowed views of the routing fields of OpenAI requests (the body is never re-serialized).
-//! - `sse`: incremental scanner for `text/event-stream` responses (token timing, usage, errors).
+//! - `sse`: incremental scanner for `text/event-stream` responses (token timing, usage, errors) and
+//!   the one definition of "a token arrived".
+//! - `usage`: the OpenAI `usage` object (token counts), found and read without a full parse.
 //! - `error`: the OpenAI error JSON shape.
 //! - `kv_events`: vLLM / SGLang KV-event decoding (ZMQ multipart + msgpack, both encodings).
 //! - `trtllm`: TensorRT-LLM `/kv_cache_events` JSON and iteration stats.
@@ -14,3 +16,4 @@ pub mod openai;
 pub mod prom_text;
 pub mod sse;
 pub mod trtllm;
+pub mod usage;

@@ -23,8 +23,6 @@ pub use prompt::PromptInput;
 pub use request::RequestView;
 pub use splice::splice_include_usage;
 
-use crate::error::OpenAiError;
-
 /// Why a request body was rejected. The gateway answers 400 with [`RequestError::param`] as `param`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -59,15 +57,6 @@ impl RequestError {
         RequestError::Invalid {
             param,
             message: message.to_string(),
-        }
-    }
-}
-
-impl From<RequestError> for OpenAiError {
-    fn from(e: RequestError) -> Self {
-        match &e {
-            RequestError::Json(detail) => OpenAiError::invalid_json(detail),
-            _ => OpenAiError::invalid_request(e.to_string(), e.param()),
         }
     }
 }

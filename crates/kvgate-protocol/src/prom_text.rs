@@ -45,6 +45,32 @@ pub enum MetricType {
     Untyped,
 }
 
+/// vLLM's `vllm:cache_config_info` (one sample per data-parallel engine, the figures in labels):
+/// the KV block size, and the GPU blocks of all engines together (the worker's KV capacity).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VllmCacheConfig {
+    pub block_size: Option<u32>,
+    pub num_gpu_blocks: Option<u64>,
+}
+
+impl VllmCacheConfig {
+    pub fn read(e: &Exposition<'_>) -> Self {
+        let mut c = VllmCacheConfig::default();
+        for s in e.samples_named("vllm:cache_config_info") {
+            if let Some(bs) = s.label("block_size").and_then(|v| v.parse::<u32>().ok()) {
+                c.block_size.get_or_insert(bs);
+            }
+            if let Some(n) = s
+                .label("num_gpu_blocks")
+                .and_then(|v| v.parse::<u64>().ok())
+            {
+                *c.num_gpu_blocks.get_or_insert(0) += n;
+            }
+        }
+        c
+    }
+}
+
 /// A parsed exposition.
 #[derive(Debug, Clone, Default)]
 pub struct Exposition<'a> {

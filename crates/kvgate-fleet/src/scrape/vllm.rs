@@ -1,7 +1,7 @@
 //! vLLM `/metrics` (0.9+ names, with the pre-0.9 names as fallbacks). Figures are summed over DP
 //! engines (`engine` label); KV usage is the mean over engines.
 
-use kvgate_protocol::prom_text::Exposition;
+use kvgate_protocol::prom_text::{Exposition, VllmCacheConfig};
 
 use super::ParseError;
 use crate::sink::ScrapedLoad;
@@ -25,26 +25,14 @@ pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
         .filter(|v| v.is_finite())
         .collect();
     let kv_usage = (!usages.is_empty()).then(|| usages.iter().sum::<f64>() / usages.len() as f64);
-    let mut block_size = None;
-    let mut num_gpu_blocks: Option<u64> = None;
-    for s in e.samples_named("vllm:cache_config_info") {
-        if let Some(bs) = s.label("block_size").and_then(|v| v.parse::<u32>().ok()) {
-            block_size.get_or_insert(bs);
-        }
-        if let Some(n) = s
-            .label("num_gpu_blocks")
-            .and_then(|v| v.parse::<u64>().ok())
-        {
-            *num_gpu_blocks.get_or_insert(0) += n;
-        }
-    }
+    let cache = VllmCacheConfig::read(e);
     let counter = |new: &str, old: &str| e.sum(new, any).or_else(|| e.sum(old, any));
     Ok(ScrapedLoad {
         running: Some(super::count(running)),
         waiting: Some(super::count(waiting)),
         kv_usage,
-        block_size,
-        num_gpu_blocks,
+        block_size: cache.block_size,
+        num_gpu_blocks: cache.num_gpu_blocks,
         prefix_cache_queries: counter(
             "vllm:prefix_cache_queries_total",
             "vllm:gpu_prefix_cache_queries_total",

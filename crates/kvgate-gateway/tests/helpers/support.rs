@@ -145,3 +145,56 @@ pub fn promtool_check(text: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A scripted worker: a one-request-per-connection HTTP/1.1 server on 127.0.0.1:0 that reads each
+/// request's head and `content-length` body and hands the head (as text) and the connection to
+/// `answer`, which writes whatever it likes. Stops accepting when `stop` fires.
+pub async fn raw_worker<F, Fut>(
+    stop: tokio_util::sync::CancellationToken,
+    answer: F,
+) -> std::net::SocketAddr
+where
+    F: Fn(String, tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    use tokio::io::AsyncReadExt;
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let answer = std::sync::Arc::new(answer);
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = l.accept() => match r { Ok(c) => c, Err(_) => return },
+            };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let head_end = loop {
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+                let len: usize = head
+                    .to_ascii_lowercase()
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
+                    .unwrap_or(0);
+                while buf.len() < head_end + len {
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                answer(head, s).await;
+            });
+        }
+    });
+    addr
+}

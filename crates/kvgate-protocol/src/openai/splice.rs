@@ -1,6 +1,6 @@
 //! Adding `"stream_options":{"include_usage":true}` to a streamed request so the gateway can count
 //! tokens. Used only when configured; the usage-only chunk it causes is stripped again for clients
-//! that did not ask for it (see `sse::ChunkInfo::usage_only`).
+//! that did not ask for it (`sse::Relay`).
 
 use super::RequestView;
 

@@ -160,18 +160,6 @@ fn malformed_and_non_object_bodies() {
 }
 
 #[test]
-fn error_maps_to_openai_shape() {
-    let e: crate::error::OpenAiError = parse(r#"{"model":"m","stream":3}"#).unwrap_err().into();
-    assert_eq!(e.status, 400);
-    assert_eq!(e.param.as_deref(), Some("stream"));
-    let e: crate::error::OpenAiError = parse("{").unwrap_err().into();
-    assert_eq!(
-        (e.status, e.param.as_deref(), e.code.as_deref()),
-        (400, None, Some("invalid_json"))
-    );
-}
-
-#[test]
 fn prompt_shapes() {
     let p = |s: &str| {
         let body = format!(r#"{{"model":"m","prompt":{s}}}"#);

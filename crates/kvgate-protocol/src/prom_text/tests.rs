@@ -24,6 +24,19 @@ fn vllm_sample_parses_without_errors() {
     assert_eq!(info.label("block_size"), Some("16"));
     assert_eq!(info.label("num_gpu_blocks"), Some("27413"));
     assert_eq!(e.type_of("vllm:cache_config_info"), Some(MetricType::Gauge));
+    // Two DP engines of 27413 blocks each.
+    let engines = e.samples_named("vllm:cache_config_info").count() as u64;
+    assert_eq!(
+        VllmCacheConfig::read(&e),
+        VllmCacheConfig {
+            block_size: Some(16),
+            num_gpu_blocks: Some(27413 * engines),
+        }
+    );
+    assert_eq!(
+        VllmCacheConfig::read(&parse(SGLANG)),
+        VllmCacheConfig::default()
+    );
     assert_eq!(
         e.sum("vllm:prefix_cache_hits_total", |_| true),
         Some(130112.0)

@@ -1,0 +1,188 @@
+//! A worker's event stream on its way to the client: every event's facts ([`ChunkInfo`]) for the
+//! caller's metrics, and optionally the stream the client gets without what the gateway itself
+//! asked for.
+//!
+//! Stripping: when the gateway spliced `stream_options.include_usage` into a request whose client
+//! did not ask for it (`openai::splice_include_usage`), the worker adds a usage-only event at the
+//! end and `"usage": null` to every other chunk; the client sees neither. An event's bytes are
+//! held until its blank line shows what it is; everything else is delivered unchanged and in
+//! order: bytes between events (keep-alive comments) at once, and an event too large to hold
+//! unexamined.
+
+use super::chunk::ChunkInfo;
+use super::scanner::SseScanner;
+use crate::usage::finder;
+
+pub struct Relay {
+    scanner: SseScanner,
+    strip: Option<Strip>,
+    saw_done: bool,
+}
+
+struct Strip {
+    /// Bytes of the pending event that arrived in earlier chunks.
+    held: Vec<u8>,
+    /// Bytes of the chunk just fed to deliver.
+    out: Vec<u8>,
+    /// The pending event passes unexamined (it outgrew the bound).
+    raw: bool,
+    /// The last bytes seen were a dropped event's (the `\n` of its `\r\n` may follow).
+    dropped: bool,
+    max: usize,
+}
+
+impl Relay {
+    /// `strip_usage`: remove the usage-only event and `"usage": null` members (see the module
+    /// documentation). Events over `max_event_bytes` are passed on without being examined.
+    pub fn new(strip_usage: bool, max_event_bytes: usize) -> Self {
+        Relay {
+            scanner: SseScanner::new(max_event_bytes),
+            strip: strip_usage.then(|| Strip {
+                held: Vec::new(),
+                out: Vec::new(),
+                raw: false,
+                dropped: false,
+                max: max_event_bytes,
+            }),
+            saw_done: false,
+        }
+    }
+
+    /// Scans one chunk, calling `on_event` with the facts of every event it completes.
+    pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&ChunkInfo)) {
+        let Relay {
+            scanner,
+            strip,
+            saw_done,
+        } = self;
+        let mut from = 0;
+        if let Some(st) = strip.as_mut() {
+            // A `\r\n` split across chunks: the `\n` goes where its `\r` went.
+            if scanner.ended_in_cr() && chunk.first() == Some(&b'\n') {
+                from = 1;
+                if !st.held.is_empty() {
+                    st.held.push(b'\n');
+                } else if !st.dropped {
+                    st.out.push(b'\n');
+                }
+            }
+        }
+        scanner.feed(chunk, |ev| {
+            let info = if ev.oversized {
+                ChunkInfo::default()
+            } else {
+                ChunkInfo::scan(ev.data)
+            };
+            *saw_done |= info.done;
+            on_event(&info);
+            if let Some(st) = strip.as_mut() {
+                st.event(&chunk[from..ev.end], info.usage_only);
+            }
+            from = ev.end;
+        });
+        if let Some(st) = strip.as_mut() {
+            let rest = &chunk[from..];
+            if !scanner.has_partial() {
+                // Between events (comments, blank lines): nothing to decide, deliver now.
+                st.flush(rest);
+                st.raw = false;
+            } else if st.raw || scanner.skipping() || st.held.len() + rest.len() > st.max {
+                st.flush(rest);
+                st.raw = true;
+            } else {
+                st.held.extend_from_slice(rest);
+            }
+        }
+    }
+
+    /// Stripping: the bytes of the chunk just fed to deliver (`None`: deliver the chunk as is).
+    pub fn take_out(&mut self) -> Option<Vec<u8>> {
+        self.strip.as_mut().map(|st| std::mem::take(&mut st.out))
+    }
+
+    /// Stripping: the bytes of an unfinished event held back, to deliver when the stream ends.
+    pub fn take_held(&mut self) -> Option<Vec<u8>> {
+        self.strip
+            .as_mut()
+            .filter(|st| !st.held.is_empty())
+            .map(|st| std::mem::take(&mut st.held))
+    }
+
+    /// `data: [DONE]` was seen: the worker finished its answer.
+    pub fn saw_done(&self) -> bool {
+        self.saw_done
+    }
+}
+
+impl Strip {
+    /// The event that ends with `tail` (its earlier bytes are in `held`) is complete.
+    fn event(&mut self, tail: &[u8], usage_only: bool) {
+        self.dropped = false;
+        if std::mem::take(&mut self.raw) {
+            self.out.extend_from_slice(tail);
+        } else if usage_only {
+            self.held.clear();
+            self.dropped = true;
+        } else if self.held.is_empty() {
+            push_without_null_usage(&mut self.out, tail);
+        } else {
+            let mut ev = std::mem::take(&mut self.held);
+            ev.extend_from_slice(tail);
+            push_without_null_usage(&mut self.out, &ev);
+            ev.clear();
+            self.held = ev; // keep the allocation
+        }
+    }
+
+    fn flush(&mut self, rest: &[u8]) {
+        if !rest.is_empty() || !self.held.is_empty() {
+            self.dropped = false;
+        }
+        self.out.append(&mut self.held);
+        self.out.extend_from_slice(rest);
+    }
+}
+
+fn push_without_null_usage(out: &mut Vec<u8>, ev: &[u8]) {
+    match null_usage(ev) {
+        Some((from, to)) => {
+            out.extend_from_slice(&ev[..from]);
+            out.extend_from_slice(&ev[to..]);
+        }
+        None => out.extend_from_slice(ev),
+    }
+}
+
+/// The byte range of a `"usage": null` member in `ev` with the comma that separates it from
+/// its neighbour, if there is one. A raw `"usage"` cannot occur inside a JSON string (its quotes
+/// would be escaped), so a match is a member of some object, in practice the chunk itself.
+pub(crate) fn null_usage(ev: &[u8]) -> Option<(usize, usize)> {
+    const KEY: &[u8] = b"\"usage\"";
+    let ws = |b: &u8| matches!(b, b' ' | b'\t');
+    let k = finder!(Finder, KEY).find(ev)?;
+    let mut e = k + KEY.len();
+    e += ev[e..].iter().take_while(|b| ws(b)).count();
+    if ev.get(e) != Some(&b':') {
+        return None;
+    }
+    e += 1;
+    e += ev[e..].iter().take_while(|b| ws(b)).count();
+    if !ev[e..].starts_with(b"null") {
+        return None;
+    }
+    e += 4;
+    if !matches!(ev.get(e), Some(b' ' | b'\t' | b',' | b'}')) {
+        return None;
+    }
+    // `, "usage": null` after a member, or `"usage": null, ` before one.
+    let before = ev[..k].iter().rev().take_while(|b| ws(b)).count();
+    if k > before && ev[k - before - 1] == b',' {
+        return Some((k - before - 1, e));
+    }
+    let after = ev[e..].iter().take_while(|b| ws(b)).count();
+    if ev.get(e + after) == Some(&b',') {
+        let next = ev[e + after + 1..].iter().take_while(|b| ws(b)).count();
+        return Some((k, e + after + 1 + next));
+    }
+    Some((k, e))
+}
