@@ -55,8 +55,10 @@ pub enum ErrorKind {
     /// No response headers within `upstream.response_timeout_s` / `request_timeout_s`, or (streams)
     /// no first body byte within `upstream.stream_first_byte_timeout_s` (504, retry-safe).
     UpstreamTimeout,
-    /// The gateway cannot take the request now (shutting down, or `server.max_connections`).
+    /// The gateway is shutting down (503).
     ShuttingDown,
+    /// `server.max_connections` are open: the connection is answered and closed (503).
+    TooManyConnections,
 }
 
 /// A request-path failure.
@@ -87,7 +89,9 @@ impl GatewayError {
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
             UpstreamConnect | UpstreamIo | UpstreamTimeout => Side::Upstream,
-            NoWorker | QueueFull | QueueTimeout | ShuttingDown => Side::Internal,
+            NoWorker | QueueFull | QueueTimeout | ShuttingDown | TooManyConnections => {
+                Side::Internal
+            }
         }
     }
 
@@ -119,6 +123,7 @@ impl GatewayError {
             UpstreamIo => "upstream_io",
             UpstreamTimeout => "upstream_timeout",
             ShuttingDown => "shutting_down",
+            TooManyConnections => "too_many_connections",
         }
     }
 
@@ -209,6 +214,12 @@ impl GatewayError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 types::SERVER,
                 Some("shutting_down"),
+                Some(1),
+            ),
+            TooManyConnections => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                types::SERVER,
+                Some("too_many_connections"),
                 Some(1),
             ),
         }

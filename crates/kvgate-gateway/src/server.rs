@@ -174,7 +174,7 @@ async fn refuse(mut stream: tokio::net::TcpStream, tls: bool) {
         return;
     }
     let e = GatewayError::new(
-        ErrorKind::ShuttingDown,
+        ErrorKind::TooManyConnections,
         "too many open connections (server.max_connections); retry later",
     );
     let body = e.json();
