@@ -3,7 +3,9 @@
 //! Suites (one file each, see README.md "Test"): `serve_sdk` (the OpenAI SDK end to end through
 //! `kvgate sim` + `kvgate serve`), `bench_e2e` (`kvgate bench`/`demo`), `docs_match_code` (every
 //! flag, key and metric is documented), `deploy_*` (container, Helm, Prometheus rules, Grafana
-//! dashboard against a live gateway).
+//! dashboard against a live gateway), `adversarial` (misbehaving workers), `framing` (a raw-socket
+//! client corpus). Shared here: [`Gateway`] (a `kvgate serve` child on port 0) and a raw HTTP/1.1
+//! response reader.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
