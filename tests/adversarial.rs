@@ -23,6 +23,9 @@ const MODEL: &str = "adv-model";
 /// Strays the worker wrote in `stray_later` mode (the test waits for each before the next request).
 static STRAYS_WRITTEN: AtomicUsize = AtomicUsize::new(0);
 
+/// `cl_under` answers whose rest is not written yet.
+static LATE_PENDING: AtomicUsize = AtomicUsize::new(0);
+
 /// Low timeouts so that the cases that can only end in a timeout end quickly; `monitor = false`:
 /// the worker speaks only the completions endpoint.
 const CONFIG: &str = r#"
@@ -176,11 +179,13 @@ fn behave(c: &mut TcpStream, mode: &str, id: &str) -> bool {
                 good.len() - 10
             );
             let (a, b) = good.split_at(good.len() - 10);
-            if c.write_all(format!("{head}{a}").as_bytes()).is_err() {
-                return false;
-            }
-            thread::sleep(Duration::from_millis(3));
-            ok(c.write_all(b.as_bytes()))
+            LATE_PENDING.fetch_add(1, Ordering::SeqCst);
+            let r = c.write_all(format!("{head}{a}").as_bytes()).is_ok() && {
+                thread::sleep(Duration::from_millis(3));
+                ok(c.write_all(b.as_bytes()))
+            };
+            LATE_PENDING.fetch_sub(1, Ordering::SeqCst);
+            r
         }
         // content-length 100 too long, then close.
         "cl_over" => {
@@ -329,6 +334,8 @@ enum Outcome {
     /// A 200 whose body ended early (the worker closed mid-body after the head was relayed), with
     /// no foreign id in what arrived.
     Truncated,
+    /// Mutation run only: the worker's damaged answer as it sent it, no foreign id in it.
+    Damaged,
 }
 
 /// Every `id=`-style token in `text`: what the worker echoes (`req-…`).
@@ -374,6 +381,9 @@ fn request(gw: SocketAddr, id: &str, mode: &str) -> Outcome {
         200 if r.complete && ids_in(&text) == [id] => Outcome::Own,
         200 if !r.complete => Outcome::Truncated,
         502..=504 if r.is_openai_error() => Outcome::Error,
+        // A mutated answer passed on as the worker sent it (a flipped status digit, a shorter
+        // content-length): damaged, but the client's own and nobody else's.
+        _ if mode.starts_with("mutate") => Outcome::Damaged,
         s => panic!("{mode} {id}: neither its answer nor an OpenAI error: {s} {text:?}"),
     }
 }
@@ -450,7 +460,17 @@ fn misbehaving_worker_never_mixes_responses() {
                 "{mode}: the misbehaviour went unnoticed: {outs:?}"
             );
         }
-        // The gateway is fine afterwards.
+        // The gateway is fine afterwards, once the worker has written everything it meant to
+        // (a late rest that arrives after the next request was sent fails that request: see
+        // `stray_response_while_pooled_is_never_handed_on`).
+        let end = Instant::now() + HANG;
+        while LATE_PENDING.load(Ordering::SeqCst) > 0 {
+            assert!(
+                Instant::now() < end,
+                "the worker never finished its late writes"
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
         assert_eq!(
             request(
                 gw.addr,
@@ -489,13 +509,14 @@ fn randomly_mutated_worker_responses_never_mix() {
     let (a, b) = (Worker::spawn(true), Worker::spawn(true));
     let gw = Gateway::start(CONFIG, &[a.url(), b.url()], MODEL);
     let outs = run(gw.addr, "mutate", 8, 50);
-    let (own, err, trunc) = (
+    let (own, err, trunc, damaged) = (
         count(&outs, Outcome::Own),
         count(&outs, Outcome::Error),
         count(&outs, Outcome::Truncated),
+        count(&outs, Outcome::Damaged),
     );
     eprintln!(
-        "mutation run: {} requests, 15% mutated: own answer {own}, OpenAI error {err}, truncated {trunc}, mixed 0",
+        "mutation run: {} requests, 15% mutated: own answer {own}, OpenAI error {err}, truncated {trunc}, damaged own {damaged}, mixed 0",
         outs.len()
     );
     assert_eq!(outs.len(), 400);
