@@ -3,7 +3,9 @@
 //! Suites (one file each, see README.md "Test"): `serve_sdk` (the OpenAI SDK end to end through
 //! `kvgate sim` + `kvgate serve`), `bench_e2e` (`kvgate bench`/`demo`), `docs_match_code` (every
 //! flag, key and metric is documented), `deploy_*` (container, Helm, Prometheus rules, Grafana
-//! dashboard against a live gateway).
+//! dashboard against a live gateway), `adversarial` (misbehaving workers), `framing` (a raw-socket
+//! client corpus). Shared here: [`Gateway`] (a `kvgate serve` child on port 0) and a raw HTTP/1.1
+//! response reader.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -35,4 +37,220 @@ pub fn kvgate_bin() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// A `kvgate serve` child on `127.0.0.1:0`, killed (by its pid) and reaped on drop.
+pub struct Gateway {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT` the gateway listens on.
+    pub addr: std::net::SocketAddr,
+    _config: Option<tempfile::NamedTempFile>,
+}
+
+impl Gateway {
+    /// `kvgate serve --listen 127.0.0.1:0 --policy round_robin --no-request-log` in front of
+    /// `workers` serving `model`, with `config` (TOML, may be empty) as its `--config` file.
+    pub fn start(config: &str, workers: &[String], model: &str) -> Gateway {
+        use std::io::{BufRead, Write};
+        let mut file = tempfile::NamedTempFile::new().expect("temp config");
+        file.write_all(config.as_bytes()).expect("write config");
+        let mut child = std::process::Command::new(kvgate_bin())
+            .arg("serve")
+            .arg("--config")
+            .arg(file.path())
+            .args(["--listen", "127.0.0.1:0", "--policy", "round_robin"])
+            .args(["--no-request-log", "--model", model, "--log", "warn"])
+            .arg("--worker")
+            .arg(workers.join(","))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("kvgate serve starts");
+        let mut err = std::io::BufReader::new(child.stderr.take().expect("stderr"));
+        // The address line comes within a few seconds; a gateway that exits first ends the loop.
+        let mut line = String::new();
+        let addr = loop {
+            line.clear();
+            if err.read_line(&mut line).unwrap_or(0) == 0 {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("kvgate serve exited before listening");
+            }
+            if let Some(rest) = line.trim().strip_prefix("kvgate serve: listening on ") {
+                let rest = rest.trim_start_matches("http://");
+                break rest.parse().expect("listen address");
+            }
+        };
+        // Keep draining stderr so the gateway never blocks on a full pipe.
+        std::thread::spawn(move || for _ in err.lines() {});
+        Gateway {
+            child,
+            addr,
+            _config: Some(file),
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 response as a raw-socket client read it.
+#[derive(Debug, Clone)]
+pub struct RawResponse {
+    pub status: u16,
+    /// Field names lowercased.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// The body ended as its framing says (false: the connection closed or timed out first).
+    pub complete: bool,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn body_text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// An OpenAI error body: `{"error": {"message": "...", "type": "..."}}`.
+    pub fn is_openai_error(&self) -> bool {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.body) else {
+            return false;
+        };
+        v["error"]["message"].is_string() && v["error"]["type"].is_string()
+    }
+}
+
+/// Send `bytes` on a fresh connection to `addr`, half-close nothing, and read every response
+/// until the gateway closes the connection or `within` passes (then what was read so far).
+pub fn exchange_raw(
+    addr: std::net::SocketAddr,
+    bytes: &[u8],
+    within: std::time::Duration,
+) -> (Vec<RawResponse>, bool) {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to the gateway");
+    s.write_all(bytes).expect("send");
+    read_until_close(&mut s, within)
+}
+
+/// Read from `s` until EOF or `within` passes; the responses parsed, and whether EOF was seen.
+pub fn read_until_close(
+    s: &mut std::net::TcpStream,
+    within: std::time::Duration,
+) -> (Vec<RawResponse>, bool) {
+    use std::io::Read;
+    let end = std::time::Instant::now() + within;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let mut closed = false;
+    loop {
+        let left = end.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        s.set_read_timeout(Some(left)).expect("read timeout");
+        match s.read(&mut buf) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                break
+            }
+            // A reset after the gateway's answer counts as a close.
+            Err(_) => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    (parse_responses(&got), closed)
+}
+
+/// Every response in `bytes` (the last one possibly incomplete).
+pub fn parse_responses(mut bytes: &[u8]) -> Vec<RawResponse> {
+    let mut out = Vec::new();
+    while let Some(end) = bytes.windows(4).position(|w| w == b"\r\n\r\n") {
+        let head = String::from_utf8_lossy(&bytes[..end]).into_owned();
+        bytes = &bytes[end + 4..];
+        let mut lines = head.split("\r\n");
+        let status = lines
+            .next()
+            .and_then(|l| l.split(' ').nth(1))
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let mut r = RawResponse {
+            status,
+            headers,
+            body: Vec::new(),
+            complete: false,
+        };
+        if (100..200).contains(&status) {
+            continue;
+        }
+        if let Some(n) = r
+            .header("content-length")
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            let take = n.min(bytes.len());
+            r.body = bytes[..take].to_vec();
+            r.complete = take == n;
+            bytes = &bytes[take..];
+        } else if r
+            .header("transfer-encoding")
+            .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+        {
+            loop {
+                let Some(eol) = bytes.windows(2).position(|w| w == b"\r\n") else {
+                    bytes = &[];
+                    break;
+                };
+                let size = std::str::from_utf8(&bytes[..eol])
+                    .ok()
+                    .and_then(|l| usize::from_str_radix(l.split(';').next()?.trim(), 16).ok());
+                let Some(size) = size else {
+                    bytes = &[];
+                    break;
+                };
+                bytes = &bytes[eol + 2..];
+                if size == 0 {
+                    // No trailers from the gateway: the final CRLF.
+                    r.complete = bytes.starts_with(b"\r\n");
+                    bytes = bytes.get(2..).unwrap_or(&[]);
+                    break;
+                }
+                if bytes.len() < size + 2 {
+                    r.body.extend_from_slice(&bytes[..size.min(bytes.len())]);
+                    bytes = &[];
+                    break;
+                }
+                r.body.extend_from_slice(&bytes[..size]);
+                bytes = &bytes[size + 2..];
+            }
+        } else {
+            r.body = bytes.to_vec();
+            r.complete = true;
+            bytes = &[];
+        }
+        out.push(r);
+    }
+    out
 }

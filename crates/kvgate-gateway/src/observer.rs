@@ -64,11 +64,9 @@ impl ObservedBody {
         sse: bool,
         idle_timeout: Option<Duration>,
     ) -> Self {
-        let idle = if sse {
-            idle_timeout.map(|d| (Box::pin(tokio::time::sleep(d)), d))
-        } else {
-            None
-        };
+        // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
+        // (and the worker's load) forever, since `response_timeout_s` ends at the head.
+        let idle = idle_timeout.map(|d| (Box::pin(tokio::time::sleep(d)), d));
         let scan = if sse {
             Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT))
         } else {
@@ -249,9 +247,15 @@ impl Body for ObservedBody {
                     if let Some((sleep, d)) = &mut this.idle {
                         if sleep.as_mut().poll(cx).is_ready() {
                             let secs = d.as_secs_f64();
-                            return this.fail_stream(&format!(
-                                "worker sent nothing for {secs:.0} s mid-stream"
-                            ));
+                            let why = format!("worker sent nothing for {secs:.0} s mid-stream");
+                            if matches!(this.scan, Scan::Sse { .. }) {
+                                return this.fail_stream(&why);
+                            }
+                            // A JSON body whose head is out: only a cut connection says so.
+                            this.done = true;
+                            this.ctx.error = Some("upstream_body");
+                            this.ctx.finish(Outcome::StreamError);
+                            return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
                         }
                     }
                     return Poll::Pending;
@@ -265,7 +269,8 @@ impl Body for ObservedBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        if self.idle.is_some() {
+        // A stream that may end with an appended error event has no known length.
+        if matches!(self.scan, Scan::Sse(_)) && self.idle.is_some() {
             return SizeHint::default();
         }
         let inner = self.inner.size_hint();

@@ -707,3 +707,51 @@ async fn connections_past_the_cap_get_503_and_places_come_back() {
     assert_eq!(r.status, 200, "{}", r.text());
     gw.shutdown().await;
 }
+
+#[tokio::test]
+async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A worker that sends a head and half a JSON body, then nothing, keeping the connection.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let worker = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = vec![0u8; 8192];
+        let _ = s.read(&mut buf).await.unwrap();
+        s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":\"half")
+            .await
+            .unwrap();
+        // Hold the connection open until the gateway gives up on it.
+        let _ = s.read(&mut buf).await;
+    });
+    let mut cfg = config_for(&[], "round_robin");
+    cfg.upstream.monitor = false;
+    cfg.upstream.stream_idle_timeout_s = 1;
+    let mut wc = kvgate_gateway::config::WorkerConfig::from_url(&url);
+    wc.models = vec!["mock-model".into()];
+    cfg.workers.push(wc);
+    let gw = gateway(cfg).await;
+    let body = chat_body("s", "u", false);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{}",
+        body.len(),
+        body
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    // Before the fix this waited forever: only streams had an idle timeout.
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the stalled body was never cut");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.ends_with("{\"id\":\"half"), "{text}");
+    let app = gw.app.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !app.router.active.all().iter().all(|(_, l)| l.inflight == 0) {
+        assert!(std::time::Instant::now() < deadline, "load never released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gw.shutdown().await;
+    worker.abort();
+}

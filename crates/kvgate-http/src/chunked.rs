@@ -123,9 +123,12 @@ impl Decode {
     }
 }
 
-/// A whole line (without its CRLF or LF) from the front of `buf`, if buffered.
+/// A whole line (without its CRLF or LF) from the front of `buf`, if buffered. Over
+/// [`MAX_LINE`] is an error however the line arrived (in one read or in pieces), so that the
+/// answer never depends on how the peer's bytes were cut.
 fn take_line(buf: &mut BytesMut) -> Result<Option<BytesMut>, ChunkError> {
     match memchr::memchr(b'\n', buf) {
+        Some(i) if i > MAX_LINE => Err(ChunkError("malformed chunked body: line too long")),
         Some(i) => {
             let mut line = buf.split_to(i + 1);
             line.truncate(i);

@@ -404,14 +404,14 @@ async fn exchange(
     }
 }
 
-enum Parsed {
+pub(crate) enum Parsed {
     /// A 1xx response was skipped; parse again.
     Interim,
     Head(StatusCode, HeaderMap, Decode, bool),
 }
 
 /// Parse a response head at the start of `buf` and consume it; `None` if it is incomplete.
-fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Error> {
+pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Error> {
     // Where each kept field's name and value lie in the head: the header map is built after the
     // head is split off, its values sharing that buffer instead of a copy each.
     let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];

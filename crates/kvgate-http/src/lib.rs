@@ -15,6 +15,8 @@
 
 pub mod chunked;
 pub mod client;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod head;
 pub mod server;
 

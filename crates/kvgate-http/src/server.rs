@@ -196,15 +196,15 @@ enum HeadRead {
 }
 
 /// A parsed request head.
-struct Head {
-    req: Request<()>,
-    framing: Framing,
-    keep_alive: bool,
-    expect_continue: bool,
+pub(crate) struct Head {
+    pub(crate) req: Request<()>,
+    pub(crate) framing: Framing,
+    pub(crate) keep_alive: bool,
+    pub(crate) expect_continue: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Framing {
+pub(crate) enum Framing {
     None,
     Length(u64),
     Chunked,
@@ -692,7 +692,7 @@ fn has_token(v: &[u8], token: &[u8]) -> bool {
 
 /// Parse a complete request head at the front of `buf` (consumed), or `None` if more bytes are
 /// needed.
-fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Reject> {
+pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Head>, Reject> {
     let too_large = || Reject {
         status: StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         message: format!(

@@ -11,6 +11,11 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+/// Fuzz-target entry points (`fuzz/`); not an API.
+#[doc(hidden)]
+pub mod fuzz {
+    pub use crate::openai::fuzz::request_body;
+}
 pub mod kv_events;
 pub mod openai;
 pub mod prom_text;

@@ -13,6 +13,8 @@
 
 mod cow;
 mod fast;
+#[doc(hidden)]
+pub mod fuzz;
 mod messages;
 mod prompt;
 mod request;

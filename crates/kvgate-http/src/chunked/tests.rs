@@ -97,3 +97,14 @@ fn length_bodies_stop_at_their_length() {
         assert_eq!(&buf[..], b"EXTRA", "bytes after the body are left alone");
     }
 }
+
+#[test]
+fn a_long_trailer_line_is_refused_however_it_arrives() {
+    // Found by the fuzz target `chunked`: in one read the line was accepted, byte by byte not.
+    let mut wire = b"0\r\nx-long: ".to_vec();
+    wire.extend(std::iter::repeat_n(b'a', MAX_LINE + 10));
+    wire.extend_from_slice(b"\r\n\r\n");
+    assert!(decode_in_pieces(Decode::CHUNKED, &wire, &[]).is_err());
+    let every: Vec<usize> = (1..wire.len()).collect();
+    assert!(decode_in_pieces(Decode::CHUNKED, &wire, &every).is_err());
+}
