@@ -59,6 +59,7 @@ impl HttpClient {
                 idle_timeout: Duration::from_secs(30),
                 max_idle_per_host: 2,
                 on_connect: None,
+                on_stray: None,
                 tls: None,
             },
             auth: None,

@@ -99,6 +99,12 @@ impl AppState {
                     let h = metrics.upstream_connect.clone();
                     Arc::new(move |d: Duration| h.observe(d.as_secs_f64()))
                 }),
+                on_stray: Some({
+                    let c = metrics.upstream_stray.clone();
+                    Arc::new(move |_: &http::uri::Authority| {
+                        c.inc();
+                    })
+                }),
                 tls,
             },
             auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),

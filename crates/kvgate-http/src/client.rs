@@ -70,6 +70,18 @@ const KEEP_BUF: usize = 4 * READ_CHUNK;
 /// `kvgate_upstream_connect_seconds`).
 pub type ConnectHook = Arc<dyn Fn(Duration) + Send + Sync>;
 
+/// Called with the worker's address when it wrote bytes after a finished response.
+pub type StrayHook = Arc<dyn Fn(&Authority) + Send + Sync>;
+
+/// How long a worker caught writing after its response gets a new connection for every request.
+///
+/// A stray response that arrives while its connection is idle is caught by the probe at
+/// checkout; one that arrives after the next request was written cannot be told from that
+/// request's answer (HTTP/1.1 has no request ids) and would shift every later answer on the
+/// connection by one. So once a worker is caught once, its connections are not reused for a
+/// while: a fresh connection carries nothing from an earlier request.
+pub const STRAY_QUARANTINE: Duration = Duration::from_secs(60);
+
 /// Client settings (the gateway's come from `[upstream]`).
 #[derive(Clone)]
 pub struct Settings {
@@ -77,6 +89,9 @@ pub struct Settings {
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
     pub on_connect: Option<ConnectHook>,
+    /// Called when a worker is caught writing after its response (its connections are then not
+    /// reused for [`STRAY_QUARANTINE`]).
+    pub on_stray: Option<StrayHook>,
     /// Certificates trusted for `https://` workers; `None`: https requests fail to connect.
     pub tls: Option<Tls>,
 }
@@ -272,7 +287,7 @@ pub async fn send(req: &Outgoing<'_>, s: &Settings, pool: &Pool) -> Result<Respo
     let mut fresh_only = false;
     loop {
         let (io, buf, reused) = match (!fresh_only)
-            .then(|| pool.checkout(&key, Instant::now()))
+            .then(|| pool.checkout(&key, Instant::now(), &s.on_stray))
             .flatten()
         {
             Some((io, buf)) => (io, buf, true),
@@ -386,6 +401,7 @@ async fn exchange(
                         keep_alive,
                         key: key.clone(),
                         pool: pool.clone(),
+                        on_stray: s.on_stray.clone(),
                         idle_timeout: s.idle_timeout,
                         max_idle: s.max_idle_per_host,
                     };
@@ -570,21 +586,41 @@ impl Conn {
     }
 
     /// An idle connection is usable if reading it would block: no end of stream, no stray bytes.
+    /// Bytes that arrived while it sat idle belong to no request: the worker wrote after its
+    /// response.
     /// (On a plain connection `try_read` makes no system call unless the reactor saw the socket
     /// become readable.)
-    fn alive(&mut self) -> bool {
+    fn probe(&mut self) -> IdleState {
         let mut probe = [0u8; 1];
-        match self {
-            Conn::Plain(io) => {
-                matches!(io.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-            }
+        let read = match self {
+            Conn::Plain(io) => match io.try_read(&mut probe) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return IdleState::Alive,
+                r => r,
+            },
             Conn::Tls(io) => {
                 let mut rb = ReadBuf::new(&mut probe);
                 let mut cx = Context::from_waker(std::task::Waker::noop());
-                Pin::new(io).poll_read(&mut cx, &mut rb).is_pending()
+                match Pin::new(io).poll_read(&mut cx, &mut rb) {
+                    Poll::Pending => return IdleState::Alive,
+                    Poll::Ready(r) => r.map(|()| rb.filled().len()),
+                }
             }
+        };
+        match read {
+            Ok(n) if n > 0 => IdleState::Stray,
+            _ => IdleState::Closed,
         }
     }
+}
+
+/// What a probe of an idle connection found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IdleState {
+    Alive,
+    /// The worker closed it (or it failed): normal for an idle connection.
+    Closed,
+    /// Bytes arrived while it was idle: the worker wrote something after its response.
+    Stray,
 }
 
 /// A worker's response body, read from its connection as the client side polls it.
@@ -601,6 +637,7 @@ pub struct ResponseBody {
     key: Key,
     /// Where the connection goes back to.
     pool: Pool,
+    on_stray: Option<StrayHook>,
     idle_timeout: Duration,
     max_idle: usize,
 }
@@ -619,7 +656,14 @@ impl ResponseBody {
     /// The body ended: pool the connection if it can carry another request, else close it.
     fn release(&mut self) {
         if let Some(io) = self.io.take() {
-            if self.keep_alive && self.buf.is_empty() {
+            if !self.buf.is_empty() {
+                // Bytes after the end of the response, in the same read: the worker wrote more
+                // than its response. Closed, and the worker's connections are not reused for a
+                // while (`Pool::stray`).
+                self.pool.stray(&self.key, Instant::now(), &self.on_stray);
+                return;
+            }
+            if self.keep_alive {
                 // The buffer stays with the connection unless a large response grew it.
                 let buf = if self.grown {
                     BytesMut::new()

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use http::uri::Authority;
 
-use super::Conn;
+use super::{Conn, IdleState, StrayHook, STRAY_QUARANTINE};
 
 /// Pool key: a worker address, and the TLS configuration it is reached with (0: plain).
 ///
@@ -43,7 +43,12 @@ struct Idle {
     expires: Instant,
 }
 
-type Stacks = HashMap<Key, Vec<Idle>, ahash::RandomState>;
+#[derive(Default)]
+struct Stacks {
+    idle: HashMap<Key, Vec<Idle>, ahash::RandomState>,
+    /// Workers caught writing after a response, and until when their connections are not reused.
+    quarantined: HashMap<Key, Instant, ahash::RandomState>,
+}
 
 /// Idle keep-alive connections to workers, keyed by worker address, newest last (a few hot
 /// connections rather than many lukewarm ones), bounded by `Settings::max_idle_per_host` and
@@ -63,9 +68,14 @@ impl Pool {
     }
 
     /// A live idle connection for `key`, newest first.
-    pub(super) fn checkout(&self, key: &Key, now: Instant) -> Option<(Conn, BytesMut)> {
+    pub(super) fn checkout(
+        &self,
+        key: &Key,
+        now: Instant,
+        on_stray: &Option<StrayHook>,
+    ) -> Option<(Conn, BytesMut)> {
         let mut p = self.stacks();
-        let stack = p.get_mut(key)?;
+        let stack = p.idle.get_mut(key)?;
         while let Some(mut c) = stack.pop() {
             if c.expires <= now {
                 // Everything below is older still.
@@ -78,11 +88,35 @@ impl Pool {
             // next request's answer. The probe reads the socket itself (the reactor's readiness
             // is still set from the last response's read, so it is never skipped on a stale
             // flag): one non-blocking `recv` per reused connection.
-            if c.io.alive() {
-                return Some((c.io, c.buf));
+            match c.io.probe() {
+                IdleState::Alive => return Some((c.io, c.buf)),
+                IdleState::Closed => {}
+                IdleState::Stray => {
+                    drop(p);
+                    self.stray(key, now, on_stray);
+                    return None;
+                }
             }
         }
         None
+    }
+
+    /// The worker at `key` wrote after a finished response: close its idle connections and
+    /// reuse none for [`STRAY_QUARANTINE`].
+    pub(super) fn stray(&self, key: &Key, now: Instant, on_stray: &Option<StrayHook>) {
+        tracing::warn!(
+            worker = %key.authority,
+            "worker wrote bytes after a finished response; its connections are not reused for {:?}",
+            STRAY_QUARANTINE
+        );
+        {
+            let mut p = self.stacks();
+            p.idle.remove(key);
+            p.quarantined.insert(key.clone(), now + STRAY_QUARANTINE);
+        }
+        if let Some(hook) = on_stray {
+            hook(&key.authority);
+        }
     }
 
     pub(super) fn checkin(
@@ -98,7 +132,13 @@ impl Pool {
             return;
         }
         let mut p = self.stacks();
-        let stack = p.entry(key).or_default();
+        if let Some(&until) = p.quarantined.get(&key) {
+            if now < until {
+                return;
+            }
+            p.quarantined.remove(&key);
+        }
+        let stack = p.idle.entry(key).or_default();
         if stack.len() >= max {
             stack.remove(0);
         }
@@ -112,15 +152,18 @@ impl Pool {
     /// Close the idle connections whose idle time is over (the gateway's io threads call this
     /// every second, so connections to a worker that gets no more traffic do not stay open).
     pub fn evict_idle(&self, now: Instant) {
-        self.stacks().retain(|_, stack| {
+        let mut p = self.stacks();
+        p.idle.retain(|_, stack| {
             stack.retain(|c| c.expires > now);
             !stack.is_empty()
         });
+        p.quarantined.retain(|_, until| *until > now);
     }
 
     /// Idle connections to `authority` (plain or TLS).
     pub fn idle_count(&self, authority: &Authority) -> usize {
         self.stacks()
+            .idle
             .iter()
             .filter(|(k, _)| k.authority.as_str() == authority.as_str())
             .map(|(_, s)| s.len())
@@ -131,7 +174,7 @@ impl Pool {
     #[cfg(test)]
     pub(crate) fn newest_buf(&self, key: &Key) -> Option<(bool, usize)> {
         let p = self.stacks();
-        let c = p.get(key)?.last()?;
+        let c = p.idle.get(key)?.last()?;
         Some((c.buf.is_empty(), c.buf.capacity()))
     }
 }

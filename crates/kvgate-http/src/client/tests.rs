@@ -186,6 +186,7 @@ fn settings() -> Settings {
         idle_timeout: Duration::from_secs(60),
         max_idle_per_host: 4,
         on_connect: None,
+        on_stray: None,
         tls: None,
     }
 }
@@ -404,6 +405,57 @@ async fn bytes_written_after_a_response_never_answer_the_next_request() {
         );
     }
     assert_eq!(conns.load(Ordering::SeqCst), 3);
+}
+
+/// A worker caught writing after its response (here: a duplicate of every answer, 5 ms late, the
+/// pattern that shifts every later answer on a connection by one when the next request is written
+/// before the duplicate arrives) gets a fresh connection for every request from then on: no
+/// answer can be another request's, whatever the timing.
+#[tokio::test(flavor = "current_thread")]
+async fn a_worker_caught_writing_after_its_response_gets_no_reused_connections() {
+    let strays = Arc::new(AtomicUsize::new(0));
+    let seen = strays.clone();
+    let s = Settings {
+        on_stray: Some(Arc::new(move |_: &Authority| {
+            seen.fetch_add(1, Ordering::SeqCst);
+        })),
+        ..settings()
+    };
+    let numbered = |n: usize| {
+        let body = format!("answer-{n}");
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    };
+    let (a, conns) = misbehaving_worker(
+        numbered,
+        |_| false,
+        move |n| Some((Duration::from_millis(5), numbered(n))),
+    )
+    .await;
+    // The first answer, then a pause: its duplicate is caught at the next checkout.
+    assert_eq!(post(&a, &s).await.unwrap().1, b"answer-0");
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    // From here on, requests follow each other at once (the duplicate would arrive after the
+    // next request was written): each gets its own answer on its own connection.
+    for i in 1..6 {
+        let (status, body) = post(&a, &s).await.unwrap();
+        assert_eq!(
+            (status, String::from_utf8(body).unwrap()),
+            (StatusCode::OK, format!("answer-{i}"))
+        );
+        assert_eq!(idle_count(&a), 0, "nothing pooled for a quarantined worker");
+    }
+    assert_eq!(strays.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        6,
+        "a new connection per request"
+    );
+    // The quarantine ends with the sweep after its time.
+    evict_idle(Instant::now() + STRAY_QUARANTINE + Duration::from_secs(1));
 }
 
 /// A pooled connection keeps its read buffer for the next response: a response body still held
