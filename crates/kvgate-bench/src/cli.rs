@@ -29,7 +29,7 @@ pub enum BenchCommand {
 /// What to send.
 #[derive(Args, Debug, Clone)]
 pub struct WorkloadArgs {
-    /// shared-prefix | multi-turn | mooncake:FILE | azure:FILE
+    /// shared-prefix | multi-turn | agentic | mooncake:FILE | azure:FILE
     #[arg(long, default_value = "shared-prefix")]
     pub workload: String,
     /// Seed for every random choice (content, shuffles, Poisson arrivals).
@@ -59,15 +59,27 @@ pub struct WorkloadArgs {
     /// shared-prefix: question tokens (unique per prompt).
     #[arg(long, default_value_t = 128)]
     pub question_tokens: usize,
-    /// multi-turn: sessions.
+    /// multi-turn / agentic: sessions.
     #[arg(long, default_value_t = 32)]
     pub sessions: usize,
-    /// multi-turn: turns per session.
+    /// multi-turn: turns per session; agentic: mean turns per session.
     #[arg(long, default_value_t = 4)]
     pub turns: usize,
-    /// multi-turn: tokens per user message.
+    /// multi-turn / agentic: tokens per user message.
     #[arg(long, default_value_t = 128)]
     pub user_tokens: usize,
+    /// agentic: distinct system prompts the sessions share.
+    #[arg(long, default_value_t = 4)]
+    pub system_prompts: usize,
+    /// agentic: mean tool-result tokens appended per tool turn.
+    #[arg(long, default_value_t = 384)]
+    pub tool_tokens: usize,
+    /// agentic: session starts per second (Poisson).
+    #[arg(long, default_value_t = 1.0)]
+    pub session_rate: f64,
+    /// agentic: mean think time between a session's turns, ms (exponential).
+    #[arg(long, default_value_t = 2000.0)]
+    pub think_ms: f64,
 }
 
 impl WorkloadArgs {
@@ -88,6 +100,17 @@ impl WorkloadArgs {
                 turns: self.turns,
                 system_tokens: self.system_tokens,
                 user_tokens: self.user_tokens,
+            },
+            agentic: workload::agentic::Agentic {
+                sessions: self.sessions,
+                turns: self.turns,
+                system_prompts: self.system_prompts,
+                system_tokens: self.system_tokens,
+                user_tokens: self.user_tokens,
+                tool_tokens: self.tool_tokens,
+                session_rate: self.session_rate,
+                think_ms: self.think_ms,
+                ..Default::default()
             },
             output_len: self.output_len,
         }

@@ -1,7 +1,8 @@
 //! Workloads: a deterministic list of requests (token-id prompts, output lengths, optional arrival
-//! times) built from a spec string such as `shared-prefix`, `multi-turn`, `mooncake:FILE` or
+//! times) built from a spec string such as `shared-prefix`, `multi-turn`, `agentic`, `mooncake:FILE` or
 //! `azure:FILE`. Prompts are token ids so the oracle and the router hash exactly the same blocks.
 
+pub mod agentic;
 pub mod azure;
 pub mod mooncake;
 pub mod multi_turn;
@@ -64,6 +65,7 @@ pub struct WorkloadOptions {
     pub max_output_tokens: Option<u32>,
     pub shared_prefix: shared_prefix::SharedPrefix,
     pub multi_turn: multi_turn::MultiTurn,
+    pub agentic: agentic::Agentic,
     /// Output length for synthetic workloads.
     pub output_len: u32,
 }
@@ -77,6 +79,7 @@ impl Default for WorkloadOptions {
             max_output_tokens: None,
             shared_prefix: shared_prefix::SharedPrefix::default(),
             multi_turn: multi_turn::MultiTurn::default(),
+            agentic: agentic::Agentic::default(),
             output_len: 64,
         }
     }
@@ -98,8 +101,19 @@ pub fn load(spec: &str, opts: &WorkloadOptions) -> anyhow::Result<Workload> {
         }
         None if spec == "shared-prefix" => opts.shared_prefix.build(opts.output_len, opts.seed),
         None if spec == "multi-turn" => opts.multi_turn.build(opts.output_len, opts.seed),
+        None if spec == "agentic" => {
+            let mut wl = opts.agentic.build(opts.output_len, opts.seed)?;
+            anyhow::ensure!(
+                opts.time_scale.is_finite() && opts.time_scale > 0.0,
+                "--time-scale must be > 0"
+            );
+            for r in &mut wl.requests {
+                r.at = r.at.map(|t| t.mul_f64(opts.time_scale));
+            }
+            wl
+        }
         _ => anyhow::bail!(
-            "unknown workload {spec:?}: expected shared-prefix, multi-turn, mooncake:FILE or azure:FILE"
+            "unknown workload {spec:?}: expected shared-prefix, multi-turn, agentic, mooncake:FILE or azure:FILE"
         ),
     };
     if let Some(cap) = opts.max_output_tokens {

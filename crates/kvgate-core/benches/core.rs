@@ -157,6 +157,35 @@ fn bench_query_and_select(c: &mut Criterion) {
             b.iter(|| select(black_box(h), &mut cands, &mut scores))
         });
     }
+    g.finish();
+
+    let latency = policy_by_name("latency", &PolicyConfig::default()).unwrap();
+    let mut model = LatencyModel::new(LearnConfig::default());
+    for w in 0..WORKERS {
+        model.add_worker(WorkerId(w), Speed::uniform(1.0 + f64::from(w % 4) * 0.25));
+    }
+    let mut rng2 = fastrand::Rng::with_seed(3);
+    let mut g = c.benchmark_group("latency_select_64w_8k_prompt");
+    for (name, h) in [
+        ("prefix_128_on_8", &partial),
+        ("worst_512_on_all_64", &hot_h),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                score_candidates(&ix, &active, black_box(h), now, &mut scores, &mut cands);
+                model.fill(&mut cands);
+                let req = RouteRequest {
+                    hashes: h,
+                    isl_tokens: PROMPT_TOKENS as u64,
+                    block_size: BS as u32,
+                    affinity_key: None,
+                };
+                latency.select(&req, &cands, &mut rng2)
+            })
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("kv_select_64w_8k_prompt");
     let tokens = seq_tokens(5);
     let mut hbuf = Vec::new();
     g.bench_function("with_hashing_prefix_128_on_8", |b| {
@@ -426,6 +455,46 @@ fn report() {
     }
     // Predictions lapse: the loops below see confirmed blocks only, as variants 0 and 1 did.
     ix.expire(now + Duration::from_secs(120));
+    // `kv` against `latency` (with the latency model's fill, as the gateway does), interleaved in
+    // one loop so both see the same machine load.
+    {
+        let latency = policy_by_name("latency", &PolicyConfig::default()).unwrap();
+        let mut model = LatencyModel::new(LearnConfig::default());
+        for w in 0..WORKERS {
+            model.add_worker(WorkerId(w), Speed::uniform(1.0 + f64::from(w % 4) * 0.25));
+        }
+        let (mut kv_lat, mut lat_lat) = (Vec::new(), Vec::new());
+        for i in 0..40_000 {
+            fresh.clear();
+            fresh.extend_from_slice(&prompts[(i / 2) % prompts.len()]);
+            let use_latency = i % 2 == 1;
+            let (_, el, kept) = sched.time(|| {
+                score_candidates(&ix, &active, &fresh, now, &mut scores, &mut cands);
+                let req = RouteRequest {
+                    hashes: &fresh,
+                    isl_tokens: PROMPT_TOKENS as u64,
+                    block_size: BS as u32,
+                    affinity_key: None,
+                };
+                if use_latency {
+                    model.fill(&mut cands);
+                    black_box(latency.select(&req, &cands, &mut rng)).unwrap()
+                } else {
+                    black_box(policy.select(&req, &cands, &mut rng)).unwrap()
+                }
+            });
+            if kept {
+                if use_latency {
+                    lat_lat.push(el);
+                } else {
+                    kv_lat.push(el);
+                }
+            }
+        }
+        println!("  kv vs latency selection, interleaved, prompt hashes in cache, calls not descheduled:");
+        println!("    kv:      {}", percentiles(kv_lat));
+        println!("    latency: {}", percentiles(lat_lat));
+    }
     // The same prompts through the index query alone (where the selection's time goes).
     print_undisturbed(
         "of which find_matches alone (hashes in cache)",

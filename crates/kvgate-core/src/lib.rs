@@ -13,6 +13,8 @@
 //!   requests) with a drop guard ([`LoadGuard`]) so no path can leak load.
 //! - [`select`]: the candidate/decision types, the busy filter, the kv cost model and the
 //!   temperature-based pick; [`score_candidates`] fills candidates from index + load in one call.
+//! - [`latency`]: [`LatencyModel`], each worker's speed learned online from observed TTFT and ITL,
+//!   and the TTFT/ITL estimate of a request on a candidate (used by the `latency` policy).
 //! - [`policy`]: the [`Policy`] trait and one file per policy, selectable by name with
 //!   [`policy_by_name`].
 //! - `nohash.rs`: hashers for maps keyed by values that are already hashes.
@@ -42,6 +44,7 @@
 
 pub mod hash;
 pub mod index;
+pub mod latency;
 pub mod load;
 mod nohash;
 pub mod policy;
@@ -54,10 +57,13 @@ pub use hash::{
 pub use index::{
     ApproxConfig, IndexError, IndexMode, KvIndex, OverlapScores, DEFAULT_PREDICTED_TTL,
 };
+pub use latency::{
+    LatencyConfig, LatencyModel, LearnConfig, Speed, TimingCurve, TtftEstimate, WorkerFit,
+};
 pub use load::{ActiveSequences, LoadGuard, WorkerLoad};
 pub use policy::{
-    policy_by_name, CacheAwareConfig, ConsistentHashConfig, Policy, PolicyConfig, UnknownPolicy,
-    POLICY_NAMES,
+    policy_by_name, CacheAwareConfig, ConsistentHashConfig, LatencyPolicyConfig, Policy,
+    PolicyConfig, UnknownPolicy, POLICY_NAMES,
 };
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_with, score_candidates, BusyThresholds, Candidate,

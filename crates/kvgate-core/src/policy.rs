@@ -1,6 +1,7 @@
 //! The [`Policy`] trait and the policies, one per file, selectable by name for A/B comparison:
 //! `round_robin`, `random`, `least_loaded`, `power_of_two`, `consistent_hash`, `cache_aware`, and
-//! `kv` (the cost model of [`crate::select`], the default).
+//! `kv` (the cost model of [`crate::select`], the default), and `latency` (predicted TTFT from each
+//! worker's learned speed, [`crate::latency`]).
 //!
 //! Every policy applies the same busy filter first ([`PolicyConfig::busy`]: busy workers are skipped
 //! unless all are busy) and returns `None` only when there are no candidates. Policies take `&self`
@@ -9,6 +10,7 @@
 mod cache_aware;
 mod consistent_hash;
 mod kv;
+mod latency;
 mod least_loaded;
 mod power_of_two;
 mod random;
@@ -17,6 +19,7 @@ mod round_robin;
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use kv::KvPolicy;
+pub use latency::{LatencyPolicy, LatencyPolicyConfig};
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
@@ -56,11 +59,14 @@ pub struct PolicyConfig {
     pub cache_aware: CacheAwareConfig,
     /// The `consistent_hash` policy.
     pub consistent_hash: ConsistentHashConfig,
+    /// The `latency` policy.
+    pub latency: LatencyPolicyConfig,
 }
 
 /// Every policy name [`policy_by_name`] accepts, default first.
-pub const POLICY_NAMES: [&str; 7] = [
+pub const POLICY_NAMES: [&str; 8] = [
     "kv",
+    "latency",
     "round_robin",
     "random",
     "least_loaded",
@@ -91,6 +97,7 @@ pub fn policy_by_name(name: &str, cfg: &PolicyConfig) -> Result<Box<dyn Policy>,
     let norm = name.trim().to_ascii_lowercase().replace('-', "_");
     Ok(match norm.as_str() {
         "kv" => Box::new(KvPolicy::new(cfg.kv, cfg.busy)),
+        "latency" => Box::new(LatencyPolicy::new(cfg.latency, cfg.busy)),
         "round_robin" => Box::new(RoundRobin::new(cfg.busy)),
         "random" => Box::new(Random::new(cfg.busy)),
         "least_loaded" => Box::new(LeastLoaded::new(cfg.busy)),

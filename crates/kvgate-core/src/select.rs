@@ -46,6 +46,8 @@ pub struct Candidate {
     pub scraped: Option<ScrapedLoad>,
     /// Whether the worker caches prefixes at all; when false its overlap is taken as 0.
     pub kv_scoring: bool,
+    /// The worker's learned speed (see [`crate::latency`]); 1 = the reference timing curve.
+    pub speed: crate::latency::Speed,
 }
 
 impl Candidate {
@@ -60,6 +62,10 @@ impl Candidate {
             inflight: 0,
             scraped: None,
             kv_scoring: true,
+            speed: crate::latency::Speed {
+                prefill: 1.0,
+                decode: 1.0,
+            },
         }
     }
 

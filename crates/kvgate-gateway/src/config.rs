@@ -168,6 +168,17 @@ pub struct RoutingConfig {
     pub predicted_ttl_s: u64,
     /// Tokenizer of pools without `[models."name"] tokenizer` (default: approximate + ChatML).
     pub tokenizer: Option<kvgate_tokenize::TokenizerSpec>,
+    /// `latency` policy: weight of the decode slowdown a request inflicts on the requests already
+    /// on a worker (request·ms per ms of its own TTFT); 0 = its own TTFT only.
+    pub latency_decode_weight: f64,
+    /// Latency model's prefill step curve `[a, b, c]`: ms = a·T² + b·T + c for T new tokens at
+    /// speed 1 (default: the Dynamo mocker fit, also `kvgate sim`'s).
+    pub latency_prefill_coeffs: Option<[f64; 3]>,
+    /// Latency model's decode step curve `[a, b, c]`: ms = a·p² + b·p + c at KV usage p.
+    pub latency_decode_coeffs: Option<[f64; 3]>,
+    /// `latency` policy: among workers predicted to meet `[slo] ttft_ms` / `itl_ms`, prefer the
+    /// longest cached prefix (otherwise the fastest).
+    pub slo_routing: bool,
 }
 
 impl Default for RoutingConfig {
@@ -189,6 +200,10 @@ impl Default for RoutingConfig {
             approx_capacity_blocks: 1 << 16,
             predicted_ttl_s: 5,
             tokenizer: None,
+            latency_decode_weight: 0.25,
+            latency_prefill_coeffs: None,
+            latency_decode_coeffs: None,
+            slo_routing: false,
         }
     }
 }

@@ -118,6 +118,15 @@ impl RequestCtx {
             self.first_token = Some(now);
             if let Some(g) = &self.guard {
                 g.prefill_done();
+                // A non-streamed response's "first token" is its end: not a TTFT to learn from.
+                if self.stream {
+                    if let Some((predicted, observed)) = g.observe_first_token(now) {
+                        self.app
+                            .metrics
+                            .ttft_prediction_error
+                            .observe((predicted - observed).abs() / observed.max(1e-3));
+                    }
+                }
             }
         } else if let Some(prev) = self.last_token {
             let gap = now.duration_since(prev).as_secs_f64();
@@ -154,6 +163,9 @@ impl RequestCtx {
             return;
         }
         self.finished = true;
+        if let (Some(g), true, Outcome::Complete) = (&self.guard, self.itl_n > 0, outcome) {
+            g.observe_itl(self.itl_sum / f64::from(self.itl_n) * 1000.0);
+        }
         // Release the worker's load first: a queued request may be waiting for it.
         drop(self.guard.take());
         let h = self.handles();

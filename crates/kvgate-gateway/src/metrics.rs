@@ -91,6 +91,9 @@ fn sub_ms_buckets() -> Histogram {
         0.0025, 0.01, 0.1,
     ])
 }
+fn error_ratio_buckets() -> Histogram {
+    Histogram::new([0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0])
+}
 fn ratio_buckets() -> Histogram {
     Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0])
 }
@@ -117,6 +120,9 @@ pub struct Metrics {
     pub inflight: Family<WorkerLabel, Gauge>,
     pub active_blocks: Family<WorkerLabel, Gauge>,
     pub pending_prefill: Family<WorkerLabel, Gauge>,
+    pub predicted_ttft: Family<WorkerLabel, FGauge>,
+    pub prefill_throughput: Family<WorkerLabel, FGauge>,
+    pub ttft_prediction_error: Histogram,
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     pub worker_breaker: Family<WorkerLabel, Gauge>,
     pub index_blocks: Gauge,
@@ -211,6 +217,9 @@ impl Metrics {
             inflight: reg!("kvgate_inflight_requests", "Requests in flight to each worker through this gateway.", Family::default()),
             active_blocks: reg!("kvgate_worker_active_blocks", "KV blocks held by this gateway's in-flight requests on each worker.", Family::default()),
             pending_prefill: reg!("kvgate_worker_pending_prefill_tokens", "Prompt tokens sent to each worker whose first token has not arrived yet.", Family::default()),
+            predicted_ttft: reg!("kvgate_worker_predicted_ttft_seconds", "Predicted TTFT (from dispatch) of the last request routed to each worker, by the latency model.", Family::default()),
+            prefill_throughput: reg!("kvgate_worker_prefill_tokens_per_second", "Each worker's fitted prefill throughput: a 1024-token prompt on the idle worker at its learned speed.", Family::default()),
+            ttft_prediction_error: reg!("kvgate_ttft_prediction_error_ratio", "|predicted - observed| / observed TTFT (from dispatch) of streamed requests, per request.", error_ratio_buckets()),
             worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining and its breaker is not open.", Family::default()),
             worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
             index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers), predicted ones included.", Gauge::default()),

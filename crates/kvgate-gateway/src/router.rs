@@ -4,6 +4,11 @@
 //!
 //! The index sits behind a `parking_lot::RwLock` (queries share it; writes are short); the policy is
 //! swapped whole on reload. Scratch buffers live in a thread-local so a decision does not allocate.
+//!
+//! The latency model (`kvgate_core::LatencyModel`, each worker's learned speed) is read once per
+//! decision into the candidates, whatever the policy, so every pick carries a TTFT prediction; the
+//! dispatch guard feeds the observed TTFT (at the first streamed token) and mean ITL (at the end)
+//! back into it.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,11 +18,12 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvgate_core::{
     all_busy, score_candidates, ActiveSequences, BusyThresholds, Candidate, Decision, IndexMode,
-    KvIndex, LoadGuard, OverlapScores, Policy, PolicyConfig, RouteRequest, WorkerId,
+    KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard, OverlapScores, Policy,
+    PolicyConfig, RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
 };
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
-use crate::config::RoutingConfig;
+use crate::config::{RoutingConfig, SloConfig};
 use crate::registry::{Pool, Worker};
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
@@ -26,11 +32,62 @@ pub struct RoutePolicy {
     pub busy: BusyThresholds,
     /// A worker with this many requests in flight from us is busy (0 = no bound).
     pub max_inflight: u32,
+    /// How TTFT is estimated (every policy's picks carry a prediction).
+    pub latency: LatencyConfig,
+}
+
+/// The speed a worker kind starts from before it has been observed (1 = the Dynamo/sim curve).
+/// llama.cpp and Ollama prefill about 10× slower than the GPU engines the curve was fitted on
+/// (docs/bench.md's prefill-bound fleet) and decode somewhat slower.
+pub fn kind_seed(kind: &str) -> Speed {
+    match kind {
+        "llamacpp" | "ollama" => Speed {
+            prefill: 10.0,
+            decode: 2.0,
+        },
+        _ => Speed::default(),
+    }
 }
 
 impl RoutePolicy {
-    pub fn from_config(cfg: &RoutingConfig) -> anyhow::Result<Self> {
+    pub fn from_config(cfg: &RoutingConfig, slo: &SloConfig) -> anyhow::Result<Self> {
         let mut pc = PolicyConfig::default();
+        let curve = TimingCurve {
+            prefill: cfg
+                .latency_prefill_coeffs
+                .unwrap_or(TimingCurve::default().prefill),
+            decode: cfg
+                .latency_decode_coeffs
+                .unwrap_or(TimingCurve::default().decode),
+        };
+        anyhow::ensure!(
+            curve
+                .prefill
+                .iter()
+                .chain(&curve.decode)
+                .all(|x| x.is_finite()),
+            "routing.latency_prefill_coeffs / latency_decode_coeffs must be finite numbers"
+        );
+        anyhow::ensure!(
+            cfg.latency_decode_weight.is_finite() && cfg.latency_decode_weight >= 0.0,
+            "routing.latency_decode_weight must be a finite number >= 0, got {}",
+            cfg.latency_decode_weight
+        );
+        let latency = LatencyConfig {
+            curve,
+            pending_weight: 1.0,
+        };
+        pc.latency.model = latency;
+        pc.latency.decode_weight = cfg.latency_decode_weight;
+        pc.latency.temperature = cfg.temperature;
+        if cfg.slo_routing {
+            anyhow::ensure!(
+                slo.ttft_ms > 0.0 || slo.itl_ms > 0.0,
+                "routing.slo_routing needs [slo] ttft_ms or itl_ms > 0"
+            );
+            pc.latency.slo_ttft_ms = slo.ttft_ms.max(0.0);
+            pc.latency.slo_itl_ms = slo.itl_ms.max(0.0);
+        }
         pc.kv.prefill_weight = cfg.prefill_weight;
         anyhow::ensure!(
             cfg.pending_prefill_weight.is_finite() && cfg.pending_prefill_weight >= 0.0,
@@ -51,6 +108,7 @@ impl RoutePolicy {
             policy,
             busy: pc.busy,
             max_inflight: cfg.max_inflight_per_worker,
+            latency,
         })
     }
 }
@@ -59,6 +117,8 @@ pub struct Router {
     pub policy: ArcSwap<RoutePolicy>,
     pub index: RwLock<KvIndex>,
     pub active: ActiveSequences,
+    /// Each worker's learned speed; shared with the dispatch guards that feed it.
+    pub latency: Arc<Mutex<LatencyModel>>,
     next_request: AtomicU64,
 }
 
@@ -74,6 +134,8 @@ pub enum NoPick {
 pub struct Pick {
     pub worker: Arc<Worker>,
     pub decision: Decision,
+    /// The request's predicted TTFT/ITL on the chosen worker.
+    pub estimate: TtftEstimate,
 }
 
 #[derive(Default)]
@@ -93,12 +155,15 @@ impl Router {
             policy: ArcSwap::from_pointee(policy),
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
+            latency: Arc::new(Mutex::new(LatencyModel::new(LearnConfig::default()))),
             next_request: AtomicU64::new(1),
         }
     }
 
-    /// Register a worker with the index: exact when it publishes KV events, else approximate.
-    pub fn add_worker(&self, id: WorkerId, exact: bool, routing: &RoutingConfig) {
+    /// Register a worker with the index (exact when it publishes KV events, else approximate) and
+    /// the latency model (seeded from its kind).
+    pub fn add_worker(&self, id: WorkerId, exact: bool, kind: &str, routing: &RoutingConfig) {
+        self.latency.lock().add_worker(id, kind_seed(kind));
         let mode = if exact {
             IndexMode::Exact
         } else {
@@ -115,6 +180,7 @@ impl Router {
     pub fn remove_worker(&self, id: WorkerId) {
         self.index.write().remove_worker(id);
         self.active.remove_worker(id);
+        self.latency.lock().remove_worker(id);
     }
 
     /// Choose a worker of `pool` for a request with block `hashes` and `isl` prompt tokens,
@@ -163,12 +229,12 @@ impl Router {
                     NoPick::NoWorker
                 });
             }
-            if rp.policy.uses_overlap() {
+            // Overlap for every policy: the TTFT prediction of the pick needs its uncached tokens.
+            {
                 let index = self.index.read();
                 score_candidates(&index, &self.active, hashes, now, scores, candidates);
-            } else {
-                self.active.fill_loads(hashes, candidates);
             }
+            self.latency.lock().fill(candidates);
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
                 return Err(NoPick::AllBusy);
             }
@@ -188,7 +254,16 @@ impl Router {
                 .find(|w| w.id == decision.worker)
                 .cloned()
                 .ok_or(NoPick::NoWorker)?;
-            Ok(Pick { worker, decision })
+            let estimate = candidates
+                .iter()
+                .find(|c| c.worker == decision.worker)
+                .map(|c| rp.latency.estimate(&req, c))
+                .unwrap_or_default();
+            Ok(Pick {
+                worker,
+                decision,
+                estimate,
+            })
         })
     }
 
@@ -224,10 +299,19 @@ impl Router {
         }
         pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
+        self.latency
+            .lock()
+            .record_routed(pick.worker.id, &pick.estimate);
         DispatchGuard {
             core: Some(core),
             worker: pick.worker.clone(),
             on_release: None,
+            latency: LatencyFeed {
+                model: self.latency.clone(),
+                estimate: pick.estimate,
+                dispatched: now,
+                first_token_seen: std::sync::atomic::AtomicBool::new(false),
+            },
         }
     }
 }
@@ -238,6 +322,15 @@ pub struct DispatchGuard {
     core: Option<LoadGuard>,
     pub worker: Arc<Worker>,
     pub on_release: Option<Arc<crate::admission::Admission>>,
+    latency: LatencyFeed,
+}
+
+/// What the latency model learns from one dispatched request.
+struct LatencyFeed {
+    model: Arc<Mutex<LatencyModel>>,
+    estimate: TtftEstimate,
+    dispatched: Instant,
+    first_token_seen: std::sync::atomic::AtomicBool,
 }
 
 impl DispatchGuard {
@@ -245,6 +338,29 @@ impl DispatchGuard {
         if let Some(c) = &self.core {
             c.mark_prefill_done();
         }
+    }
+
+    /// The first streamed token arrived at `now`: teaches the latency model this worker's TTFT
+    /// (from dispatch, so gateway queueing is not charged to the worker). Returns the predicted and
+    /// observed TTFT in ms, once per dispatch.
+    pub fn observe_first_token(&self, now: Instant) -> Option<(f64, f64)> {
+        let f = &self.latency;
+        if f.first_token_seen.swap(true, Ordering::Relaxed) {
+            return None;
+        }
+        let observed = now.saturating_duration_since(f.dispatched).as_secs_f64() * 1000.0;
+        f.model
+            .lock()
+            .observe_ttft(self.worker.id, &f.estimate, observed);
+        Some((f.estimate.predicted_ms, observed))
+    }
+
+    /// The request streamed with mean inter-token gap `itl_ms`: teaches the worker's decode speed.
+    pub fn observe_itl(&self, itl_ms: f64) {
+        let f = &self.latency;
+        f.model
+            .lock()
+            .observe_itl(self.worker.id, &f.estimate, itl_ms);
     }
 }
 

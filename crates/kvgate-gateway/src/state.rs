@@ -80,7 +80,7 @@ fn worker_tls(config: &Config) -> anyhow::Result<Option<kvgate_http::client::Tls
 impl AppState {
     pub fn new(config: Arc<Config>, shutdown: CancellationToken) -> anyhow::Result<Arc<Self>> {
         let metrics = Metrics::new();
-        let router = Router::new(RoutePolicy::from_config(&config.routing)?);
+        let router = Router::new(RoutePolicy::from_config(&config.routing, &config.slo)?);
         let (registry, rebuilt) = Registry::new(config.clone())?;
         let tls = worker_tls(&config)?;
         let app = Arc::new_cyclic(|me| AppState {
@@ -143,7 +143,8 @@ impl AppState {
         let me = self.me.upgrade();
         for (id, _) in &r.added {
             let exact = fleet.worker(*id).is_some_and(|w| w.cfg.kv_events.is_some());
-            self.router.add_worker(*id, exact, &cfg.routing);
+            let kind = fleet.worker(*id).map_or("vllm", |w| w.cfg.kind.as_str());
+            self.router.add_worker(*id, exact, kind, &cfg.routing);
             if let (true, Some(me), Some(w)) = (self.monitor_workers, &me, fleet.worker(*id)) {
                 self.monitors.start(me, w, &cfg);
             }
@@ -174,6 +175,8 @@ impl AppState {
             m.inflight.remove(&l);
             m.active_blocks.remove(&l);
             m.pending_prefill.remove(&l);
+            m.predicted_ttft.remove(&l);
+            m.prefill_throughput.remove(&l);
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
         }
@@ -182,7 +185,7 @@ impl AppState {
     /// Apply a reloaded config: workers, policy, admission, retries, SLOs, keys. Listener, TLS,
     /// limits and the admin listener need a restart.
     pub fn apply_config(&self, config: Arc<Config>) -> anyhow::Result<()> {
-        let policy = RoutePolicy::from_config(&config.routing)?;
+        let policy = RoutePolicy::from_config(&config.routing, &config.slo)?;
         let rebuilt = self.registry.set_config(config.clone())?;
         self.apply_rebuild(&rebuilt);
         self.router.policy.store(Arc::new(policy));
@@ -212,6 +215,8 @@ impl AppState {
         let now = Instant::now();
         let fleet = self.registry.snapshot();
         let loads = self.router.active.all();
+        let latency = self.router.latency.lock().clone();
+        let curve = self.router.policy.load().latency.curve;
         let mut dollars_total = 0.0;
         for w in &fleet.workers {
             let l = WorkerLabel {
@@ -231,6 +236,14 @@ impl AppState {
             m.pending_prefill
                 .get_or_create(&l)
                 .set(load.pending_prefill_tokens as i64);
+            if let Some(fit) = latency.fit(w.id) {
+                m.predicted_ttft
+                    .get_or_create(&l)
+                    .set(fit.last_predicted_ms / 1000.0);
+                m.prefill_throughput
+                    .get_or_create(&l)
+                    .set(latency.prefill_tokens_per_second(&curve, w.id, 1024.0));
+            }
             m.worker_healthy
                 .get_or_create(&l)
                 .set(i64::from(w.state.routable(now)));

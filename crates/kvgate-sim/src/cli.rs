@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::{CrashMode, EventEncoding, Faults, SimConfig, TimingModel};
+use crate::config::{CrashMode, EventEncoding, Faults, SimConfig, Slowdown, TimingModel};
 use crate::fleet::{describe, FleetPorts, SimFleet};
 
 fn coeffs(s: &str) -> Result<[f64; 3], String> {
@@ -96,6 +96,15 @@ pub struct SimArgs {
     /// Fault: probability of a malformed KV-event message before each real batch.
     #[arg(long, default_value_t = 0.0)]
     pub garbage_events: f64,
+    /// Fault: multiply every step time by F (a slower GPU) once --slowdown-after requests arrived.
+    #[arg(long)]
+    pub slowdown: Option<f64>,
+    /// Fault: the slowdown starts with the worker's N-th completion request (0 = from the start).
+    #[arg(long, default_value_t = 0, requires = "slowdown")]
+    pub slowdown_after: u64,
+    /// Fault: in a fleet, only worker I slows down (default: every worker).
+    #[arg(long, requires = "slowdown")]
+    pub slowdown_worker: Option<usize>,
 }
 
 impl SimArgs {
@@ -128,6 +137,11 @@ impl SimArgs {
                 stall: Duration::from_millis(self.stall_ms),
                 metrics_delay: Duration::from_millis(self.metrics_delay_ms),
                 garbage_events: self.garbage_events,
+                slowdown: self.slowdown.map(|factor| Slowdown {
+                    factor,
+                    after_requests: self.slowdown_after,
+                    worker: self.slowdown_worker,
+                }),
             },
             ..SimConfig::default()
         }

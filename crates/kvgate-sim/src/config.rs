@@ -112,6 +112,20 @@ pub struct Faults {
     pub metrics_delay: Duration,
     /// Probability (0..1) that a malformed KV-event message is published before each real batch.
     pub garbage_events: f64,
+    /// Step times multiplied by a factor once the worker has received a number of requests (a
+    /// slower GPU, a noisy neighbour arriving mid-run).
+    pub slowdown: Option<Slowdown>,
+}
+
+/// `--slowdown F --slowdown-after N [--slowdown-worker I]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Slowdown {
+    /// Every step takes this many times longer (2 = half speed).
+    pub factor: f64,
+    /// ... from the worker's N-th completion request on (0 = from the start).
+    pub after_requests: u64,
+    /// In a fleet, only worker I slows down (`None` = every worker).
+    pub worker: Option<usize>,
 }
 
 /// Everything one simulated worker needs. `Default` mirrors vLLM's defaults where they exist.
@@ -225,6 +239,12 @@ impl SimConfig {
             (0.0..=1.0).contains(&self.faults.garbage_events),
             "garbage_events must be within 0..=1"
         );
+        if let Some(sd) = self.faults.slowdown {
+            anyhow::ensure!(
+                sd.factor.is_finite() && sd.factor > 0.0,
+                "slowdown factor must be a finite number > 0"
+            );
+        }
         anyhow::ensure!(
             self.kv_events_buffer_steps > 0,
             "kv_events_buffer_steps must be > 0"

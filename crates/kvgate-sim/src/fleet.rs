@@ -61,6 +61,13 @@ impl SimFleet {
         for i in 0..n {
             let mut cfg = base.clone();
             cfg.seed = base.seed.wrapping_add(i as u64);
+            if cfg
+                .faults
+                .slowdown
+                .is_some_and(|s| s.worker.is_some_and(|k| k != i))
+            {
+                cfg.faults.slowdown = None;
+            }
             let http = SocketAddr::new(ports.host, port(ports.http_base, i)?);
             let kv = base
                 .kv_events

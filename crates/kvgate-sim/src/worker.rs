@@ -62,6 +62,8 @@ pub struct Scheduler {
     tracks: HashMap<RequestId, Track>,
     metrics: Arc<Mutex<Metrics>>,
     events_tx: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
+    /// Completion requests received (for `--slowdown-after`).
+    received: u64,
 }
 
 impl Scheduler {
@@ -85,12 +87,22 @@ impl Scheduler {
             tracks: HashMap::new(),
             metrics,
             events_tx,
+            received: 0,
+        }
+    }
+
+    /// The `--slowdown` factor in effect now (1 before it starts or without one).
+    fn slowdown(&self) -> f64 {
+        match self.cfg.faults.slowdown {
+            Some(s) if self.received >= s.after_requests => s.factor,
+            _ => 1.0,
         }
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { req, idx, tx } => {
+                self.received += 1;
                 let now = Instant::now();
                 self.tracks.insert(
                     req.id,
@@ -181,7 +193,8 @@ impl Scheduler {
             let ms = self
                 .cfg
                 .timing
-                .step_ms(step.prefill_tokens, step.decode_seqs, step.kv_usage);
+                .step_ms(step.prefill_tokens, step.decode_seqs, step.kv_usage)
+                * self.slowdown();
             let started_at = Instant::now();
             for (id, cached) in &step.started {
                 if let Some(t) = self.tracks.get(id) {

@@ -156,3 +156,34 @@ async fn ttft_grows_with_load_as_the_model_says() {
     );
     w.shutdown().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn slowdown_multiplies_step_times_from_the_nth_request() {
+    let mut c = cfg();
+    c.faults.slowdown = Some(kvgate_sim::Slowdown {
+        factor: 2.0,
+        after_requests: 2,
+        worker: None,
+    });
+    let w = SimWorker::spawn(c.clone(), "127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let http = client();
+    let (p, _) = predicted(&c, &[ids(30, 1000)], &[]);
+    // Request 1 at full speed; from request 2 on every step takes twice as long.
+    let first = measured_mean_ttft(&w, &http, &[ids(30, 1000)]).await;
+    let second = measured_mean_ttft(&w, &http, &[ids(31, 1000)]).await;
+    let third = measured_mean_ttft(&w, &http, &[ids(32, 1000)]).await;
+    assert!(close(first, p[0], 1), "{first:.2} vs {:.2}", p[0]);
+    assert!(
+        close(second, 2.0 * p[0], 1),
+        "{second:.2} vs {:.2}",
+        2.0 * p[0]
+    );
+    assert!(
+        close(third, 2.0 * p[0], 1),
+        "{third:.2} vs {:.2}",
+        2.0 * p[0]
+    );
+    w.shutdown().await;
+}

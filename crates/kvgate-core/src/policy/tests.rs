@@ -203,3 +203,124 @@ fn kv_prefers_cache_until_load_outweighs_it() {
     assert_eq!(pick(&p1, &req(&h), &c, &mut rng), 1);
     assert!(p.uses_overlap() && !RoundRobin::default().uses_overlap());
 }
+
+mod latency_policy {
+    use super::*;
+    use crate::latency::Speed;
+
+    fn big_req(hashes: &[u64]) -> RouteRequest<'_> {
+        RouteRequest {
+            hashes,
+            isl_tokens: 4096,
+            block_size: 16,
+            affinity_key: None,
+        }
+    }
+
+    /// Worker 0 holds 250 of the prompt's 256 blocks but has 6000 prompt tokens queued (predicted
+    /// ~138 ms); worker 1 is idle with nothing cached (~86 ms).
+    fn hit_vs_fast() -> Vec<Candidate> {
+        let mut c = cands(2);
+        c[0].overlap_blocks = 250;
+        c[0].inflight = 4;
+        c[0].pending_prefill_tokens = 6000;
+        c[0].scraped = Some(ScrapedLoad {
+            kv_usage: 0.5,
+            waiting: 0,
+            running: 4,
+        });
+        c
+    }
+
+    fn policy(slo_ttft_ms: f64, slo_itl_ms: f64) -> LatencyPolicy {
+        LatencyPolicy::new(
+            LatencyPolicyConfig {
+                slo_ttft_ms,
+                slo_itl_ms,
+                ..Default::default()
+            },
+            BusyThresholds::default(),
+        )
+    }
+
+    #[test]
+    fn picks_the_lowest_predicted_ttft_without_slo() {
+        let mut rng = fastrand::Rng::with_seed(20);
+        let h = [0u64; 256];
+        let c = hit_vs_fast();
+        let cfg = LatencyPolicyConfig::default();
+        let (c0, _) = cfg.cost(&big_req(&h), &c[0]);
+        let (c1, _) = cfg.cost(&big_req(&h), &c[1]);
+        assert!(c1 < c0, "{c0} {c1}");
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+        // The same queue without the cached prefix there, and with: the cache enters through
+        // the uncached tokens.
+        let mut c = cands(2);
+        c[0].overlap_blocks = 200;
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
+    }
+
+    #[test]
+    fn slo_prefers_the_best_hit_among_those_meeting_it_else_the_fastest() {
+        let mut rng = fastrand::Rng::with_seed(21);
+        let h = [0u64; 256];
+        let c = hit_vs_fast();
+        // Both predicted under 200 ms: the cached one keeps the session's locality.
+        assert_eq!(pick(&policy(200.0, 0.0), &big_req(&h), &c, &mut rng), 0);
+        // Only the idle one is predicted under 100 ms.
+        assert_eq!(pick(&policy(100.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+        // Nobody meets 10 ms: the fastest.
+        assert_eq!(pick(&policy(10.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+        // An ITL SLO the busy worker's decode step (~26 ms at KV usage 0.5) breaks.
+        assert_eq!(pick(&policy(200.0, 20.0), &big_req(&h), &c, &mut rng), 1);
+        assert_eq!(pick(&policy(200.0, 40.0), &big_req(&h), &c, &mut rng), 0);
+        // Among several meeting it with the same hit, the cheapest.
+        let mut c = cands(3);
+        for x in &mut c {
+            x.overlap_blocks = 100;
+        }
+        c[0].inflight = 5;
+        c[2].pending_prefill_tokens = 2000;
+        c[2].inflight = 1;
+        assert_eq!(pick(&policy(500.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+    }
+
+    #[test]
+    fn a_slower_worker_gets_less_traffic() {
+        let mut rng = fastrand::Rng::with_seed(22);
+        let h = [0u64; 64];
+        let mut c = cands(2);
+        c[0].speed = Speed::uniform(2.0);
+        for _ in 0..20 {
+            assert_eq!(pick(&policy(0.0, 0.0), &req(&h), &c, &mut rng), 1);
+        }
+        // Until the fast one's queue makes it slower than the slow idle one.
+        c[1].inflight = 3;
+        c[1].pending_prefill_tokens = 20_000;
+        assert_eq!(pick(&policy(0.0, 0.0), &req(&h), &c, &mut rng), 0);
+    }
+
+    #[test]
+    fn decode_weight_charges_the_slowdown_inflicted_on_requests_in_flight() {
+        let mut rng = fastrand::Rng::with_seed(23);
+        let h = [0u64; 256];
+        // Same predicted TTFT shape, but worker 0 has 40 requests decoding.
+        let mut c = cands(2);
+        for x in &mut c {
+            x.inflight = 1;
+        }
+        c[0].inflight = 40;
+        c[1].pending_prefill_tokens = 600;
+        let p = |w: f64| {
+            LatencyPolicy::new(
+                LatencyPolicyConfig {
+                    decode_weight: w,
+                    ..Default::default()
+                },
+                BusyThresholds::default(),
+            )
+        };
+        assert_eq!(pick(&p(0.0), &big_req(&h), &c, &mut rng), 0);
+        assert_eq!(pick(&p(0.25), &big_req(&h), &c, &mut rng), 1);
+    }
+}

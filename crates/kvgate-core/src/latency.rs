@@ -1,0 +1,401 @@
+//! A latency model per worker, learned online: predicted time to first token (TTFT) and
+//! inter-token latency (ITL) of a request on each worker, from what the router already knows at
+//! dispatch (uncached prompt tokens, the worker's in-flight prefill, its KV usage and in-flight
+//! requests) and what it observes afterwards (TTFT, mean ITL).
+//!
+//! **Shape.** A timing curve ([`TimingCurve`], default the Dynamo mocker fit that `kvgate sim`
+//! uses: prefill ms = a·T² + b·T + c for T new tokens in a step, decode step ms = a·p² + b·p + c
+//! for KV usage p) gives a worker's step times at reference speed. A request sent to a worker with
+//! requests in flight waits for the step in progress (on average half a decode step), then its
+//! prompt is prefilled together with the prompt work queued ahead of it, in a step that costs at
+//! least a decode step (decodes ride along):
+//! ```text
+//! wait    = inflight > 0 ? ½·decode_scale·step(p) : 0
+//! own     = max(prefill_scale·prefill(queued + uncached), inflight > 0 ? decode_scale·step(p) : 0)
+//! TTFT    = wait + own          ITL = decode_scale·step(p)
+//! ```
+//! **Learning.** Two multiplicative speed factors per worker, `prefill_scale` and `decode_scale`,
+//! seeded from the worker kind's default (1 = the curve). `decode_scale` learns from each
+//! request's mean ITL against `step(p)`; `prefill_scale` from each TTFT, after the decode part
+//! (`wait`, and the step when it dominated) is taken out with the current `decode_scale`. Updates
+//! are in log space with exponential forgetting (weight [`LearnConfig::rate`] on the newest
+//! observation, so a worker that changes speed is followed within tens of requests) and clipped
+//! residuals (at [`LearnConfig::clip`] times a running mean absolute residual, never below
+//! [`LearnConfig::min_clip`]): a single observation 10× off moves a factor by at most
+//! `rate · clip`, a Huber-like bound, so outliers do not swing it.
+//!
+//! Everything here is plain data and `&mut self` updates: the gateway keeps a [`LatencyModel`]
+//! behind a lock, copies each candidate's factors into [`Candidate::speed`] before the policy runs
+//! (a few loads per worker on the hot path), and feeds observations back after the first token
+//! and at the end of the request.
+
+use crate::select::{Candidate, RouteRequest};
+use crate::WorkerId;
+
+/// Reference step times, in milliseconds at speed factor 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimingCurve {
+    /// Prefill step ms = a·T² + b·T + c for T new prompt tokens in the step.
+    pub prefill: [f64; 3],
+    /// Decode step ms = a·p² + b·p + c for KV usage fraction p (floored at 1 ms).
+    pub decode: [f64; 3],
+}
+
+impl Default for TimingCurve {
+    /// The public Dynamo mocker fit (also `kvgate sim`'s default timing).
+    fn default() -> Self {
+        Self {
+            prefill: [4.209989e-7, 0.01518344, 16.50142],
+            decode: [-25.74, 54.01, 5.74],
+        }
+    }
+}
+
+impl TimingCurve {
+    /// Prefill step time of `tokens` new tokens.
+    #[inline]
+    pub fn prefill_ms(&self, tokens: f64) -> f64 {
+        let [a, b, c] = self.prefill;
+        (a * tokens * tokens + b * tokens + c).max(0.0)
+    }
+
+    /// Decode step time at KV usage `p` (clamped to 0..=1).
+    #[inline]
+    pub fn decode_ms(&self, p: f64) -> f64 {
+        let p = p.clamp(0.0, 1.0);
+        let [a, b, c] = self.decode;
+        (a * p * p + b * p + c).max(1.0)
+    }
+}
+
+/// A worker's learned speed: multiplies the curve's step times (2 = twice as slow).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Speed {
+    /// Prefill step time factor.
+    pub prefill: f64,
+    /// Decode step time factor.
+    pub decode: f64,
+}
+
+impl Default for Speed {
+    fn default() -> Self {
+        Self {
+            prefill: 1.0,
+            decode: 1.0,
+        }
+    }
+}
+
+impl Speed {
+    /// Both factors equal to `f`.
+    pub fn uniform(f: f64) -> Self {
+        Self {
+            prefill: f,
+            decode: f,
+        }
+    }
+}
+
+/// The parts of a TTFT prediction for one request on one worker, kept from dispatch to the first
+/// token so the observation can be attributed (see [`LatencyModel::observe_ttft`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TtftEstimate {
+    /// Reference (speed 1) prefill step ms of the queued plus uncached prompt tokens.
+    pub prefill_ms: f64,
+    /// Reference decode step ms at the worker's KV usage (0 when nothing was in flight there).
+    pub step_ms: f64,
+    /// Reference decode step ms at the worker's KV usage, whether or not anything is in flight
+    /// (what the request's own ITL is compared with).
+    pub itl_ref_ms: f64,
+    /// Uncached prompt tokens of this request there.
+    pub uncached_tokens: f64,
+    /// The prediction with the worker's speed at dispatch.
+    pub predicted_ms: f64,
+    /// The predicted mean ITL there.
+    pub predicted_itl_ms: f64,
+}
+
+impl TtftEstimate {
+    /// Predicted TTFT ms at `speed`.
+    #[inline]
+    pub fn at_speed(&self, speed: Speed) -> f64 {
+        let step = speed.decode * self.step_ms;
+        0.5 * step + (speed.prefill * self.prefill_ms).max(step)
+    }
+}
+
+/// Settings of the latency estimate (shared by the model, the `latency` policy and the gateway).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatencyConfig {
+    /// Reference step times.
+    pub curve: TimingCurve,
+    /// Share of the worker's in-flight prefill tokens counted as queued ahead (1 = all of it).
+    pub pending_weight: f64,
+}
+
+impl Default for LatencyConfig {
+    fn default() -> Self {
+        Self {
+            curve: TimingCurve::default(),
+            pending_weight: 1.0,
+        }
+    }
+}
+
+impl LatencyConfig {
+    /// Uncached prompt tokens of `req` on `c` (at least one: the last prompt token is always
+    /// computed).
+    #[inline]
+    pub fn uncached_tokens(req: &RouteRequest<'_>, c: &Candidate) -> f64 {
+        let cached = f64::from(c.effective_overlap()) * f64::from(req.block_size);
+        (req.isl_tokens as f64 - cached).max(1.0)
+    }
+
+    /// The TTFT and ITL estimate of `req` on `c` with `c.speed` (see the module docs).
+    #[inline]
+    pub fn estimate(&self, req: &RouteRequest<'_>, c: &Candidate) -> TtftEstimate {
+        let uncached = Self::uncached_tokens(req, c);
+        let queued = self.pending_weight * c.pending_prefill_tokens as f64;
+        let prefill_ms = self.curve.prefill_ms(queued + uncached);
+        let p = c.scraped.map_or(0.0, |s| f64::from(s.kv_usage));
+        let itl_ref_ms = self.curve.decode_ms(p);
+        let step_ms = if c.inflight > 0 { itl_ref_ms } else { 0.0 };
+        let mut e = TtftEstimate {
+            prefill_ms,
+            step_ms,
+            itl_ref_ms,
+            uncached_tokens: uncached,
+            predicted_ms: 0.0,
+            predicted_itl_ms: c.speed.decode * itl_ref_ms,
+        };
+        e.predicted_ms = e.at_speed(c.speed);
+        e
+    }
+
+    /// The decode slowdown sending `req` to `c` inflicts on the requests already there, in
+    /// request·ms: each of the `inflight` requests waits for the step(s) carrying this prompt
+    /// instead of a decode step.
+    #[inline]
+    pub fn inflicted_ms(&self, e: &TtftEstimate, c: &Candidate) -> f64 {
+        if c.inflight == 0 {
+            return 0.0;
+        }
+        let own = c.speed.prefill * self.curve.prefill_ms(e.uncached_tokens);
+        f64::from(c.inflight) * (own - c.speed.decode * e.itl_ref_ms).max(0.0)
+    }
+}
+
+/// How fast the model learns.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LearnConfig {
+    /// Weight of the newest observation in the log-space average (exponential forgetting).
+    pub rate: f64,
+    /// Residuals are clipped at this many running mean absolute residuals ...
+    pub clip: f64,
+    /// ... but never below this (log units; 0.25 ≈ ±28%).
+    pub min_clip: f64,
+    /// Speed factors stay within `[1/max_factor, max_factor]` of the seed.
+    pub max_factor: f64,
+}
+
+impl Default for LearnConfig {
+    fn default() -> Self {
+        Self {
+            rate: 0.1,
+            clip: 2.5,
+            min_clip: 0.25,
+            max_factor: 100.0,
+        }
+    }
+}
+
+/// One learned factor: log of the factor, and the running mean absolute residual (robust scale).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct LogFactor {
+    log: f64,
+    seed_log: f64,
+    mad: f64,
+    n: u64,
+}
+
+impl LogFactor {
+    fn new(seed: f64) -> Self {
+        let l = seed.max(f64::MIN_POSITIVE).ln();
+        Self {
+            log: l,
+            seed_log: l,
+            mad: 0.2,
+            n: 0,
+        }
+    }
+
+    fn value(&self) -> f64 {
+        self.log.exp()
+    }
+
+    /// Moves towards `ln(target)` (the factor this one observation implies).
+    fn update(&mut self, target: f64, cfg: &LearnConfig) {
+        if !(target.is_finite() && target > 0.0) {
+            return;
+        }
+        let r = target.ln() - self.log;
+        let lim = (cfg.clip * self.mad).max(cfg.min_clip);
+        let clipped = r.clamp(-lim, lim);
+        self.log += cfg.rate * clipped;
+        let bound = cfg.max_factor.max(1.0).ln();
+        self.log = self.log.clamp(self.seed_log - bound, self.seed_log + bound);
+        // The scale follows the residuals the factor sees, capped so one outlier cannot open the
+        // clip for the next ones.
+        self.mad += cfg.rate * (r.abs().min(4.0 * lim) - self.mad);
+        self.n += 1;
+    }
+}
+
+/// One worker's learned speed and counters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkerFit {
+    prefill: LogFactor,
+    decode: LogFactor,
+    /// Predicted TTFT ms of the last request routed there.
+    pub last_predicted_ms: f64,
+}
+
+impl WorkerFit {
+    /// Seeded at `seed` (1 = the curve).
+    pub fn new(seed: Speed) -> Self {
+        Self {
+            prefill: LogFactor::new(seed.prefill),
+            decode: LogFactor::new(seed.decode),
+            last_predicted_ms: 0.0,
+        }
+    }
+
+    /// The current speed factors.
+    pub fn speed(&self) -> Speed {
+        Speed {
+            prefill: self.prefill.value(),
+            decode: self.decode.value(),
+        }
+    }
+
+    /// TTFT and ITL observations learned from so far.
+    pub fn observations(&self) -> (u64, u64) {
+        (self.prefill.n, self.decode.n)
+    }
+}
+
+/// Learned speed of every worker (dense by worker id).
+#[derive(Debug, Clone, Default)]
+pub struct LatencyModel {
+    learn: LearnConfig,
+    workers: Vec<Option<WorkerFit>>,
+}
+
+impl LatencyModel {
+    /// Empty, with these learning settings.
+    pub fn new(learn: LearnConfig) -> Self {
+        Self {
+            learn,
+            workers: Vec::new(),
+        }
+    }
+
+    /// Adds (or re-seeds) a worker.
+    pub fn add_worker(&mut self, w: WorkerId, seed: Speed) {
+        let i = w.index();
+        if i >= self.workers.len() {
+            self.workers.resize(i + 1, None);
+        }
+        self.workers[i] = Some(WorkerFit::new(seed));
+    }
+
+    /// Forgets a worker.
+    pub fn remove_worker(&mut self, w: WorkerId) {
+        if let Some(s) = self.workers.get_mut(w.index()) {
+            *s = None;
+        }
+    }
+
+    /// The worker's fit, if known.
+    pub fn fit(&self, w: WorkerId) -> Option<&WorkerFit> {
+        self.workers.get(w.index()).and_then(|s| s.as_ref())
+    }
+
+    fn fit_mut(&mut self, w: WorkerId) -> &mut WorkerFit {
+        let i = w.index();
+        if i >= self.workers.len() {
+            self.workers.resize(i + 1, None);
+        }
+        self.workers[i].get_or_insert_with(|| WorkerFit::new(Speed::default()))
+    }
+
+    /// The worker's speed (1 for unknown workers).
+    #[inline]
+    pub fn speed(&self, w: WorkerId) -> Speed {
+        self.fit(w).map_or_else(Speed::default, WorkerFit::speed)
+    }
+
+    /// Sets `speed` of every candidate (the hot path: one read per candidate).
+    pub fn fill(&self, candidates: &mut [Candidate]) {
+        for c in candidates {
+            c.speed = self.speed(c.worker);
+        }
+    }
+
+    /// A request predicted at `e` was routed to `w`.
+    pub fn record_routed(&mut self, w: WorkerId, e: &TtftEstimate) {
+        self.fit_mut(w).last_predicted_ms = e.predicted_ms;
+    }
+
+    /// The first token of a request estimated at `e` on `w` came `ttft_ms` after dispatch.
+    /// Learns the prefill factor when prefill dominated the prediction; otherwise (the request
+    /// waited for decode steps only) the decode factor.
+    pub fn observe_ttft(&mut self, w: WorkerId, e: &TtftEstimate, ttft_ms: f64) {
+        if !(ttft_ms.is_finite() && ttft_ms > 0.0) {
+            return;
+        }
+        let learn = self.learn;
+        let fit = self.fit_mut(w);
+        let s = fit.speed();
+        let step = s.decode * e.step_ms;
+        let prefill = s.prefill * e.prefill_ms;
+        if prefill >= step && e.prefill_ms > 0.0 {
+            // TTFT = ½·step + prefill_scale·prefill: what is left after the wait is prefill.
+            let rest = (ttft_ms - 0.5 * step).max(0.1 * ttft_ms);
+            fit.prefill.update(rest / e.prefill_ms, &learn);
+        } else if e.step_ms > 0.0 {
+            // TTFT = 1.5·decode_scale·step.
+            fit.decode.update(ttft_ms / (1.5 * e.step_ms), &learn);
+        }
+    }
+
+    /// A request estimated at `e` on `w` streamed with mean inter-token gap `itl_ms`.
+    pub fn observe_itl(&mut self, w: WorkerId, e: &TtftEstimate, itl_ms: f64) {
+        if !(itl_ms.is_finite() && itl_ms > 0.0) || e.itl_ref_ms <= 0.0 {
+            return;
+        }
+        let learn = self.learn;
+        self.fit_mut(w).decode.update(itl_ms / e.itl_ref_ms, &learn);
+    }
+
+    /// Prefill throughput of `w` in tokens/s for a `tokens`-token prompt on an idle worker.
+    pub fn prefill_tokens_per_second(&self, curve: &TimingCurve, w: WorkerId, tokens: f64) -> f64 {
+        let ms = self.speed(w).prefill * curve.prefill_ms(tokens);
+        if ms > 0.0 {
+            tokens * 1000.0 / ms
+        } else {
+            0.0
+        }
+    }
+
+    /// Known workers and their fits.
+    pub fn workers(&self) -> impl Iterator<Item = (WorkerId, &WorkerFit)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| f.as_ref().map(|f| (WorkerId(i as u32), f)))
+    }
+}
+
+#[cfg(test)]
+mod tests;

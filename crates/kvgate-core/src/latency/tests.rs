@@ -1,0 +1,207 @@
+use super::*;
+use crate::select::ScrapedLoad;
+
+/// A random request/worker situation, its estimate at speed 1, and the "true" TTFT and ITL on a
+/// worker of speed `truth`: the curve's shape, a uniform (not average) wait for the step in
+/// progress, and ±10% log-normal-ish noise.
+fn situation(rng: &mut fastrand::Rng, truth: Speed) -> (TtftEstimate, f64, f64) {
+    let cfg = LatencyConfig::default();
+    let mut c = Candidate::new(WorkerId(0));
+    c.inflight = rng.u32(0..8);
+    c.pending_prefill_tokens = if c.inflight > 0 { rng.u64(0..4000) } else { 0 };
+    c.overlap_blocks = rng.u32(0..200);
+    c.scraped = Some(ScrapedLoad {
+        kv_usage: rng.f32() * 0.9,
+        waiting: 0,
+        running: c.inflight,
+    });
+    let hashes = [0u64; 0];
+    let req = RouteRequest {
+        hashes: &hashes,
+        isl_tokens: u64::from(c.overlap_blocks) * 16 + rng.u64(16..4000),
+        block_size: 16,
+        affinity_key: None,
+    };
+    let e = cfg.estimate(&req, &c);
+    let noise = |rng: &mut fastrand::Rng| (0.2 * (rng.f64() - 0.5)).exp();
+    let step = truth.decode * e.step_ms;
+    let ttft = (rng.f64() * step + (truth.prefill * e.prefill_ms).max(step)) * noise(rng);
+    let itl = truth.decode * e.itl_ref_ms * noise(rng);
+    (e, ttft, itl)
+}
+
+fn predicted(m: &LatencyModel, w: WorkerId, e: &TtftEstimate) -> f64 {
+    e.at_speed(m.speed(w))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Feeds `n` observations from a worker of speed `truth`; returns the relative errors of the
+/// predictions made just before each observation.
+fn feed(m: &mut LatencyModel, rng: &mut fastrand::Rng, truth: Speed, n: usize) -> Vec<f64> {
+    let w = WorkerId(0);
+    (0..n)
+        .map(|_| {
+            let (e, ttft, itl) = situation(rng, truth);
+            let err = (predicted(m, w, &e) - ttft).abs() / ttft;
+            m.observe_ttft(w, &e, ttft);
+            m.observe_itl(w, &e, itl);
+            err
+        })
+        .collect()
+}
+
+#[test]
+fn curve_is_the_sims_default() {
+    let c = TimingCurve::default();
+    assert!((c.prefill_ms(1000.0) - (4.209989e-7 * 1e6 + 15.18344 + 16.50142)).abs() < 1e-9);
+    assert!((c.decode_ms(0.5) - (-25.74 * 0.25 + 27.005 + 5.74)).abs() < 1e-9);
+    assert_eq!(c.decode_ms(-3.0), c.decode_ms(0.0));
+}
+
+#[test]
+fn converges_from_the_seed_to_a_slower_worker_within_200_observations() {
+    let mut rng = fastrand::Rng::with_seed(11);
+    let truth = Speed {
+        prefill: 2.0,
+        decode: 1.5,
+    };
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    let early = feed(&mut m, &mut rng, truth, 200);
+    let late = feed(&mut m, &mut rng, truth, 200);
+    // Seeded at the reference speed, the first predictions are far off ...
+    assert!(median(early[..10].to_vec()) > 0.3, "{early:?}");
+    // ... after 200 observations the median error is within 20%.
+    let med = median(late);
+    assert!(med <= 0.2, "median relative error {med}");
+    let s = m.speed(WorkerId(0));
+    assert!((s.prefill / 2.0 - 1.0).abs() < 0.15, "{s:?}");
+    assert!((s.decode / 1.5 - 1.0).abs() < 0.15, "{s:?}");
+}
+
+#[test]
+fn a_2x_slowdown_is_picked_up_within_50_observations() {
+    let mut rng = fastrand::Rng::with_seed(12);
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    let before = m.speed(WorkerId(0));
+    assert!((before.prefill - 1.0).abs() < 0.15, "{before:?}");
+    feed(&mut m, &mut rng, Speed::uniform(2.0), 50);
+    let after = m.speed(WorkerId(0));
+    assert!(after.prefill > 1.7 && after.decode > 1.7, "{after:?}");
+    // And the errors are back within 20% right after.
+    let med = median(feed(&mut m, &mut rng, Speed::uniform(2.0), 50));
+    assert!(med <= 0.2, "{med}");
+}
+
+#[test]
+fn outliers_do_not_swing_it() {
+    let mut rng = fastrand::Rng::with_seed(13);
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    let before = m.speed(WorkerId(0));
+    // One request 10× slower (a GC pause, a retransmit) and one 10× faster.
+    let (e, ttft, itl) = situation(&mut rng, Speed::default());
+    m.observe_ttft(WorkerId(0), &e, 10.0 * ttft);
+    m.observe_itl(WorkerId(0), &e, 10.0 * itl);
+    let after = m.speed(WorkerId(0));
+    // (≤ two clipped steps of 0.1 × the clip each: a few percent.)
+    assert!(
+        after.prefill / before.prefill < 1.08,
+        "{before:?} {after:?}"
+    );
+    assert!(after.decode / before.decode < 1.08, "{before:?} {after:?}");
+    // A steady 10% of 10× outliers in the stream bias it by little.
+    for i in 0..300 {
+        let (e, mut ttft, mut itl) = situation(&mut rng, Speed::default());
+        if i % 10 == 0 {
+            ttft *= 10.0;
+            itl *= 10.0;
+        }
+        m.observe_ttft(WorkerId(0), &e, ttft);
+        m.observe_itl(WorkerId(0), &e, itl);
+    }
+    let s = m.speed(WorkerId(0));
+    assert!(s.prefill < 1.2 && s.decode < 1.2, "{s:?}");
+    // Nonsense observations are ignored.
+    let before = m.speed(WorkerId(0));
+    m.observe_ttft(WorkerId(0), &e, f64::NAN);
+    m.observe_ttft(WorkerId(0), &e, -1.0);
+    m.observe_itl(WorkerId(0), &e, 0.0);
+    assert_eq!(m.speed(WorkerId(0)), before);
+}
+
+#[test]
+fn workers_learn_separately_and_are_seeded_by_kind() {
+    let mut rng = fastrand::Rng::with_seed(14);
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    m.add_worker(WorkerId(3), Speed::uniform(10.0));
+    let near = |a: Speed, b: Speed| {
+        (a.prefill - b.prefill).abs() < 1e-9 && (a.decode - b.decode).abs() < 1e-9
+    };
+    assert!(near(m.speed(WorkerId(3)), Speed::uniform(10.0)));
+    assert_eq!(m.speed(WorkerId(7)), Speed::default()); // unknown
+    feed(&mut m, &mut rng, Speed::uniform(3.0), 100);
+    assert!(m.speed(WorkerId(0)).prefill > 2.5);
+    assert!((m.speed(WorkerId(3)).prefill - 10.0).abs() < 1e-9);
+    let mut c = vec![Candidate::new(WorkerId(0)), Candidate::new(WorkerId(3))];
+    m.fill(&mut c);
+    assert!(near(c[1].speed, Speed::uniform(10.0)));
+    assert_eq!(c[0].speed, m.speed(WorkerId(0)));
+    let curve = TimingCurve::default();
+    let tps = m.prefill_tokens_per_second(&curve, WorkerId(3), 1024.0);
+    assert!((tps - 1024.0 * 1000.0 / (10.0 * curve.prefill_ms(1024.0))).abs() < 1e-6);
+    m.remove_worker(WorkerId(3));
+    assert!(m.fit(WorkerId(3)).is_none());
+    assert_eq!(m.workers().count(), 1);
+}
+
+#[test]
+fn estimate_counts_the_queue_the_cache_and_the_decode_step() {
+    let cfg = LatencyConfig::default();
+    let curve = cfg.curve;
+    let hashes = [0u64; 0];
+    let req = RouteRequest {
+        hashes: &hashes,
+        isl_tokens: 1000,
+        block_size: 16,
+        affinity_key: None,
+    };
+    // Idle, nothing cached: the prefill of the whole prompt.
+    let idle = Candidate::new(WorkerId(0));
+    let e = cfg.estimate(&req, &idle);
+    assert!((e.predicted_ms - curve.prefill_ms(1000.0)).abs() < 1e-9);
+    assert_eq!(cfg.inflicted_ms(&e, &idle), 0.0);
+    // 50 blocks cached: 200 tokens left.
+    let mut cached = idle;
+    cached.overlap_blocks = 50;
+    assert!((cfg.estimate(&req, &cached).predicted_ms - curve.prefill_ms(200.0)).abs() < 1e-9);
+    // A fully cached prompt still computes its last token.
+    cached.overlap_blocks = 100;
+    assert!((cfg.estimate(&req, &cached).uncached_tokens - 1.0).abs() < 1e-9);
+    // Busy: queue ahead, half a decode step of wait, the step at KV usage 0.5 at least.
+    let mut busy = idle;
+    busy.inflight = 3;
+    busy.pending_prefill_tokens = 3000;
+    busy.scraped = Some(ScrapedLoad {
+        kv_usage: 0.5,
+        waiting: 0,
+        running: 3,
+    });
+    let e = cfg.estimate(&req, &busy);
+    let step = curve.decode_ms(0.5);
+    let want = 0.5 * step + curve.prefill_ms(4000.0).max(step);
+    assert!((e.predicted_ms - want).abs() < 1e-9);
+    let inflicted = 3.0 * (curve.prefill_ms(1000.0) - step).max(0.0);
+    assert!((cfg.inflicted_ms(&e, &busy) - inflicted).abs() < 1e-9);
+    // Twice as slow: twice the time.
+    busy.speed = Speed::uniform(2.0);
+    assert!((cfg.estimate(&req, &busy).predicted_ms - 2.0 * want).abs() < 1e-9);
+}

@@ -1,0 +1,141 @@
+//! The latency model end to end, in process: a `kvgate sim` fleet of two workers, one of them
+//! slowed 4× (`--slowdown`), behind a gateway with `routing.policy = "latency"`. The gateway learns
+//! each worker's speed from the TTFT and ITL it observes, exports it (`/metrics`), and sends the
+//! slowed worker less traffic. Loopback, port 0; every server is stopped at the end.
+
+use std::time::Duration;
+
+use kvgate_gateway::config::{Config, WorkerConfig};
+use kvgate_gateway::Gateway;
+use kvgate_sim::{SimConfig, SimFleet, Slowdown};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// One HTTP/1.1 exchange on a fresh connection (`Connection: close`): status and body.
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out))
+        .await
+        .expect("response within 30 s")
+        .expect("read");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
+
+/// The value of `name{worker="w"}` in a scrape.
+fn gauge(scrape: &str, name: &str, worker: &str) -> Option<f64> {
+    let prefix = format!("{name}{{worker=\"{worker}\"}} ");
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
+    let mut sim = SimConfig::default()
+        .model("sim-model")
+        .speedup(2.0)
+        .kv_events(false)
+        .num_gpu_blocks(2048usize);
+    sim.faults.slowdown = Some(Slowdown {
+        factor: 4.0,
+        after_requests: 0,
+        worker: Some(0),
+    });
+    let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
+    let urls = fleet.urls();
+
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.server.request_log = false;
+    cfg.upstream.monitor = false;
+    cfg.routing.policy = "latency".into();
+    for u in &urls {
+        let mut w = WorkerConfig::from_url(u);
+        w.models = vec!["sim-model".into()];
+        cfg.workers.push(w);
+    }
+    let gw = Gateway::start(cfg).await.expect("gateway starts");
+    let names: Vec<String> = urls
+        .iter()
+        .map(|u| u.trim_start_matches("http://").to_string())
+        .collect();
+
+    // Unique 512-token prompts (no cache reuse), a few at a time.
+    let mut sent = 0u32;
+    for round in 0..20u32 {
+        let mut set = tokio::task::JoinSet::new();
+        for k in 0..3u32 {
+            let i = round * 3 + k;
+            let prompt: Vec<u32> = (0..512)
+                .map(|t| 1000 + (i * 7919 + t * 31) % 20_000)
+                .collect();
+            let body = serde_json::json!({
+                "model": "sim-model", "prompt": prompt, "max_tokens": 4,
+                "stream": true, "ignore_eos": true,
+            })
+            .to_string();
+            let addr = gw.addr;
+            set.spawn(async move { http(addr, "POST", "/v1/completions", &body).await });
+        }
+        while let Some(r) = set.join_next().await {
+            let (status, text) = r.expect("request task");
+            assert_eq!(status, 200, "{text}");
+            assert!(text.contains("[DONE]"), "{text}");
+            sent += 1;
+        }
+    }
+
+    let served: Vec<u64> = fleet
+        .workers()
+        .iter()
+        .map(|w| w.metrics().ttft.count())
+        .collect();
+    assert_eq!(served.iter().sum::<u64>(), u64::from(sent));
+    assert!(
+        served[0] * 3 < served[1],
+        "the slowed worker served {} of {sent}, the other {}",
+        served[0],
+        served[1]
+    );
+
+    let (status, scrape) = http(gw.addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    let tps: Vec<f64> = names
+        .iter()
+        .map(|n| {
+            gauge(&scrape, "kvgate_worker_prefill_tokens_per_second", n)
+                .unwrap_or_else(|| panic!("no prefill throughput for {n}:\n{scrape}"))
+        })
+        .collect();
+    assert!(tps[0] * 2.0 < tps[1], "fitted throughput {tps:?}");
+    for n in &names {
+        let p = gauge(&scrape, "kvgate_worker_predicted_ttft_seconds", n)
+            .unwrap_or_else(|| panic!("no predicted TTFT for {n}:\n{scrape}"));
+        assert!(p >= 0.0, "{p}");
+    }
+    let errors = scrape
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kvgate_ttft_prediction_error_ratio_count ")?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no prediction error histogram:\n{scrape}"));
+    assert_eq!(errors, f64::from(sent));
+
+    gw.shutdown().await;
+    fleet.shutdown().await;
+}
