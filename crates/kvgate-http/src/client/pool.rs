@@ -132,11 +132,14 @@ impl Pool {
             return;
         }
         let mut p = self.stacks();
-        if let Some(&until) = p.quarantined.get(&key) {
-            if now < until {
-                return;
+        // Almost always empty: no hashing of the key on the usual path.
+        if !p.quarantined.is_empty() {
+            if let Some(&until) = p.quarantined.get(&key) {
+                if now < until {
+                    return;
+                }
+                p.quarantined.remove(&key);
             }
-            p.quarantined.remove(&key);
         }
         let stack = p.idle.entry(key).or_default();
         if stack.len() >= max {
