@@ -6,7 +6,8 @@
 //! swapped whole on reload. Scratch buffers live in a thread-local so a decision does not allocate.
 //!
 //! The latency model (`kvgate_core::LatencyModel`, each worker's learned speed) is read once per
-//! decision into the candidates, whatever the policy, so every pick carries a TTFT prediction; the
+//! decision into the candidates, whatever the policy, so every pick carries a TTFT prediction
+//! (with the overlap only for policies that read the index); the
 //! dispatch guard feeds the observed TTFT (at the first streamed token) and mean ITL (at the end)
 //! back into it.
 
@@ -229,10 +230,14 @@ impl Router {
                     NoPick::NoWorker
                 });
             }
-            // Overlap for every policy: the TTFT prediction of the pick needs its uncached tokens.
-            {
+            // The index is read only for policies that route on overlap; for the others the pick's
+            // TTFT prediction counts the whole prompt as uncached (an upper bound), and their
+            // decision costs no index lock.
+            if rp.policy.uses_overlap() {
                 let index = self.index.read();
                 score_candidates(&index, &self.active, hashes, now, scores, candidates);
+            } else {
+                self.active.fill_loads(hashes, candidates);
             }
             self.latency.lock().fill(candidates);
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
