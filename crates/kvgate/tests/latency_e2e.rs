@@ -74,7 +74,8 @@ async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
 
     // Unique 512-token prompts (no cache reuse), a few at a time.
     let mut sent = 0u32;
-    for round in 0..20u32 {
+    // Enough rounds that the early, still-learning picks do not decide the traffic share.
+    for round in 0..40u32 {
         let mut set = tokio::task::JoinSet::new();
         for k in 0..3u32 {
             let i = round * 3 + k;
