@@ -60,6 +60,7 @@ pub use index::{
 pub use latency::{
     LatencyConfig, LatencyModel, LearnConfig, Speed, TimingCurve, TtftEstimate, WorkerFit,
 };
+pub use load::remote::RemoteLoads;
 pub use load::{ActiveSequences, LoadGuard, WorkerLoad};
 pub use policy::{
     policy_by_name, CacheAwareConfig, ConsistentHashConfig, LatencyPolicyConfig, Policy,

@@ -543,5 +543,7 @@ impl Drop for LoadGuard {
     }
 }
 
+pub mod remote;
+
 #[cfg(test)]
 mod tests;

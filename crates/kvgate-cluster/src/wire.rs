@@ -1,0 +1,407 @@
+//! The cluster wire format: one binary message per NATS payload, versioned and size-limited.
+//!
+//! ```text
+//! version u8 (= WIRE_VERSION) | kind u8 | sent_unix_us u64 LE | replica str8 | body (per kind)
+//! str8 = len u8 + UTF-8 bytes; str16 = len u16 LE + bytes; list = count u32 LE + items
+//! ```
+//! Decoding is all-or-nothing: a message is parsed completely (every field, no trailing bytes)
+//! before anything is applied, so a truncated, oversized, foreign-version or unknown-kind message
+//! is dropped whole and counted under its [`DropReason`].
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// The wire version this build speaks. A peer sending another version is dropped and counted.
+pub const WIRE_VERSION: u8 = 1;
+
+/// One cluster message as sent by replica `replica` at `sent_unix_us` (wall clock, microseconds;
+/// only used for the sync-lag histogram).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    pub replica: String,
+    pub sent_unix_us: u64,
+    pub msg: Message,
+}
+
+/// What replicas tell each other.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    /// A routing decision and its dispatch: `worker` of pool `model` got request `request` (id
+    /// unique per sending replica) whose prompt has block `hashes`. Receivers insert the hashes
+    /// into their approximate index (or the exact index's predicted inserts) and count
+    /// `prefill_tokens` pending prefill and `blocks` active blocks on the worker under the sender.
+    Route {
+        model: String,
+        worker: String,
+        request: u64,
+        prefill_tokens: u64,
+        blocks: u32,
+        hashes: Vec<u64>,
+    },
+    /// The request's first token arrived: its pending prefill is done.
+    PrefillDone { request: u64 },
+    /// The request ended (completion, error or cancel): its load is freed.
+    Free { request: u64 },
+    /// A worker's circuit breaker opened (`open`) or closed at the sender.
+    Health { worker: String, open: bool },
+    /// The sender is alive; `inflight` is how many requests it has in flight (a check on the
+    /// receiver's table).
+    Heartbeat { inflight: u32 },
+    /// Requests admitted per API key (by a 64-bit key id, never the key) since the last report.
+    RateUsage { keys: Vec<(u64, u32)> },
+    /// A snapshot reply: the sender's approximate index entries and its own in-flight requests.
+    Snapshot(Snapshot),
+}
+
+/// What a replica sends a joining peer.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Snapshot {
+    /// Per worker name: the router block hashes the approximate index holds.
+    pub approx: Vec<(String, Vec<u64>)>,
+    /// The sender's own in-flight requests.
+    pub inflight: Vec<InflightEntry>,
+}
+
+/// One in-flight request of a replica, as listed in its snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InflightEntry {
+    pub worker: String,
+    pub request: u64,
+    pub prefill_tokens: u64,
+    pub blocks: u32,
+}
+
+/// Message kinds, as metric labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Route,
+    PrefillDone,
+    Free,
+    Health,
+    Heartbeat,
+    RateUsage,
+    Snapshot,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 7] = [
+        Kind::Route,
+        Kind::PrefillDone,
+        Kind::Free,
+        Kind::Health,
+        Kind::Heartbeat,
+        Kind::RateUsage,
+        Kind::Snapshot,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Route => "route",
+            Kind::PrefillDone => "prefill_done",
+            Kind::Free => "free",
+            Kind::Health => "health",
+            Kind::Heartbeat => "heartbeat",
+            Kind::RateUsage => "rate_usage",
+            Kind::Snapshot => "snapshot",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Kind::Route => 1,
+            Kind::PrefillDone => 2,
+            Kind::Free => 3,
+            Kind::Health => 4,
+            Kind::Heartbeat => 5,
+            Kind::RateUsage => 6,
+            Kind::Snapshot => 7,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.code() == c)
+    }
+}
+
+impl Message {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Route { .. } => Kind::Route,
+            Message::PrefillDone { .. } => Kind::PrefillDone,
+            Message::Free { .. } => Kind::Free,
+            Message::Health { .. } => Kind::Health,
+            Message::Heartbeat { .. } => Kind::Heartbeat,
+            Message::RateUsage { .. } => Kind::RateUsage,
+            Message::Snapshot(_) => Kind::Snapshot,
+        }
+    }
+}
+
+/// Why a message was not applied (metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DropReason {
+    /// Larger than `max_message_bytes` (sent or received).
+    Oversized,
+    /// Another wire version.
+    Version,
+    /// A kind this build does not know.
+    UnknownKind,
+    /// Truncated, trailing bytes, bad UTF-8 or an impossible count.
+    Malformed,
+    /// The outbound queue was full (NATS slow or down): dropped instead of waiting.
+    QueueFull,
+    /// The NATS client refused the publish (disconnected and its buffer full).
+    PublishFailed,
+    /// Named a worker or model this replica does not have.
+    UnknownWorker,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 7] = [
+        DropReason::Oversized,
+        DropReason::Version,
+        DropReason::UnknownKind,
+        DropReason::Malformed,
+        DropReason::QueueFull,
+        DropReason::PublishFailed,
+        DropReason::UnknownWorker,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Oversized => "oversized",
+            DropReason::Version => "version",
+            DropReason::UnknownKind => "unknown_kind",
+            DropReason::Malformed => "malformed",
+            DropReason::QueueFull => "queue_full",
+            DropReason::PublishFailed => "publish_failed",
+            DropReason::UnknownWorker => "unknown_worker",
+        }
+    }
+}
+
+/// A decode failure: the reason, and the kind when the header got that far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeError {
+    pub reason: DropReason,
+    pub kind: Option<Kind>,
+}
+
+/// Encode `env`; `Err(Oversized)` when it exceeds `max_bytes`.
+pub fn encode(env: &Envelope, max_bytes: usize) -> Result<Bytes, DropReason> {
+    let mut b = BytesMut::with_capacity(64);
+    b.put_u8(WIRE_VERSION);
+    b.put_u8(env.msg.kind().code());
+    b.put_u64_le(env.sent_unix_us);
+    put_str8(&mut b, &env.replica);
+    match &env.msg {
+        Message::Route {
+            model,
+            worker,
+            request,
+            prefill_tokens,
+            blocks,
+            hashes,
+        } => {
+            put_str16(&mut b, model);
+            put_str16(&mut b, worker);
+            b.put_u64_le(*request);
+            b.put_u64_le(*prefill_tokens);
+            b.put_u32_le(*blocks);
+            put_hashes(&mut b, hashes);
+        }
+        Message::PrefillDone { request } | Message::Free { request } => b.put_u64_le(*request),
+        Message::Health { worker, open } => {
+            put_str16(&mut b, worker);
+            b.put_u8(u8::from(*open));
+        }
+        Message::Heartbeat { inflight } => b.put_u32_le(*inflight),
+        Message::RateUsage { keys } => {
+            b.put_u32_le(keys.len() as u32);
+            for (k, n) in keys {
+                b.put_u64_le(*k);
+                b.put_u32_le(*n);
+            }
+        }
+        Message::Snapshot(s) => {
+            b.put_u32_le(s.approx.len() as u32);
+            for (w, hs) in &s.approx {
+                put_str16(&mut b, w);
+                put_hashes(&mut b, hs);
+            }
+            b.put_u32_le(s.inflight.len() as u32);
+            for e in &s.inflight {
+                put_str16(&mut b, &e.worker);
+                b.put_u64_le(e.request);
+                b.put_u64_le(e.prefill_tokens);
+                b.put_u32_le(e.blocks);
+            }
+        }
+    }
+    if b.len() > max_bytes {
+        return Err(DropReason::Oversized);
+    }
+    Ok(b.freeze())
+}
+
+/// Decode one payload of at most `max_bytes`, entirely or not at all.
+pub fn decode(buf: &[u8], max_bytes: usize) -> Result<Envelope, DecodeError> {
+    let err = |reason, kind| DecodeError { reason, kind };
+    if buf.len() > max_bytes {
+        return Err(err(DropReason::Oversized, None));
+    }
+    let mut r = Reader { buf };
+    let version = r.u8().ok_or(err(DropReason::Malformed, None))?;
+    if version != WIRE_VERSION {
+        return Err(err(DropReason::Version, None));
+    }
+    let code = r.u8().ok_or(err(DropReason::Malformed, None))?;
+    let kind = Kind::from_code(code).ok_or(err(DropReason::UnknownKind, None))?;
+    let malformed = err(DropReason::Malformed, Some(kind));
+    let sent_unix_us = r.u64().ok_or(malformed)?;
+    let replica = r.str8().ok_or(malformed)?;
+    let msg = decode_body(kind, &mut r).ok_or(malformed)?;
+    if !r.buf.is_empty() {
+        return Err(malformed);
+    }
+    Ok(Envelope {
+        replica,
+        sent_unix_us,
+        msg,
+    })
+}
+
+fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
+    Some(match kind {
+        Kind::Route => Message::Route {
+            model: r.str16()?,
+            worker: r.str16()?,
+            request: r.u64()?,
+            prefill_tokens: r.u64()?,
+            blocks: r.u32()?,
+            hashes: r.hashes()?,
+        },
+        Kind::PrefillDone => Message::PrefillDone { request: r.u64()? },
+        Kind::Free => Message::Free { request: r.u64()? },
+        Kind::Health => Message::Health {
+            worker: r.str16()?,
+            open: match r.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
+        },
+        Kind::Heartbeat => Message::Heartbeat { inflight: r.u32()? },
+        Kind::RateUsage => {
+            let n = r.count(12)?;
+            let mut keys = Vec::with_capacity(n);
+            for _ in 0..n {
+                keys.push((r.u64()?, r.u32()?));
+            }
+            Message::RateUsage { keys }
+        }
+        Kind::Snapshot => {
+            let n = r.count(6)?;
+            let mut approx = Vec::with_capacity(n);
+            for _ in 0..n {
+                approx.push((r.str16()?, r.hashes()?));
+            }
+            let n = r.count(22)?;
+            let mut inflight = Vec::with_capacity(n);
+            for _ in 0..n {
+                inflight.push(InflightEntry {
+                    worker: r.str16()?,
+                    request: r.u64()?,
+                    prefill_tokens: r.u64()?,
+                    blocks: r.u32()?,
+                });
+            }
+            Message::Snapshot(Snapshot { approx, inflight })
+        }
+    })
+}
+
+fn put_str8(b: &mut BytesMut, s: &str) {
+    let s = truncate(s, u8::MAX as usize);
+    b.put_u8(s.len() as u8);
+    b.put_slice(s.as_bytes());
+}
+
+fn put_str16(b: &mut BytesMut, s: &str) {
+    let s = truncate(s, u16::MAX as usize);
+    b.put_u16_le(s.len() as u16);
+    b.put_slice(s.as_bytes());
+}
+
+/// The longest prefix of `s` of at most `max` bytes on a char boundary.
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn put_hashes(b: &mut BytesMut, hs: &[u64]) {
+    b.put_u32_le(hs.len() as u32);
+    for h in hs {
+        b.put_u64_le(*h);
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.buf.len() < n {
+            return None;
+        }
+        let (a, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2)?.try_into().ok().map(u16::from_le_bytes)
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)?.try_into().ok().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8)?.try_into().ok().map(u64::from_le_bytes)
+    }
+    /// A list count whose items take at least `min_item` bytes each: a count the rest of the
+    /// buffer cannot hold is malformed (and never drives a large allocation).
+    fn count(&mut self, min_item: usize) -> Option<usize> {
+        let n = self.u32()? as usize;
+        (n.checked_mul(min_item)? <= self.buf.len()).then_some(n)
+    }
+    fn str_of(&mut self, n: usize) -> Option<String> {
+        std::str::from_utf8(self.take(n)?).ok().map(str::to_owned)
+    }
+    fn str8(&mut self) -> Option<String> {
+        let n = self.u8()? as usize;
+        self.str_of(n)
+    }
+    fn str16(&mut self) -> Option<String> {
+        let n = self.u16()? as usize;
+        self.str_of(n)
+    }
+    fn hashes(&mut self) -> Option<Vec<u64>> {
+        let n = self.count(8)?;
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            v.push(self.u64()?);
+        }
+        Some(v)
+    }
+}
+
+#[cfg(test)]
+mod tests;
