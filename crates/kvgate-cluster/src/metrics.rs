@@ -49,19 +49,45 @@ impl ClusterMetrics {
                 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0,
             ]),
             snapshot_seconds: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]),
-            snapshot_bytes: Histogram::new([
-                1e3, 1e4, 1e5, 2.5e5, 5e5, 1e6, 4e6, 1.6e7, 6.4e7,
-            ]),
+            snapshot_bytes: Histogram::new([1e3, 1e4, 1e5, 2.5e5, 5e5, 1e6, 4e6, 1.6e7, 6.4e7]),
         };
-        r.register("kvgate_cluster_peers", "Other gateway replicas heard from within the heartbeat timeout.", m.peers.clone());
+        r.register(
+            "kvgate_cluster_peers",
+            "Other gateway replicas heard from within the heartbeat timeout.",
+            m.peers.clone(),
+        );
         r.register("kvgate_cluster_nats_connected", "1 while this replica is connected to NATS (0 when cluster mode is off or NATS is lost).", m.connected.clone());
-        r.register("kvgate_cluster_nats_connects", "Connections (first and re-connections) to NATS; each one triggers a snapshot request.", m.connects.clone());
-        r.register("kvgate_cluster_messages_received", "Peer messages applied here, by kind.", m.messages_in.clone());
-        r.register("kvgate_cluster_messages_sent", "Messages published to NATS, by kind.", m.messages_out.clone());
+        r.register(
+            "kvgate_cluster_nats_connects",
+            "Connections (first and re-connections) to NATS; each one triggers a snapshot request.",
+            m.connects.clone(),
+        );
+        r.register(
+            "kvgate_cluster_messages_received",
+            "Peer messages applied here, by kind.",
+            m.messages_in.clone(),
+        );
+        r.register(
+            "kvgate_cluster_messages_sent",
+            "Messages published to NATS, by kind.",
+            m.messages_out.clone(),
+        );
         r.register("kvgate_cluster_messages_dropped", "Cluster messages dropped whole (never half applied), by kind and reason: oversized, version, unknown_kind, malformed, unknown_worker (inbound); queue_full, publish_failed, oversized (outbound).", m.dropped.clone());
-        r.register("kvgate_cluster_sync_lag_seconds", "From a peer's routing decision (its wall clock) to its application here.", m.sync_lag.clone());
-        r.register("kvgate_cluster_snapshot_seconds", "From a snapshot request to the application of each peer's reply.", m.snapshot_seconds.clone());
-        r.register("kvgate_cluster_snapshot_bytes", "Size of each snapshot reply received.", m.snapshot_bytes.clone());
+        r.register(
+            "kvgate_cluster_sync_lag_seconds",
+            "From a peer's routing decision (its wall clock) to its application here.",
+            m.sync_lag.clone(),
+        );
+        r.register(
+            "kvgate_cluster_snapshot_seconds",
+            "From a snapshot request to the application of each peer's reply.",
+            m.snapshot_seconds.clone(),
+        );
+        r.register(
+            "kvgate_cluster_snapshot_bytes",
+            "Size of each snapshot reply received.",
+            m.snapshot_bytes.clone(),
+        );
         m
     }
 

@@ -257,7 +257,11 @@ impl Cluster {
         let _ = client.drain().await;
     }
 
-    async fn publisher(self: Arc<Self>, client: async_nats::Client, mut rx: mpsc::Receiver<Message>) {
+    async fn publisher(
+        self: Arc<Self>,
+        client: async_nats::Client,
+        mut rx: mpsc::Receiver<Message>,
+    ) {
         let subject = self.msg_subject();
         while let Some(msg) = rx.recv().await {
             let kind = msg.kind();
@@ -388,6 +392,13 @@ impl Cluster {
         mut conn_rx: mpsc::Receiver<()>,
     ) {
         while conn_rx.recv().await.is_some() {
+            // First tell the peers what we have in flight (replaces what they hold of us: load
+            // deltas lost while we were away, or entries of our previous run), then ask them.
+            let own = Snapshot {
+                approx: Vec::new(),
+                inflight: self.own.lock().values().cloned().collect(),
+            };
+            self.publish(Message::Snapshot(own));
             let started = Instant::now();
             let inbox = client.new_inbox();
             let mut sub = match client.subscribe(inbox.clone()).await {

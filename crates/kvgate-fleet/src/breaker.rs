@@ -64,6 +64,8 @@ struct Inner {
     down: bool,
     /// Times the breaker opened (for a counter).
     opens: u64,
+    /// Opened by another gateway replica's verdict (cluster mode), not by our own outcomes.
+    by_peer: bool,
 }
 
 impl Inner {
@@ -88,6 +90,7 @@ impl Breaker {
             probe_in_flight: false,
             down: false,
             opens: 0,
+            by_peer: false,
         };
         Breaker {
             cfg,
@@ -167,6 +170,7 @@ impl Breaker {
         g.opened_at = None;
         g.probe_in_flight = false;
         g.down = false;
+        g.by_peer = false;
         was != BreakerState::Closed
     }
 
@@ -228,8 +232,43 @@ impl Breaker {
             g.state = BreakerState::Open;
             g.opened_at = Some(now);
             g.opens += 1;
+            g.by_peer = false;
         }
         open
+    }
+
+    /// Another replica opened its breaker for this worker (cluster mode): open ours too, with our
+    /// own cool-down (then a half-open probe decides here as usual). Returns true if this opened it.
+    pub fn open_by_peer(&self, now: Instant) -> bool {
+        let mut g = self.inner.lock();
+        if g.state != BreakerState::Closed {
+            return false;
+        }
+        g.state = BreakerState::Open;
+        g.opened_at = Some(now);
+        g.opens += 1;
+        g.by_peer = true;
+        true
+    }
+
+    /// Another replica closed its breaker: close ours if it is open on a peer's word only, or open
+    /// without a failed health probe here. Returns true if this closed it.
+    pub fn close_by_peer(&self) -> bool {
+        let mut g = self.inner.lock();
+        if g.state == BreakerState::Closed || g.down {
+            return false;
+        }
+        g.state = BreakerState::Closed;
+        g.failures = 0;
+        g.opened_at = None;
+        g.probe_in_flight = false;
+        g.by_peer = false;
+        true
+    }
+
+    /// Whether the breaker is open on a peer's verdict (not re-published as our own).
+    pub fn opened_by_peer(&self) -> bool {
+        self.inner.lock().by_peer
     }
 
     /// A granted probe was abandoned (cancelled before an outcome): free the slot.

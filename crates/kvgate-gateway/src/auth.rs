@@ -18,6 +18,10 @@ pub struct Auth {
 struct Key {
     secret: Vec<u8>,
     bucket: Option<Mutex<Bucket>>,
+    /// Cluster mode: this key's id on the wire (a hash, never the key) and the requests admitted
+    /// here since the last report to peers.
+    id: u64,
+    used: std::sync::atomic::AtomicU32,
 }
 
 struct Bucket {
@@ -40,6 +44,22 @@ impl Bucket {
             Err(Duration::from_secs_f64((1.0 - self.tokens) / self.rate))
         }
     }
+
+    /// Peers admitted `n` requests of this key: take them from our bucket too, so the key's rate
+    /// holds across replicas. Floored at -burst so a burst of reports cannot lock a key out for
+    /// longer than one refill of the bucket.
+    fn charge(&mut self, n: u32, now: Instant) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.last = now;
+        self.tokens = (self.tokens + dt * self.rate).min(self.burst);
+        self.tokens = (self.tokens - f64::from(n)).max(-self.burst);
+    }
+}
+
+/// A key's id on the cluster wire: a seeded 64-bit hash of the secret (the key itself never
+/// leaves the replica).
+fn key_id(secret: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(secret, 0x6b76_6761_7465_6b65)
 }
 
 impl Auth {
@@ -50,6 +70,8 @@ impl Auth {
                 .keys
                 .iter()
                 .map(|k| Key {
+                    id: key_id(k.key.as_bytes()),
+                    used: Default::default(),
                     secret: k.key.as_bytes().to_vec(),
                     bucket: k.rate_per_s.map(|rate| {
                         let burst = k.burst.unwrap_or(rate.max(1.0)).max(1.0);
@@ -108,8 +130,30 @@ impl Auth {
                     "rate limit exceeded for this API key",
                 ));
             }
+            key.used.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Cluster mode: requests admitted per rate-limited key since the last call (key id, count).
+    pub fn take_usage(&self) -> Vec<(u64, u32)> {
+        self.keys
+            .iter()
+            .filter(|k| k.bucket.is_some())
+            .filter_map(|k| {
+                let n = k.used.swap(0, std::sync::atomic::Ordering::Relaxed);
+                (n > 0).then_some((k.id, n))
+            })
+            .collect()
+    }
+
+    /// Cluster mode: a peer admitted `n` requests of the key with id `key`.
+    pub fn charge_peer(&self, key: u64, n: u32, now: Instant) {
+        for k in &self.keys {
+            if let (true, Some(b)) = (k.id == key, &k.bucket) {
+                b.lock().charge(n, now);
+            }
+        }
     }
 }
 

@@ -29,6 +29,44 @@ pub struct Config {
     pub workers: Vec<WorkerConfig>,
     /// Worker pools given as a DNS name (e.g. a headless Service), re-resolved periodically.
     pub worker_pools: Vec<WorkerPoolConfig>,
+    /// Replica sync over NATS (off without `nats_url`). Restart needed.
+    pub cluster: ClusterSection,
+}
+
+/// `[cluster]`: N gateway replicas share routing state over NATS (docs/cluster.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterSection {
+    /// `nats://host:4222`; empty = cluster mode off (one replica, exactly as without the section).
+    pub nats_url: String,
+    /// This replica's id (default: the hostname, e.g. the pod name).
+    pub replica_id: Option<String>,
+    /// Subjects are `<prefix>.msg` and `<prefix>.snapshot`: one prefix per fleet sharing a NATS.
+    pub subject_prefix: String,
+    pub heartbeat_interval_ms: u64,
+    /// A replica silent this long is gone: its share of the workers' load expires.
+    pub heartbeat_timeout_ms: u64,
+    /// Larger messages are dropped (sent or received) and counted.
+    pub max_message_bytes: usize,
+    /// Outbound messages queued while NATS is slow or down; past it they are dropped and counted.
+    pub queue_capacity: usize,
+    /// How long a (re)connecting replica collects peers' snapshot replies.
+    pub snapshot_wait_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            nats_url: String::new(),
+            replica_id: None,
+            subject_prefix: "kvgate".into(),
+            heartbeat_interval_ms: 1000,
+            heartbeat_timeout_ms: 5000,
+            max_message_bytes: 1 << 20,
+            queue_capacity: 8192,
+            snapshot_wait_ms: 500,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -99,6 +99,8 @@ fn ratio_buckets() -> Histogram {
 }
 
 pub struct Metrics {
+    /// `kvgate_cluster_*` (registered whether or not cluster mode is on).
+    pub cluster: kvgate_cluster::ClusterMetrics,
     registry: Registry,
     /// Distinguishes registries in the per-thread handle cache (tests run many apps per process).
     id: u64,
@@ -252,6 +254,7 @@ impl Metrics {
                 kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
             },
+            cluster: kvgate_cluster::ClusterMetrics::register(&mut r),
             registry: r,
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
         }

@@ -13,14 +13,15 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
+use kvgate_cluster::Cluster;
 use kvgate_core::{
     all_busy, score_candidates, ActiveSequences, BusyThresholds, Candidate, Decision, IndexMode,
     KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard, OverlapScores, Policy,
-    PolicyConfig, RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
+    PolicyConfig, RemoteLoads, RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -121,6 +122,10 @@ pub struct Router {
     /// Each worker's learned speed; shared with the dispatch guards that feed it.
     pub latency: Arc<Mutex<LatencyModel>>,
     next_request: AtomicU64,
+    /// Cluster mode: peers' in-flight load per replica, added to our own as a separate term.
+    pub remote: Mutex<RemoteLoads>,
+    /// Cluster mode: where our decisions and load deltas are published (unset = off).
+    pub cluster: OnceLock<Arc<Cluster>>,
 }
 
 /// Why no worker was chosen.
@@ -157,7 +162,11 @@ impl Router {
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
             latency: Arc::new(Mutex::new(LatencyModel::new(LearnConfig::default()))),
-            next_request: AtomicU64::new(1),
+            // Random start: request ids are also our cluster messages' ids, and a restarted
+            // replica (same id) must not collide with the entries peers still hold of it.
+            next_request: AtomicU64::new(fastrand::u64(1..u64::MAX / 2)),
+            remote: Mutex::new(RemoteLoads::new()),
+            cluster: OnceLock::new(),
         }
     }
 
@@ -181,6 +190,7 @@ impl Router {
     pub fn remove_worker(&self, id: WorkerId) {
         self.index.write().remove_worker(id);
         self.active.remove_worker(id);
+        self.remote.lock().remove_worker(id);
         self.latency.lock().remove_worker(id);
     }
 
@@ -238,6 +248,9 @@ impl Router {
                 score_candidates(&index, &self.active, hashes, now, scores, candidates);
             } else {
                 self.active.fill_loads(hashes, candidates);
+            }
+            if self.cluster.get().is_some() {
+                self.remote.lock().add_into(candidates);
             }
             self.latency.lock().fill(candidates);
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
@@ -302,6 +315,17 @@ impl Router {
                 None => {}
             }
         }
+        let cluster = self.cluster.get().map(|c| {
+            c.route(
+                pick.worker.models.first().map_or("", |m| m),
+                &pick.worker.name,
+                id,
+                isl.saturating_sub(cached),
+                hashes.len() as u32,
+                hashes,
+            );
+            (c.clone(), id)
+        });
         pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
         self.latency
@@ -311,6 +335,7 @@ impl Router {
             core: Some(core),
             worker: pick.worker.clone(),
             on_release: None,
+            cluster,
             latency: LatencyFeed {
                 model: self.latency.clone(),
                 estimate: pick.estimate,
@@ -328,6 +353,8 @@ pub struct DispatchGuard {
     pub worker: Arc<Worker>,
     pub on_release: Option<Arc<crate::admission::Admission>>,
     latency: LatencyFeed,
+    /// Cluster mode: the request's id in our published load deltas.
+    cluster: Option<(Arc<Cluster>, u64)>,
 }
 
 /// What the latency model learns from one dispatched request.
@@ -342,6 +369,9 @@ impl DispatchGuard {
     pub fn prefill_done(&self) {
         if let Some(c) = &self.core {
             c.mark_prefill_done();
+        }
+        if let Some((c, id)) = &self.cluster {
+            c.prefill_done(*id);
         }
     }
 
@@ -373,6 +403,9 @@ impl Drop for DispatchGuard {
     fn drop(&mut self) {
         // Free everything before waking a queued request, so it sees the released capacity.
         drop(self.core.take());
+        if let Some((c, id)) = &self.cluster {
+            c.free(*id);
+        }
         self.worker.state.inflight.fetch_sub(1, Ordering::Relaxed);
         if let Some(a) = &self.on_release {
             a.wake_one();

@@ -30,7 +30,9 @@ pub struct AppState {
     /// The busy-fleet queue (`[admission]`).
     pub admission: Arc<Admission>,
     /// API keys and rate limits (`[auth]`).
-    pub auth: ArcSwap<Auth>,
+    pub auth: Arc<ArcSwap<Auth>>,
+    /// Cluster mode (`[cluster]`): the NATS membership; `None` when off.
+    pub cluster: Option<Arc<kvgate_cluster::Cluster>>,
     /// `server.max_body_bytes`.
     pub max_body: usize,
     /// Set on SIGTERM before the listener closes: `/ready` answers 503 while requests are still
@@ -78,7 +80,18 @@ impl AppState {
             metrics.clone(),
             shutdown.clone(),
         )?;
+        let auth = Arc::new(ArcSwap::from_pointee(Auth::from_config(&config.auth)));
+        let cluster = match crate::cluster::config(&config.cluster)? {
+            Some(c) => Some(crate::cluster::start(
+                c,
+                fleet.clone(),
+                auth.clone(),
+                metrics.cluster.clone(),
+            )?),
+            None => None,
+        };
         Ok(Arc::new(AppState {
+            cluster,
             fleet,
             upstream,
             telemetry: Arc::new(Telemetry::new(
@@ -90,7 +103,7 @@ impl AppState {
                 config.admission.queue_size,
                 std::time::Duration::from_millis(config.admission.queue_timeout_ms),
             )),
-            auth: ArcSwap::from_pointee(Auth::from_config(&config.auth)),
+            auth,
             max_body: config.server.max_body_bytes,
             draining: AtomicBool::new(false),
             shutdown,

@@ -74,7 +74,10 @@ fn foreign_version_unknown_kind_and_oversized_are_dropped_with_their_reason() {
     assert_eq!(decode(&v, 1024).unwrap_err().reason, DropReason::Version);
     let mut k = b.to_vec();
     k[1] = 200;
-    assert_eq!(decode(&k, 1024).unwrap_err().reason, DropReason::UnknownKind);
+    assert_eq!(
+        decode(&k, 1024).unwrap_err().reason,
+        DropReason::UnknownKind
+    );
     assert_eq!(
         decode(&b, b.len() - 1).unwrap_err().reason,
         DropReason::Oversized

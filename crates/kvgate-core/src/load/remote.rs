@@ -34,6 +34,7 @@ pub struct RemoteLoads {
 }
 
 impl RemoteLoads {
+    /// An empty table (no peer heard from yet).
     pub fn new() -> Self {
         Self::default()
     }

@@ -1,0 +1,233 @@
+//! Cluster mode (`[cluster]`): this replica's side of kvgate-cluster. Peers' messages are applied
+//! here — routing decisions to the KV index, load deltas to the router's per-replica
+//! [`kvgate_core::RemoteLoads`] (never to our own accounting), breaker verdicts to the workers'
+//! breakers, API-key usage to the rate-limit buckets — and our breaker transitions are published
+//! from a watcher on the heartbeat period. The router publishes its own decisions and load deltas
+//! (`router.rs`); nothing here is on the request path.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use kvgate_cluster::{Cluster, ClusterConfig, DropReason, Message, Sink};
+use kvgate_core::{IndexMode, WorkerId};
+use kvgate_fleet::BreakerState;
+
+use crate::auth::Auth;
+use crate::config::ClusterSection;
+use crate::fleet::WorkerFleet;
+
+/// The gateway's [`Sink`]: what peers' messages change here.
+pub struct GatewayPeers {
+    fleet: Arc<WorkerFleet>,
+    auth: Arc<ArcSwap<Auth>>,
+}
+
+impl GatewayPeers {
+    fn worker_id(&self, name: &str) -> Option<WorkerId> {
+        let fleet = self.fleet.registry.snapshot();
+        fleet
+            .workers
+            .iter()
+            .find(|w| &*w.name == name)
+            .map(|w| w.id)
+    }
+}
+
+impl Sink for GatewayPeers {
+    fn apply(&self, from: &str, msg: &Message, now: Instant) -> Result<(), DropReason> {
+        let router = &self.fleet.router;
+        match msg {
+            Message::Route {
+                worker,
+                request,
+                prefill_tokens,
+                blocks,
+                hashes,
+                ..
+            } => {
+                let id = self.worker_id(worker).ok_or(DropReason::UnknownWorker)?;
+                if !hashes.is_empty() {
+                    let mut index = router.index.write();
+                    match index.mode(id) {
+                        Some(IndexMode::Approximate(_)) => {
+                            index.record_routed(id, hashes, now);
+                        }
+                        Some(IndexMode::Exact) => {
+                            index.record_predicted(id, hashes, now);
+                        }
+                        None => {}
+                    }
+                }
+                router
+                    .remote
+                    .lock()
+                    .dispatch(from, *request, id, *prefill_tokens, *blocks, now);
+            }
+            Message::PrefillDone { request } => {
+                router.remote.lock().prefill_done(from, *request, now)
+            }
+            Message::Free { request } => router.remote.lock().free(from, *request, now),
+            Message::Health { worker, open } => {
+                let fleet = self.fleet.registry.snapshot();
+                let w = fleet
+                    .workers
+                    .iter()
+                    .find(|w| &*w.name == worker)
+                    .ok_or(DropReason::UnknownWorker)?;
+                if *open {
+                    if w.state.breaker.open_by_peer(now) {
+                        tracing::warn!(worker = %w.name, peer = from, "breaker opened by a peer's verdict");
+                    }
+                } else if w.state.breaker.close_by_peer() {
+                    tracing::info!(worker = %w.name, peer = from, "breaker closed by a peer's verdict");
+                }
+                router.remote.lock().heard(from, now);
+            }
+            Message::Heartbeat { .. } => router.remote.lock().heard(from, now),
+            Message::RateUsage { keys } => {
+                let auth = self.auth.load();
+                for (key, n) in keys {
+                    auth.charge_peer(*key, *n, now);
+                }
+                router.remote.lock().heard(from, now);
+            }
+            Message::Snapshot(s) => {
+                let fleet = self.fleet.registry.snapshot();
+                let id_of = |name: &str| {
+                    fleet
+                        .workers
+                        .iter()
+                        .find(|w| &*w.name == name)
+                        .map(|w| w.id)
+                };
+                {
+                    let mut index = router.index.write();
+                    for (worker, hashes) in &s.approx {
+                        if let Some(id) = id_of(worker) {
+                            if matches!(index.mode(id), Some(IndexMode::Approximate(_))) {
+                                index.record_routed(id, hashes, now);
+                            }
+                        }
+                    }
+                }
+                let entries: Vec<_> = s
+                    .inflight
+                    .iter()
+                    .filter_map(|e| {
+                        id_of(&e.worker).map(|id| (e.request, id, e.prefill_tokens, e.blocks))
+                    })
+                    .collect();
+                router.remote.lock().replace(from, entries, now);
+            }
+        }
+        Ok(())
+    }
+
+    fn approx_entries(&self) -> Vec<(String, Vec<u64>)> {
+        let fleet = self.fleet.registry.snapshot();
+        let index = self.fleet.router.index.read();
+        fleet
+            .workers
+            .iter()
+            .filter(|w| matches!(index.mode(w.id), Some(IndexMode::Approximate(_))))
+            .map(|w| (w.name.to_string(), index.router_hashes(w.id)))
+            .filter(|(_, h)| !h.is_empty())
+            .collect()
+    }
+
+    fn expire(&self, now: Instant, timeout: Duration) {
+        let gone = self.fleet.router.remote.lock().expire(now, timeout);
+        for r in gone {
+            tracing::warn!(peer = %r, "cluster: peer silent past the heartbeat timeout; its load share expired");
+        }
+    }
+
+    fn take_rate_usage(&self) -> Vec<(u64, u32)> {
+        self.auth.load().take_usage()
+    }
+}
+
+/// The cluster config slice from `[cluster]`, or `None` when cluster mode is off.
+pub fn config(c: &ClusterSection) -> anyhow::Result<Option<ClusterConfig>> {
+    if c.nats_url.is_empty() {
+        return Ok(None);
+    }
+    anyhow::ensure!(
+        c.heartbeat_interval_ms > 0 && c.heartbeat_timeout_ms > c.heartbeat_interval_ms,
+        "cluster.heartbeat_timeout_ms must exceed cluster.heartbeat_interval_ms (> 0)"
+    );
+    anyhow::ensure!(
+        c.max_message_bytes >= 1024,
+        "cluster.max_message_bytes must be at least 1024"
+    );
+    let replica_id = match &c.replica_id {
+        Some(r) if !r.is_empty() => r.clone(),
+        _ => hostname(),
+    };
+    Ok(Some(ClusterConfig {
+        nats_url: c.nats_url.clone(),
+        replica_id,
+        subject_prefix: c.subject_prefix.clone(),
+        heartbeat_interval: Duration::from_millis(c.heartbeat_interval_ms),
+        heartbeat_timeout: Duration::from_millis(c.heartbeat_timeout_ms),
+        max_message_bytes: c.max_message_bytes,
+        queue_capacity: c.queue_capacity,
+        snapshot_wait: Duration::from_millis(c.snapshot_wait_ms),
+    }))
+}
+
+/// `HOSTNAME` (set in containers), else /etc/hostname, else a random id.
+fn hostname() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|s| s.trim().to_owned())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| format!("kvgate-{:016x}", fastrand::u64(..)))
+}
+
+/// Start cluster mode: the NATS tasks, the router's publishing, and the breaker watcher.
+pub fn start(
+    cfg: ClusterConfig,
+    fleet: Arc<WorkerFleet>,
+    auth: Arc<ArcSwap<Auth>>,
+    metrics: kvgate_cluster::ClusterMetrics,
+) -> anyhow::Result<Arc<Cluster>> {
+    let sink = Arc::new(GatewayPeers {
+        fleet: fleet.clone(),
+        auth: auth.clone(),
+    });
+    let interval = cfg.heartbeat_interval;
+    let cluster = Cluster::start(cfg, sink, metrics).map_err(|e| anyhow::anyhow!(e))?;
+    let _ = fleet.router.cluster.set(cluster.clone());
+    tracing::info!(replica = cluster.replica_id(), "cluster mode on");
+    let c = cluster.clone();
+    let shutdown = fleet.shutdown.clone();
+    tokio::spawn(async move {
+        let mut last: HashMap<Arc<str>, bool> = HashMap::new();
+        let mut tick = tokio::time::interval(interval.min(Duration::from_millis(250)));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.cancelled() => { c.shutdown(); return; }
+            }
+            let now = Instant::now();
+            let snap = fleet.registry.snapshot();
+            for w in &snap.workers {
+                let open = w.state.breaker_state(now) == BreakerState::Open
+                    && !w.state.breaker.opened_by_peer();
+                let was = last.insert(w.name.clone(), open).unwrap_or(false);
+                if open != was {
+                    c.health(&w.name, open);
+                }
+            }
+        }
+    });
+    Ok(cluster)
+}
