@@ -1,0 +1,298 @@
+//! kvgate-cluster against a real `nats-server` on a loopback port: propagation, own messages,
+//! subject prefixes, bad payloads, snapshots for a late replica, and NATS restarted mid-run.
+//! Skips (prints `skipped: …`) when `nats-server` is missing, unless `CI` is set.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvgate_cluster::metrics::{DropLabel, KindLabel};
+use kvgate_cluster::wire::{encode, Envelope};
+use kvgate_cluster::{
+    Cluster, ClusterConfig, ClusterMetrics, DropReason, Message, Sink, WIRE_VERSION,
+};
+use parking_lot::Mutex;
+
+struct Nats {
+    child: Child,
+    port: u16,
+}
+
+impl Nats {
+    fn start(port: u16) -> Option<Nats> {
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .ok()?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not listen");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Nats { child, port })
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+fn have_nats() -> bool {
+    let ok = Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "nats-server not found (CI must install it: .ci/run)"
+        );
+        println!("skipped: nats-server not found");
+    }
+    ok
+}
+
+#[derive(Default)]
+struct Recorder {
+    got: Mutex<Vec<(String, Message)>>,
+    approx: Vec<(String, Vec<u64>)>,
+}
+
+impl Sink for Recorder {
+    fn apply(&self, from: &str, msg: &Message, _now: Instant) -> Result<(), DropReason> {
+        if let Message::Route { worker, .. } = msg {
+            if worker == "unknown" {
+                return Err(DropReason::UnknownWorker);
+            }
+        }
+        self.got.lock().push((from.to_owned(), msg.clone()));
+        Ok(())
+    }
+    fn approx_entries(&self) -> Vec<(String, Vec<u64>)> {
+        self.approx.clone()
+    }
+    fn expire(&self, _now: Instant, _timeout: Duration) {}
+    fn take_rate_usage(&self) -> Vec<(u64, u32)> {
+        Vec::new()
+    }
+}
+
+impl Recorder {
+    fn has(&self, f: impl Fn(&str, &Message) -> bool) -> bool {
+        self.got.lock().iter().any(|(r, m)| f(r, m))
+    }
+}
+
+fn config(port: u16, id: &str, prefix: &str) -> ClusterConfig {
+    ClusterConfig {
+        nats_url: format!("nats://127.0.0.1:{port}"),
+        replica_id: id.into(),
+        subject_prefix: prefix.into(),
+        heartbeat_interval: Duration::from_millis(100),
+        heartbeat_timeout: Duration::from_millis(1000),
+        max_message_bytes: 65536,
+        queue_capacity: 1024,
+        snapshot_wait: Duration::from_millis(300),
+    }
+}
+
+fn node(port: u16, id: &str, prefix: &str, sink: Arc<Recorder>) -> (Arc<Cluster>, ClusterMetrics) {
+    let m = ClusterMetrics::register(&mut prometheus_client::registry::Registry::default());
+    let c = Cluster::start(config(port, id, prefix), sink, m.clone()).expect("start");
+    (c, m)
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn route(request: u64, hashes: Vec<u64>) -> Message {
+    Message::Route {
+        model: "m".into(),
+        worker: "w1".into(),
+        request,
+        prefill_tokens: 100,
+        blocks: hashes.len() as u32,
+        hashes,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_state_over_a_real_nats() {
+    if !have_nats() {
+        return;
+    }
+    let port = free_port();
+    let mut nats = Nats::start(port).expect("nats-server starts");
+
+    let sa = Arc::new(Recorder::default());
+    let sb = Arc::new(Recorder {
+        approx: vec![("w2".into(), vec![11, 12])],
+        ..Default::default()
+    });
+    let so = Arc::new(Recorder::default());
+    let (a, ma) = node(port, "a", "fleet1", sa.clone());
+    let (b, mb) = node(port, "b", "fleet1", sb.clone());
+    let (other, _) = node(port, "o", "fleet2", so.clone());
+    until("connections", || {
+        ma.connected.get() == 1 && mb.connected.get() == 1
+    })
+    .await;
+
+    // A decision at A reaches B (retry: B's subscription may still be registering).
+    let mut n = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sb.has(|r, m| r == "a" && matches!(m, Message::Route { .. })) {
+        assert!(Instant::now() < deadline, "route never reached b");
+        n += 1;
+        a.route("m", "w1", n, 100, 2, &[1, 2]);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    a.prefill_done(1);
+    until("prefill done at b", || {
+        sb.has(|_, m| *m == Message::PrefillDone { request: 1 })
+    })
+    .await;
+    // Own messages are not applied; another prefix hears nothing.
+    assert!(!sa.has(|_, m| matches!(m, Message::Route { .. })));
+    assert!(!so.has(|_, m| matches!(m, Message::Route { .. })));
+    assert!(
+        mb.messages_in
+            .get_or_create(&KindLabel { kind: "route" })
+            .get()
+            >= 1
+    );
+
+    // Bad payloads are counted and dropped, never applied.
+    let raw = async_nats::connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .expect("raw client");
+    let env = |msg| Envelope {
+        replica: "x".into(),
+        sent_unix_us: 0,
+        msg,
+    };
+    let good = encode(&env(route(99, vec![5])), 1 << 20).expect("encode");
+    let mut foreign = good.to_vec();
+    foreign[0] = WIRE_VERSION + 1;
+    let mut unknown_kind = good.to_vec();
+    unknown_kind[1] = 250;
+    let truncated = good[..good.len() - 3].to_vec();
+    let oversized = encode(&env(route(98, vec![7; 9000])), 1 << 20).expect("encode");
+    let unknown_worker = encode(
+        &env(Message::Route {
+            model: "m".into(),
+            worker: "unknown".into(),
+            request: 1,
+            prefill_tokens: 0,
+            blocks: 0,
+            hashes: vec![],
+        }),
+        1 << 20,
+    )
+    .expect("encode");
+    for p in [
+        foreign,
+        unknown_kind,
+        truncated,
+        oversized.to_vec(),
+        unknown_worker.to_vec(),
+    ] {
+        raw.publish("fleet1.msg", p.into()).await.expect("publish");
+    }
+    raw.flush().await.expect("flush");
+    let dropped = |kind: &'static str, reason: DropReason| {
+        mb.dropped
+            .get_or_create(&DropLabel {
+                kind,
+                reason: reason.as_str(),
+            })
+            .get()
+    };
+    until("bad payloads counted", || {
+        dropped("unknown", DropReason::Version) == 1
+            && dropped("unknown", DropReason::UnknownKind) == 1
+            && dropped("route", DropReason::Malformed) == 1
+            && dropped("unknown", DropReason::Oversized) == 1
+            && dropped("route", DropReason::UnknownWorker) == 1
+    })
+    .await;
+    assert!(!sb.has(|r, _| r == "x"), "nothing of a bad payload applied");
+
+    // Oversized outbound: dropped at the sender.
+    a.publish(route(500, vec![3; 9000]));
+    until("oversized outbound counted", || {
+        ma.dropped
+            .get_or_create(&DropLabel {
+                kind: "route",
+                reason: "oversized",
+            })
+            .get()
+            == 1
+    })
+    .await;
+
+    // A late replica gets the others' snapshots: A's in-flight requests, B's approximate index.
+    let sc = Arc::new(Recorder::default());
+    let (c, _mc) = node(port, "c", "fleet1", sc.clone());
+    until("snapshots at c", || {
+        sc.has(|r, m| {
+            r == "a"
+                && matches!(m, Message::Snapshot(s) if s.inflight.iter().any(|e| e.request == 1))
+        }) && sc.has(|r, m| {
+            r == "b" && matches!(m, Message::Snapshot(s) if s.approx == vec![("w2".to_string(), vec![11, 12])])
+        })
+    })
+    .await;
+
+    // NATS lost: publishing never blocks; after it returns A re-announces its in-flight requests.
+    nats.stop();
+    until("disconnect seen", || ma.connected.get() == 0).await;
+    let t = Instant::now();
+    for i in 0..2000 {
+        a.route("m", "w1", 10_000 + i, 1, 1, &[9]);
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "publishing blocked");
+    a.free(10_000);
+    let _nats2 = Nats::start(port).expect("nats-server restarts");
+    until("reconnect", || {
+        ma.connected.get() == 1 && mb.connected.get() == 1
+    })
+    .await;
+    until("re-sync at b", || {
+        sb.has(|r, m| {
+            r == "a"
+                && matches!(m, Message::Snapshot(s) if s.inflight.iter().any(|e| e.request == 10_001)
+                    && !s.inflight.iter().any(|e| e.request == 10_000))
+        })
+    })
+    .await;
+    assert!(ma.connects.get() >= 2);
+    assert!(
+        ma.messages_out
+            .get_or_create(&KindLabel { kind: "route" })
+            .get()
+            >= 1
+    );
+    for n in [&a, &b, &c, &other] {
+        n.shutdown();
+    }
+}
