@@ -38,12 +38,17 @@ fn mentions(text: &str, word: &str, suffixes: &[&str]) -> bool {
 
 /// Quoted `"kvgate_…"` names in the gateway's metrics source (the families it registers).
 fn registered_metrics() -> BTreeSet<String> {
-    let src = read("crates/kvgate-gateway/src/metrics.rs");
     let mut out = BTreeSet::new();
-    for (i, _) in non_test(&src).match_indices("\"kvgate_") {
-        let name: String = src[i + 1..].chars().take_while(|c| is_ident(*c)).collect();
-        if src[i + 1 + name.len()..].starts_with('"') {
-            out.insert(name);
+    for file in [
+        "crates/kvgate-gateway/src/metrics.rs",
+        "crates/kvgate-cluster/src/metrics.rs",
+    ] {
+        let src = read(file);
+        for (i, _) in non_test(&src).match_indices("\"kvgate_") {
+            let name: String = src[i + 1..].chars().take_while(|c| is_ident(*c)).collect();
+            if src[i + 1 + name.len()..].starts_with('"') {
+                out.insert(name);
+            }
         }
     }
     out

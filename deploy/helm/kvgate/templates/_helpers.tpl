@@ -50,4 +50,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 cert = "/etc/kvgate-tls/tls.crt"
 key = "/etc/kvgate-tls/tls.key"
 {{- end }}
+{{- if .Values.cluster.natsUrl }}
+
+# Added by the chart (cluster.natsUrl): the replicas share routing state over NATS
+# (docs/cluster.md); replica_id defaults to the pod name.
+[cluster]
+nats_url = {{ .Values.cluster.natsUrl | quote }}
+subject_prefix = {{ .Values.cluster.subjectPrefix | default (include "kvgate.fullname" .) | quote }}
+heartbeat_interval_ms = {{ .Values.cluster.heartbeatIntervalMs | int }}
+heartbeat_timeout_ms = {{ .Values.cluster.heartbeatTimeoutMs | int }}
+{{- end }}
 {{- end }}
