@@ -217,10 +217,11 @@ pub fn start(
                 _ = tick.tick() => {}
                 _ = shutdown.cancelled() => { c.shutdown(); return; }
             }
-            let now = Instant::now();
             let snap = fleet.registry.snapshot();
             for w in &snap.workers {
-                let open = w.state.breaker_state(now) == BreakerState::Open
+                // Open or half-open (not yet proven good) on our own outcomes; a breaker opened on
+                // a peer's word is not echoed back.
+                let open = w.state.breaker.state() != BreakerState::Closed
                     && !w.state.breaker.opened_by_peer();
                 let was = last.insert(w.name.clone(), open).unwrap_or(false);
                 if open != was {
