@@ -25,6 +25,7 @@ pub struct DropLabel {
 #[derive(Clone)]
 pub struct ClusterMetrics {
     pub peers: Gauge,
+    pub remote_inflight: Gauge,
     pub connected: Gauge,
     pub connects: Counter,
     pub messages_in: Family<KindLabel, Counter>,
@@ -40,6 +41,7 @@ impl ClusterMetrics {
     pub fn register(r: &mut Registry) -> Self {
         let m = ClusterMetrics {
             peers: Gauge::default(),
+            remote_inflight: Gauge::default(),
             connected: Gauge::default(),
             connects: Counter::default(),
             messages_in: Family::default(),
@@ -56,6 +58,7 @@ impl ClusterMetrics {
             "Other gateway replicas heard from within the heartbeat timeout.",
             m.peers.clone(),
         );
+        r.register("kvgate_cluster_remote_inflight_requests", "Peers' in-flight requests on our workers, as counted into routing (updated every heartbeat).", m.remote_inflight.clone());
         r.register("kvgate_cluster_nats_connected", "1 while this replica is connected to NATS (0 when cluster mode is off or NATS is lost).", m.connected.clone());
         r.register(
             "kvgate_cluster_nats_connects",

@@ -22,6 +22,7 @@ use crate::fleet::WorkerFleet;
 pub struct GatewayPeers {
     fleet: Arc<WorkerFleet>,
     auth: Arc<ArcSwap<Auth>>,
+    metrics: kvgate_cluster::ClusterMetrics,
 }
 
 impl GatewayPeers {
@@ -138,7 +139,12 @@ impl Sink for GatewayPeers {
     }
 
     fn expire(&self, now: Instant, timeout: Duration) {
-        let gone = self.fleet.router.remote.lock().expire(now, timeout);
+        let (gone, inflight) = {
+            let mut remote = self.fleet.router.remote.lock();
+            let gone = remote.expire(now, timeout);
+            (gone, remote.total_inflight())
+        };
+        self.metrics.remote_inflight.set(inflight as i64);
         for r in gone {
             tracing::warn!(peer = %r, "cluster: peer silent past the heartbeat timeout; its load share expired");
         }
@@ -202,6 +208,7 @@ pub fn start(
     let sink = Arc::new(GatewayPeers {
         fleet: fleet.clone(),
         auth: auth.clone(),
+        metrics: metrics.clone(),
     });
     let interval = cfg.heartbeat_interval;
     let cluster = Cluster::start(cfg, sink, metrics).map_err(|e| anyhow::anyhow!(e))?;

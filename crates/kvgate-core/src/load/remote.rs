@@ -189,6 +189,11 @@ impl RemoteLoads {
         self.replicas.len()
     }
 
+    /// Peers' requests in flight, all replicas and workers.
+    pub fn total_inflight(&self) -> usize {
+        self.replicas.values().map(|r| r.requests.len()).sum()
+    }
+
     /// Requests `replica` has in flight as we know it.
     pub fn inflight_of(&self, replica: &str) -> usize {
         self.replicas.get(replica).map_or(0, |r| r.requests.len())
