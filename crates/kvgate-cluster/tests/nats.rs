@@ -15,7 +15,6 @@ use parking_lot::Mutex;
 
 struct Nats {
     child: Child,
-    port: u16,
 }
 
 impl Nats {
@@ -31,7 +30,7 @@ impl Nats {
             assert!(Instant::now() < deadline, "nats-server did not listen");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Some(Nats { child, port })
+        Some(Nats { child })
     }
 
     fn stop(&mut self) {
