@@ -55,40 +55,40 @@ impl ClusterMetrics {
         };
         r.register(
             "kvgate_cluster_peers",
-            "Other gateway replicas heard from within the heartbeat timeout.",
+            "Other gateway replicas heard from within the heartbeat timeout",
             m.peers.clone(),
         );
-        r.register("kvgate_cluster_remote_inflight_requests", "Peers' in-flight requests on our workers, as counted into routing (updated every heartbeat).", m.remote_inflight.clone());
-        r.register("kvgate_cluster_nats_connected", "1 while this replica is connected to NATS (0 when cluster mode is off or NATS is lost).", m.connected.clone());
+        r.register("kvgate_cluster_remote_inflight_requests", "Peers' in-flight requests on our workers, as counted into routing (updated every heartbeat)", m.remote_inflight.clone());
+        r.register("kvgate_cluster_nats_connected", "1 while this replica is connected to NATS (0 when cluster mode is off or NATS is lost)", m.connected.clone());
         r.register(
             "kvgate_cluster_nats_connects",
-            "Connections (first and re-connections) to NATS; each one triggers a snapshot request.",
+            "Connections (first and re-connections) to NATS; each one triggers a snapshot request",
             m.connects.clone(),
         );
         r.register(
             "kvgate_cluster_messages_received",
-            "Peer messages applied here, by kind.",
+            "Peer messages applied here, by kind",
             m.messages_in.clone(),
         );
         r.register(
             "kvgate_cluster_messages_sent",
-            "Messages published to NATS, by kind.",
+            "Messages published to NATS, by kind",
             m.messages_out.clone(),
         );
-        r.register("kvgate_cluster_messages_dropped", "Cluster messages dropped whole (never half applied), by kind and reason: oversized, version, unknown_kind, malformed, unknown_worker (inbound); queue_full, publish_failed, oversized (outbound).", m.dropped.clone());
+        r.register("kvgate_cluster_messages_dropped", "Cluster messages dropped whole (never half applied), by kind and reason: oversized, version, unknown_kind, malformed, unknown_worker (inbound); queue_full, publish_failed, oversized (outbound)", m.dropped.clone());
         r.register(
             "kvgate_cluster_sync_lag_seconds",
-            "From a peer's routing decision (its wall clock) to its application here.",
+            "From a peer's routing decision (its wall clock) to its application here",
             m.sync_lag.clone(),
         );
         r.register(
             "kvgate_cluster_snapshot_seconds",
-            "From a snapshot request to the application of each peer's reply.",
+            "From a snapshot request to the application of each peer's reply",
             m.snapshot_seconds.clone(),
         );
         r.register(
             "kvgate_cluster_snapshot_bytes",
-            "Size of each snapshot reply received.",
+            "Size of each snapshot reply received",
             m.snapshot_bytes.clone(),
         );
         m
