@@ -281,6 +281,33 @@ impl Breaker {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_peers_verdict_opens_and_closes_but_not_over_a_failed_probe() {
+        let t = Instant::now();
+        let br = b();
+        assert!(br.open_by_peer(t));
+        assert!(br.opened_by_peer());
+        assert_eq!(br.state_at(t), BreakerState::Open);
+        assert!(!br.open_by_peer(t), "already open");
+        // Our own cool-down applies: half-open after open_for, like a breaker we opened.
+        assert_eq!(
+            br.state_at(t + Duration::from_secs(6)),
+            BreakerState::HalfOpen
+        );
+        assert!(br.close_by_peer());
+        assert_eq!(br.state(), BreakerState::Closed);
+        assert!(!br.opened_by_peer());
+        // Opened by our own failures: not "by peer"; a failed health probe here outweighs a
+        // peer's "closed".
+        for _ in 0..3 {
+            br.record_failure(t);
+        }
+        assert!(!br.opened_by_peer());
+        br.record_probe_failure(t);
+        assert!(!br.close_by_peer());
+        assert_eq!(br.state(), BreakerState::Open);
+    }
+
     fn b() -> Breaker {
         Breaker::new(BreakerConfig {
             failure_threshold: 3,

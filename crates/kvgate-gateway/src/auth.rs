@@ -208,4 +208,40 @@ mod tests {
             .is_ok());
         assert!(!Auth::from_config(&AuthConfig::default()).enabled());
     }
+
+    /// Cluster mode: peers' reported usage drains our bucket, and our own admissions are
+    /// reported once (by key id, never the key).
+    #[test]
+    fn peers_usage_is_charged_and_own_usage_reported() {
+        let cfg = AuthConfig {
+            keys: vec![ApiKeyConfig {
+                key: "sk-c".into(),
+                name: None,
+                rate_per_s: Some(10.0),
+                burst: Some(10.0),
+            }],
+        };
+        let auth = Auth::from_config(&cfg);
+        let t = Instant::now();
+        assert!(auth.check(&hdr("Bearer sk-c"), t).is_ok());
+        assert!(auth.check(&hdr("Bearer sk-c"), t).is_ok());
+        let id = key_id(b"sk-c");
+        assert_eq!(auth.take_usage(), vec![(id, 2)]);
+        assert!(auth.take_usage().is_empty());
+        // A peer admitted 8 of this key in the same instant: the burst of 10 is spent.
+        auth.charge_peer(id, 8, t);
+        auth.charge_peer(id ^ 1, 100, t); // another key's id changes nothing here
+        let e = auth.check(&hdr("Bearer sk-c"), t).unwrap_err();
+        assert_eq!(e.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        // Without the peer's usage the same key still had 8 requests left.
+        let alone = Auth::from_config(&cfg);
+        for _ in 0..3 {
+            assert!(alone.check(&hdr("Bearer sk-c"), t).is_ok());
+        }
+        // A flood of peer reports is floored at -burst: one refill (2 s at 10/s) frees the key.
+        auth.charge_peer(id, 10_000, t);
+        assert!(auth
+            .check(&hdr("Bearer sk-c"), t + Duration::from_millis(2100))
+            .is_ok());
+    }
 }
