@@ -20,6 +20,7 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         prompt,
         max_tokens,
         ignore_eos: true,
+        kv: Default::default(),
     }
 }
 
@@ -202,6 +203,7 @@ fn outputs_are_deterministic_and_natural_stop_is_reported() {
             prompt: (0..9).collect(),
             max_tokens: 1000,
             ignore_eos: false,
+            kv: Default::default(),
         });
         drain(&mut e, 10_000).0
     };
