@@ -65,7 +65,7 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
                     )
                 }
             };
-            let mut probe = (*app.registry.config()).clone();
+            let mut probe = (*app.fleet.registry.config()).clone();
             probe.workers.push(w.clone());
             if let Err(e) = probe.validate() {
                 return err(
@@ -74,10 +74,10 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
                     &format!("{e:#}"),
                 );
             }
-            match app.registry.add_worker(w) {
+            match app.fleet.registry.add_worker(w) {
                 Ok(r) => {
-                    app.apply_rebuild(&r);
-                    crate::discovery::refresh_once(app).await;
+                    app.fleet.apply_rebuild(&r);
+                    app.fleet.discover().await;
                     ok(json!({"added": r.added.iter().map(|(_, n)| &**n).collect::<Vec<_>>()}))
                 }
                 Err(e) => err(
@@ -89,6 +89,7 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
         }
         (&Method::DELETE, ["admin", "workers", name]) => {
             if app
+                .fleet
                 .registry
                 .snapshot()
                 .workers
@@ -101,9 +102,9 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
                     "no such worker",
                 );
             }
-            match app.registry.remove_worker(name) {
+            match app.fleet.registry.remove_worker(name) {
                 Ok(r) => {
-                    app.apply_rebuild(&r);
+                    app.fleet.apply_rebuild(&r);
                     ok(json!({"removed": name}))
                 }
                 Err(e) => err(
@@ -114,7 +115,7 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
             }
         }
         (&Method::POST, ["admin", "workers", name, action @ ("drain" | "undrain")]) => {
-            let fleet = app.registry.snapshot();
+            let fleet = app.fleet.registry.snapshot();
             let Some(w) = fleet.workers.iter().find(|w| &*w.name == *name) else {
                 return err(
                     StatusCode::NOT_FOUND,
@@ -150,9 +151,9 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
 
 pub fn state_json(app: &AppState) -> serde_json::Value {
     let now = Instant::now();
-    let fleet = app.registry.snapshot();
-    let index = app.router.index.read();
-    let loads = app.router.active.all();
+    let fleet = app.fleet.registry.snapshot();
+    let index = app.fleet.router.index.read();
+    let loads = app.fleet.router.active.all();
     let workers: Vec<_> = fleet
         .workers
         .iter()
@@ -194,7 +195,7 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
         .collect();
     json!({
         "generation": fleet.generation,
-        "policy": app.router.policy.load().policy.name(),
+        "policy": app.fleet.router.policy.load().policy.name(),
         "queue_depth": app.admission.len(),
         "index_entries": index.total_entries(),
         "index_predicted_entries": index.predicted_entries(),

@@ -9,10 +9,38 @@ use std::time::{Duration, Instant};
 use kvgate_protocol::usage::Usage;
 use serde::Serialize;
 
-use crate::metrics::{Lbl, RequestHandles};
+use arc_swap::ArcSwap;
+
+use crate::config::SloConfig;
+use crate::metrics::{Lbl, Metrics, RequestHandles};
 use crate::registry::Worker;
 use crate::router::DispatchGuard;
-use crate::state::AppState;
+
+/// What a finished request is recorded into: the metrics, the SLO it is judged by (`[slo]`,
+/// reloadable), the request log switch (`server.request_log`) and the fleet's token count (tokens
+/// per dollar). Shared by every request's [`RequestCtx`]; the only part of the gateway's state the
+/// request accounting sees.
+pub struct Telemetry {
+    pub metrics: Arc<Metrics>,
+    pub slo: ArcSwap<SloConfig>,
+    pub request_log: bool,
+    pub tokens_served: std::sync::atomic::AtomicU64,
+    unknown_model: Lbl,
+    no_worker: Lbl,
+}
+
+impl Telemetry {
+    pub fn new(metrics: Arc<Metrics>, slo: &SloConfig, request_log: bool) -> Telemetry {
+        Telemetry {
+            metrics,
+            slo: ArcSwap::from_pointee(slo.clone()),
+            request_log,
+            tokens_served: std::sync::atomic::AtomicU64::new(0),
+            unknown_model: Lbl::from("unknown"),
+            no_worker: Lbl::from("none"),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -47,7 +75,7 @@ pub enum Outcome {
 }
 
 pub struct RequestCtx {
-    pub app: Arc<AppState>,
+    pub telemetry: Arc<Telemetry>,
     pub start: Instant,
     pub endpoint: Endpoint,
     /// Canonical model name (label); "unknown" until the pool is found.
@@ -80,10 +108,10 @@ pub struct RequestCtx {
 }
 
 impl RequestCtx {
-    pub fn new(app: Arc<AppState>, endpoint: Endpoint, start: Instant) -> Self {
-        let unknown = app.unknown_model.clone();
+    pub fn new(telemetry: Arc<Telemetry>, endpoint: Endpoint, start: Instant) -> Self {
+        let unknown = telemetry.unknown_model.clone();
         RequestCtx {
-            app,
+            telemetry,
             start,
             endpoint,
             model: unknown,
@@ -121,7 +149,7 @@ impl RequestCtx {
                 // A non-streamed response's "first token" is its end: not a TTFT to learn from.
                 if self.stream {
                     if let Some((predicted, observed)) = g.observe_first_token(now) {
-                        self.app
+                        self.telemetry
                             .metrics
                             .ttft_prediction_error
                             .observe((predicted - observed).abs() / observed.max(1e-3));
@@ -134,7 +162,7 @@ impl RequestCtx {
             self.itl_sumsq += gap * gap;
             self.itl_n += 1;
             let h = self.handles();
-            h.itl(&self.app.metrics).observe(gap);
+            h.itl(&self.telemetry.metrics).observe(gap);
         }
         self.last_token = Some(now);
         self.token_events += 1;
@@ -145,12 +173,12 @@ impl RequestCtx {
     fn handles(&mut self) -> Arc<RequestHandles> {
         let worker = match &self.worker {
             Some(w) => &w.name,
-            None => &self.app.no_worker,
+            None => &self.telemetry.no_worker,
         };
         match &self.handles {
             Some(h) if h.is_for(&self.model, worker) => h.clone(),
             _ => {
-                let h = self.app.metrics.handles(&self.model, worker);
+                let h = self.telemetry.metrics.handles(&self.model, worker);
                 self.handles = Some(h.clone());
                 h
             }
@@ -169,8 +197,8 @@ impl RequestCtx {
         // Release the worker's load first: a queued request may be waiting for it.
         drop(self.guard.take());
         let h = self.handles();
-        let app = &*self.app;
-        let m = &app.metrics;
+        let tel = &*self.telemetry;
+        let m = &tel.metrics;
         let now = Instant::now();
         let total = now.duration_since(self.start);
         let status = match outcome {
@@ -218,19 +246,19 @@ impl RequestCtx {
                         .observe((c as f64 / prompt as f64).min(1.0));
                 }
             }
-            app.tokens_served
+            tel.tokens_served
                 .fetch_add(prompt + completion, Ordering::Relaxed);
         }
         if ok && self.endpoint != Endpoint::Embeddings {
             h.slo_checked(m).inc();
-            let slo = &app.slo.load();
+            let slo = &tel.slo.load();
             let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);
             let itl_ok = mean_itl.is_none_or(|i| i * 1000.0 <= slo.itl_ms);
             if ttft_ok && itl_ok {
                 h.goodput(m).inc();
             }
         }
-        if app.request_log {
+        if tel.request_log {
             let line = LogLine {
                 msg: "request",
                 endpoint: self.endpoint,

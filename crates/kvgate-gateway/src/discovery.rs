@@ -1,5 +1,6 @@
 //! Model discovery: workers configured without a `models` list are asked `GET /v1/models`
-//! periodically; a change rebuilds the fleet snapshot (new pools appear, gone ones 404).
+//! periodically (by `fleet::WorkerFleet`); a change rebuilds the fleet snapshot (new pools
+//! appear, gone ones 404).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,20 +8,24 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 
+use crate::forward::Upstream;
 use crate::metrics::Lbl;
-use crate::registry::Worker;
-use crate::state::AppState;
+use crate::registry::{Rebuilt, Registry, Worker};
 use kvgate_http::client;
 
-/// One discovery round over every worker without configured models. Returns whether any changed.
-pub async fn refresh_once(app: &Arc<AppState>) -> bool {
-    let fleet = app.registry.load_full();
+/// One discovery round over every worker without configured models, all asked at once. `None`
+/// when no worker's list changed, else the registry's rebuild for the caller to apply.
+pub async fn refresh_once(
+    registry: &Registry,
+    upstream: &Arc<Upstream>,
+) -> Option<anyhow::Result<Rebuilt>> {
+    let fleet = registry.load_full();
     let mut tasks = Vec::new();
     for w in fleet.workers.iter().filter(|w| w.cfg.models.is_empty()) {
-        let app = app.clone();
+        let upstream = upstream.clone();
         let w = w.clone();
         tasks.push(tokio::spawn(async move {
-            let models = fetch_models(&app, &w).await;
+            let models = fetch_models(&upstream, &w).await;
             (w, models)
         }));
     }
@@ -39,16 +44,10 @@ pub async fn refresh_once(app: &Arc<AppState>) -> bool {
             Err(e) => tracing::warn!(worker = %w.name, error = %e, "model discovery failed"),
         }
     }
-    if changed {
-        match app.registry.refresh() {
-            Ok(r) => app.apply_rebuild(&r),
-            Err(e) => tracing::warn!(error = %e, "fleet rebuild after discovery failed"),
-        }
-    }
-    changed
+    changed.then(|| registry.refresh())
 }
 
-async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
+async fn fetch_models(upstream: &Upstream, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
     /// A models list larger than this is not one.
     const MAX_BODY: usize = 4 << 20;
     let headers = http::HeaderMap::new();
@@ -66,7 +65,7 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
         body: &empty,
     };
     let fetch = async {
-        let resp = client::send(&req, &app.upstream, &app.control_pool).await?;
+        let resp = client::send(&req, &upstream.client, &upstream.control_pool).await?;
         if !resp.status.is_success() {
             anyhow::bail!("GET /v1/models answered {}", resp.status);
         }
@@ -92,16 +91,4 @@ async fn fetch_models(app: &AppState, w: &Worker) -> anyhow::Result<Vec<Lbl>> {
     ids.sort();
     ids.dedup();
     Ok(ids)
-}
-
-/// Re-run discovery every `every` until shutdown.
-pub async fn run(app: Arc<AppState>, every: Duration) {
-    let mut tick = tokio::time::interval(every.max(Duration::from_secs(1)));
-    tick.tick().await;
-    loop {
-        tokio::select! {
-            _ = app.shutdown.cancelled() => return,
-            _ = tick.tick() => { refresh_once(&app).await; }
-        }
-    }
 }

@@ -15,13 +15,13 @@ use std::time::Duration;
 use kvgate_fleet::dns::{DnsChange, DnsConfig, DnsWatcher};
 
 use crate::config::WorkerPoolConfig;
-use crate::state::AppState;
+use crate::fleet::WorkerFleet;
 
 /// How often the set of pools is compared with the running config.
 const SYNC_EVERY: Duration = Duration::from_secs(1);
 
 /// Keep one watcher per configured pool until shutdown, then stop them all.
-pub async fn run(app: Arc<AppState>) {
+pub async fn run(app: Arc<WorkerFleet>) {
     let mut running: HashMap<String, (WorkerPoolConfig, DnsWatcher)> = HashMap::new();
     let mut tick = tokio::time::interval(SYNC_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -38,7 +38,7 @@ pub async fn run(app: Arc<AppState>) {
 
 /// Start, restart or stop watchers so they match `app`'s current `worker_pools`.
 pub async fn sync(
-    app: &Arc<AppState>,
+    app: &Arc<WorkerFleet>,
     running: &mut HashMap<String, (WorkerPoolConfig, DnsWatcher)>,
 ) {
     let cfg = app.registry.config();
@@ -67,7 +67,7 @@ pub async fn sync(
     }
 }
 
-fn spawn_watcher(app: Arc<AppState>, pool: WorkerPoolConfig) -> DnsWatcher {
+fn spawn_watcher(app: Arc<WorkerFleet>, pool: WorkerPoolConfig) -> DnsWatcher {
     let mut dc = DnsConfig::new(pool.dns.clone());
     dc.interval = Duration::from_secs(pool.refresh_s.max(1));
     let key = pool.prefix().to_string();

@@ -8,14 +8,19 @@
 //!   → admission → dispatch → forward → retry → observe).
 //! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
 //!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
-//!   kvgate-http's client (the HTTP/1.1 client to workers — per-thread keep-alive pool, header
-//!   hygiene, TLS for https workers), `forward.rs` (retry budget), `observer.rs` (the response body
-//!   observer: times TTFT and ITL, records usage and mid-stream errors as kvgate-protocol's
-//!   `sse::Relay` reads them), `ctx.rs` (per-request state, metrics + log at
-//!   the end), `error.rs` (the one error type and its one mapping to HTTP).
-//! - `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker), `discovery.rs`
-//!   (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS),
-//!   `fleet.rs` (kvgate-fleet monitors feeding worker state and the KV index).
+//!   kvgate-http's client (the HTTP/1.1 client to workers — keep-alive pool per io thread, header
+//!   hygiene, TLS for https workers), `forward.rs` (the proxy hop's settings: client, time limits,
+//!   retry budget), `observer.rs` (the response body observer: times TTFT and ITL, records usage
+//!   and mid-stream errors as kvgate-protocol's `sse::Relay` reads them), `ctx.rs` (per-request
+//!   state; `Telemetry`, what a finished request is recorded into), `error.rs` (the one error type
+//!   and its one mapping to HTTP).
+//! - `fleet.rs` (the worker fleet component: registry + router + monitors, the one place worker
+//!   changes are applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the
+//!   KV index), `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker),
+//!   `discovery.rs` (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS).
+//! - `state.rs`: `AppState`, the components side by side (fleet, upstream, telemetry, admission,
+//!   auth), each built from its config slice; only the route table and the admin API see them all.
+//!   Module dependencies point one way (`tests/layout.rs` checks there is no cycle).
 //! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
 //! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
 //! - `mock.rs` (feature `mock`, test support only): a mock OpenAI worker for this crate's tests and
@@ -104,7 +109,7 @@ impl Gateway {
             .await
             .map_err(|e| anyhow::anyhow!("binding {}: {e}", server_cfg.listen))?;
         let addr = listener.local_addr()?;
-        discovery::refresh_once(&app).await;
+        app.fleet.discover().await;
 
         let mut tasks = Vec::new();
         let grace = Duration::from_secs(server_cfg.shutdown_grace_s);
@@ -180,8 +185,8 @@ impl Gateway {
                 },
             )));
         }
-        tasks.push(tokio::spawn(discovery::run(app.clone(), refresh)));
-        tasks.push(tokio::spawn(dns_pool::run(app.clone())));
+        tasks.push(tokio::spawn(app.fleet.clone().run_discovery(refresh)));
+        tasks.push(tokio::spawn(dns_pool::run(app.fleet.clone())));
         if let Some(path) = config_path {
             let poll = Duration::from_millis(server_cfg.reload_poll_ms);
             tasks.push(tokio::spawn(reload::watch(
@@ -220,7 +225,7 @@ impl Gateway {
         for t in self.tasks {
             let _ = t.await;
         }
-        self.app.monitors.stop_all();
+        self.app.fleet.monitors.stop_all();
     }
 }
 
@@ -235,9 +240,9 @@ async fn housekeeping(app: Arc<AppState>) {
             _ = app.shutdown.cancelled() => return,
             _ = tick.tick() => {
                 let now = std::time::Instant::now();
-                app.router.index.write().expire(now);
+                app.fleet.router.index.write().expire(now);
                 // A request's load normally ends with its guard; this only catches leaks.
-                app.router.active.expire_stale(now, Duration::from_secs(3600));
+                app.fleet.router.active.expire_stale(now, Duration::from_secs(3600));
             }
         }
     }

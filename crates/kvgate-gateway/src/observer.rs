@@ -21,9 +21,11 @@ use kvgate_protocol::error::{types, OpenAiError};
 use kvgate_protocol::sse::Relay;
 use kvgate_protocol::usage::find_usage;
 
-use crate::body::BodyError;
 use crate::ctx::{Outcome, RequestCtx};
 use kvgate_http::client::ResponseBody;
+
+/// A non-streamed worker body failing mid-way (`body::BodyError` is this type).
+type BodyError = kvgate_http::client::Error;
 
 /// Non-stream bodies: bytes kept from the end of the body to find `usage` in.
 const TAIL_KEEP: usize = 8 << 10;

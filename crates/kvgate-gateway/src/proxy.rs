@@ -83,7 +83,10 @@ pub(crate) async fn route_and_forward(
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let p = prepare(app, ctx, req, auth.enabled()).await?;
-    let max_attempts = (app.max_attempts.load(std::sync::atomic::Ordering::Relaxed) as usize)
+    let max_attempts = (app
+        .upstream
+        .max_attempts
+        .load(std::sync::atomic::Ordering::Relaxed) as usize)
         .clamp(1, MAX_ATTEMPTS);
     let mut tried = [WorkerId(0); MAX_ATTEMPTS];
     let mut n_tried = 0usize;
@@ -110,9 +113,10 @@ pub(crate) async fn route_and_forward(
                 .observe(pick.decision.predicted_hit_ratio);
             ctx.overlap_blocks = pick.decision.overlap_blocks;
         }
-        let mut guard = app
-            .router
-            .dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
+        let mut guard =
+            app.fleet
+                .router
+                .dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
         guard.on_release = Some(app.admission.clone());
         tried[n_tried] = pick.worker.id;
         n_tried += 1;
@@ -136,7 +140,7 @@ pub(crate) async fn route_and_forward(
                     .workers
                     .iter()
                     .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
-                && app.retry.try_retry(now)
+                && app.upstream.retry.try_retry(now)
         };
         let now = Instant::now();
         match result {
@@ -209,7 +213,7 @@ async fn prepare(
         .flatten()
         .map(Bytes::from);
     ctx.strip_usage = spliced.is_some();
-    let fleet = app.registry.load_full();
+    let fleet = app.fleet.registry.load_full();
     let Some(pool) = fleet.pool(&view.model).cloned() else {
         return Err(GatewayError::new(
             ErrorKind::ModelNotFound,
@@ -238,7 +242,7 @@ async fn prepare(
     drop(view);
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
-    app.retry.on_request(ctx.start);
+    app.upstream.retry.on_request(ctx.start);
     Ok(Prepared {
         parts,
         bytes,
@@ -261,13 +265,13 @@ async fn attempt(
 ) -> Result<Forwarded, GatewayError> {
     let sent_at = tokio::time::Instant::now();
     let within = if stream {
-        app.first_byte_timeout
+        app.upstream.first_byte_timeout
     } else {
-        app.request_timeout
+        app.upstream.request_timeout
     };
     let deadline = sent_at + within;
-    let head_by = deadline.min(sent_at + app.response_timeout);
-    let sent = client::send(out, &app.upstream, conns);
+    let head_by = deadline.min(sent_at + app.upstream.response_timeout);
+    let sent = client::send(out, &app.upstream.client, conns);
     let (resp, first) = match tokio::time::timeout_at(head_by, sent).await {
         Err(_) => {
             return Err(GatewayError::new(
@@ -357,6 +361,7 @@ async fn pick(
     let mut woken = false;
     loop {
         match app
+            .fleet
             .router
             .select(pool, &ri.hashes, ri.isl, ri.affinity, tried, now)
         {
@@ -464,7 +469,7 @@ pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Re
         // We may append an error event; the length would then be wrong.
         headers.remove(header::CONTENT_LENGTH);
     }
-    let mut body = ObservedBody::new(body, ctx, sse, app.stream_idle_timeout);
+    let mut body = ObservedBody::new(body, ctx, sse, app.upstream.stream_idle_timeout);
     body.prefetched(first, body_deadline);
     let mut r = Response::new(GwBody::Observed(Box::new(body)));
     *r.status_mut() = status;

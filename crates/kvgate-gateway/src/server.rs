@@ -45,7 +45,7 @@ pub async fn route(
         if req.method() != Method::POST {
             return method_not_allowed(&app, "POST");
         }
-        let mut ctx = RequestCtx::new(app.clone(), ep, start);
+        let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);
         return match proxy::route_and_forward(&app, &conns, &mut ctx, req).await {
             Ok(fwd) => proxy::respond(&app, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),

@@ -63,6 +63,7 @@ fn names_for(mocks: &[MockHandle]) -> BTreeSet<String> {
 
 fn fleet_names(gw: &kvgate_gateway::Gateway) -> BTreeSet<String> {
     gw.app
+        .fleet
         .registry
         .snapshot()
         .workers
@@ -87,6 +88,7 @@ async fn dns_pool_workers_route_list_and_follow_reloads() {
         eventually(Duration::from_secs(10), || fleet_names(&gw) == want
             && gw
                 .app
+                .fleet
                 .registry
                 .snapshot()
                 .pool("mock-model")
@@ -147,6 +149,7 @@ async fn dns_pool_workers_route_list_and_follow_reloads() {
         eventually(Duration::from_secs(10), || fleet_names(&gw) == want2
             && gw
                 .app
+                .fleet
                 .registry
                 .snapshot()
                 .pool("mock-model")

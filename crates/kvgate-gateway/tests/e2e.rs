@@ -285,6 +285,7 @@ async fn worker_dying_mid_stream_yields_an_sse_error_event() {
     assert!(m.contains("kvgate_stream_errors_total 1"), "{m}");
     assert!(gw
         .app
+        .fleet
         .router
         .active
         .all()
@@ -320,12 +321,14 @@ async fn client_disconnect_frees_load_at_once_and_cancels_upstream() {
     }
     let app = gw.app.clone();
     let busy = |app: &kvgate_gateway::AppState| {
-        app.router
+        app.fleet
+            .router
             .active
             .all()
             .iter()
             .any(|(_, l)| l.inflight > 0 || l.active_blocks > 0)
             || app
+                .fleet
                 .registry
                 .snapshot()
                 .workers
@@ -748,7 +751,14 @@ async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
     assert!(text.ends_with("{\"id\":\"half"), "{text}");
     let app = gw.app.clone();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !app.router.active.all().iter().all(|(_, l)| l.inflight == 0) {
+    while !app
+        .fleet
+        .router
+        .active
+        .all()
+        .iter()
+        .all(|(_, l)| l.inflight == 0)
+    {
         assert!(std::time::Instant::now() < deadline, "load never released");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

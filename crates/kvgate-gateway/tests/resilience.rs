@@ -86,7 +86,7 @@ async fn full_outage_then_first_200_soon_after_workers_answer_health_again() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let now = Instant::now();
-    for w in &gw.app.registry.snapshot().workers {
+    for w in &gw.app.fleet.registry.snapshot().workers {
         assert_eq!(
             w.state.breaker_state(now),
             BreakerState::Open,
@@ -232,6 +232,7 @@ async fn stall_fleet() -> (MockHandle, MockHandle, Gateway, String) {
 
 fn inflight(gw: &Gateway) -> Vec<u32> {
     gw.app
+        .fleet
         .registry
         .snapshot()
         .workers

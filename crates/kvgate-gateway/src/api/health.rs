@@ -24,7 +24,7 @@ pub fn ready(app: &AppState) -> Response<GwBody> {
     // Ready means a request can be routed: a routable worker that serves at least one model
     // (configured, or already discovered from its /v1/models). Before discovery finishes, every
     // request would get 404 model_not_found, so a load balancer must not send traffic yet.
-    let fleet = app.registry.snapshot();
+    let fleet = app.fleet.registry.snapshot();
     let now = std::time::Instant::now();
     if fleet
         .workers

@@ -7,7 +7,7 @@ use crate::state::AppState;
 
 pub fn render(app: &AppState) -> Response<GwBody> {
     app.refresh_gauges();
-    app.monitors.export(app);
+    app.fleet.export_monitors();
     let mut r = Response::new(GwBody::full(app.metrics.render()));
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -16,7 +16,7 @@ pub fn list<B>(app: &AppState, req: &Request<B>) -> Response<GwBody> {
         app.metrics.error(e.label());
         return e.into_response();
     }
-    let fleet = app.registry.snapshot();
+    let fleet = app.fleet.registry.snapshot();
     let created = std::time::SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
