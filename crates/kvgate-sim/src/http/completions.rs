@@ -181,6 +181,9 @@ async fn prepare(
                 )
             };
             sh.metrics.lock().finished(None);
+            if let Leg::Decode(remote) = &leg {
+                pd::abandon(remote);
+            }
             return Err(Box::new(error(code, msg, None)));
         }
     }

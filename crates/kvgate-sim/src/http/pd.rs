@@ -183,6 +183,12 @@ impl Drop for ReadGuard {
     }
 }
 
+/// A decode leg refused before its pull (an injected fault): tell the prefill worker, as vLLM's
+/// decode side sends an empty read for a request it aborts before scheduling.
+pub fn abandon(remote: &Remote) {
+    drop(ReadGuard(Some(remote.clone())));
+}
+
 /// The decode leg's pull: charges `fixed + bytes / bandwidth` for the prompt tokens this worker's
 /// cache lacks (all but the last, which is recomputed), then notifies the prefill worker. Returns
 /// how the engine should run the request, or the error response (`kv_load_failure_policy=fail`).
