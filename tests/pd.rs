@@ -1,0 +1,385 @@
+//! Prefill/decode disaggregation through the real binary: `kvgate sim --role prefill|decode`
+//! processes behind `kvgate serve --prefill-worker URL --decode-worker URL` (issue 20). Checks the
+//! handoff (streamed and not), the recorded usage, conditional disaggregation, every failure mode,
+//! and that no KV block stays pinned on the prefill worker after failures and disconnects (the
+//! sim's `kvgate_sim_pd_pinned_blocks`; leases are set far longer than the tests run, so only
+//! the handoff itself can have freed them).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvgate_system_tests::kvgate_bin;
+
+/// A child process killed (by its pid) and reaped on drop.
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+const MODEL: &str = "pd-model";
+
+/// One `kvgate sim` worker on an ephemeral port with `args`; its HTTP address.
+fn sim(args: &[&str]) -> (Proc, SocketAddr) {
+    let mut child = Command::new(kvgate_bin())
+        .args(["sim", "--port", "0", "--no-kv-events", "--model", MODEL])
+        .args(["--speedup", "100", "--kv-lease-ms", "600000"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvgate sim starts");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        if out.read_line(&mut line).unwrap_or(0) == 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvgate sim exited before its worker line");
+        }
+        if let Some(rest) = line.trim().strip_prefix("worker 0 http=") {
+            let a = rest.split_whitespace().next().expect("address");
+            break a.parse().expect("sim address");
+        }
+    };
+    std::thread::spawn(move || for _ in out.lines() {});
+    (Proc(child), addr)
+}
+
+/// `kvgate serve` with `prefill` and `decode` workers and `config` (TOML); its address.
+fn gateway(config: &str, prefill: &[SocketAddr], decode: &[SocketAddr]) -> (Proc, SocketAddr) {
+    let dir = std::env::temp_dir().join(format!(
+        "kvgate-pd-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("kvgate.toml");
+    std::fs::write(&path, config).expect("config");
+    let urls = |a: &[SocketAddr]| {
+        a.iter()
+            .map(|a| format!("http://{a}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let mut child = Command::new(kvgate_bin())
+        .arg("serve")
+        .arg("--config")
+        .arg(&path)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-request-log",
+            "--model",
+            MODEL,
+            "--log",
+            "warn",
+        ])
+        .args([
+            "--prefill-worker",
+            &urls(prefill),
+            "--decode-worker",
+            &urls(decode),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate serve starts");
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        if err.read_line(&mut line).unwrap_or(0) == 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvgate serve exited before listening");
+        }
+        if let Some(rest) = line.trim().strip_prefix("kvgate serve: listening on ") {
+            break rest
+                .trim_start_matches("http://")
+                .parse()
+                .expect("listen address");
+        }
+    };
+    std::thread::spawn(move || for _ in err.lines() {});
+    (Proc(child), addr)
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`: (status, body as sent, chunked framing kept).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}
+
+/// The value of the first series of `name` whose labels contain every `labels` pair.
+fn metric(addr: SocketAddr, name: &str, labels: &[&str]) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .find(|l| labels.iter().all(|p| l.contains(p)))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls `f` until it holds (generous deadline; no fixed sleep decides anything).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn pinned(sim: SocketAddr) -> f64 {
+    metric(sim, "kvgate_sim_pd_pinned_blocks", &[])
+}
+
+/// A prompt of `n` distinct words (the sim's tokenizer: about one token per word).
+fn prompt(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn chat(p: &str, stream: bool, max_tokens: u32) -> String {
+    serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": p}],
+        "stream": stream, "max_tokens": max_tokens, "ignore_eos": true,
+        "stream_options": {"include_usage": true}})
+    .to_string()
+}
+
+const ALWAYS: &str = "[pd]\nmin_uncached_tokens = 0\n";
+
+#[test]
+fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 300), false, 5),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        1.0
+    );
+    // The decode worker pulled the prompt; the prefill worker's blocks were read and freed.
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 1.0);
+    assert_eq!(pinned(pa), 0.0);
+    // Recorded cached tokens come from the prefill leg (cold: 0), not the decode's pulled ones.
+    eventually("request recorded", || {
+        metric(ga, "kvgate_requests_total", &["status=\"200\""]) >= 1.0
+    });
+    assert_eq!(metric(ga, "kvgate_cached_tokens_total", &[]), 0.0);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("b", 300), true, 4),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        2.0
+    );
+    eventually("transfer wait observed", || {
+        metric(ga, "kvgate_pd_transfer_wait_seconds_count", &[]) >= 1.0
+    });
+    assert_eq!(
+        metric(ga, "kvgate_pd_prefill_duration_seconds_count", &[]),
+        2.0
+    );
+    assert_eq!(pinned(pa), 0.0);
+    assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"prefill\""]), 1.0);
+    assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"decode\""]), 1.0);
+}
+
+#[test]
+fn short_prompts_run_on_the_decode_worker_alone() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway("[pd]\nmin_uncached_tokens = 256\n", &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("s", 20), false, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"local\"", "reason=\"short_prompt\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(pa, "vllm:prompt_tokens_total", &[]),
+        0.0,
+        "the prefill worker saw nothing"
+    );
+    // A long one is disaggregated.
+    let (st, _) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("l", 400), false, 3),
+    );
+    assert_eq!(st, 200);
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        1.0
+    );
+}
+
+#[test]
+fn prefill_failure_falls_back_to_decode_only() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-prefill-fail-rate", "1"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("f", 300), false, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"prefill_error\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"local\"", "reason=\"prefill_failed\""]
+        ),
+        1.0
+    );
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 0.0);
+}
+
+#[test]
+fn no_params_means_decode_computes_it_all() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-no-params-rate", "1"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("n", 300), true, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"));
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"no_params\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["reason=\"no_params\""]),
+        1.0
+    );
+    assert_eq!(pinned(pa), 0.0);
+}
+
+#[test]
+fn decode_failure_is_an_openai_error_and_frees_prefill_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode", "--fail-rate", "1"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("x", 300), false, 3),
+    );
+    assert!(st >= 500, "{st} {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON error");
+    assert!(v["error"]["message"].is_string(), "{body}");
+    assert!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"decode_error\""]
+        ) >= 1.0
+    );
+    // The decode worker refused the leg and told the prefill worker (no lease needed).
+    eventually("prefill blocks freed", || pinned(pa) == 0.0);
+    let _ = da;
+}
+
+#[test]
+fn client_disconnect_mid_transfer_frees_prefill_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    // A transfer that would take minutes: the client leaves while the decode worker pulls.
+    let (_d, da) = sim(&["--role", "decode", "--kv-transfer-gbps", "0.000001"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let body = chat(&prompt("c", 300), true, 20);
+    let mut s = TcpStream::connect(ga).expect("connect");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {ga}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    eventually("prefill leg done, blocks pinned", || pinned(pa) > 0.0);
+    drop(s);
+    eventually("prefill blocks freed after the disconnect", || {
+        pinned(pa) == 0.0
+    });
+    assert_eq!(
+        metric(pa, "vllm:nixl_num_kv_expired_reqs", &[]),
+        0.0,
+        "not by the lease"
+    );
+    let _ = da;
+}
