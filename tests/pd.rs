@@ -5,12 +5,12 @@
 //! sim's `kvgate_sim_pd_pinned_blocks`; leases are set far longer than the tests run, so only
 //! the handoff itself can have freed them).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvgate_system_tests::kvgate_bin;
+use kvgate_system_tests::{exchange_raw, kvgate_bin};
 
 /// A child process killed (by its pid) and reaped on drop.
 struct Proc(Child);
@@ -110,29 +110,16 @@ fn gateway(config: &str, prefill: &[SocketAddr], decode: &[SocketAddr]) -> (Proc
     (Proc(child), addr)
 }
 
-/// One HTTP/1.1 exchange with `Connection: close`: (status, body as sent, chunked framing kept).
+/// One HTTP/1.1 exchange with `Connection: close`: (status, body with chunked framing removed).
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    write!(
-        s,
+    let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
-    )
-    .expect("send");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
+    );
+    let (resps, _) = exchange_raw(addr, req.as_bytes(), Duration::from_secs(30));
+    let r = resps.into_iter().next().expect("a response");
+    assert!(r.complete, "response cut short: {}", r.body_text());
+    (r.status, r.body_text())
 }
 
 /// The value of the first series of `name` whose labels contain every `labels` pair.
@@ -195,6 +182,16 @@ fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
     let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
     assert_eq!(v["usage"]["completion_tokens"], 5);
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // The client's usage: prompt and cached tokens from the prefill leg (cold: 0 cached), not the
+    // decode worker's pulled-as-cached count; completion tokens from the decode leg.
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(prompt_tokens >= 300, "{body}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{body}"
+    );
+    assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 5);
+    assert!(v["kv_transfer_params"].is_null(), "{body}");
     assert_eq!(
         metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
         1.0
@@ -217,16 +214,35 @@ fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
     assert_eq!(st, 200, "{body}");
     assert!(body.contains("[DONE]"), "{body}");
     assert!(!body.contains("\"error\""), "{body}");
-    assert_eq!(
-        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
-        2.0
+    assert!(body.contains("\"cached_tokens\":0"), "{body}");
+
+    // The same prompt again: the prefill worker's own prefix hit is what the client sees.
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 300), false, 2),
     );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= 256 && cached < prompt_tokens - 1,
+        "prefill hit {cached}: {body}"
+    );
+    assert_eq!(pinned(pa), 0.0);
     eventually("transfer wait observed", || {
         metric(ga, "kvgate_pd_transfer_wait_seconds_count", &[]) >= 1.0
     });
     assert_eq!(
         metric(ga, "kvgate_pd_prefill_duration_seconds_count", &[]),
-        2.0
+        3.0
+    );
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        3.0
     );
     assert_eq!(pinned(pa), 0.0);
     assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"prefill\""]), 1.0);

@@ -27,6 +27,8 @@ use crate::router::{NoPick, Pick};
 use crate::state::AppState;
 use kvgate_http::client;
 
+mod handoff;
+
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
 
@@ -83,9 +85,9 @@ pub(crate) async fn route_and_forward(
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
-    if crate::pd::applies(&p.pool, ctx.endpoint) {
+    if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
-        crate::pd::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?;
+        handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?;
     }
     let max_attempts = (app
         .upstream
@@ -154,7 +156,7 @@ pub(crate) async fn route_and_forward(
                 // A worker shedding load (429) is alive; 5xx counts against its breaker.
                 worker.state.record_outcome(!s.is_server_error(), now);
                 if retryable {
-                    crate::pd::decode_failed(app, ctx);
+                    handoff::decode_failed(app, ctx);
                 }
                 if retryable && can_retry(now) {
                     app.metrics
@@ -172,7 +174,7 @@ pub(crate) async fn route_and_forward(
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
-                crate::pd::decode_failed(app, ctx);
+                handoff::decode_failed(app, ctx);
                 if e.retry_safe() && can_retry(now) {
                     app.metrics
                         .retries
@@ -473,8 +475,9 @@ pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Re
     let sse = headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if sse {
-        // We may append an error event; the length would then be wrong.
+    // We may append an error event, or merge a prefill leg's usage (PD); the length would then
+    // be wrong.
+    if sse || ctx.pd.as_ref().is_some_and(|p| p.usage.is_some()) {
         headers.remove(header::CONTENT_LENGTH);
     }
     let mut body = ObservedBody::new(body, ctx, sse, app.upstream.stream_idle_timeout);
