@@ -764,7 +764,7 @@ mod tests {
     #[test]
     fn example_configs_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
-        for f in ["kvgate.toml", "demo.toml"] {
+        for f in ["kvgate.toml", "demo.toml", "pd.toml"] {
             let p = root.join(f);
             if p.exists() {
                 Config::from_file(&p).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));
