@@ -399,3 +399,23 @@ fn client_disconnect_mid_transfer_frees_prefill_blocks() {
     );
     let _ = da;
 }
+
+#[test]
+fn the_helm_pd_values_config_loads() {
+    // The `config: |` block of deploy/helm/pd-values.yaml, de-indented.
+    let yaml = std::fs::read_to_string(
+        kvgate_system_tests::repo_root().join("deploy/helm/pd-values.yaml"),
+    )
+    .expect("pd-values.yaml");
+    let toml: String = yaml
+        .lines()
+        .skip_while(|l| !l.starts_with("config: |"))
+        .skip(1)
+        .take_while(|l| l.is_empty() || l.starts_with("  "))
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    let cfg = kvgate_gateway::config::Config::from_toml(&toml).expect("pd-values config loads");
+    assert_eq!(cfg.pd.min_uncached_tokens, 256);
+    let roles: Vec<_> = cfg.worker_pools.iter().map(|p| p.role.as_str()).collect();
+    assert_eq!(roles, ["prefill", "decode"]);
+}
