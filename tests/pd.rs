@@ -418,4 +418,8 @@ fn the_helm_pd_values_config_loads() {
     assert_eq!(cfg.pd.min_uncached_tokens, 256);
     let roles: Vec<_> = cfg.worker_pools.iter().map(|p| p.role.as_str()).collect();
     assert_eq!(roles, ["prefill", "decode"]);
+    // Every address a pool resolves to becomes a worker with the pool's role.
+    let w = cfg.worker_pools[0].worker_for("10.0.0.7:8000".parse().unwrap());
+    assert_eq!(w.role.as_str(), "prefill");
+    assert_eq!(w.url, "http://10.0.0.7:8000");
 }
