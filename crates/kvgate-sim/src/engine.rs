@@ -297,7 +297,14 @@ impl Engine {
                 self.counters.prompt_tokens += r.prompt_len as u64;
                 step.started.push((r.id, cached));
             }
-            step.prefill_tokens += n;
+            if pulled > 0 && n == 1 {
+                // A decode leg recomputing the last prompt token over pulled KV: one token
+                // attending over its context, the work of a decode step, not a prefill step's
+                // fixed cost.
+                step.decode_seqs += 1;
+            } else {
+                step.prefill_tokens += n;
+            }
             step.scheduled.push((r.id, n));
             *budget -= n;
             self.running.push(r);
