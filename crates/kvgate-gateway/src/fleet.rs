@@ -108,6 +108,12 @@ impl WorkerFleet {
             m.prefill_throughput.remove(&l);
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
+            for role in ["prefill", "decode", "both"] {
+                m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {
+                    worker: name.clone(),
+                    role,
+                });
+            }
         }
     }
 
