@@ -88,10 +88,9 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
     std::thread::sleep(Duration::from_millis(20)); // a distinct mtime on coarse-grained filesystems
     std::fs::write(&cfg_path, cfg("0.5")).unwrap();
     let end = Instant::now() + Duration::from_secs(15);
-    while !http(gw, "GET", "/metrics", None)
-        .1
-        .contains("kvgate_config_reloads_total{")
-    {
+    // The families exist at 0 from the start: wait for a non-zero count.
+    let reloads = |text: &str| counter_sum(text, "kvgate_config_reloads_total{");
+    while reloads(&http(gw, "GET", "/metrics", None).1) < 1.0 {
         assert!(Instant::now() < end, "config reload not observed");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -110,7 +109,7 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
         "no successful requests counted:\n{gw_text}"
     );
     assert!(
-        gw_text.contains("kvgate_retries_total{"),
+        counter_sum(&gw_text, "kvgate_retries_total{") >= 1.0,
         "round robin over a failing worker retried nothing:\n{gw_text}"
     );
 
@@ -211,4 +210,12 @@ fn exported_names_expand_histograms_and_empty_families() {
         assert!(n.contains(want), "{want}");
     }
     assert!(!n.contains("h_total"));
+}
+
+/// Sum of the samples whose line starts with `prefix` (a family's series).
+fn counter_sum(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

@@ -18,6 +18,43 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+pub mod process;
+
+/// `kvgate_retries_total{reason}` values (proxy.rs), created at 0 so `rate()` works from the start.
+pub const RETRY_REASONS: [&str; 6] = [
+    "status_503",
+    "status_429",
+    "status_5xx",
+    "upstream_connect",
+    "upstream_io",
+    "upstream_timeout",
+];
+/// `kvgate_config_reloads_total{reason}` values (reload.rs).
+pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
+/// `kvgate_errors_total{kind}` values: `GatewayError::label` and the observer's stream kinds.
+pub const ERROR_KINDS: [&str; 20] = [
+    "unauthorized",
+    "rate_limited",
+    "not_found",
+    "method_not_allowed",
+    "payload_too_large",
+    "headers_too_large",
+    "request_timeout",
+    "bad_request",
+    "model_not_found",
+    "no_worker",
+    "queue_full",
+    "queue_timeout",
+    "upstream_connect",
+    "upstream_status",
+    "upstream_io",
+    "upstream_timeout",
+    "upstream_stream",
+    "upstream_body",
+    "shutting_down",
+    "too_many_connections",
+];
+
 pub type Lbl = Arc<str>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -198,7 +235,7 @@ impl Metrics {
                 m
             }};
         }
-        Metrics {
+        let m = Metrics {
             requests: reg!("kvgate_requests", "Requests finished, by model, worker and HTTP status (worker=\"none\" when none was chosen).", Family::default()),
             request_duration: reg!("kvgate_request_duration_seconds", "Time from request arrival to the last response byte.", HFamily::new_with_constructor(latency_buckets)),
             decision: reg!("kvgate_router_decision_seconds", "Time spent tokenizing, hashing and choosing a worker.", sub_ms_buckets()),
@@ -254,7 +291,19 @@ impl Metrics {
             },
             registry: r,
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        // Unlabelled-by-worker counters exist at 0 from the start (a family that appears only when
+        // first used makes `rate()`/`increase()` return nothing instead of 0).
+        for reason in RETRY_REASONS {
+            let _ = m.retries.get_or_create(&ReasonLabel { reason });
         }
+        for reason in RELOAD_RESULTS {
+            let _ = m.config_reloads.get_or_create(&ReasonLabel { reason });
+        }
+        for kind in ERROR_KINDS {
+            let _ = m.errors.get_or_create(&KindLabel { kind });
+        }
+        m
     }
 
     /// The series a request for `model` served by `worker` records, resolved once per thread and
@@ -308,7 +357,11 @@ impl Metrics {
         if prometheus_client::encoding::text::encode_registry(&mut om, &self.registry).is_err() {
             return String::new();
         }
-        openmetrics_to_classic(&om)
+        let mut out = openmetrics_to_classic(&om);
+        if let Some(p) = process::read() {
+            process::render(&p, &mut out);
+        }
+        out
     }
 }
 
@@ -501,6 +554,54 @@ mod tests {
         );
         assert!(!text.contains("# EOF"));
         assert!(text.contains("# TYPE kvgate_router_decision_seconds histogram"));
+    }
+
+    #[test]
+    fn counters_exist_at_zero_before_first_use() {
+        let text = Metrics::new().render();
+        for want in [
+            "kvgate_retries_total{reason=\"status_503\"} 0",
+            "kvgate_retries_total{reason=\"upstream_timeout\"} 0",
+            "kvgate_config_reloads_total{reason=\"ok\"} 0",
+            "kvgate_config_reloads_total{reason=\"error\"} 0",
+            "kvgate_errors_total{kind=\"upstream_status\"} 0",
+            "kvgate_errors_total{kind=\"too_many_connections\"} 0",
+        ] {
+            assert!(text.contains(want), "{want} missing in {text}");
+        }
+        if cfg!(target_os = "linux") {
+            assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+        }
+    }
+
+    #[test]
+    fn error_kinds_cover_every_gateway_error_label() {
+        use crate::error::{ErrorKind::*, GatewayError};
+        use std::time::Duration;
+        for k in [
+            Unauthorized,
+            RateLimited {
+                retry_after: Duration::ZERO,
+            },
+            NotFound,
+            MethodNotAllowed,
+            PayloadTooLarge { limit: 1 },
+            HeadersTooLarge,
+            RequestTimeout,
+            BadRequest { param: None },
+            ModelNotFound,
+            NoWorker,
+            QueueFull,
+            QueueTimeout,
+            UpstreamConnect,
+            UpstreamIo,
+            UpstreamTimeout,
+            ShuttingDown,
+            TooManyConnections,
+        ] {
+            let e = GatewayError::new(k, "x");
+            assert!(ERROR_KINDS.contains(&e.label()), "{}", e.label());
+        }
     }
 
     #[test]
