@@ -361,6 +361,9 @@ pub struct WorkerConfig {
     /// Dollars per hour this worker costs (for cost and tokens-per-dollar metrics).
     #[serde(default)]
     pub cost_per_hour: f64,
+    /// GPUs the worker occupies (for `kvgate_worker_gpu_seconds_total`, GPU-hours).
+    #[serde(default = "default_gpus")]
+    pub gpus: u32,
     /// Bearer key sent to this worker (client keys are never forwarded when auth is on).
     #[serde(default)]
     pub api_key: Option<String>,
@@ -408,6 +411,13 @@ pub struct WorkerPoolConfig {
     /// Dollars per hour each worker of the pool costs.
     #[serde(default)]
     pub cost_per_hour: f64,
+    /// GPUs each worker of the pool occupies.
+    #[serde(default = "default_gpus")]
+    pub gpus: u32,
+}
+
+fn default_gpus() -> u32 {
+    1
 }
 
 fn default_scheme() -> String {
@@ -439,6 +449,7 @@ impl WorkerPoolConfig {
             models: self.models.clone(),
             kind: self.kind.clone(),
             cost_per_hour: self.cost_per_hour,
+            gpus: self.gpus,
             api_key: None,
             kv_events: self
                 .kv_events_port
@@ -461,6 +472,13 @@ impl WorkerPoolConfig {
             bail!(
                 "worker_pools.scheme {:?} (pool {:?}): only http is supported (list https workers in [[workers]])",
                 self.scheme,
+                self.dns
+            );
+        }
+        if !(self.cost_per_hour.is_finite() && self.cost_per_hour >= 0.0) {
+            bail!(
+                "worker_pools.cost_per_hour {} must be a number >= 0 (pool {:?})",
+                self.cost_per_hour,
                 self.dns
             );
         }
@@ -489,6 +507,7 @@ impl WorkerConfig {
             models: Vec::new(),
             kind: default_kind(),
             cost_per_hour: 0.0,
+            gpus: default_gpus(),
             api_key: None,
             kv_events: None,
             kv_replay: None,
@@ -573,6 +592,13 @@ impl Config {
                     w.url
                 );
             }
+            if !(w.cost_per_hour.is_finite() && w.cost_per_hour >= 0.0) {
+                bail!(
+                    "worker {:?}: cost_per_hour {} must be a number >= 0",
+                    w.url,
+                    w.cost_per_hour
+                );
+            }
             if !names.insert(worker_name(w)) {
                 bail!("duplicate worker name {:?}", worker_name(w));
             }
@@ -619,6 +645,21 @@ mod tests {
     fn unknown_key_is_named() {
         let err = Config::from_toml("[routing]\npolicy = \"kv\"\nblok_size = 16\n").unwrap_err();
         assert!(format!("{err:#}").contains("blok_size"), "{err:#}");
+        let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost_per_hour = -1\n")
+            .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("cost_per_hour -1 must be"),
+            "{err:#}"
+        );
+        let cfg = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ngpus = 8\n").unwrap();
+        assert_eq!(cfg.workers[0].gpus, 8);
+        assert_eq!(
+            Config::from_toml("[[workers]]\nurl = \"http://a:1\"\n")
+                .unwrap()
+                .workers[0]
+                .gpus,
+            1
+        );
         let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost = 2\n").unwrap_err();
         assert!(format!("{err:#}").contains("cost"), "{err:#}");
     }

@@ -108,6 +108,7 @@ impl WorkerFleet {
             m.prefill_throughput.remove(&l);
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
+            crate::cost::forget(m, &l);
         }
     }
 
