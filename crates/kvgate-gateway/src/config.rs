@@ -377,6 +377,10 @@ pub struct WorkerConfig {
     /// Metrics URL if not `<url>/metrics`.
     #[serde(default)]
     pub metrics_url: Option<String>,
+    /// The worker's dcgm-exporter `/metrics` URL, e.g. `http://10.0.0.5:9400/metrics`: GPU figures
+    /// re-exported as `kvgate_worker_gpu_*`.
+    #[serde(default)]
+    pub dcgm_url: Option<String>,
 }
 
 /// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
@@ -414,6 +418,9 @@ pub struct WorkerPoolConfig {
     /// GPUs each worker of the pool occupies.
     #[serde(default = "default_gpus")]
     pub gpus: u32,
+    /// Port of each address's dcgm-exporter (`http://addr-ip:port/metrics`); absent = no GPU figures.
+    #[serde(default)]
+    pub dcgm_port: Option<u16>,
 }
 
 fn default_gpus() -> u32 {
@@ -458,6 +465,9 @@ impl WorkerPoolConfig {
                 .kv_replay_port
                 .map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
             metrics_url: None,
+            dcgm_url: self
+                .dcgm_port
+                .map(|p| format!("http://{}/metrics", std::net::SocketAddr::new(addr.ip(), p))),
         }
     }
 
@@ -512,6 +522,7 @@ impl WorkerConfig {
             kv_events: None,
             kv_replay: None,
             metrics_url: None,
+            dcgm_url: None,
         }
     }
 }
@@ -584,6 +595,17 @@ impl Config {
                     if !ep.starts_with("tcp://") {
                         bail!("worker {:?}: {key} {ep:?} must be tcp://host:port", w.url);
                     }
+                }
+            }
+            if let Some(u) = &w.dcgm_url {
+                let ok = u.parse::<http::Uri>().is_ok_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
+                });
+                if !ok {
+                    bail!(
+                        "worker {:?}: dcgm_url {u:?} must be an http(s)://host:port/path URL",
+                        w.url
+                    );
                 }
             }
             if w.kv_replay.is_some() && w.kv_events.is_none() {

@@ -4,6 +4,7 @@
 //! discovery, DNS pools, the admin API) goes through [`WorkerFleet::apply_rebuild`], so the index,
 //! the monitors and the per-worker metric series follow the snapshot in one place.
 
+mod gpu;
 mod monitors;
 
 use std::sync::{Arc, Weak};

@@ -201,6 +201,21 @@ pub struct WorkerSignals {
     pub kv_replays: Family<WorkerResult, Counter>,
     pub kv_resets: Family<WorkerLabel, Counter>,
     pub kv_reconnects: Family<WorkerLabel, Counter>,
+    pub kv_capacity_blocks: Family<WorkerLabel, Gauge>,
+    pub kv_blocks_stored: Family<WorkerLabel, Counter>,
+    pub kv_blocks_removed: Family<WorkerLabel, Counter>,
+    pub prefix_cache_queries: Family<WorkerLabel, FCounter>,
+    pub prefix_cache_hits: Family<WorkerLabel, FCounter>,
+    pub preemptions: Family<WorkerLabel, FCounter>,
+    pub dcgm_scrapes: Family<WorkerResult, Counter>,
+    pub gpu_count: Family<WorkerLabel, Gauge>,
+    pub gpu_utilization: Family<WorkerLabel, FGauge>,
+    pub gpu_sm_active: Family<WorkerLabel, FGauge>,
+    pub gpu_memory_used: Family<WorkerLabel, FGauge>,
+    pub gpu_memory_free: Family<WorkerLabel, FGauge>,
+    pub gpu_power: Family<WorkerLabel, FGauge>,
+    pub gpu_temperature: Family<WorkerLabel, FGauge>,
+    pub gpu_energy: Family<WorkerLabel, FCounter>,
 }
 
 impl WorkerSignals {
@@ -220,6 +235,21 @@ impl WorkerSignals {
         self.kv_replays.clear();
         self.kv_resets.clear();
         self.kv_reconnects.clear();
+        self.kv_capacity_blocks.clear();
+        self.kv_blocks_stored.clear();
+        self.kv_blocks_removed.clear();
+        self.prefix_cache_queries.clear();
+        self.prefix_cache_hits.clear();
+        self.preemptions.clear();
+        self.dcgm_scrapes.clear();
+        self.gpu_count.clear();
+        self.gpu_utilization.clear();
+        self.gpu_sm_active.clear();
+        self.gpu_memory_used.clear();
+        self.gpu_memory_free.clear();
+        self.gpu_power.clear();
+        self.gpu_temperature.clear();
+        self.gpu_energy.clear();
     }
 }
 
@@ -296,6 +326,21 @@ impl Metrics {
                 kv_replays: reg!("kvgate_worker_kv_replays", "Replay requests for missed KV events, by result", Family::default()),
                 kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
+                kv_capacity_blocks: reg!("kvgate_worker_kv_capacity_blocks", "KV-cache capacity in the engine's blocks, as the worker reports (vLLM num_gpu_blocks; last successful scrape)", Family::default()),
+                kv_blocks_stored: reg!("kvgate_worker_kv_blocks_stored", "KV blocks the worker's events stored (BlockStored), applied to the exact index", Family::default()),
+                kv_blocks_removed: reg!("kvgate_worker_kv_blocks_removed", "KV blocks the worker's events removed (BlockRemoved: evictions), applied to the exact index", Family::default()),
+                prefix_cache_queries: reg!("kvgate_worker_prefix_cache_queries", "Prompt tokens the engine looked up in its prefix cache, as the worker reports (its own counter)", Family::default()),
+                prefix_cache_hits: reg!("kvgate_worker_prefix_cache_hits", "Prompt tokens the engine found in its prefix cache, as the worker reports (its own counter)", Family::default()),
+                preemptions: reg!("kvgate_worker_preemptions", "Requests the engine preempted, as the worker reports (vLLM num_preemptions_total)", Family::default()),
+                dcgm_scrapes: reg!("kvgate_worker_dcgm_scrapes", "Scrapes of the worker's dcgm-exporter (dcgm_url), by result", Family::default()),
+                gpu_count: reg!("kvgate_worker_gpu_count", "GPUs the worker's dcgm-exporter reports", Family::default()),
+                gpu_utilization: reg!("kvgate_worker_gpu_utilization_ratio", "DCGM_FI_DEV_GPU_UTIL / 100, mean over the worker's GPUs", Family::default()),
+                gpu_sm_active: reg!("kvgate_worker_gpu_sm_active_ratio", "DCGM_FI_PROF_SM_ACTIVE, mean over the worker's GPUs", Family::default()),
+                gpu_memory_used: reg!("kvgate_worker_gpu_memory_used_bytes", "DCGM_FI_DEV_FB_USED in bytes, summed over the worker's GPUs", Family::default()),
+                gpu_memory_free: reg!("kvgate_worker_gpu_memory_free_bytes", "DCGM_FI_DEV_FB_FREE in bytes, summed over the worker's GPUs", Family::default()),
+                gpu_power: reg!("kvgate_worker_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE, summed over the worker's GPUs", Family::default()),
+                gpu_temperature: reg!("kvgate_worker_gpu_temperature_celsius", "DCGM_FI_DEV_GPU_TEMP of the worker's hottest GPU", Family::default()),
+                gpu_energy: reg!("kvgate_worker_gpu_energy_joules", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION in joules (since the GPUs' driver loaded), summed over the worker's GPUs", Family::default()),
             },
             registry: r,
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
