@@ -128,6 +128,10 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
         .is_some_and(|n| n >= 2.0),
         "{text}"
     );
+    assert!(
+        text.contains("kvgate_worker_info{worker=\"gpu-worker\",model=\"kvgate-sim\",kind=\"vllm\",gpu_type=\"kvgate sim GPU (emulated)\",gpus=\"1\"} 1"),
+        "{text}"
+    );
     for t in streams {
         assert_eq!(t.join().unwrap(), 200);
     }

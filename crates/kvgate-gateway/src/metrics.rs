@@ -87,6 +87,19 @@ pub struct WorkerResult {
     pub result: &'static str,
 }
 
+/// `kvgate_worker_info` labels: what the worker is, from config, discovery and DCGM.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerInfo {
+    pub worker: Lbl,
+    pub model: Lbl,
+    /// The configured kind (`vllm`, `sglang`, ...).
+    pub kind: String,
+    /// DCGM's `modelName` (empty without `dcgm_url`).
+    pub gpu_type: String,
+    /// Configured `gpus`.
+    pub gpus: u32,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
     pub kind: &'static str,
@@ -128,6 +141,13 @@ fn sub_ms_buckets() -> Histogram {
         0.0025, 0.01, 0.1,
     ])
 }
+fn token_count_buckets() -> Histogram {
+    // Prompt and completion sizes: 1 .. 128k tokens, powers of 4 (plus 2k/8k/32k context sizes).
+    Histogram::new([
+        1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
+        131072.0,
+    ])
+}
 fn error_ratio_buckets() -> Histogram {
     Histogram::new([0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0])
 }
@@ -148,6 +168,11 @@ pub struct Metrics {
     pub connections_refused: Counter,
     pub upstream_stray: Counter,
     pub ttft: HFamily<ModelLabel>,
+    pub non_stream_response: HFamily<ModelLabel>,
+    pub worker_ttft: HFamily<WorkerLabel>,
+    pub worker_duration: HFamily<WorkerLabel>,
+    pub prompt_tokens_hist: HFamily<ModelLabel>,
+    pub completion_tokens_hist: HFamily<ModelLabel>,
     pub itl: HFamily<ModelLabel>,
     pub jitter: HFamily<ModelLabel>,
     pub upstream_connect: Histogram,
@@ -201,6 +226,7 @@ pub struct WorkerSignals {
     pub kv_replays: Family<WorkerResult, Counter>,
     pub kv_resets: Family<WorkerLabel, Counter>,
     pub kv_reconnects: Family<WorkerLabel, Counter>,
+    pub info: Family<WorkerInfo, Gauge>,
     pub kv_capacity_blocks: Family<WorkerLabel, Gauge>,
     pub kv_blocks_stored: Family<WorkerLabel, Counter>,
     pub kv_blocks_removed: Family<WorkerLabel, Counter>,
@@ -235,6 +261,7 @@ impl WorkerSignals {
         self.kv_replays.clear();
         self.kv_resets.clear();
         self.kv_reconnects.clear();
+        self.info.clear();
         self.kv_capacity_blocks.clear();
         self.kv_blocks_stored.clear();
         self.kv_blocks_removed.clear();
@@ -278,7 +305,12 @@ impl Metrics {
             client_connections: reg!("kvgate_client_connections", "Client connections open on the data-path listener.", Gauge::default()),
             upstream_stray: reg!("kvgate_upstream_stray_responses", "Times a worker was caught writing bytes after a finished response (its connections are then not reused for 60 s).", Counter::default()),
             connections_refused: reg!("kvgate_client_connections_refused", "Client connections refused at accept because server.max_connections were open (answered 503 and closed).", Counter::default()),
-            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token (non-stream: to the response).", HFamily::new_with_constructor(latency_buckets)),
+            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token of streamed requests (non-streamed ones: kvgate_non_stream_response_seconds).", HFamily::new_with_constructor(latency_buckets)),
+            non_stream_response: reg!("kvgate_non_stream_response_seconds", "Time from request arrival to the complete response of non-streamed completions and chat requests.", HFamily::new_with_constructor(latency_buckets)),
+            worker_ttft: reg!("kvgate_worker_time_to_first_token_seconds", "TTFT of streamed requests, by the worker that served them.", HFamily::new_with_constructor(latency_buckets)),
+            worker_duration: reg!("kvgate_worker_request_duration_seconds", "Arrival to last response byte, by the worker that served the request.", HFamily::new_with_constructor(latency_buckets)),
+            prompt_tokens_hist: reg!("kvgate_request_prompt_tokens", "Prompt tokens per successful request (worker usage, else the gateway's count).", HFamily::new_with_constructor(token_count_buckets)),
+            completion_tokens_hist: reg!("kvgate_request_completion_tokens", "Completion tokens per successful completions/chat request.", HFamily::new_with_constructor(token_count_buckets)),
             itl: reg!("kvgate_inter_token_latency_seconds", "Gaps between consecutive streamed token events.", HFamily::new_with_constructor(itl_buckets)),
             jitter: reg!("kvgate_stream_jitter_seconds", "Per-stream standard deviation of inter-token gaps.", HFamily::new_with_constructor(itl_buckets)),
             upstream_connect: reg!("kvgate_upstream_connect_seconds", "Time to open a connection to a worker (TCP connect, plus the TLS handshake for https; new pooled connections only).", sub_ms_buckets()),
@@ -326,6 +358,7 @@ impl Metrics {
                 kv_replays: reg!("kvgate_worker_kv_replays", "Replay requests for missed KV events, by result", Family::default()),
                 kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
+                info: reg!("kvgate_worker_info", "Always 1: the worker's model, kind, GPU type (DCGM modelName) and configured GPU count as labels", Family::default()),
                 kv_capacity_blocks: reg!("kvgate_worker_kv_capacity_blocks", "KV-cache capacity in the engine's blocks, as the worker reports (vLLM num_gpu_blocks; last successful scrape)", Family::default()),
                 kv_blocks_stored: reg!("kvgate_worker_kv_blocks_stored", "KV blocks the worker's events stored (BlockStored), applied to the exact index", Family::default()),
                 kv_blocks_removed: reg!("kvgate_worker_kv_blocks_removed", "KV blocks the worker's events removed (BlockRemoved: evictions), applied to the exact index", Family::default()),
@@ -436,6 +469,11 @@ pub struct RequestHandles {
     ok: OnceLock<Counter>,
     duration: OnceLock<Histogram>,
     ttft: OnceLock<Histogram>,
+    non_stream_response: OnceLock<Histogram>,
+    worker_ttft: OnceLock<Histogram>,
+    worker_duration: OnceLock<Histogram>,
+    prompt_tokens_hist: OnceLock<Histogram>,
+    completion_tokens_hist: OnceLock<Histogram>,
     itl: OnceLock<Histogram>,
     jitter: OnceLock<Histogram>,
     prompt_tokens: OnceLock<Counter>,
@@ -453,6 +491,11 @@ impl RequestHandles {
             ok: OnceLock::new(),
             duration: OnceLock::new(),
             ttft: OnceLock::new(),
+            non_stream_response: OnceLock::new(),
+            worker_ttft: OnceLock::new(),
+            worker_duration: OnceLock::new(),
+            prompt_tokens_hist: OnceLock::new(),
+            completion_tokens_hist: OnceLock::new(),
             itl: OnceLock::new(),
             jitter: OnceLock::new(),
             prompt_tokens: OnceLock::new(),
@@ -505,6 +548,32 @@ impl RequestHandles {
     pub fn ttft(&self, m: &Metrics) -> &Histogram {
         self.ttft
             .get_or_init(|| m.ttft.get_or_create(&self.ml()).clone())
+    }
+    pub fn non_stream_response(&self, m: &Metrics) -> &Histogram {
+        self.non_stream_response
+            .get_or_init(|| m.non_stream_response.get_or_create(&self.ml()).clone())
+    }
+    fn wl(&self) -> WorkerLabel {
+        WorkerLabel {
+            worker: self.worker.clone(),
+        }
+    }
+    /// Per-worker TTFT (only record when a worker served the request).
+    pub fn worker_ttft(&self, m: &Metrics) -> &Histogram {
+        self.worker_ttft
+            .get_or_init(|| m.worker_ttft.get_or_create(&self.wl()).clone())
+    }
+    pub fn worker_duration(&self, m: &Metrics) -> &Histogram {
+        self.worker_duration
+            .get_or_init(|| m.worker_duration.get_or_create(&self.wl()).clone())
+    }
+    pub fn prompt_tokens_hist(&self, m: &Metrics) -> &Histogram {
+        self.prompt_tokens_hist
+            .get_or_init(|| m.prompt_tokens_hist.get_or_create(&self.ml()).clone())
+    }
+    pub fn completion_tokens_hist(&self, m: &Metrics) -> &Histogram {
+        self.completion_tokens_hist
+            .get_or_init(|| m.completion_tokens_hist.get_or_create(&self.ml()).clone())
     }
     pub fn itl(&self, m: &Metrics) -> &Histogram {
         self.itl

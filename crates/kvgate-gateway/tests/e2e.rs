@@ -80,8 +80,29 @@ async fn chat_and_completions_stream_and_non_stream() {
         m.contains("kvgate_cached_tokens_total{model=\"mock-model\""),
         "{m}"
     );
-    assert!(
-        m.contains("kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 4"),
+    // Two streams feed TTFT; the two non-streamed responses have their own series.
+    for want in [
+        "kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 2",
+        "kvgate_non_stream_response_seconds_count{model=\"mock-model\"} 2",
+        "kvgate_request_prompt_tokens_count{model=\"mock-model\"} 5",
+        "kvgate_request_completion_tokens_count{model=\"mock-model\"} 4",
+    ] {
+        assert!(m.contains(want), "{want} missing in {m}");
+    }
+    let per_worker = |family: &str| {
+        m.lines()
+            .filter(|l| l.starts_with(family) && l.contains("worker=\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(
+        per_worker("kvgate_worker_time_to_first_token_seconds_count{"),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        per_worker("kvgate_worker_request_duration_seconds_count{"),
+        5.0,
         "{m}"
     );
     gw.shutdown().await;

@@ -230,6 +230,23 @@ impl Monitors {
             if w.cfg.dcgm_url.is_some() {
                 crate::fleet::gpu::export(ws, &worker, r.handle.stats());
             }
+            let gpu_type = r
+                .handle
+                .stats()
+                .gpu
+                .lock()
+                .as_ref()
+                .and_then(|g| g.model_name.clone())
+                .unwrap_or_default();
+            ws.info
+                .get_or_create(&crate::metrics::WorkerInfo {
+                    worker: w.name.clone(),
+                    model: primary_model(w),
+                    kind: w.cfg.kind.clone(),
+                    gpu_type,
+                    gpus: w.cfg.gpus,
+                })
+                .set(1);
         }
     }
 
