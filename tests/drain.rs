@@ -4,16 +4,10 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use kvgate_system_tests::{Proc, Sims};
+use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 exchange with `Connection: close`: (status, body).
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
@@ -56,34 +50,8 @@ fn read_until<R: BufRead>(r: &mut R, within: Duration, mut f: impl FnMut(&str) -
 #[test]
 fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
     let bin = kvgate_system_tests::kvgate_bin();
-    let mut sim = Command::new(&bin)
-        .args([
-            "sim",
-            "--workers",
-            "1",
-            "--port",
-            "0",
-            "--model",
-            "sim-model",
-            "--speedup",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvgate sim starts");
-    let mut sim_out = BufReader::new(sim.stdout.take().unwrap());
-    let _sim = Proc(sim);
-    let mut url = String::new();
-    read_until(&mut sim_out, Duration::from_secs(30), |l| {
-        if let Some(h) = l
-            .strip_prefix("worker ")
-            .and_then(|r| r.split_whitespace().find_map(|f| f.strip_prefix("http=")))
-        {
-            url = format!("http://{h}");
-        }
-        l == "ready"
-    });
+    let sims = Sims::start(1, "sim-model", &[]);
+    let url = &sims.urls[0];
 
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("kvgate.toml");

@@ -3,16 +3,10 @@
 //! locally without it, a failure in CI.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use kvgate_system_tests::{Proc, Sims};
+use std::time::{Duration, Instant};
 
 fn python_with_openai() -> Option<String> {
     let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -87,36 +81,8 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
         return;
     };
     let bin = kvgate_system_tests::kvgate_bin();
-    let mut sim = Command::new(&bin)
-        .args([
-            "sim",
-            "--workers",
-            "3",
-            "--port",
-            "0",
-            "--model",
-            "sim-model",
-            "--speedup",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvgate sim starts");
-    let mut sim_out = BufReader::new(sim.stdout.take().unwrap());
-    let sim = Proc(sim);
-    let mut urls = Vec::new();
-    wait_line(&mut sim_out, Duration::from_secs(20), |l| {
-        if let Some(rest) = l.strip_prefix("worker ") {
-            let http = rest
-                .split_whitespace()
-                .find_map(|f| f.strip_prefix("http="))
-                .expect("http=");
-            urls.push(format!("http://{http}"));
-        }
-        (l == "ready").then(String::new)
-    });
-    assert_eq!(urls.len(), 3);
+    let sims = Sims::start(3, "sim-model", &[]);
+    let urls = &sims.urls;
 
     let mut serve = Command::new(&bin)
         .args([
@@ -165,5 +131,5 @@ fn openai_sdk_through_kvgate_serve_and_three_sims() {
     );
     assert_eq!(j["unknown_model"], 404, "{j}");
     assert_eq!(j["bad_body"], 400, "{j}");
-    drop(sim);
+    drop(sims);
 }

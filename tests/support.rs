@@ -4,8 +4,9 @@
 //! `kvgate sim` + `kvgate serve`), `bench_e2e` (`kvgate bench`/`demo`), `docs_match_code` (every
 //! flag, key and metric is documented), `deploy_*` (container, Helm, Prometheus rules, Grafana
 //! dashboard against a live gateway), `adversarial` (misbehaving workers), `framing` (a raw-socket
-//! client corpus). Shared here: [`Gateway`] (a `kvgate serve` child on port 0) and a raw HTTP/1.1
-//! response reader.
+//! client corpus), `drain` (SIGTERM). Shared here: [`Sims`] (`kvgate sim` workers), [`Gateway`] (a
+//! `kvgate serve` child on port 0), [`Proc`] (a child stopped on drop) and a raw HTTP/1.1 response
+//! reader.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -37,6 +38,70 @@ pub fn kvgate_bin() -> PathBuf {
         bin.display()
     );
     bin
+}
+
+/// A child process killed (by its pid) and reaped on drop, so a failing assertion never leaves it.
+pub struct Proc(pub std::process::Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `kvgate sim --workers N --port 0 --model MODEL --speedup 20 [extra]`: simulated vLLM workers on
+/// loopback, stopped on drop.
+pub struct Sims {
+    _child: Proc,
+    /// `http://127.0.0.1:PORT` of each worker, in order.
+    pub urls: Vec<String>,
+}
+
+impl Sims {
+    pub fn start(workers: usize, model: &str, extra: &[&str]) -> Sims {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(kvgate_bin())
+            .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
+            .args(["--model", model, "--speedup", "20"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("kvgate sim starts");
+        let out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let child = Proc(child);
+        // One `worker N http=ADDR ...` line per worker, then `ready`; a sim that exits ends the
+        // lines (and the test, with the reason).
+        let mut urls = Vec::new();
+        let mut lines = out.lines();
+        loop {
+            let Some(Ok(line)) = lines.next() else {
+                panic!(
+                    "kvgate sim exited before `ready` ({} workers seen)",
+                    urls.len()
+                );
+            };
+            let line = line.trim();
+            if let Some(rest) = line.strip_prefix("worker ") {
+                let http = rest
+                    .split_whitespace()
+                    .find_map(|f| f.strip_prefix("http="))
+                    .expect("worker line has http=");
+                urls.push(format!("http://{http}"));
+            }
+            if line == "ready" {
+                break;
+            }
+        }
+        // Keep draining stdout so the sim never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        assert_eq!(urls.len(), workers, "one line per worker");
+        Sims {
+            _child: child,
+            urls,
+        }
+    }
 }
 
 /// A `kvgate serve` child on `127.0.0.1:0`, killed (by its pid) and reaped on drop.

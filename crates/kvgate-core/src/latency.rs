@@ -96,6 +96,43 @@ impl Speed {
     }
 }
 
+/// How many requests the worker's engine runs at once, and how long one stays, as learned: the
+/// limit is the largest running count the worker reported while it also had requests waiting (its
+/// `max_num_seqs`, or what its KV cache holds), the service time an average of dispatch-to-end.
+/// Beyond the limit, a new request waits for a running one to finish before its prefill starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineSlots {
+    /// Requests the engine runs at once; 0 = not known (never seen saturated).
+    pub limit: u32,
+    /// Mean ms from dispatch to the end of a request there; 0 = not known.
+    pub service_ms: f64,
+}
+
+impl EngineSlots {
+    /// Nothing learned yet: no slot wait is predicted.
+    pub const UNKNOWN: EngineSlots = EngineSlots {
+        limit: 0,
+        service_ms: 0.0,
+    };
+
+    /// Expected ms before a request sent now gets a slot, with `inflight` requests already there:
+    /// the `k`-th request beyond the limit waits for `k` ends, and with `limit` requests running at
+    /// uniformly spread progress the next end comes after `service / (limit + 1)` on average.
+    #[inline]
+    pub fn wait_ms(&self, inflight: u32) -> f64 {
+        if self.limit == 0 || self.service_ms <= 0.0 || inflight < self.limit {
+            return 0.0;
+        }
+        f64::from(inflight - self.limit + 1) * self.service_ms / f64::from(self.limit + 1)
+    }
+}
+
+impl Default for EngineSlots {
+    fn default() -> Self {
+        Self::UNKNOWN
+    }
+}
+
 /// The parts of a TTFT prediction for one request on one worker, kept from dispatch to the first
 /// token so the observation can be attributed (see [`LatencyModel::observe_ttft`]).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -113,6 +150,8 @@ pub struct TtftEstimate {
     pub predicted_ms: f64,
     /// The predicted mean ITL there.
     pub predicted_itl_ms: f64,
+    /// Predicted wait for an engine slot before the prefill starts (see [`EngineSlots`]).
+    pub slot_wait_ms: f64,
 }
 
 impl TtftEstimate {
@@ -120,7 +159,7 @@ impl TtftEstimate {
     #[inline]
     pub fn at_speed(&self, speed: Speed) -> f64 {
         let step = speed.decode * self.step_ms;
-        0.5 * step + (speed.prefill * self.prefill_ms).max(step)
+        self.slot_wait_ms + 0.5 * step + (speed.prefill * self.prefill_ms).max(step)
     }
 }
 
@@ -131,6 +170,8 @@ pub struct LatencyConfig {
     pub curve: TimingCurve,
     /// Share of the worker's in-flight prefill tokens counted as queued ahead (1 = all of it).
     pub pending_weight: f64,
+    /// Predict the wait for an engine slot on a worker whose learned limit is reached.
+    pub slot_wait: bool,
 }
 
 impl Default for LatencyConfig {
@@ -138,6 +179,7 @@ impl Default for LatencyConfig {
         Self {
             curve: TimingCurve::default(),
             pending_weight: 1.0,
+            slot_wait: true,
         }
     }
 }
@@ -167,6 +209,11 @@ impl LatencyConfig {
             uncached_tokens: uncached,
             predicted_ms: 0.0,
             predicted_itl_ms: c.speed.decode * itl_ref_ms,
+            slot_wait_ms: if self.slot_wait {
+                c.slots.wait_ms(c.inflight)
+            } else {
+                0.0
+            },
         };
         e.predicted_ms = e.at_speed(c.speed);
         e
@@ -258,6 +305,7 @@ pub struct WorkerFit {
     decode: LogFactor,
     /// Predicted TTFT ms of the last request routed there.
     pub last_predicted_ms: f64,
+    slots: EngineSlots,
 }
 
 impl WorkerFit {
@@ -267,7 +315,13 @@ impl WorkerFit {
             prefill: LogFactor::new(seed.prefill),
             decode: LogFactor::new(seed.decode),
             last_predicted_ms: 0.0,
+            slots: EngineSlots::UNKNOWN,
         }
+    }
+
+    /// The engine's learned concurrency limit and service time.
+    pub fn slots(&self) -> EngineSlots {
+        self.slots
     }
 
     /// The current speed factors.
@@ -338,8 +392,41 @@ impl LatencyModel {
     /// Sets `speed` of every candidate (the hot path: one read per candidate).
     pub fn fill(&self, candidates: &mut [Candidate]) {
         for c in candidates {
-            c.speed = self.speed(c.worker);
+            match self.fit(c.worker) {
+                Some(f) => {
+                    c.speed = f.speed();
+                    c.slots = f.slots;
+                }
+                None => {
+                    c.speed = Speed::default();
+                    c.slots = EngineSlots::UNKNOWN;
+                }
+            }
         }
+    }
+
+    /// The worker reported `running` requests running and `waiting` queued (a metrics scrape).
+    /// Running while others wait is the engine's limit; running past a known limit raises it (the
+    /// limit was a moment of a full KV cache, or the engine was reconfigured).
+    pub fn observe_engine(&mut self, w: WorkerId, running: u32, waiting: u32) {
+        let slots = &mut self.fit_mut(w).slots;
+        if (waiting > 0 && running > 0) || (slots.limit > 0 && running > slots.limit) {
+            slots.limit = slots.limit.max(running);
+        }
+    }
+
+    /// A request on `w` ended (its last byte, an error or a cancel) `ms` after dispatch.
+    pub fn observe_done(&mut self, w: WorkerId, ms: f64) {
+        if !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        let rate = self.learn.rate;
+        let slots = &mut self.fit_mut(w).slots;
+        slots.service_ms = if slots.service_ms > 0.0 {
+            (1.0 - rate) * slots.service_ms + rate * ms
+        } else {
+            ms
+        };
     }
 
     /// A request predicted at `e` was routed to `w`.
@@ -356,6 +443,8 @@ impl LatencyModel {
         }
         let learn = self.learn;
         let fit = self.fit_mut(w);
+        // The slot wait predicted at dispatch is not the worker's speed: learn from the rest.
+        let ttft_ms = (ttft_ms - e.slot_wait_ms).max(0.1 * ttft_ms);
         let s = fit.speed();
         let step = s.decode * e.step_ms;
         let prefill = s.prefill * e.prefill_ms;

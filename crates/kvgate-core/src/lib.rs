@@ -58,7 +58,8 @@ pub use index::{
     ApproxConfig, IndexError, IndexMode, KvIndex, OverlapScores, DEFAULT_PREDICTED_TTL,
 };
 pub use latency::{
-    LatencyConfig, LatencyModel, LearnConfig, Speed, TimingCurve, TtftEstimate, WorkerFit,
+    EngineSlots, LatencyConfig, LatencyModel, LearnConfig, Speed, TimingCurve, TtftEstimate,
+    WorkerFit,
 };
 pub use load::{ActiveSequences, LoadGuard, WorkerLoad};
 pub use policy::{

@@ -48,6 +48,9 @@ pub struct Candidate {
     pub kv_scoring: bool,
     /// The worker's learned speed (see [`crate::latency`]); 1 = the reference timing curve.
     pub speed: crate::latency::Speed,
+    /// The engine's learned concurrency limit and request service time (see
+    /// [`crate::latency::EngineSlots`]); unknown until the worker was seen saturated.
+    pub slots: crate::latency::EngineSlots,
 }
 
 impl Candidate {
@@ -66,6 +69,7 @@ impl Candidate {
                 prefill: 1.0,
                 decode: 1.0,
             },
+            slots: crate::latency::EngineSlots::UNKNOWN,
         }
     }
 

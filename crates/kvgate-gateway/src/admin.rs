@@ -154,6 +154,7 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
     let fleet = app.fleet.registry.snapshot();
     let index = app.fleet.router.index.read();
     let loads = app.fleet.router.active.all();
+    let latency = app.fleet.router.latency.lock().clone();
     let workers: Vec<_> = fleet
         .workers
         .iter()
@@ -190,6 +191,13 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
                 },
                 "scraped": scraped.map(|l| json!({"kv_usage": l.kv_usage, "waiting": l.waiting, "running": l.running})),
                 "cost_per_hour": w.cfg.cost_per_hour,
+                // The latency model's view: speed factors (1 = the timing curve) and the learned
+                // engine slots (limit 0 = never seen saturated).
+                "latency": latency.fit(w.id).map(|f| {
+                    let (speed, slots) = (f.speed(), f.slots());
+                    json!({"prefill_factor": speed.prefill, "decode_factor": speed.decode,
+                           "slot_limit": slots.limit, "request_ms": slots.service_ms})
+                }),
             })
         })
         .collect();

@@ -176,6 +176,9 @@ pub struct RoutingConfig {
     pub latency_prefill_coeffs: Option<[f64; 3]>,
     /// Latency model's decode step curve `[a, b, c]`: ms = a·p² + b·p + c at KV usage p.
     pub latency_decode_coeffs: Option<[f64; 3]>,
+    /// `latency` policy: predict the wait for an engine slot on a worker running as many
+    /// requests as it was seen running while others waited (its `max_num_seqs`).
+    pub latency_slot_wait: bool,
     /// `latency` policy: among workers predicted to meet `[slo] ttft_ms` / `itl_ms`, prefer the
     /// longest cached prefix (otherwise the fastest).
     pub slo_routing: bool,
@@ -202,6 +205,7 @@ impl Default for RoutingConfig {
             tokenizer: None,
             latency_decode_weight: 0.25,
             latency_prefill_coeffs: None,
+            latency_slot_wait: true,
             latency_decode_coeffs: None,
             slo_routing: false,
         }

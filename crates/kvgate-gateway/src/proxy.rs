@@ -385,7 +385,19 @@ async fn pick(
         }
         let q0 = *queued_at.get_or_insert_with(Instant::now);
         let deadline = tokio::time::Instant::from_std(q0 + app.admission.timeout());
-        match app.admission.wait(woken, deadline).await {
+        // A gateway shutting down sends its queue away at once (503 `shutting_down`, retryable
+        // elsewhere) rather than holding it into the end of the grace period.
+        let waited = tokio::select! {
+            w = app.admission.wait(woken, deadline) => w,
+            _ = app.shutdown.cancelled() => {
+                ctx.queue_wait += q0.elapsed();
+                return Err(GatewayError::new(
+                    ErrorKind::ShuttingDown,
+                    "the gateway is shutting down; retry on another replica",
+                ));
+            }
+        };
+        match waited {
             Ok(()) => {
                 woken = true;
                 now = Instant::now();

@@ -77,6 +77,7 @@ impl RoutePolicy {
         let latency = LatencyConfig {
             curve,
             pending_weight: 1.0,
+            slot_wait: cfg.latency_slot_wait,
         };
         pc.latency.model = latency;
         pc.latency.decode_weight = cfg.latency_decode_weight;
@@ -316,6 +317,7 @@ impl Router {
                 estimate: pick.estimate,
                 dispatched: now,
                 first_token_seen: std::sync::atomic::AtomicBool::new(false),
+                answered: std::sync::atomic::AtomicBool::new(false),
             },
         }
     }
@@ -336,10 +338,13 @@ struct LatencyFeed {
     estimate: TtftEstimate,
     dispatched: Instant,
     first_token_seen: std::sync::atomic::AtomicBool,
+    /// The worker answered (first token, or the whole non-streamed response).
+    answered: std::sync::atomic::AtomicBool,
 }
 
 impl DispatchGuard {
     pub fn prefill_done(&self) {
+        self.latency.answered.store(true, Ordering::Relaxed);
         if let Some(c) = &self.core {
             c.mark_prefill_done();
         }
@@ -374,6 +379,15 @@ impl Drop for DispatchGuard {
         // Free everything before waking a queued request, so it sees the released capacity.
         drop(self.core.take());
         self.worker.state.inflight.fetch_sub(1, Ordering::Relaxed);
+        // How long a request holds an engine slot there (the latency model's slot wait); only
+        // requests the engine ran (an early failure says nothing about it).
+        let f = &self.latency;
+        if f.answered.load(Ordering::Relaxed) {
+            f.model.lock().observe_done(
+                self.worker.id,
+                f.dispatched.elapsed().as_secs_f64() * 1000.0,
+            );
+        }
         if let Some(a) = &self.on_release {
             a.wake_one();
         }

@@ -435,8 +435,24 @@ async fn https_workers() {
         4,
         "every request reached the worker behind TLS"
     );
-    // The health checker reaches it over TLS too: it stays routable.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The health checker reaches it over TLS too: a successful probe is counted, and it stays
+    // routable.
+    let probed_ok = |gw: &kvgate_gateway::Gateway| {
+        gw.app.fleet.export_monitors();
+        gw.app.metrics.render().lines().any(|l| {
+            l.starts_with("kvgate_worker_health_checks_total{")
+                && l.contains("result=\"ok\"")
+                && !l.ends_with(" 0")
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !probed_ok(&gw) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no successful health probe over TLS within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(get(&c, &ready).await.status, 200);
     gw.shutdown().await;
 

@@ -460,6 +460,47 @@ async fn busy_fleet_queues_then_sheds_with_429() {
 }
 
 #[tokio::test]
+async fn queued_requests_get_503_shutting_down_when_the_gateway_stops() {
+    let w = MockWorker::builder()
+        .tokens(2)
+        .ttft(Duration::from_millis(1500))
+        .spawn()
+        .await
+        .unwrap();
+    let mut cfg = config_for(&[&w], "round_robin");
+    cfg.routing.max_inflight_per_worker = 1;
+    cfg.admission.queue_size = 4;
+    cfg.admission.queue_timeout_ms = 60_000;
+    let gw = gateway(cfg).await;
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let c = client();
+    let (c1, c2, u1, u2) = (c.clone(), c.clone(), url.clone(), url.clone());
+    let first = tokio::spawn(async move { post(&c1, &u1, chat_body("s", "1", false)).await });
+    assert!(eventually(Duration::from_secs(2), || w.completions() == 1).await);
+    let second = tokio::spawn(async move { post(&c2, &u2, chat_body("s", "2", false)).await });
+    assert!(
+        eventually(Duration::from_secs(2), || gw.app.admission.len() == 1).await,
+        "second request queued"
+    );
+    let t0 = std::time::Instant::now();
+    gw.shutdown_token().cancel();
+    let queued = second.await.unwrap();
+    let e = assert_openai_error(&queued, 503);
+    assert_eq!(e["code"], "shutting_down");
+    assert!(queued.headers.contains_key("retry-after"));
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "answered at shutdown, not at the queue timeout"
+    );
+    assert_eq!(
+        first.await.unwrap().status,
+        200,
+        "in-flight request drained"
+    );
+    gw.wait().await;
+}
+
+#[tokio::test]
 async fn models_health_ready() {
     let a = MockWorker::builder()
         .models(&["m-a", "shared"])

@@ -140,3 +140,70 @@ async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
     gw.shutdown().await;
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_slots_are_learned_from_the_workers_metrics() {
+    let mut sim = SimConfig::default()
+        .model("sim-model")
+        .speedup(2.0)
+        .kv_events(false)
+        .num_gpu_blocks(2048usize);
+    sim.max_num_seqs = 1;
+    let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
+    let urls = fleet.urls();
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.server.request_log = false;
+    cfg.routing.policy = "latency".into();
+    for u in &urls {
+        let mut w = WorkerConfig::from_url(u);
+        w.models = vec!["sim-model".into()];
+        cfg.workers.push(w);
+    }
+    let gw = Gateway::start(cfg).await.expect("gateway starts");
+    let learned = |gw: &Gateway| {
+        let fleet = gw.app.fleet.registry.snapshot();
+        let model = gw.app.fleet.router.latency.lock();
+        fleet
+            .workers
+            .iter()
+            .map(|w| model.fit(w.id).map(|f| f.slots()).unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    // Bursts of 6 concurrent requests on two one-slot engines: each reports 1 running while others
+    // wait, at some scrape (one a second).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut i = 0u32;
+    loop {
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..6 {
+            i += 1;
+            let body = serde_json::json!({
+                "model": "sim-model", "prompt": [i, 7, 8, 9], "max_tokens": 48,
+                "stream": true, "ignore_eos": true,
+            })
+            .to_string();
+            let addr = gw.addr;
+            set.spawn(async move { http(addr, "POST", "/v1/completions", &body).await });
+        }
+        while let Some(r) = set.join_next().await {
+            assert_eq!(r.expect("request task").0, 200);
+        }
+        let slots = learned(&gw);
+        if slots.iter().all(|s| s.limit == 1 && s.service_ms > 0.0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine slots not learned within 60 s: {slots:?}"
+        );
+    }
+    // The admin view shows them.
+    let state = kvgate_gateway::admin::state_json(&gw.app);
+    for w in state["workers"].as_array().expect("workers") {
+        assert_eq!(w["latency"]["slot_limit"], 1, "{w}");
+        assert!(w["latency"]["request_ms"].as_f64().unwrap() > 0.0, "{w}");
+    }
+    gw.shutdown().await;
+    fleet.shutdown().await;
+}

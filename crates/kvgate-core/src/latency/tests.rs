@@ -205,3 +205,53 @@ fn estimate_counts_the_queue_the_cache_and_the_decode_step() {
     busy.speed = Speed::uniform(2.0);
     assert!((cfg.estimate(&req, &busy).predicted_ms - 2.0 * want).abs() < 1e-9);
 }
+
+#[test]
+fn engine_slots_are_learned_from_saturated_scrapes_and_request_ends() {
+    let mut m = LatencyModel::new(LearnConfig::default());
+    let w = WorkerId(3);
+    m.add_worker(w, Speed::default());
+    // Running without waiting says nothing about the limit.
+    m.observe_engine(w, 5, 0);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 0);
+    // Running while others wait: that is the limit.
+    m.observe_engine(w, 4, 3);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 4);
+    // A smaller saturated moment (KV cache full) does not lower it; running past it raises it.
+    m.observe_engine(w, 2, 1);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 4);
+    m.observe_engine(w, 6, 0);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 6);
+    // Service time: the first end sets it, later ones move it by the learning rate.
+    m.observe_done(w, 1000.0);
+    assert_eq!(m.fit(w).unwrap().slots().service_ms, 1000.0);
+    m.observe_done(w, 2000.0);
+    let s = m.fit(w).unwrap().slots();
+    assert!((s.service_ms - 1100.0).abs() < 1e-9, "{s:?}");
+    // The candidate sees it; below the limit no wait, at it one end's worth, beyond it more.
+    let mut c = [Candidate::new(w)];
+    m.fill(&mut c);
+    assert_eq!(c[0].slots, s);
+    assert_eq!(s.wait_ms(5), 0.0);
+    assert!((s.wait_ms(6) - 1100.0 / 7.0).abs() < 1e-9);
+    assert!((s.wait_ms(8) - 3.0 * 1100.0 / 7.0).abs() < 1e-9);
+    assert_eq!(EngineSlots::UNKNOWN.wait_ms(100), 0.0);
+}
+
+#[test]
+fn a_predicted_slot_wait_is_not_learned_as_slow_prefill() {
+    let mut m = LatencyModel::new(LearnConfig::default());
+    let w = WorkerId(0);
+    m.add_worker(w, Speed::default());
+    let e = TtftEstimate {
+        prefill_ms: 100.0,
+        slot_wait_ms: 400.0,
+        ..Default::default()
+    };
+    // Observed = the slot wait + a prefill at the reference speed, many times.
+    for _ in 0..50 {
+        m.observe_ttft(w, &e, 500.0);
+    }
+    let s = m.speed(w);
+    assert!((s.prefill - 1.0).abs() < 0.05, "{s:?}");
+}

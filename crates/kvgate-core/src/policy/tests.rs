@@ -323,4 +323,34 @@ mod latency_policy {
         assert_eq!(pick(&p(0.0), &big_req(&h), &c, &mut rng), 0);
         assert_eq!(pick(&p(0.25), &big_req(&h), &c, &mut rng), 1);
     }
+
+    #[test]
+    fn a_worker_out_of_engine_slots_waits_for_one_to_free() {
+        let mut rng = fastrand::Rng::with_seed(24);
+        let h = [0u64; 256];
+        // Worker 0 holds the whole prefix; worker 1 is idle and cold.
+        let mut c = cands(2);
+        c[0].overlap_blocks = 200;
+        c[0].inflight = 2;
+        let cfg = LatencyPolicyConfig::default();
+        let (hit, _) = cfg.cost(&big_req(&h), &c[0]);
+        let (cold, _) = cfg.cost(&big_req(&h), &c[1]);
+        assert!(
+            hit < cold,
+            "the hit wins while slots are unknown: {hit} {cold}"
+        );
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
+        // The engine runs 2 at once and a request stays 3 s: the third waits ~1 s for a slot,
+        // longer than the cold prefill elsewhere.
+        c[0].slots = crate::latency::EngineSlots {
+            limit: 2,
+            service_ms: 3000.0,
+        };
+        let (full, _) = cfg.cost(&big_req(&h), &c[0]);
+        assert!(full > cold, "{full} {cold}");
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+        // A slot free again: back to the hit.
+        c[0].inflight = 1;
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
+    }
 }

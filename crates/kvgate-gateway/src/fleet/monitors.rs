@@ -323,6 +323,13 @@ impl FleetSink for GatewaySink {
             *w.state.scraped.lock() = load
                 .core()
                 .map(|l| (load.scraped_at.unwrap_or_else(Instant::now), l));
+            // Running while others wait: the engine's concurrency limit, for the latency model.
+            if let (Some(running), Some(waiting)) = (load.running, load.waiting) {
+                app.router
+                    .latency
+                    .lock()
+                    .observe_engine(worker, running, waiting);
+            }
             // Size the approximate index like the worker's real cache, in the pool's blocks
             // (llama.cpp: Σ slot n_ctx, one cached prompt per slot; vLLM/SGLang/TRT-LLM: blocks ×
             // block size), so it never credits more cached blocks than the worker can hold.
