@@ -32,7 +32,7 @@ pub const RETRY_REASONS: [&str; 6] = [
 /// `kvgate_config_reloads_total{reason}` values (reload.rs).
 pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
 /// `kvgate_errors_total{kind}` values: `GatewayError::label` and the observer's stream kinds.
-pub const ERROR_KINDS: [&str; 20] = [
+pub const ERROR_KINDS: [&str; 21] = [
     "unauthorized",
     "rate_limited",
     "not_found",
@@ -51,6 +51,7 @@ pub const ERROR_KINDS: [&str; 20] = [
     "upstream_timeout",
     "upstream_stream",
     "upstream_body",
+    "upstream_oom",
     "shutting_down",
     "too_many_connections",
 ];

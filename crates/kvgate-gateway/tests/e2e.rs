@@ -277,6 +277,52 @@ async fn worker_503_is_retried_on_another_worker() {
 }
 
 #[tokio::test]
+async fn a_worker_running_out_of_memory_is_counted_as_upstream_oom() {
+    let oom = MockWorker::builder()
+        .status(500)
+        .error_message("CUDA out of memory. Tried to allocate 2.00 GiB")
+        .spawn()
+        .await
+        .unwrap();
+    let other = MockWorker::builder().status(500).spawn().await.unwrap();
+    let mut cfg = config_for(&[&oom], "round_robin");
+    cfg.retry.max_attempts = 1;
+    let gw = gateway(cfg).await;
+    let c = client();
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("out of memory"), "{}", r.text());
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"upstream_oom\"} 1\n"),
+        "{m}"
+    );
+    gw.shutdown().await;
+    // A 500 that does not say so is not an OOM.
+    let mut cfg = config_for(&[&other], "round_robin");
+    cfg.retry.max_attempts = 1;
+    let gw = gateway(cfg).await;
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"upstream_oom\"} 0\n"),
+        "{m}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
 async fn worker_dying_mid_stream_yields_an_sse_error_event() {
     let w = MockWorker::builder()
         .tokens(10)
