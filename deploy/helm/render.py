@@ -105,6 +105,11 @@ def main():
             sys.exit(f"all-options render: deployment lacks {needle!r}")
     if "[server.tls]" not in full["configmap.yaml"]:
         sys.exit("all-options render: config lacks [server.tls]")
+    # The prefill/decode example values render, and their config reaches the ConfigMap.
+    pd = render(helm.values_from_yaml((HERE / "pd-values.yaml").read_text()))
+    parse_all(pd, "pd-values render")
+    if 'role = "prefill"' not in pd["configmap.yaml"] or "[pd]" not in pd["configmap.yaml"]:
+        sys.exit("pd-values render: config lacks the [pd] table or the prefill pool")
     # Misconfigurations the chart must refuse rather than render.
     for bad, why in (({"admin": {"enabled": True}}, "admin without secret"), ({"tls": {"enabled": True}}, "tls without secret")):
         try:

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::config::{ApiKeyConfig, Config, WorkerConfig};
+use crate::config::{ApiKeyConfig, Config, WorkerConfig, WorkerRole};
 use crate::{Gateway, StartOptions};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -21,6 +21,15 @@ pub struct ServeArgs {
     /// Worker base URL (repeat, or comma-separated in KVGATE_WORKERS). Replaces `[[workers]]`.
     #[arg(long = "worker", env = "KVGATE_WORKERS", value_delimiter = ',')]
     pub workers: Vec<String>,
+    /// Prefill worker base URL (repeatable; role = "prefill"), added to the --worker list.
+    #[arg(long = "prefill-worker", value_delimiter = ',')]
+    pub prefill_workers: Vec<String>,
+    /// Decode worker base URL (repeatable; role = "decode"), added to the --worker list.
+    #[arg(long = "decode-worker", value_delimiter = ',')]
+    pub decode_workers: Vec<String>,
+    /// Conditional disaggregation threshold (`pd.min_uncached_tokens`; 0 = always disaggregate).
+    #[arg(long)]
+    pub pd_min_uncached_tokens: Option<u64>,
     /// Model the `--worker`s serve (repeatable); default: discovered from each worker's /v1/models.
     #[arg(long = "model", env = "KVGATE_MODELS", value_delimiter = ',')]
     pub models: Vec<String>,
@@ -61,16 +70,28 @@ impl ServeArgs {
         if let Some(l) = self.listen {
             cfg.server.listen = l;
         }
-        if !self.workers.is_empty() {
-            cfg.workers = self
-                .workers
+        if !self.workers.is_empty()
+            || !self.prefill_workers.is_empty()
+            || !self.decode_workers.is_empty()
+        {
+            let roles = [
+                (&self.workers, WorkerRole::Both),
+                (&self.prefill_workers, WorkerRole::Prefill),
+                (&self.decode_workers, WorkerRole::Decode),
+            ];
+            cfg.workers = roles
                 .iter()
-                .map(|u| {
+                .flat_map(|(urls, role)| urls.iter().map(move |u| (u, *role)))
+                .map(|(u, role)| {
                     let mut w = WorkerConfig::from_url(u.trim());
                     w.models = self.models.clone();
+                    w.role = role;
                     w
                 })
                 .collect();
+        }
+        if let Some(t) = self.pd_min_uncached_tokens {
+            cfg.pd.min_uncached_tokens = t;
         }
         if let Some(p) = &self.policy {
             cfg.routing.policy = p.clone();

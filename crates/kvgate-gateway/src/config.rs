@@ -24,6 +24,8 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     pub cache: CacheConfig,
     pub slo: SloConfig,
+    /// Prefill/decode disaggregation (pools with `role = "prefill"` workers).
+    pub pd: PdConfig,
     /// Per-model settings keyed by the model name clients send.
     pub models: BTreeMap<String, ModelConfig>,
     pub workers: Vec<WorkerConfig>,
@@ -318,6 +320,77 @@ impl Default for CacheConfig {
     }
 }
 
+/// What a worker does in a prefill/decode split (docs/routing.md, "Prefill/decode disaggregation").
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    /// Serves whole requests, and either leg of a split (the default; a fleet without prefill
+    /// workers routes exactly as before).
+    #[default]
+    Both,
+    /// Only prefill legs of disaggregated requests.
+    Prefill,
+    /// Decode legs, and whole requests when disaggregation is skipped.
+    Decode,
+}
+
+impl WorkerRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+
+    pub fn can_prefill(self) -> bool {
+        self != Self::Decode
+    }
+
+    pub fn can_decode(self) -> bool {
+        self != Self::Prefill
+    }
+}
+
+impl std::str::FromStr for WorkerRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Self::Both),
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            o => Err(format!(
+                "unknown worker role {o:?} (expected prefill|decode|both)"
+            )),
+        }
+    }
+}
+
+/// `[pd]`: how pools with prefill workers run the handoff.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PdConfig {
+    /// Handoff protocol: `vllm` (NixlConnector: prefill with `kv_transfer_params`, then decode with
+    /// what prefill returned). The only one implemented.
+    pub protocol: String,
+    /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
+    /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a
+    /// prefill worker can take the request).
+    pub min_uncached_tokens: u64,
+    /// A prefill leg's whole answer must arrive within this many seconds (it is one token).
+    pub prefill_timeout_s: u64,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        PdConfig {
+            protocol: "vllm".into(),
+            min_uncached_tokens: 256,
+            prefill_timeout_s: 60,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SloConfig {
@@ -385,6 +458,9 @@ pub struct WorkerConfig {
     /// re-exported as `kvgate_worker_gpu_*`.
     #[serde(default)]
     pub dcgm_url: Option<String>,
+    /// `prefill`, `decode` or `both` (default): see `[pd]`.
+    #[serde(default)]
+    pub role: WorkerRole,
 }
 
 /// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
@@ -425,6 +501,9 @@ pub struct WorkerPoolConfig {
     /// Port of each address's dcgm-exporter (`http://addr-ip:port/metrics`); absent = no GPU figures.
     #[serde(default)]
     pub dcgm_port: Option<u16>,
+    /// Role of every address of the pool (as `workers[].role`).
+    #[serde(default)]
+    pub role: WorkerRole,
 }
 
 fn default_gpus() -> u32 {
@@ -472,6 +551,7 @@ impl WorkerPoolConfig {
             dcgm_url: self
                 .dcgm_port
                 .map(|p| format!("http://{}/metrics", std::net::SocketAddr::new(addr.ip(), p))),
+            role: self.role,
         }
     }
 
@@ -527,6 +607,7 @@ impl WorkerConfig {
             kv_replay: None,
             metrics_url: None,
             dcgm_url: None,
+            role: WorkerRole::Both,
         }
     }
 }
@@ -546,6 +627,15 @@ impl Config {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
+        if self.pd.protocol != "vllm" {
+            bail!(
+                "pd.protocol {:?}: only \"vllm\" is implemented (sglang and trtllm are not yet)",
+                self.pd.protocol
+            );
+        }
+        if self.pd.prefill_timeout_s == 0 {
+            bail!("pd.prefill_timeout_s must be >= 1");
+        }
         if self.routing.block_size == 0 {
             bail!("routing.block_size must be > 0");
         }
@@ -741,7 +831,7 @@ mod tests {
     #[test]
     fn example_configs_parse() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config");
-        for f in ["kvgate.toml", "demo.toml"] {
+        for f in ["kvgate.toml", "demo.toml", "pd.toml"] {
             let p = root.join(f);
             if p.exists() {
                 Config::from_file(&p).unwrap_or_else(|e| panic!("{}: {e:#}", p.display()));

@@ -105,6 +105,8 @@ pub struct RequestCtx {
     /// This request's (model, worker) metric series, resolved once (see `Metrics::handles`).
     handles: Option<Arc<RequestHandles>>,
     finished: bool,
+    /// Set when a prefill worker ran this request's prefill (the decode worker serves the rest).
+    pub pd: Option<crate::pd::Prefilled>,
 }
 
 impl RequestCtx {
@@ -136,6 +138,7 @@ impl RequestCtx {
             guard: None,
             handles: None,
             finished: false,
+            pd: None,
         }
     }
 
@@ -236,6 +239,9 @@ impl RequestCtx {
             let mean = self.itl_sum / self.itl_n as f64;
             let var = (self.itl_sumsq / self.itl_n as f64 - mean * mean).max(0.0);
             h.jitter(m).observe(var.sqrt());
+        }
+        if let Some(pd) = &self.pd {
+            pd.on_finish(m, self.stream, self.first_token, &mut self.usage);
         }
         let (prompt, completion, cached) = match self.usage {
             Some(u) => (u.prompt_tokens, u.completion_tokens, u.cached_tokens),

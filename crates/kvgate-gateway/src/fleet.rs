@@ -110,6 +110,12 @@ impl WorkerFleet {
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
             crate::cost::forget(m, &l);
+            for role in ["prefill", "decode", "both"] {
+                m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {
+                    worker: name.clone(),
+                    role,
+                });
+            }
         }
     }
 

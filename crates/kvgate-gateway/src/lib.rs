@@ -46,6 +46,7 @@ pub mod metrics;
 #[cfg(feature = "mock")]
 pub mod mock;
 pub mod observer;
+pub mod pd;
 pub mod prompt;
 pub mod proxy;
 pub mod registry;

@@ -118,6 +118,31 @@ pub struct ReasonLabel {
     pub reason: &'static str,
 }
 
+/// A prefill/decode routing decision: `path` is `disaggregated` or `local`, `reason` a fixed set
+/// (docs/metrics.md).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdDecisionLabels {
+    pub model: Lbl,
+    pub path: &'static str,
+    pub reason: &'static str,
+}
+
+/// A worker's configured role (`prefill`, `decode`, `both`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerRoleLabels {
+    pub worker: Lbl,
+    pub role: &'static str,
+}
+
+/// Prefill/decode disaggregation (`kvgate_pd_*`).
+pub struct PdMetrics {
+    pub decisions: Family<PdDecisionLabels, Counter>,
+    pub prefill_duration: Histogram,
+    pub transfer_wait: Histogram,
+    pub handoff_failures: Family<KindLabel, Counter>,
+    pub worker_role: Family<WorkerRoleLabels, Gauge>,
+}
+
 type HFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 type FCounter = Counter<f64, std::sync::atomic::AtomicU64>;
@@ -206,6 +231,7 @@ pub struct Metrics {
     pub gpu_seconds: Family<WorkerLabel, FCounter>,
     pub idle_cost_dollars: Family<WorkerLabel, FCounter>,
     pub config_reloads: Family<ReasonLabel, Counter>,
+    pub pd: PdMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
 }
@@ -344,6 +370,13 @@ impl Metrics {
             gpu_seconds: reg!("kvgate_worker_gpu_seconds", "GPU-seconds accrued (gpus x time in the fleet); every replica accrues the full figure.", Family::default()),
             idle_cost_dollars: reg!("kvgate_worker_idle_cost_dollars", "Part of kvgate_cost_dollars accrued while the worker ran nothing (engine-reported running+waiting = 0, else nothing in flight through this gateway).", Family::default()),
             config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
+            pd: PdMetrics {
+                decisions: reg!("kvgate_pd_decisions", "Requests to pools with prefill workers, by path (disaggregated: a prefill worker ran the prefill; local: the decode worker ran it all) and reason.", Family::default()),
+                prefill_duration: reg!("kvgate_pd_prefill_duration_seconds", "Duration of successful prefill legs (sent to answer read).", latency_buckets()),
+                transfer_wait: reg!("kvgate_pd_transfer_wait_seconds", "Disaggregated streams: the decode worker's first token minus the prefill worker's answer (decode queue + KV transfer + one step).", latency_buckets()),
+                handoff_failures: reg!("kvgate_pd_handoff_failures", "Prefill/decode handoff failures by kind (prefill_error, no_params, decode_error).", Family::default()),
+                worker_role: reg!("kvgate_worker_role", "1 for each worker's configured prefill/decode role (prefill, decode, both).", Family::default()),
+            },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),
                 waiting: reg!("kvgate_worker_waiting_requests", "Requests queued inside the worker, as the worker reports (last successful scrape)", Family::default()),

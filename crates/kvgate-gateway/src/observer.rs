@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use kvgate_protocol::error::{types, OpenAiError};
 use kvgate_protocol::sse::Relay;
-use kvgate_protocol::usage::find_usage;
+use kvgate_protocol::usage::{find_usage, merge_pd_usage, Usage};
 
 use crate::ctx::{Outcome, RequestCtx};
 use kvgate_http::client::ResponseBody;
@@ -55,6 +55,9 @@ enum Scan {
     Sse(Relay),
     /// JSON document: the last `TAIL_KEEP` bytes.
     Json { tail: Vec<u8> },
+    /// A disaggregated request's JSON document: held whole and delivered at its end with the
+    /// prefill leg's prompt and cached tokens merged into `usage` (`crate::pd`).
+    JsonPd { doc: Vec<u8>, prefill: Usage },
 }
 
 impl ObservedBody {
@@ -69,10 +72,15 @@ impl ObservedBody {
         // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
         // (and the worker's load) forever, since `response_timeout_s` ends at the head.
         let idle = idle_timeout.map(|d| (Box::pin(tokio::time::sleep(d)), d));
-        let scan = if sse {
-            Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT))
-        } else {
-            Scan::Json { tail: Vec::new() }
+        let pd_usage = ctx.pd.as_ref().and_then(|p| p.usage);
+        let scan = match (sse, pd_usage) {
+            (true, None) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT)),
+            (true, Some(u)) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT).with_pd_usage(u)),
+            (false, None) => Scan::Json { tail: Vec::new() },
+            (false, Some(prefill)) => Scan::JsonPd {
+                doc: Vec::new(),
+                prefill,
+            },
         };
         ObservedBody {
             inner,
@@ -95,7 +103,8 @@ impl ObservedBody {
         deadline: Option<tokio::time::Instant>,
     ) {
         self.first = first;
-        self.deadline = deadline.filter(|_| matches!(self.scan, Scan::Json { .. }));
+        self.deadline =
+            deadline.filter(|_| matches!(self.scan, Scan::Json { .. } | Scan::JsonPd { .. }));
     }
 
     fn observe(&mut self, data: &[u8], at: Option<Instant>) {
@@ -110,6 +119,7 @@ impl ObservedBody {
                     tail.extend_from_slice(data);
                 }
             }
+            Scan::JsonPd { doc, .. } => doc.extend_from_slice(data),
             Scan::Sse(relay) => {
                 let now = at.unwrap_or_else(Instant::now);
                 let ctx = &mut self.ctx;
@@ -133,6 +143,7 @@ impl ObservedBody {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_out().map(Bytes::from),
             Scan::Json { .. } => None,
+            Scan::JsonPd { .. } => Some(Bytes::new()),
         }
     }
 
@@ -141,11 +152,13 @@ impl ObservedBody {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_held().map(Bytes::from),
             Scan::Json { .. } => None,
+            Scan::JsonPd { doc, prefill } => (!doc.is_empty())
+                .then(|| Bytes::from(merge_pd_usage(doc, prefill).unwrap_or_else(|| doc.clone()))),
         }
     }
 
     fn finish_ok(&mut self) {
-        if let Scan::Json { tail } = &self.scan {
+        if let Scan::Json { tail } | Scan::JsonPd { doc: tail, .. } = &self.scan {
             if let Some(u) = find_usage(tail) {
                 self.ctx.usage = Some(u);
             }
@@ -288,6 +301,10 @@ impl Body for ObservedBody {
     fn size_hint(&self) -> SizeHint {
         // A stream that may end with an appended error event has no known length.
         if matches!(self.scan, Scan::Sse(_)) && self.idle.is_some() {
+            return SizeHint::default();
+        }
+        // The merged document's length is known only at its end.
+        if matches!(self.scan, Scan::JsonPd { .. }) {
             return SizeHint::default();
         }
         let inner = self.inner.size_hint();

@@ -27,6 +27,8 @@ use crate::router::{NoPick, Pick};
 use crate::state::AppState;
 use kvgate_http::client;
 
+mod handoff;
+
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
 
@@ -56,14 +58,14 @@ pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
 }
 
 /// A request read, parsed and tokenized: everything the attempts need.
-struct Prepared {
-    parts: http::request::Parts,
+pub(crate) struct Prepared {
+    pub(crate) parts: http::request::Parts,
     /// The client's body bytes, forwarded unchanged...
-    bytes: Bytes,
+    pub(crate) bytes: Bytes,
     /// ...unless `stream_options.include_usage` was spliced in (then these go instead).
-    spliced: Option<Bytes>,
-    pool: Arc<crate::registry::Pool>,
-    ri: crate::prompt::RouteInput,
+    pub(crate) spliced: Option<Bytes>,
+    pub(crate) pool: Arc<crate::registry::Pool>,
+    pub(crate) ri: crate::prompt::RouteInput,
     /// When the routing decision started (after the body was read).
     t_decide: Instant,
 }
@@ -82,7 +84,11 @@ pub(crate) async fn route_and_forward(
 ) -> Result<Forwarded, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
-    let p = prepare(app, ctx, req, auth.enabled()).await?;
+    let mut p = prepare(app, ctx, req, auth.enabled()).await?;
+    if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
+        // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
+        handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?;
+    }
     let max_attempts = (app
         .upstream
         .max_attempts
@@ -149,6 +155,9 @@ pub(crate) async fn route_and_forward(
                 let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
                 // A worker shedding load (429) is alive; 5xx counts against its breaker.
                 worker.state.record_outcome(!s.is_server_error(), now);
+                if retryable {
+                    handoff::decode_failed(app, ctx);
+                }
                 if retryable && can_retry(now) {
                     app.metrics
                         .retries
@@ -165,6 +174,7 @@ pub(crate) async fn route_and_forward(
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
+                handoff::decode_failed(app, ctx);
                 if e.retry_safe() && can_retry(now) {
                     app.metrics
                         .retries
@@ -256,7 +266,7 @@ async fn prepare(
 /// One try on one worker: send, and wait for the response head (streams: and the first body
 /// bytes) within the timeouts. Streams: head and first byte within `first_byte_timeout`; others:
 /// the whole response within `request_timeout`; either way the head within `response_timeout`.
-async fn attempt(
+pub(crate) async fn attempt(
     app: &AppState,
     conns: &client::Pool,
     stream: bool,
@@ -477,8 +487,9 @@ pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Re
     let sse = headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if sse {
-        // We may append an error event; the length would then be wrong.
+    // We may append an error event, or merge a prefill leg's usage (PD); the length would then
+    // be wrong.
+    if sse || ctx.pd.as_ref().is_some_and(|p| p.usage.is_some()) {
         headers.remove(header::CONTENT_LENGTH);
     }
     let mut body = ObservedBody::new(body, ctx, sse, app.upstream.stream_idle_timeout);

@@ -37,6 +37,8 @@ pub struct AppState {
     /// served (`server.drain_delay_s`).
     pub draining: AtomicBool,
     pub shutdown: CancellationToken,
+    /// Prefill/decode handoff settings (`[pd]`), swapped on reload.
+    pub pd: ArcSwap<crate::config::PdConfig>,
 }
 
 /// Certificates for `https://` workers: `upstream.ca_file` (must load), else the system bundle
@@ -95,6 +97,7 @@ impl AppState {
             draining: AtomicBool::new(false),
             shutdown,
             metrics,
+            pd: ArcSwap::from_pointee(config.pd.clone()),
         }))
     }
 
@@ -110,6 +113,7 @@ impl AppState {
             .store(config.admission.queue_timeout_ms, Ordering::Relaxed);
         self.upstream.apply_retry(&config.retry);
         self.telemetry.slo.store(Arc::new(config.slo.clone()));
+        self.pd.store(Arc::new(config.pd.clone()));
         self.auth.store(Arc::new(Auth::from_config(&config.auth)));
         Ok(())
     }
@@ -152,6 +156,12 @@ impl AppState {
             m.worker_healthy
                 .get_or_create(&l)
                 .set(i64::from(w.state.routable(now)));
+            m.pd.worker_role
+                .get_or_create(&crate::metrics::WorkerRoleLabels {
+                    worker: w.name.clone(),
+                    role: w.cfg.role.as_str(),
+                })
+                .set(1);
             m.worker_breaker
                 .get_or_create(&l)
                 .set(crate::registry::breaker_gauge(w.state.breaker_state(now)));

@@ -7,6 +7,9 @@
 
 use serde::Deserialize;
 
+mod pd_merge;
+pub use pd_merge::{merge_pd_usage, merge_pd_usage_event};
+
 /// Token counts from a `usage` object.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {

@@ -5,7 +5,10 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::config::{CrashMode, EventEncoding, Faults, SimConfig, Slowdown, TimingModel};
+use crate::config::{
+    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, Role, SimConfig, Slowdown,
+    TimingModel,
+};
 use crate::fleet::{describe, FleetPorts, SimFleet};
 
 fn coeffs(s: &str) -> Result<[f64; 3], String> {
@@ -108,6 +111,35 @@ pub struct SimArgs {
     /// Fault: in a fleet, only worker I slows down (default: every worker).
     #[arg(long, requires = "slowdown")]
     pub slowdown_worker: Option<usize>,
+    /// Prefill/decode role: prefill refuses decode legs, decode refuses prefill legs, both serves
+    /// everything (vLLM NIXL semantics; see docs/sim.md "PD").
+    #[arg(long, default_value = "both")]
+    pub role: Role,
+    /// In a fleet (--workers N): workers 0..P get role prefill, the rest role decode.
+    #[arg(long, requires = "workers", conflicts_with = "role")]
+    pub prefill_workers: Option<usize>,
+    /// How long a finished prefill leg's blocks stay pinned for a decode worker (vLLM
+    /// kv_lease_duration; real milliseconds, not divided by --speedup).
+    #[arg(long, default_value_t = 30_000)]
+    pub kv_lease_ms: u64,
+    /// KV bytes per token = layers x 2 x kv_heads x head_dim x dtype bytes (default Llama-3.1-8B bf16).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// KV transfer bandwidth in GB/s (a low value = the slow-transfer fault).
+    #[arg(long, default_value_t = 64.0)]
+    pub kv_transfer_gbps: f64,
+    /// Fixed cost of one KV transfer in ms.
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_transfer_fixed_ms: f64,
+    /// What a decode worker does when it cannot read the remote KV: fail (500) or recompute.
+    #[arg(long, default_value = "fail")]
+    pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Fault: probability that a prefill leg (do_remote_decode) is answered with a 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub pd_prefill_fail_rate: f64,
+    /// Fault: probability that a prefill leg returns kv_transfer_params: null.
+    #[arg(long, default_value_t = 0.0)]
+    pub pd_no_params_rate: f64,
 }
 
 impl SimArgs {
@@ -147,6 +179,16 @@ impl SimArgs {
                     worker: self.slowdown_worker,
                 }),
             },
+            pd: PdConfig {
+                role: self.role,
+                kv_lease: Duration::from_millis(self.kv_lease_ms),
+                kv_bytes_per_token: self.kv_bytes_per_token,
+                kv_transfer_gbps: self.kv_transfer_gbps,
+                kv_transfer_fixed_ms: self.kv_transfer_fixed_ms,
+                load_failure_policy: self.kv_load_failure_policy,
+                prefill_fail_rate: self.pd_prefill_fail_rate,
+                no_params_rate: self.pd_no_params_rate,
+            },
             ..SimConfig::default()
         }
     }
@@ -180,7 +222,7 @@ pub async fn run(args: SimArgs) -> anyhow::Result<()> {
             },
         ),
     };
-    let fleet = SimFleet::spawn(n, cfg, ports).await?;
+    let fleet = SimFleet::spawn_pd(n, args.prefill_workers, cfg, ports).await?;
     for (i, w) in fleet.workers().iter().enumerate() {
         println!("{}", describe(i, w));
     }

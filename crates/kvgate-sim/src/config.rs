@@ -128,6 +128,115 @@ pub struct Slowdown {
     pub worker: Option<usize>,
 }
 
+/// Which leg of a prefill/decode split this worker serves (`--role`). vLLM's own `kv_role` is a
+/// placeholder (every NIXL worker is `kv_both`; the proxy decides), so the sim's role is a guard that
+/// catches a router sending a leg to the wrong pool: a `prefill` worker refuses
+/// `do_remote_prefill`, a `decode` worker refuses `do_remote_decode` (400). Plain requests are
+/// served by every role (conditional disaggregation runs them on decode workers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Role {
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Both => "both",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Self::Both),
+            "prefill" => Ok(Self::Prefill),
+            "decode" => Ok(Self::Decode),
+            other => Err(format!(
+                "unknown role {other:?} (expected prefill|decode|both)"
+            )),
+        }
+    }
+}
+
+/// What a decode worker does when it cannot read the prompt's KV from the prefill worker
+/// (vLLM's `kv_load_failure_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LoadFailurePolicy {
+    /// Fail the request (500), as vLLM's documented examples configure.
+    #[default]
+    Fail,
+    /// Recompute the whole prompt locally.
+    Recompute,
+}
+
+impl std::str::FromStr for LoadFailurePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fail" => Ok(Self::Fail),
+            "recompute" => Ok(Self::Recompute),
+            other => Err(format!(
+                "unknown kv load failure policy {other:?} (expected fail|recompute)"
+            )),
+        }
+    }
+}
+
+/// Prefill/decode disaggregation with vLLM NixlConnector semantics (docs/sim.md, "PD").
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdConfig {
+    pub role: Role,
+    /// How long a prefill worker keeps a finished `do_remote_decode` request's blocks pinned for a
+    /// decode worker to read (vLLM `kv_lease_duration`, default 30 s). Real time, not scaled.
+    pub kv_lease: Duration,
+    /// KV bytes per token: layers × 2 × kv_heads × head_dim × dtype bytes (default Llama-3.1-8B
+    /// bf16: 32 × 2 × 8 × 128 × 2 = 131072).
+    pub kv_bytes_per_token: u64,
+    /// Transfer bandwidth in GB/s (10^9 bytes/s; Dynamo mocker default 64, inter-node IB).
+    pub kv_transfer_gbps: f64,
+    /// Fixed cost per transfer in ms (setup, RDMA post; reference §7: 0.5–2 ms over RDMA).
+    pub kv_transfer_fixed_ms: f64,
+    pub load_failure_policy: LoadFailurePolicy,
+    /// Fault: probability that a `do_remote_decode` (prefill leg) request is answered with a 500.
+    pub prefill_fail_rate: f64,
+    /// Fault: probability that a prefill leg returns `kv_transfer_params: null` (as when the one
+    /// token was EOS); its blocks are freed at once.
+    pub no_params_rate: f64,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        Self {
+            role: Role::Both,
+            kv_lease: Duration::from_secs(30),
+            kv_bytes_per_token: 32 * 2 * 8 * 128 * 2,
+            kv_transfer_gbps: 64.0,
+            kv_transfer_fixed_ms: 1.0,
+            load_failure_policy: LoadFailurePolicy::Fail,
+            prefill_fail_rate: 0.0,
+            no_params_rate: 0.0,
+        }
+    }
+}
+
+impl PdConfig {
+    /// Model milliseconds to move `tokens` tokens of KV: fixed + bytes / bandwidth (reference §7).
+    pub fn transfer_ms(&self, tokens: usize) -> f64 {
+        if tokens == 0 {
+            return 0.0;
+        }
+        let bytes = tokens as f64 * self.kv_bytes_per_token as f64;
+        self.kv_transfer_fixed_ms + bytes / (self.kv_transfer_gbps * 1e9) * 1000.0
+    }
+}
+
 /// Everything one simulated worker needs. `Default` mirrors vLLM's defaults where they exist.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -161,6 +270,8 @@ pub struct SimConfig {
     /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
     pub dcgm: bool,
     pub faults: Faults,
+    /// Prefill/decode disaggregation (role, lease, transfer model, PD faults).
+    pub pd: PdConfig,
 }
 
 impl Default for SimConfig {
@@ -185,6 +296,7 @@ impl Default for SimConfig {
             tokenizer: None,
             dcgm: false,
             faults: Faults::default(),
+            pd: PdConfig::default(),
         }
     }
 }
@@ -207,7 +319,7 @@ impl SimConfig {
         max_num_batched_tokens: usize, max_model_len: Option<usize>, enable_prefix_caching: bool,
         speedup: f64, timing: TimingModel, seed: u64, mean_output_tokens: u32, kv_events: bool,
         kv_events_encoding: EventEncoding, kv_events_topic: String, dp_rank: u32, faults: Faults,
-        kv_events_buffer_steps: usize,
+        kv_events_buffer_steps: usize, pd: PdConfig,
     }
 
     /// Usable blocks (vLLM keeps one null block out of the pool).
@@ -248,6 +360,19 @@ impl SimConfig {
                 "slowdown factor must be a finite number > 0"
             );
         }
+        let pd = &self.pd;
+        anyhow::ensure!(
+            pd.kv_transfer_gbps.is_finite() && pd.kv_transfer_gbps > 0.0,
+            "kv_transfer_gbps must be a finite number > 0"
+        );
+        anyhow::ensure!(
+            pd.kv_transfer_fixed_ms.is_finite() && pd.kv_transfer_fixed_ms >= 0.0,
+            "kv_transfer_fixed_ms must be a finite number >= 0"
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&pd.prefill_fail_rate) && (0.0..=1.0).contains(&pd.no_params_rate),
+            "PD fault rates must be within 0..=1"
+        );
         anyhow::ensure!(
             self.kv_events_buffer_steps > 0,
             "kv_events_buffer_steps must be > 0"

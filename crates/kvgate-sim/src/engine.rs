@@ -3,6 +3,7 @@
 //! calls [`Engine::schedule`], waits the step time the timing model gives, then [`Engine::complete`].
 
 pub mod block_pool;
+mod pd;
 mod prefix_cache;
 pub mod request;
 
@@ -11,7 +12,7 @@ use std::collections::VecDeque;
 use block_pool::{none_hash, BlockPool, EngineHash};
 pub use prefix_cache::CacheEntry;
 use request::Request;
-pub use request::{FinishReason, NewRequest, RequestId};
+pub use request::{FinishReason, KvTransfer, NewRequest, RequestId};
 
 use crate::kv_events::KvEvent;
 
@@ -54,6 +55,8 @@ pub struct Output {
     pub id: RequestId,
     pub token: u32,
     pub finished: Option<FinishReason>,
+    /// A prefill leg that ended length-capped: the block ids it left pinned for a decode worker.
+    pub pinned: Option<Vec<usize>>,
 }
 
 /// Counters behind vLLM's `/metrics` (monotonic since start).
@@ -65,6 +68,8 @@ pub struct EngineCounters {
     pub generation_tokens: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Prompt tokens taken from a remote prefill instead of computed (decode legs).
+    pub remote_prefill_tokens: u64,
 }
 
 pub struct Engine {
@@ -74,6 +79,8 @@ pub struct Engine {
     waiting: VecDeque<Request>,
     running: Vec<Request>,
     events: Vec<KvEvent>,
+    /// Finished prefill legs whose blocks wait for a decode worker's read (or their lease).
+    pinned: std::collections::HashMap<RequestId, Vec<usize>>,
     pub counters: EngineCounters,
 }
 
@@ -90,6 +97,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             events: Vec::new(),
+            pinned: std::collections::HashMap::new(),
             counters: EngineCounters::default(),
         }
     }
@@ -140,6 +148,7 @@ impl Engine {
             cached_blocks: 0,
             num_cached_tokens: None,
             out_key: key,
+            kv: r.kv,
         });
     }
 
@@ -247,8 +256,14 @@ impl Engine {
                 }
             }
             let hit_tokens = hit.len() * bs;
-            let n = (total - hit_tokens).min(*budget);
-            let need = blocks_for(hit_tokens + n, bs) - hit.len();
+            // A decode leg whose KV was pulled: only the last prompt token is computed here.
+            let pulled = if r.kv == KvTransfer::RemotePrefill && r.num_cached_tokens.is_none() {
+                (total - 1).saturating_sub(hit_tokens)
+            } else {
+                0
+            };
+            let n = (total - hit_tokens - pulled).min(*budget);
+            let need = blocks_for(hit_tokens + pulled + n, bs) - hit.len();
             let idle_hits = hit
                 .iter()
                 .filter(|&&id| self.pool.is_unreferenced(id))
@@ -262,20 +277,34 @@ impl Engine {
             }
             r.blocks = hit.clone();
             r.cached_blocks = hit.len();
-            r.computed = hit_tokens;
+            r.computed = hit_tokens + pulled;
+            if r.kv == KvTransfer::RemotePrefill {
+                // A preempted decode leg recomputes like any request (its pulled blocks are cached).
+                r.kv = KvTransfer::None;
+            }
             let new = self
                 .pool
                 .allocate(need, &mut self.events)
                 .expect("checked free count");
             r.blocks.extend(new);
             if r.num_cached_tokens.is_none() {
-                r.num_cached_tokens = Some(hit_tokens);
+                // vLLM reports pulled tokens as cached (local + external).
+                let cached = (hit_tokens + pulled).min(r.prompt_len);
+                r.num_cached_tokens = Some(cached);
                 self.counters.prefix_cache_queries += r.prompt_len as u64;
                 self.counters.prefix_cache_hits += hit_tokens.min(r.prompt_len) as u64;
+                self.counters.remote_prefill_tokens += pulled as u64;
                 self.counters.prompt_tokens += r.prompt_len as u64;
-                step.started.push((r.id, hit_tokens.min(r.prompt_len)));
+                step.started.push((r.id, cached));
             }
-            step.prefill_tokens += n;
+            if pulled > 0 && n == 1 {
+                // A decode leg recomputing the last prompt token over pulled KV: one token
+                // attending over its context, the work of a decode step, not a prefill step's
+                // fixed cost.
+                step.decode_seqs += 1;
+            } else {
+                step.prefill_tokens += n;
+            }
             step.scheduled.push((r.id, n));
             *budget -= n;
             self.running.push(r);
@@ -313,6 +342,7 @@ impl Engine {
                     id,
                     token,
                     finished: reason,
+                    pinned: None,
                 });
                 if reason.is_some() {
                     finished.push(id);
@@ -325,7 +355,17 @@ impl Engine {
         for id in finished {
             if let Some(i) = self.running.iter().position(|r| r.id == id) {
                 let r = self.running.remove(i);
-                self.free(r);
+                let length_capped = outputs
+                    .iter()
+                    .any(|o| o.id == id && o.finished == Some(FinishReason::Length));
+                if r.kv == KvTransfer::RemoteDecode && length_capped {
+                    let blocks = self.pin(r);
+                    if let Some(o) = outputs.iter_mut().find(|o| o.id == id) {
+                        o.pinned = Some(blocks);
+                    }
+                } else {
+                    self.free(r);
+                }
             }
         }
         outputs

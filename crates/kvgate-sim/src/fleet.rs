@@ -2,7 +2,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use crate::config::SimConfig;
+use crate::config::{Role, SimConfig};
 use crate::server::{SimHandle, SimWorker};
 
 /// Where a fleet listens. Worker i: HTTP on `http_base + i`, events on `kv_base + i`, replay on
@@ -36,7 +36,24 @@ impl SimFleet {
     /// Starts `n` workers from `base`. Worker i gets `seed = base.seed + i` (a distinct engine hash
     /// seed, like separate vLLM processes). Workers already started are stopped on error.
     pub async fn spawn(n: usize, base: SimConfig, ports: FleetPorts) -> anyhow::Result<Self> {
+        Self::spawn_pd(n, None, base, ports).await
+    }
+
+    /// Like [`SimFleet::spawn`]; with `prefill = Some(p)`, workers 0..p get role prefill and the
+    /// rest role decode (a PD fleet in one process).
+    pub async fn spawn_pd(
+        n: usize,
+        prefill: Option<usize>,
+        base: SimConfig,
+        ports: FleetPorts,
+    ) -> anyhow::Result<Self> {
         anyhow::ensure!(n > 0, "a fleet needs at least one worker");
+        if let Some(p) = prefill {
+            anyhow::ensure!(
+                p > 0 && p < n,
+                "--prefill-workers must be between 1 and --workers - 1 (got {p} of {n})"
+            );
+        }
         let kv_base = match (ports.kv_base, ports.http_base) {
             (Some(k), _) => k,
             (None, 0) => 0,
@@ -61,6 +78,9 @@ impl SimFleet {
         for i in 0..n {
             let mut cfg = base.clone();
             cfg.seed = base.seed.wrapping_add(i as u64);
+            if let Some(p) = prefill {
+                cfg.pd.role = if i < p { Role::Prefill } else { Role::Decode };
+            }
             if cfg
                 .faults
                 .slowdown
@@ -112,6 +132,10 @@ pub fn describe(i: usize, w: &SimHandle) -> String {
     match (w.kv_events_addr(), w.replay_addr()) {
         (Some(k), Some(r)) => s.push_str(&format!(" kv_events=tcp://{k} replay=tcp://{r}")),
         _ => s.push_str(" kv_events=off"),
+    }
+    let role = w.config().pd.role;
+    if role != Role::Both {
+        s.push_str(&format!(" role={}", role.as_str()));
     }
     s
 }

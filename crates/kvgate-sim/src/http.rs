@@ -3,6 +3,7 @@
 
 mod admin;
 mod completions;
+mod pd;
 mod sse;
 
 use std::convert::Infallible;
@@ -86,6 +87,7 @@ pub async fn route(
         "/kv_event_sources",
         "/reset_prefix_cache",
         "/sim/cache",
+        "/sim/kv/read",
     ];
     Ok(match (&method, path.as_str()) {
         (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
@@ -106,6 +108,10 @@ pub async fn route(
         (&Method::GET, "/kv_event_sources") => admin::kv_event_sources(&sh),
         (&Method::POST, "/reset_prefix_cache") => admin::reset_prefix_cache(&sh).await,
         (&Method::GET, "/sim/cache") => admin::cache(&sh).await,
+        (&Method::POST, "/sim/kv/read") => match read_body(req).await {
+            Ok(b) => pd::read(&sh, &b).await,
+            Err(r) => r,
+        },
         (_, p) if known.contains(&p) => error(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("method {method} not allowed on {p}"),

@@ -22,7 +22,10 @@ mod server;
 pub mod tokenizer;
 mod worker;
 
-pub use config::{CrashMode, EventEncoding, Faults, SimConfig, Slowdown, TimingModel};
+pub use config::{
+    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, Role, SimConfig, Slowdown,
+    TimingModel,
+};
 pub use engine::CacheEntry;
 pub use fleet::{FleetPorts, SimFleet};
 pub use publisher::END_SEQ;

@@ -55,6 +55,41 @@ impl Histogram {
     }
 }
 
+const XFER_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+];
+const BYTES_BUCKETS: &[f64] = &[1.0e6, 1.0e7, 5.0e7, 1.0e8, 5.0e8, 1.0e9, 5.0e9, 1.0e10];
+
+/// Prefill/decode figures, named as vLLM's NIXL connector names them (plus the sim's own pinned
+/// gauges, which vLLM does not export).
+#[derive(Debug, Clone)]
+pub struct PdMetrics {
+    /// Blocks held by finished prefill legs waiting for a decode worker's read.
+    pub pinned_blocks: usize,
+    pub pinned_requests: usize,
+    /// `vllm:nixl_num_kv_expired_reqs`: pinned legs freed by their lease, never read.
+    pub expired_reqs: u64,
+    /// `vllm:nixl_num_failed_transfers`: decode-side reads that failed.
+    pub failed_transfers: u64,
+    /// `vllm:nixl_xfer_time_seconds` (charged by the transfer-time model, after the speed-up).
+    pub xfer_time: Histogram,
+    /// `vllm:nixl_bytes_transferred` per transfer.
+    pub bytes: Histogram,
+}
+
+impl Default for PdMetrics {
+    fn default() -> Self {
+        Self {
+            pinned_blocks: 0,
+            pinned_requests: 0,
+            expired_reqs: 0,
+            failed_transfers: 0,
+            xfer_time: Histogram::new(XFER_BUCKETS),
+            bytes: Histogram::new(BYTES_BUCKETS),
+        }
+    }
+}
+
 /// Everything `/metrics` shows; the scheduler task updates it after each step.
 #[derive(Debug, Clone)]
 pub struct Metrics {
@@ -68,6 +103,7 @@ pub struct Metrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     pub queue: Histogram,
+    pub pd: PdMetrics,
 }
 
 impl Default for Metrics {
@@ -82,6 +118,7 @@ impl Default for Metrics {
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),
             queue: Histogram::new(LATENCY_BUCKETS),
+            pd: PdMetrics::default(),
         }
     }
 }
@@ -258,6 +295,48 @@ pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
         "vllm:request_queue_time_seconds",
         "Histogram of time spent in WAITING phase for request.",
         &m.queue,
+    );
+
+    let pd = &m.pd;
+    scalar(
+        &mut o,
+        "vllm:nixl_num_kv_expired_reqs",
+        "counter",
+        "Prefill requests whose pinned KV blocks expired before a decode worker read them.",
+        pd.expired_reqs as f64,
+    );
+    scalar(
+        &mut o,
+        "vllm:nixl_num_failed_transfers",
+        "counter",
+        "KV transfers (reads of a remote prefill) that failed.",
+        pd.failed_transfers as f64,
+    );
+    hist(
+        &mut o,
+        "vllm:nixl_xfer_time_seconds",
+        "Histogram of KV transfer time in seconds.",
+        &pd.xfer_time,
+    );
+    hist(
+        &mut o,
+        "vllm:nixl_bytes_transferred",
+        "Histogram of bytes moved per KV transfer.",
+        &pd.bytes,
+    );
+    scalar(
+        &mut o,
+        "kvgate_sim_pd_pinned_blocks",
+        "gauge",
+        "KV blocks held by finished prefill legs until a decode worker reads them (sim only).",
+        pd.pinned_blocks as f64,
+    );
+    scalar(
+        &mut o,
+        "kvgate_sim_pd_pinned_requests",
+        "gauge",
+        "Finished prefill legs whose KV blocks are still pinned (sim only).",
+        pd.pinned_requests as f64,
     );
 
     header(

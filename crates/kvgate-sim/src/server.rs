@@ -25,6 +25,8 @@ const GRACE: Duration = Duration::from_secs(5);
 /// State shared by the HTTP handlers of one worker.
 pub struct Shared {
     pub cfg: SimConfig,
+    /// The bound HTTP address (named in a prefill leg's `kv_transfer_params`).
+    pub http_addr: SocketAddr,
     pub tokenizer: ModelTokenizer,
     pub cmd: mpsc::UnboundedSender<Command>,
     pub metrics: Arc<Mutex<Metrics>>,
@@ -99,6 +101,7 @@ impl SimWorker {
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
             cfg: config,
+            http_addr,
             tokenizer,
             cmd: cmd_tx,
             metrics,

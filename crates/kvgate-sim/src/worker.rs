@@ -32,6 +32,13 @@ pub enum ReqEvent {
         idx: u32,
         reason: FinishReason,
     },
+    /// A prefill leg ended length-capped: engine request `id` left `blocks` pinned (sent just
+    /// before its `Done`).
+    Pinned {
+        idx: u32,
+        id: RequestId,
+        blocks: Vec<usize>,
+    },
     /// `--crash-after` fired: the handler must cut the response off.
     Crash,
 }
@@ -46,6 +53,18 @@ pub enum Command {
     },
     ResetPrefixCache(oneshot::Sender<()>),
     Snapshot(oneshot::Sender<Vec<CacheEntry>>),
+    /// A decode worker read (or gave up on) a pinned prefill leg: free its blocks. Answers the
+    /// number of blocks freed, `None` when nothing was pinned under that id (never was, already
+    /// read, or the lease expired).
+    ReleasePinned {
+        id: RequestId,
+        tx: oneshot::Sender<Option<usize>>,
+    },
+    /// How many leading prompt tokens the prefix cache holds (what a decode leg need not pull).
+    LocalHit {
+        prompt: Vec<u32>,
+        tx: oneshot::Sender<usize>,
+    },
 }
 
 struct Track {
@@ -64,6 +83,8 @@ pub struct Scheduler {
     events_tx: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     /// Completion requests received (for `--slowdown-after`).
     received: u64,
+    /// Lease deadline of every pinned prefill leg.
+    leases: HashMap<RequestId, Instant>,
 }
 
 impl Scheduler {
@@ -88,6 +109,7 @@ impl Scheduler {
             metrics,
             events_tx,
             received: 0,
+            leases: HashMap::new(),
         }
     }
 
@@ -124,7 +146,37 @@ impl Scheduler {
             Command::Snapshot(tx) => {
                 let _ = tx.send(self.engine.cache_snapshot());
             }
+            Command::ReleasePinned { id, tx } => {
+                self.leases.remove(&id);
+                let freed = self.engine.release_pinned(id);
+                self.update_gauges();
+                let _ = tx.send(freed);
+            }
+            Command::LocalHit { prompt, tx } => {
+                let _ = tx.send(self.engine.local_hit_tokens(&prompt));
+            }
         }
+    }
+
+    /// Frees pinned prefill legs whose lease ran out (vLLM counts them in
+    /// `nixl_num_kv_expired_reqs`).
+    fn expire_leases(&mut self, now: Instant) {
+        let due: Vec<RequestId> = self
+            .leases
+            .iter()
+            .filter(|(_, t)| **t <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in due {
+            self.leases.remove(&id);
+            if self.engine.release_pinned(id).is_some() {
+                self.metrics.lock().pd.expired_reqs += 1;
+            }
+        }
+    }
+
+    fn next_lease(&self) -> Option<Instant> {
+        self.leases.values().min().copied()
     }
 
     fn abort(&mut self, id: RequestId) {
@@ -147,6 +199,8 @@ impl Scheduler {
         m.waiting = self.engine.num_waiting();
         m.kv_usage = self.engine.kv_usage();
         m.engine = self.engine.counters.clone();
+        m.pd.pinned_blocks = self.engine.num_pinned_blocks();
+        m.pd.pinned_requests = self.engine.num_pinned_requests();
     }
 
     /// Runs until `cancel` fires or every command sender is gone.
@@ -157,15 +211,21 @@ impl Scheduler {
     ) {
         loop {
             if !self.engine.has_work() {
+                self.expire_leases(Instant::now());
                 self.update_gauges();
+                let lease = self.next_lease();
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     cmd = rx.recv() => match cmd {
                         Some(c) => self.handle(c),
                         None => break,
                     },
+                    _ = sleep_until_opt(lease) => {
+                        continue;
+                    }
                 }
             }
+            self.expire_leases(Instant::now());
             while let Ok(c) = rx.try_recv() {
                 self.handle(c);
             }
@@ -217,11 +277,25 @@ impl Scheduler {
             self.publish();
             let now = Instant::now();
             for out in outputs {
+                if let Some(blocks) = out.pinned {
+                    self.leases.insert(out.id, now + self.cfg.pd.kv_lease);
+                    if let Some(t) = self.tracks.get(&out.id) {
+                        let _ = t.tx.send(ReqEvent::Pinned {
+                            idx: t.idx,
+                            id: out.id,
+                            blocks,
+                        });
+                    }
+                }
                 self.deliver(out.id, out.token, out.finished, now);
             }
             self.update_gauges();
         }
         // Shutdown: dropping the trackers ends every open response.
+        let pinned: Vec<RequestId> = self.leases.drain().map(|(id, _)| id).collect();
+        for id in pinned {
+            self.engine.release_pinned(id);
+        }
         self.tracks.clear();
     }
 
@@ -262,5 +336,13 @@ impl Scheduler {
                 }
             }
         }
+    }
+}
+
+/// Sleeps until `at`, or forever without a deadline.
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
     }
 }

@@ -32,6 +32,7 @@ fn predicted(c: &SimConfig, prompts: &[Vec<u32>], warm: &[Vec<u32>]) -> (Vec<f64
                 prompt: p.clone(),
                 max_tokens: 1,
                 ignore_eos: true,
+                kv: Default::default(),
             });
         }
         let (mut t, mut steps) = (0.0, 0);

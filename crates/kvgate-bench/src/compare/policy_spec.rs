@@ -1,6 +1,9 @@
 //! `--policies` entries: `[LABEL=]POLICY[:KEY=VALUE]...`, e.g. `kv`, `kv:prefill_weight=4`,
 //! `kv_pw4=kv:prefill_weight=4:temperature=0.1`. Each KEY=VALUE becomes a `[routing]` key of that
 //! gateway's generated config (the gateway rejects unknown keys, so a typo fails loudly).
+//! Prefill/decode fleets (`--prefill-workers`): `pd_KEY=VALUE` becomes a `[pd]` key
+//! (`kv:pd_min_uncached_tokens=0`), and `unified=true` gives that gateway the same workers without
+//! roles (one unified fleet of the same size).
 
 /// One gateway to compare.
 #[derive(Debug, Clone, PartialEq)]
@@ -11,6 +14,10 @@ pub struct PolicySpec {
     pub policy: String,
     /// `[routing]` keys and their TOML values, in the order given.
     pub routing: Vec<(String, String)>,
+    /// `[pd]` keys (given as `pd_KEY`) and their TOML values.
+    pub pd: Vec<(String, String)>,
+    /// Route a prefill/decode fleet as one unified fleet (no worker roles).
+    pub unified: bool,
 }
 
 impl PolicySpec {
@@ -36,6 +43,8 @@ impl PolicySpec {
             return Err(bad("the policy is a name like kv or round_robin"));
         }
         let mut routing = Vec::new();
+        let mut pd = Vec::new();
+        let mut unified = false;
         for kv in parts {
             let (k, v) = kv
                 .split_once('=')
@@ -49,12 +58,20 @@ impl PolicySpec {
             if k == "policy" {
                 return Err(bad("give the policy before the first ':'"));
             }
-            routing.push((k.to_owned(), toml_value(v)));
+            if k == "unified" {
+                unified = v == "true";
+            } else if let Some(pk) = k.strip_prefix("pd_") {
+                pd.push((pk.to_owned(), toml_value(v)));
+            } else {
+                routing.push((k.to_owned(), toml_value(v)));
+            }
         }
         Ok(Self {
             label,
             policy: policy.to_owned(),
             routing,
+            pd,
+            unified,
         })
     }
 
@@ -74,12 +91,15 @@ impl PolicySpec {
 
     /// The `[routing]` table for the generated config, empty when there are no keys.
     pub fn routing_toml(&self) -> String {
-        if self.routing.is_empty() {
-            return String::new();
-        }
-        let mut t = String::from("\n[routing]\n");
-        for (k, v) in &self.routing {
-            t.push_str(&format!("{k} = {v}\n"));
+        let mut t = String::new();
+        for (table, keys) in [("routing", &self.routing), ("pd", &self.pd)] {
+            if keys.is_empty() {
+                continue;
+            }
+            t.push_str(&format!("\n[{table}]\n"));
+            for (k, v) in keys {
+                t.push_str(&format!("{k} = {v}\n"));
+            }
         }
         t
     }
@@ -148,6 +168,18 @@ mod tests {
             let e = PolicySpec::parse(bad).unwrap_err().to_string();
             assert!(e.contains("bad --policies entry"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn pd_keys_and_unified() {
+        let p = PolicySpec::parse("pd=kv:prefill_weight=2:pd_min_uncached_tokens=0").unwrap();
+        assert!(!p.unified);
+        assert_eq!(
+            p.routing_toml(),
+            "\n[routing]\nprefill_weight = 2\n\n[pd]\nmin_uncached_tokens = 0\n"
+        );
+        let p = PolicySpec::parse("one=kv:unified=true").unwrap();
+        assert!(p.unified && p.routing_toml().is_empty());
     }
 
     #[test]

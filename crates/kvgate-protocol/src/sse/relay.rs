@@ -11,12 +11,13 @@
 
 use super::chunk::ChunkInfo;
 use super::scanner::SseScanner;
-use crate::usage::finder;
+use crate::usage::{finder, merge_pd_usage_event, Usage};
 
 pub struct Relay {
     scanner: SseScanner,
     strip: Option<Strip>,
     saw_done: bool,
+    max: usize,
 }
 
 struct Strip {
@@ -29,6 +30,10 @@ struct Strip {
     /// The last bytes seen were a dropped event's (the `\n` of its `\r\n` may follow).
     dropped: bool,
     max: usize,
+    /// Remove the usage-only event and `"usage": null` members (else events pass unchanged).
+    drop_usage: bool,
+    /// Prefill/decode: the usage-only event's usage is merged with the prefill leg's.
+    pd_usage: Option<Usage>,
 }
 
 impl Relay {
@@ -43,9 +48,30 @@ impl Relay {
                 raw: false,
                 dropped: false,
                 max: max_event_bytes,
+                drop_usage: true,
+                pd_usage: None,
             }),
             saw_done: false,
+            max: max_event_bytes,
         }
+    }
+
+    /// Prefill/decode disaggregation: the usage-only event the client gets takes prompt and
+    /// cached tokens from the prefill leg's usage (`usage::merge_pd_usage`). Without stripping,
+    /// every other byte passes unchanged.
+    pub fn with_pd_usage(mut self, prefill: Usage) -> Self {
+        let max = self.max;
+        let st = self.strip.get_or_insert_with(|| Strip {
+            held: Vec::new(),
+            out: Vec::new(),
+            raw: false,
+            dropped: false,
+            max,
+            drop_usage: false,
+            pd_usage: None,
+        });
+        st.pd_usage = Some(prefill);
+        self
     }
 
     /// Scans one chunk, calling `on_event` with the facts of every event it completes.
@@ -54,6 +80,7 @@ impl Relay {
             scanner,
             strip,
             saw_done,
+            ..
         } = self;
         let mut from = 0;
         if let Some(st) = strip.as_mut() {
@@ -120,9 +147,19 @@ impl Strip {
         self.dropped = false;
         if std::mem::take(&mut self.raw) {
             self.out.extend_from_slice(tail);
-        } else if usage_only {
+        } else if usage_only && self.drop_usage {
             self.held.clear();
             self.dropped = true;
+        } else if let (true, Some(p)) = (usage_only, self.pd_usage) {
+            let mut ev = std::mem::take(&mut self.held);
+            ev.extend_from_slice(tail);
+            match merge_pd_usage_event(&ev, &p) {
+                Some(merged) => self.out.extend_from_slice(&merged),
+                None => self.out.extend_from_slice(&ev),
+            }
+        } else if !self.drop_usage {
+            self.out.append(&mut self.held);
+            self.out.extend_from_slice(tail);
         } else if self.held.is_empty() {
             push_without_null_usage(&mut self.out, tail);
         } else {

@@ -422,3 +422,39 @@ proptest! {
         let _ = ChunkInfo::scan(&bytes);
     }
 }
+
+#[test]
+fn relay_merges_prefill_usage_into_the_usage_event_at_any_chunking() {
+    let prefill = crate::usage::Usage {
+        prompt_tokens: 9,
+        completion_tokens: 1,
+        cached_tokens: Some(4),
+    };
+    for chunks in splits(WITH_USAGE) {
+        let mut r = Relay::new(false, 1 << 20).with_pd_usage(prefill);
+        let mut out = Vec::new();
+        for c in &chunks {
+            r.feed(c, |_| {});
+            out.extend(r.take_out().unwrap());
+        }
+        if let Some(h) = r.take_held() {
+            out.extend(h);
+        }
+        let text = String::from_utf8(out).unwrap();
+        // Everything but the usage event passes unchanged, `"usage": null` members included.
+        assert!(text.starts_with(": ping\n\ndata: {\"id\":\"c\",\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}],\"usage\":null}\n\n"), "{text}");
+        assert!(
+            text.contains("\"prompt_tokens_details\":{\"cached_tokens\":4}"),
+            "{text}"
+        );
+        assert!(text.contains("\"total_tokens\":10"), "{text}");
+        assert!(text.ends_with("}\n\ndata: [DONE]\n\n"), "{text}");
+    }
+    // Stripping wins when the client did not ask for usage.
+    let (out, _, _) = {
+        let mut r = Relay::new(true, 1 << 20).with_pd_usage(prefill);
+        r.feed(WITH_USAGE, |_| {});
+        (r.take_out().unwrap(), (), ())
+    };
+    assert_eq!(out, STRIPPED);
+}

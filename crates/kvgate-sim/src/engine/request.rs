@@ -22,6 +22,19 @@ impl FinishReason {
     }
 }
 
+/// A request's part in a prefill/decode handoff (vLLM `kv_transfer_params`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvTransfer {
+    #[default]
+    None,
+    /// Prefill leg (`do_remote_decode`): if it ends length-capped, its blocks stay pinned for a
+    /// decode worker to read.
+    RemoteDecode,
+    /// Decode leg (`do_remote_prefill`) whose KV was pulled: every prompt token but the last counts
+    /// as computed (and reported as cached); the last one is recomputed for logits.
+    RemotePrefill,
+}
+
 /// What the caller submits.
 #[derive(Clone, Debug)]
 pub struct NewRequest {
@@ -29,6 +42,7 @@ pub struct NewRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub ignore_eos: bool,
+    pub kv: KvTransfer,
 }
 
 #[derive(Debug)]
@@ -50,6 +64,7 @@ pub(crate) struct Request {
     pub num_cached_tokens: Option<usize>,
     /// Key for the deterministic output stream.
     pub out_key: u64,
+    pub kv: KvTransfer,
 }
 
 impl Request {

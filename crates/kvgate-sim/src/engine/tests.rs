@@ -20,6 +20,7 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         prompt,
         max_tokens,
         ignore_eos: true,
+        kv: Default::default(),
     }
 }
 
@@ -202,6 +203,7 @@ fn outputs_are_deterministic_and_natural_stop_is_reported() {
             prompt: (0..9).collect(),
             max_tokens: 1000,
             ignore_eos: false,
+            kv: Default::default(),
         });
         drain(&mut e, 10_000).0
     };
@@ -223,4 +225,42 @@ fn reset_prefix_cache_clears_and_reports() {
     e.add_request(req(2, (0..20).collect(), 1));
     let (_, s, _) = drain(&mut e, 100);
     assert_eq!(s, vec![(2, 0)]);
+}
+
+#[test]
+fn decode_leg_computes_only_the_last_token_and_reports_the_rest_cached() {
+    let mut e = Engine::new(cfg(32));
+    let mut r = req(1, (100..118).collect(), 2); // 18 tokens: 4 full blocks + 2
+    r.kv = KvTransfer::RemotePrefill;
+    e.add_request(r);
+    let step = e.schedule();
+    assert_eq!(step.started, vec![(1, 17)]);
+    assert_eq!((step.prefill_tokens, step.decode_seqs), (0, 1));
+    assert_eq!(step.scheduled, vec![(1, 1)]);
+    let out = e.complete(&step);
+    assert_eq!(
+        out.len(),
+        1,
+        "the first token comes from the recompute step"
+    );
+    assert_eq!(e.counters.remote_prefill_tokens, 17);
+    // The pulled blocks are now in this worker's prefix cache.
+    assert_eq!(e.local_hit_tokens(&(100..118).collect::<Vec<_>>()), 16);
+}
+
+#[test]
+fn prefill_leg_pins_its_blocks_until_released() {
+    let mut e = Engine::new(cfg(32));
+    let mut r = req(1, (100..118).collect(), 1);
+    r.kv = KvTransfer::RemoteDecode;
+    e.add_request(r);
+    let free0 = e.num_free_blocks();
+    let (outs, _, _) = drain(&mut e, 10);
+    let pinned = outs[0].pinned.clone().expect("length-capped leg pins");
+    assert_eq!(pinned.len(), 5);
+    assert_eq!(e.num_pinned_blocks(), 5);
+    assert_eq!(e.num_free_blocks(), free0 - 5);
+    assert_eq!(e.release_pinned(1), Some(5));
+    assert_eq!(e.release_pinned(1), None);
+    assert_eq!((e.num_pinned_blocks(), e.num_free_blocks()), (0, free0));
 }

@@ -9,8 +9,9 @@ use http::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::pd::{self, Leg};
 use super::{error, json as json_resp, sse::SseBody, Body};
-use crate::engine::{FinishReason, NewRequest};
+use crate::engine::{FinishReason, KvTransfer, NewRequest};
 use crate::server::Shared;
 use crate::tokenizer::encode_body;
 use crate::worker::{Command, ReqEvent};
@@ -142,6 +143,25 @@ async fn prepare(
         }
     }
 
+    let leg = pd::parse(&v, cfg.pd.role)?;
+    if leg != Leg::Plain && prompts.len() * n as usize != 1 {
+        return Err(bad(
+            "`kv_transfer_params` serves exactly one choice (one prompt, n = 1)",
+            "kv_transfer_params",
+        ));
+    }
+    if leg == Leg::Prefill && cfg.pd.prefill_fail_rate > 0.0 {
+        let fail = sh.rng.lock().f64() < cfg.pd.prefill_fail_rate;
+        if fail {
+            sh.metrics.lock().finished(None);
+            return Err(Box::new(error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "injected fault: prefill failed",
+                None,
+            )));
+        }
+    }
+
     let f = &cfg.faults;
     if f.fail_rate > 0.0 {
         let (fail, unavailable) = {
@@ -161,12 +181,29 @@ async fn prepare(
                 )
             };
             sh.metrics.lock().finished(None);
+            if let Leg::Decode(remote) = &leg {
+                pd::abandon(remote);
+            }
             return Err(Box::new(error(code, msg, None)));
         }
     }
     if !f.stall.is_zero() {
         tokio::time::sleep(f.stall).await;
     }
+
+    let kv = match &leg {
+        Leg::Plain => KvTransfer::None,
+        Leg::Prefill => {
+            let no_params =
+                cfg.pd.no_params_rate > 0.0 && sh.rng.lock().f64() < cfg.pd.no_params_rate;
+            if no_params {
+                KvTransfer::None
+            } else {
+                KvTransfer::RemoteDecode
+            }
+        }
+        Leg::Decode(remote) => pd::pull(sh, remote.clone(), &prompts[0]).await?,
+    };
 
     let (tx, rx) = mpsc::unbounded_channel();
     let first_id = sh.next_id();
@@ -184,6 +221,7 @@ async fn prepare(
                 prompt: prompt.clone(),
                 max_tokens,
                 ignore_eos,
+                kv,
             };
             let idx = (p * n as usize + j) as u32;
             if sh
@@ -225,17 +263,22 @@ async fn prepare(
     if stream {
         return Ok(Ok(SseBody::response(meta, rx)));
     }
-    Ok(collect(meta, rx).await)
+    let reply = (leg != Leg::Plain).then_some(sh.as_ref());
+    Ok(collect(meta, rx, reply).await)
 }
 
+/// `pd_reply`: the request carried `kv_transfer_params`, so the answer carries them too (a prefill
+/// leg's params naming this worker's pinned blocks, else null), as vLLM's does.
 async fn collect(
     meta: Meta,
     mut rx: mpsc::UnboundedReceiver<ReqEvent>,
+    pd_reply: Option<&crate::server::Shared>,
 ) -> Result<Response<Body>, std::io::Error> {
     let k = meta.choices();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); k];
     let mut reasons: Vec<Option<FinishReason>> = vec![None; k];
     let mut cached = vec![0usize; k];
+    let mut pinned: Option<(u64, Vec<usize>)> = None;
     let mut done = 0;
     while done < k {
         match rx.recv().await {
@@ -245,6 +288,7 @@ async fn collect(
                 reasons[idx as usize] = Some(reason);
                 done += 1;
             }
+            Some(ReqEvent::Pinned { id, blocks, .. }) => pinned = Some((id, blocks)),
             Some(ReqEvent::Crash) => {
                 return Err(std::io::Error::other(
                     "injected fault: crash after N tokens",
@@ -275,7 +319,7 @@ async fn collect(
             }
         })
         .collect();
-    let body = json!({
+    let mut body = json!({
         "id": meta.id,
         "object": if meta.chat { "chat.completion" } else { "text_completion" },
         "created": meta.created,
@@ -283,5 +327,11 @@ async fn collect(
         "choices": choices,
         "usage": meta.usage(completion, cached_total),
     });
+    if let Some(sh) = pd_reply {
+        body["kv_transfer_params"] = match &pinned {
+            Some((id, blocks)) => pd::params(sh, *id, blocks, meta.prompt_lens[0]),
+            None => Value::Null,
+        };
+    }
     Ok(json_resp(StatusCode::OK, &body))
 }

@@ -107,6 +107,9 @@ impl SseBody {
                     self.finish();
                 }
             }
+            // A streamed prefill leg has no place for `kv_transfer_params`: its blocks stay pinned
+            // until the lease expires (routers send prefill legs with `stream: false`).
+            ReqEvent::Pinned { .. } => {}
             ReqEvent::Crash => {
                 return Err(std::io::Error::other(
                     "injected fault: crash after N tokens",

@@ -1,0 +1,218 @@
+//! The prefill/decode handoff (vLLM NixlConnector), run by the proxy before its decode-leg loop;
+//! the steps are described in `pd.rs`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use kvgate_core::WorkerId;
+use kvgate_http::client;
+use kvgate_protocol::usage::Usage;
+use serde_json::Value;
+
+use super::{attempt, Prepared};
+use crate::config::WorkerRole;
+use crate::ctx::RequestCtx;
+use crate::error::GatewayError;
+use crate::metrics::{KindLabel, PdDecisionLabels};
+use crate::pd::{decode_body, prefill_body, sub_pool, Prefilled};
+use crate::router::NoPick;
+use crate::state::AppState;
+
+/// Largest prefill-leg answer read (it is one token and the params).
+const MAX_PREFILL_ANSWER: usize = 4 << 20;
+/// Prefill workers tried per request before falling back to the decode worker.
+const MAX_PREFILL_ATTEMPTS: usize = 2;
+
+fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
+    app.metrics
+        .pd
+        .decisions
+        .get_or_create(&PdDecisionLabels {
+            model: ctx.model.clone(),
+            path,
+            reason,
+        })
+        .inc();
+}
+
+fn failure(app: &AppState, kind: &'static str) {
+    app.metrics
+        .pd
+        .handoff_failures
+        .get_or_create(&KindLabel { kind })
+        .inc();
+}
+
+/// A decode leg failed before its first byte (the proxy then tries another decode worker or
+/// answers with the error).
+pub(crate) fn decode_failed(app: &AppState, ctx: &RequestCtx) {
+    if ctx.pd.is_some() {
+        failure(app, "decode_error");
+    }
+}
+
+/// What one prefill leg came back with.
+enum LegResult {
+    Params(Value, Option<Usage>),
+    NoParams,
+    Failed,
+}
+
+/// Runs the prefill leg when it pays off and points `p` at the decode leg (see the module
+/// documentation). Errors only when the pool has no decode-capable worker.
+pub(crate) async fn prepare_handoff(
+    app: &Arc<AppState>,
+    conns: &client::Pool,
+    ctx: &mut RequestCtx,
+    p: &mut Prepared,
+    auth_enabled: bool,
+) -> Result<(), GatewayError> {
+    let settings = app.pd.load_full();
+    let decode = sub_pool(&p.pool, WorkerRole::can_decode);
+    if decode.workers.is_empty() {
+        return Err(GatewayError::new(
+            crate::error::ErrorKind::NoWorker,
+            format!("no decode worker for model `{}`", p.pool.model),
+        ));
+    }
+    let prefill = sub_pool(&p.pool, WorkerRole::can_prefill);
+    let router = &app.fleet.router;
+    let now = Instant::now();
+    let bs = u64::from(p.pool.block_size);
+    let uncached = match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
+        Ok(pick) => {
+            p.ri.isl
+                .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs)
+        }
+        Err(_) => p.ri.isl,
+    };
+    let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
+    p.pool = Arc::new(decode);
+    if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
+        decision(app, ctx, "local", "short_prompt");
+        return Ok(());
+    }
+    let Some(body) = prefill_body(&local_body) else {
+        decision(app, ctx, "local", "single_sequence_only");
+        return Ok(());
+    };
+    let Ok(body) = serde_json::to_vec(&body).map(Bytes::from) else {
+        decision(app, ctx, "local", "single_sequence_only");
+        return Ok(());
+    };
+    let timeout = Duration::from_secs(settings.prefill_timeout_s);
+    let mut tried: Vec<WorkerId> = Vec::with_capacity(MAX_PREFILL_ATTEMPTS);
+    let mut failed = false;
+    while tried.len() < MAX_PREFILL_ATTEMPTS {
+        let now = Instant::now();
+        let pick = match router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &tried, now)
+        {
+            Ok(pick) => pick,
+            Err(NoPick::AllBusy) => {
+                decision(app, ctx, "local", "prefill_busy");
+                return Ok(());
+            }
+            Err(NoPick::NoWorker) => break,
+        };
+        tried.push(pick.worker.id);
+        let started = Instant::now();
+        // The prefill worker's load lasts until it answers (the handoff).
+        let guard = router.dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
+        let result = prefill_leg(app, conns, p, &pick.worker, &body, auth_enabled, timeout).await;
+        drop(guard);
+        app.admission.wake_one();
+        match result {
+            LegResult::Params(params, usage) => {
+                let Some(d) = decode_body(&local_body, &params) else {
+                    decision(app, ctx, "local", "single_sequence_only");
+                    return Ok(());
+                };
+                let answered = Instant::now();
+                app.metrics
+                    .pd
+                    .prefill_duration
+                    .observe(answered.duration_since(started).as_secs_f64());
+                p.bytes = d;
+                p.spliced = None;
+                ctx.pd = Some(Prefilled { answered, usage });
+                decision(app, ctx, "disaggregated", "prefilled");
+                return Ok(());
+            }
+            LegResult::NoParams => {
+                failure(app, "no_params");
+                decision(app, ctx, "local", "no_params");
+                return Ok(());
+            }
+            LegResult::Failed => {
+                failure(app, "prefill_error");
+                failed = true;
+            }
+        }
+    }
+    decision(
+        app,
+        ctx,
+        "local",
+        if failed {
+            "prefill_failed"
+        } else {
+            "no_prefill_worker"
+        },
+    );
+    Ok(())
+}
+
+/// One prefill leg on `worker`: send, read the whole answer, take its `kv_transfer_params`.
+async fn prefill_leg(
+    app: &AppState,
+    conns: &client::Pool,
+    p: &Prepared,
+    worker: &crate::registry::Worker,
+    body: &Bytes,
+    auth_enabled: bool,
+    timeout: Duration,
+) -> LegResult {
+    let out = client::Outgoing {
+        https: worker.scheme == http::uri::Scheme::HTTPS,
+        method: &p.parts.method,
+        authority: &worker.authority,
+        path_prefix: &worker.path_prefix,
+        path_and_query: p.parts.uri.path_and_query().map_or("/", |q| q.as_str()),
+        headers: &p.parts.headers,
+        strip_client_auth: auth_enabled,
+        worker_auth: worker.auth_header.as_ref(),
+        body,
+    };
+    let read = async {
+        let fwd = attempt(app, conns, false, &worker.name, &out).await.ok()?;
+        let ok = fwd.resp.status.is_success();
+        worker
+            .state
+            .record_outcome(!fwd.resp.status.is_server_error(), Instant::now());
+        let bytes = Limited::new(fwd.resp.body, MAX_PREFILL_ANSWER)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        ok.then_some(bytes)
+    };
+    let bytes = match tokio::time::timeout(timeout, read).await {
+        Ok(Some(b)) => b,
+        Ok(None) | Err(_) => {
+            worker.state.record_outcome(false, Instant::now());
+            return LegResult::Failed;
+        }
+    };
+    let Ok(v) = serde_json::from_slice::<Value>(&bytes) else {
+        return LegResult::Failed;
+    };
+    let usage = kvgate_protocol::usage::find_usage(&bytes);
+    match v.get("kv_transfer_params") {
+        Some(Value::Object(m)) if !m.is_empty() => {
+            LegResult::Params(Value::Object(m.clone()), usage)
+        }
+        _ => LegResult::NoParams,
+    }
+}

@@ -1,0 +1,425 @@
+//! Prefill/decode disaggregation through the real binary: `kvgate sim --role prefill|decode`
+//! processes behind `kvgate serve --prefill-worker URL --decode-worker URL` (issue 20). Checks the
+//! handoff (streamed and not), the recorded usage, conditional disaggregation, every failure mode,
+//! and that no KV block stays pinned on the prefill worker after failures and disconnects (the
+//! sim's `kvgate_sim_pd_pinned_blocks`; leases are set far longer than the tests run, so only
+//! the handoff itself can have freed them).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvgate_system_tests::{exchange_raw, kvgate_bin};
+
+/// A child process killed (by its pid) and reaped on drop.
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+const MODEL: &str = "pd-model";
+
+/// One `kvgate sim` worker on an ephemeral port with `args`; its HTTP address.
+fn sim(args: &[&str]) -> (Proc, SocketAddr) {
+    let mut child = Command::new(kvgate_bin())
+        .args(["sim", "--port", "0", "--no-kv-events", "--model", MODEL])
+        .args(["--speedup", "100", "--kv-lease-ms", "600000"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvgate sim starts");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        if out.read_line(&mut line).unwrap_or(0) == 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvgate sim exited before its worker line");
+        }
+        if let Some(rest) = line.trim().strip_prefix("worker 0 http=") {
+            let a = rest.split_whitespace().next().expect("address");
+            break a.parse().expect("sim address");
+        }
+    };
+    std::thread::spawn(move || for _ in out.lines() {});
+    (Proc(child), addr)
+}
+
+/// `kvgate serve` with `prefill` and `decode` workers and `config` (TOML); its address.
+fn gateway(config: &str, prefill: &[SocketAddr], decode: &[SocketAddr]) -> (Proc, SocketAddr) {
+    let dir = std::env::temp_dir().join(format!(
+        "kvgate-pd-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("kvgate.toml");
+    std::fs::write(&path, config).expect("config");
+    let urls = |a: &[SocketAddr]| {
+        a.iter()
+            .map(|a| format!("http://{a}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let mut child = Command::new(kvgate_bin())
+        .arg("serve")
+        .arg("--config")
+        .arg(&path)
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--no-request-log",
+            "--model",
+            MODEL,
+            "--log",
+            "warn",
+        ])
+        .args([
+            "--prefill-worker",
+            &urls(prefill),
+            "--decode-worker",
+            &urls(decode),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate serve starts");
+    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        if err.read_line(&mut line).unwrap_or(0) == 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvgate serve exited before listening");
+        }
+        if let Some(rest) = line.trim().strip_prefix("kvgate serve: listening on ") {
+            break rest
+                .trim_start_matches("http://")
+                .parse()
+                .expect("listen address");
+        }
+    };
+    std::thread::spawn(move || for _ in err.lines() {});
+    (Proc(child), addr)
+}
+
+/// One HTTP/1.1 exchange with `Connection: close`: (status, body with chunked framing removed).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let (resps, _) = exchange_raw(addr, req.as_bytes(), Duration::from_secs(30));
+    let r = resps.into_iter().next().expect("a response");
+    assert!(r.complete, "response cut short: {}", r.body_text());
+    (r.status, r.body_text())
+}
+
+/// The value of the first series of `name` whose labels contain every `labels` pair.
+fn metric(addr: SocketAddr, name: &str, labels: &[&str]) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "");
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .find(|l| labels.iter().all(|p| l.contains(p)))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls `f` until it holds (generous deadline; no fixed sleep decides anything).
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn pinned(sim: SocketAddr) -> f64 {
+    metric(sim, "kvgate_sim_pd_pinned_blocks", &[])
+}
+
+/// A prompt of `n` distinct words (the sim's tokenizer: about one token per word).
+fn prompt(tag: &str, n: usize) -> String {
+    (0..n)
+        .map(|i| format!("{tag}{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn chat(p: &str, stream: bool, max_tokens: u32) -> String {
+    serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": p}],
+        "stream": stream, "max_tokens": max_tokens, "ignore_eos": true,
+        "stream_options": {"include_usage": true}})
+    .to_string()
+}
+
+const ALWAYS: &str = "[pd]\nmin_uncached_tokens = 0\n";
+
+#[test]
+fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 300), false, 5),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // The client's usage: prompt and cached tokens from the prefill leg (cold: 0 cached), not the
+    // decode worker's pulled-as-cached count; completion tokens from the decode leg.
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(prompt_tokens >= 300, "{body}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{body}"
+    );
+    assert_eq!(v["usage"]["total_tokens"], prompt_tokens + 5);
+    assert!(v["kv_transfer_params"].is_null(), "{body}");
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        1.0
+    );
+    // The decode worker pulled the prompt; the prefill worker's blocks were read and freed.
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 1.0);
+    assert_eq!(pinned(pa), 0.0);
+    // Recorded cached tokens come from the prefill leg (cold: 0), not the decode's pulled ones.
+    eventually("request recorded", || {
+        metric(ga, "kvgate_requests_total", &["status=\"200\""]) >= 1.0
+    });
+    assert_eq!(metric(ga, "kvgate_cached_tokens_total", &[]), 0.0);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("b", 300), true, 4),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+    assert!(body.contains("\"cached_tokens\":0"), "{body}");
+
+    // The same prompt again: the prefill worker's own prefix hit is what the client sees.
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 300), false, 2),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= 256 && cached < prompt_tokens - 1,
+        "prefill hit {cached}: {body}"
+    );
+    assert_eq!(pinned(pa), 0.0);
+    eventually("transfer wait observed", || {
+        metric(ga, "kvgate_pd_transfer_wait_seconds_count", &[]) >= 1.0
+    });
+    assert_eq!(
+        metric(ga, "kvgate_pd_prefill_duration_seconds_count", &[]),
+        3.0
+    );
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        3.0
+    );
+    assert_eq!(pinned(pa), 0.0);
+    assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"prefill\""]), 1.0);
+    assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"decode\""]), 1.0);
+}
+
+#[test]
+fn short_prompts_run_on_the_decode_worker_alone() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway("[pd]\nmin_uncached_tokens = 256\n", &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("s", 20), false, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"local\"", "reason=\"short_prompt\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(pa, "vllm:prompt_tokens_total", &[]),
+        0.0,
+        "the prefill worker saw nothing"
+    );
+    // A long one is disaggregated.
+    let (st, _) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("l", 400), false, 3),
+    );
+    assert_eq!(st, 200);
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["path=\"disaggregated\""]),
+        1.0
+    );
+}
+
+#[test]
+fn prefill_failure_falls_back_to_decode_only() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-prefill-fail-rate", "1"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("f", 300), false, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"prefill_error\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"local\"", "reason=\"prefill_failed\""]
+        ),
+        1.0
+    );
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 0.0);
+}
+
+#[test]
+fn no_params_means_decode_computes_it_all() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-no-params-rate", "1"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("n", 300), true, 3),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"));
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"no_params\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(ga, "kvgate_pd_decisions_total", &["reason=\"no_params\""]),
+        1.0
+    );
+    assert_eq!(pinned(pa), 0.0);
+}
+
+#[test]
+fn decode_failure_is_an_openai_error_and_frees_prefill_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode", "--fail-rate", "1"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("x", 300), false, 3),
+    );
+    assert!(st >= 500, "{st} {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON error");
+    assert!(v["error"]["message"].is_string(), "{body}");
+    assert!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"decode_error\""]
+        ) >= 1.0
+    );
+    // The decode worker refused the leg and told the prefill worker (no lease needed).
+    eventually("prefill blocks freed", || pinned(pa) == 0.0);
+    let _ = da;
+}
+
+#[test]
+fn client_disconnect_mid_transfer_frees_prefill_blocks() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    // A transfer that would take minutes: the client leaves while the decode worker pulls.
+    let (_d, da) = sim(&["--role", "decode", "--kv-transfer-gbps", "0.000001"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let body = chat(&prompt("c", 300), true, 20);
+    let mut s = TcpStream::connect(ga).expect("connect");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {ga}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    eventually("prefill leg done, blocks pinned", || pinned(pa) > 0.0);
+    drop(s);
+    eventually("prefill blocks freed after the disconnect", || {
+        pinned(pa) == 0.0
+    });
+    assert_eq!(
+        metric(pa, "vllm:nixl_num_kv_expired_reqs", &[]),
+        0.0,
+        "not by the lease"
+    );
+    let _ = da;
+}
+
+#[test]
+fn the_helm_pd_values_config_loads() {
+    // The `config: |` block of deploy/helm/pd-values.yaml, de-indented.
+    let yaml = std::fs::read_to_string(
+        kvgate_system_tests::repo_root().join("deploy/helm/pd-values.yaml"),
+    )
+    .expect("pd-values.yaml");
+    let toml: String = yaml
+        .lines()
+        .skip_while(|l| !l.starts_with("config: |"))
+        .skip(1)
+        .take_while(|l| l.is_empty() || l.starts_with("  "))
+        .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
+        .collect();
+    let cfg = kvgate_gateway::config::Config::from_toml(&toml).expect("pd-values config loads");
+    assert_eq!(cfg.pd.min_uncached_tokens, 256);
+    let roles: Vec<_> = cfg.worker_pools.iter().map(|p| p.role.as_str()).collect();
+    assert_eq!(roles, ["prefill", "decode"]);
+    // Every address a pool resolves to becomes a worker with the pool's role.
+    let w = cfg.worker_pools[0].worker_for("10.0.0.7:8000".parse().unwrap());
+    assert_eq!(w.role.as_str(), "prefill");
+    assert_eq!(w.url, "http://10.0.0.7:8000");
+}
