@@ -265,3 +265,108 @@ fn adapt_config_replaces_only_discovery_and_timing() {
             .contains("fallback_scrape_protocol")
     );
 }
+
+/// The PromQL of the dashboard's panels and of docs/metrics.md's "Seed KPI → metric or PromQL"
+/// table, with Grafana's variables filled in (`$model` = every model, `$__rate_interval` = 10 s at
+/// the test's 1 s scrape interval).
+fn dashboard_and_kpi_queries() -> Vec<String> {
+    let d: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo_root().join("deploy/grafana/kvgate-dashboard.json")).unwrap(),
+    )
+    .expect("dashboard JSON");
+    let mut out: Vec<String> = Vec::new();
+    for p in d["panels"].as_array().expect("panels") {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            out.push(t["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    let docs = std::fs::read_to_string(repo_root().join("docs/metrics.md")).unwrap();
+    let table = docs
+        .split("## Seed KPI → metric or PromQL")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("the seed KPI table in docs/metrics.md");
+    let mut rows = 0;
+    for row in table
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| KPI"))
+    {
+        rows += 1;
+        // Rows sent to an exporter or to the engine's own names are not the gateway's to answer.
+        if row.contains("*exporter*") || row.contains("*engine*") {
+            continue;
+        }
+        for (i, span) in row.split('`').enumerate() {
+            if i % 2 == 1
+                && span.contains('(')
+                && (span.contains("kvgate_") || span.contains("process_"))
+                && !span.contains("...")
+            {
+                out.push(span.to_string());
+            }
+        }
+    }
+    assert!(rows >= 40, "KPI table rows: {rows}");
+    out.iter()
+        .map(|q| q.replace("$__rate_interval", "10s").replace("$model", ".+"))
+        .collect()
+}
+
+/// Every dashboard panel and every KPI-table query returns data from a real Prometheus scraping a
+/// gateway (cost configured) in front of a sim serving DCGM, under traffic.
+#[test]
+fn every_dashboard_query_and_kpi_row_returns_data() {
+    let Some(bin) = prometheus_bin() else {
+        tool_missing("prometheus binary not found (Debian package prometheus)");
+        return;
+    };
+    let (_sim, worker) = start_sim_with("kvgate-sim", &["--dcgm"]);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("kvgate.toml");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
+             [[workers]]\nurl = \"http://{worker}\"\nname = \"w1\"\nmodels = [\"kvgate-sim\"]\n\
+             cost_per_hour = 3.0\ngpus = 2\ndcgm_url = \"http://{worker}/dcgm/metrics\"\n"
+        ),
+    )
+    .unwrap();
+    let mut gw_proc = Proc::kvgate(
+        "kvgate serve",
+        &["serve", "--config", cfg_path.to_str().unwrap()],
+    );
+    let gw = gw_proc.wait_for(Duration::from_secs(20), serving_addr);
+    let prom = start_prometheus(&bin, gw, worker);
+    let queries = dashboard_and_kpi_queries();
+    let stream = r#"{"model":"kvgate-sim","messages":[{"role":"user","content":"count the stars"}],"max_tokens":6,"stream":true}"#;
+    let plain = r#"{"model":"kvgate-sim","prompt":"count the stars","max_tokens":4}"#;
+    let mut pending: Vec<&String> = queries.iter().collect();
+    let end = Instant::now() + Duration::from_secs(90);
+    while !pending.is_empty() {
+        // Traffic between scrapes, so rates and histograms have samples to work on.
+        for body in [stream, plain] {
+            let path = if body.contains("messages") {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            };
+            let (s, b) = http(gw, "POST", path, Some(body));
+            assert_eq!(s, 200, "{b}");
+        }
+        pending.retain(|q| {
+            query(prom.addr, q)
+                .and_then(|r| r.as_array().map(|a| a.is_empty()))
+                .unwrap_or(true)
+        });
+        assert!(
+            Instant::now() < end,
+            "queries without data after 90 s: {pending:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    eprintln!(
+        "measured: {} dashboard and KPI queries returned data",
+        queries.len()
+    );
+}

@@ -21,11 +21,13 @@
 //! - `health.rs`: health probes; `breaker.rs`: the circuit breaker.
 //! - `discover.rs`: `kind = auto` probing and KV-event endpoint discovery.
 //! - `http.rs`: whole-body requests with per-call deadlines over kvgate-http's pooled client; `stats.rs`: [`FleetStats`].
+//! - `dcgm.rs`: GPU figures from a worker's dcgm-exporter (`dcgm_url`), parsed per worker.
 //! - `dns.rs`: DNS-based pool discovery (re-resolved `host:port` → address diffs).
 #![forbid(unsafe_code)]
 
 mod apply;
 pub mod breaker;
+pub mod dcgm;
 pub mod discover;
 pub mod dns;
 mod health;

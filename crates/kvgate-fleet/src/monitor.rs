@@ -73,6 +73,8 @@ pub struct MonitorConfig {
     /// `authorization` value for health checks, scrapes and polls (the worker's API key).
     pub auth: Option<http::HeaderValue>,
     pub replay_timeout: Duration,
+    /// The worker's dcgm-exporter `/metrics` URL (GPU figures), scraped every `scrape_interval`.
+    pub dcgm_url: Option<String>,
 }
 
 impl MonitorConfig {
@@ -112,6 +114,7 @@ impl MonitorConfig {
             replay_timeout: Duration::from_secs(5),
             tls: None,
             auth: None,
+            dcgm_url: None,
         }
     }
 }
@@ -259,6 +262,23 @@ async fn supervise(
             name.clone(),
             settings,
             sink.clone(),
+            stats.clone(),
+            cancel.child_token(),
+        ));
+    }
+
+    if let Some(url) = &cfg.dcgm_url {
+        tasks.spawn(crate::dcgm::run(
+            HttpClient::new().with_tls(cfg.tls.clone()),
+            cfg.worker,
+            name.clone(),
+            crate::dcgm::DcgmSettings {
+                url: url.clone(),
+                interval: cfg.scrape_interval,
+                jitter: cfg.scrape_jitter,
+                timeout: cfg.scrape_timeout,
+                stale_after: cfg.stale_after,
+            },
             stats.clone(),
             cancel.child_token(),
         ));

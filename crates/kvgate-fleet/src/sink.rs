@@ -25,6 +25,8 @@ pub struct ScrapedLoad {
     /// Prefix-cache counters in tokens (monotonic): queries and hits.
     pub prefix_cache_queries: Option<f64>,
     pub prefix_cache_hits: Option<f64>,
+    /// Requests the engine preempted (monotonic; vLLM `num_preemptions_total`).
+    pub preemptions: Option<f64>,
     /// llama.cpp `/slots`: total slots and slots busy.
     pub slots_total: Option<u32>,
     pub slots_busy: Option<u32>,

@@ -24,6 +24,10 @@ pub struct FleetStats {
     pub kv_reconnects: AtomicU64,
     pub health_ok: AtomicU64,
     pub health_failed: AtomicU64,
+    pub dcgm_scrapes_ok: AtomicU64,
+    pub dcgm_scrapes_failed: AtomicU64,
+    /// The last figures of the worker's dcgm-exporter (`None` without `dcgm_url`, or stale).
+    pub gpu: parking_lot::Mutex<Option<crate::dcgm::GpuStats>>,
 }
 
 /// A plain copy of [`FleetStats`].

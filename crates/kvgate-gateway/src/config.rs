@@ -476,6 +476,9 @@ pub struct WorkerConfig {
     /// Dollars per hour this worker costs (for cost and tokens-per-dollar metrics).
     #[serde(default)]
     pub cost_per_hour: f64,
+    /// GPUs the worker occupies (for `kvgate_worker_gpu_seconds_total`, GPU-hours).
+    #[serde(default = "default_gpus")]
+    pub gpus: u32,
     /// Bearer key sent to this worker (client keys are never forwarded when auth is on).
     #[serde(default)]
     pub api_key: Option<String>,
@@ -489,6 +492,10 @@ pub struct WorkerConfig {
     /// Metrics URL if not `<url>/metrics`.
     #[serde(default)]
     pub metrics_url: Option<String>,
+    /// The worker's dcgm-exporter `/metrics` URL, e.g. `http://10.0.0.5:9400/metrics`: GPU figures
+    /// re-exported as `kvgate_worker_gpu_*`.
+    #[serde(default)]
+    pub dcgm_url: Option<String>,
     /// `prefill`, `decode` or `both` (default): see `[pd]`.
     #[serde(default)]
     pub role: WorkerRole,
@@ -526,9 +533,19 @@ pub struct WorkerPoolConfig {
     /// Dollars per hour each worker of the pool costs.
     #[serde(default)]
     pub cost_per_hour: f64,
+    /// GPUs each worker of the pool occupies.
+    #[serde(default = "default_gpus")]
+    pub gpus: u32,
+    /// Port of each address's dcgm-exporter (`http://addr-ip:port/metrics`); absent = no GPU figures.
+    #[serde(default)]
+    pub dcgm_port: Option<u16>,
     /// Role of every address of the pool (as `workers[].role`).
     #[serde(default)]
     pub role: WorkerRole,
+}
+
+fn default_gpus() -> u32 {
+    1
 }
 
 fn default_scheme() -> String {
@@ -560,6 +577,7 @@ impl WorkerPoolConfig {
             models: self.models.clone(),
             kind: self.kind.clone(),
             cost_per_hour: self.cost_per_hour,
+            gpus: self.gpus,
             api_key: None,
             kv_events: self
                 .kv_events_port
@@ -568,6 +586,9 @@ impl WorkerPoolConfig {
                 .kv_replay_port
                 .map(|p| format!("tcp://{}", std::net::SocketAddr::new(addr.ip(), p))),
             metrics_url: None,
+            dcgm_url: self
+                .dcgm_port
+                .map(|p| format!("http://{}/metrics", std::net::SocketAddr::new(addr.ip(), p))),
             role: self.role,
         }
     }
@@ -583,6 +604,13 @@ impl WorkerPoolConfig {
             bail!(
                 "worker_pools.scheme {:?} (pool {:?}): only http is supported (list https workers in [[workers]])",
                 self.scheme,
+                self.dns
+            );
+        }
+        if !(self.cost_per_hour.is_finite() && self.cost_per_hour >= 0.0) {
+            bail!(
+                "worker_pools.cost_per_hour {} must be a number >= 0 (pool {:?})",
+                self.cost_per_hour,
                 self.dns
             );
         }
@@ -611,10 +639,12 @@ impl WorkerConfig {
             models: Vec::new(),
             kind: default_kind(),
             cost_per_hour: 0.0,
+            gpus: default_gpus(),
             api_key: None,
             kv_events: None,
             kv_replay: None,
             metrics_url: None,
+            dcgm_url: None,
             role: WorkerRole::Both,
         }
     }
@@ -699,10 +729,28 @@ impl Config {
                     }
                 }
             }
+            if let Some(u) = &w.dcgm_url {
+                let ok = u.parse::<http::Uri>().is_ok_and(|u| {
+                    matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some()
+                });
+                if !ok {
+                    bail!(
+                        "worker {:?}: dcgm_url {u:?} must be an http(s)://host:port/path URL",
+                        w.url
+                    );
+                }
+            }
             if w.kv_replay.is_some() && w.kv_events.is_none() {
                 bail!(
                     "worker {:?}: kv_replay is set without kv_events (replay fills gaps in a live event stream)",
                     w.url
+                );
+            }
+            if !(w.cost_per_hour.is_finite() && w.cost_per_hour >= 0.0) {
+                bail!(
+                    "worker {:?}: cost_per_hour {} must be a number >= 0",
+                    w.url,
+                    w.cost_per_hour
                 );
             }
             if !names.insert(worker_name(w)) {
@@ -751,6 +799,21 @@ mod tests {
     fn unknown_key_is_named() {
         let err = Config::from_toml("[routing]\npolicy = \"kv\"\nblok_size = 16\n").unwrap_err();
         assert!(format!("{err:#}").contains("blok_size"), "{err:#}");
+        let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost_per_hour = -1\n")
+            .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("cost_per_hour -1 must be"),
+            "{err:#}"
+        );
+        let cfg = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ngpus = 8\n").unwrap();
+        assert_eq!(cfg.workers[0].gpus, 8);
+        assert_eq!(
+            Config::from_toml("[[workers]]\nurl = \"http://a:1\"\n")
+                .unwrap()
+                .workers[0]
+                .gpus,
+            1
+        );
         let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost = 2\n").unwrap_err();
         assert!(format!("{err:#}").contains("cost"), "{err:#}");
     }

@@ -211,6 +211,9 @@ impl RequestCtx {
         };
         h.request(m, status).inc();
         h.duration(m).observe(total.as_secs_f64());
+        if self.worker.is_some() {
+            h.worker_duration(m).observe(total.as_secs_f64());
+        }
         if let Some(kind) = self.error {
             m.error(kind);
         }
@@ -220,8 +223,17 @@ impl RequestCtx {
         let ttft = self.first_token.map(|t| t.duration_since(self.start));
         let mean_itl = (self.itl_n > 0).then(|| self.itl_sum / self.itl_n as f64);
         // Embeddings have no tokens to wait for: their latency is in the request duration only.
+        // A non-streamed response's "first token" is its end: it goes to its own series so the
+        // TTFT histograms describe streams only.
         if let (Some(t), false) = (ttft, self.endpoint == Endpoint::Embeddings) {
-            h.ttft(m).observe(t.as_secs_f64());
+            if self.stream {
+                h.ttft(m).observe(t.as_secs_f64());
+                if self.worker.is_some() {
+                    h.worker_ttft(m).observe(t.as_secs_f64());
+                }
+            } else {
+                h.non_stream_response(m).observe(t.as_secs_f64());
+            }
         }
         if self.itl_n >= 2 {
             let mean = self.itl_sum / self.itl_n as f64;
@@ -244,6 +256,12 @@ impl RequestCtx {
             h.prompt_tokens(m).inc_by(prompt);
             if self.endpoint != Endpoint::Embeddings {
                 h.completion_tokens(m).inc_by(completion);
+            }
+            if ok {
+                h.prompt_tokens_hist(m).observe(prompt as f64);
+                if self.endpoint != Endpoint::Embeddings {
+                    h.completion_tokens_hist(m).observe(completion as f64);
+                }
             }
             if let Some(c) = cached {
                 h.cached_tokens(m).inc_by(c);

@@ -4,6 +4,7 @@
 //! discovery, DNS pools, the admin API) goes through [`WorkerFleet::apply_rebuild`], so the index,
 //! the monitors and the per-worker metric series follow the snapshot in one place.
 
+mod gpu;
 mod monitors;
 
 use std::sync::{Arc, Weak};
@@ -108,6 +109,7 @@ impl WorkerFleet {
             m.prefill_throughput.remove(&l);
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
+            crate::cost::forget(m, &l);
             for role in ["prefill", "decode", "both"] {
                 m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {
                     worker: name.clone(),

@@ -22,7 +22,8 @@
 //!   auth), each built from its config slice; only the route table and the admin API see them all.
 //!   Module dependencies point one way (`tests/layout.rs` checks there is no cycle).
 //! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
-//! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`.
+//! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`,
+//!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second).
 //! - `mock.rs` (feature `mock`, test support only): a mock OpenAI worker for this crate's tests and
 //!   the overhead benchmark's `mock_worker` example.
 #![forbid(unsafe_code)]
@@ -35,6 +36,7 @@ pub mod body;
 pub mod cli;
 pub mod cluster;
 pub mod config;
+pub mod cost;
 pub mod ctx;
 pub mod discovery;
 pub mod dns_pool;
@@ -231,7 +233,7 @@ impl Gateway {
     }
 }
 
-/// Periodic upkeep: expire approximate-index entries and lost load entries. Every second: a
+/// Periodic upkeep: expire approximate-index entries and lost load entries, accrue worker cost. Every second: a
 /// worker holding an entry past its TTL that no sweep has dropped yet makes each query check
 /// that worker's blocks one by one, so the sweep keeps that window short (it is cheap when
 /// nothing expired).
@@ -245,6 +247,8 @@ async fn housekeeping(app: Arc<AppState>) {
                 app.fleet.router.index.write().expire(now);
                 // A request's load normally ends with its guard; this only catches leaks.
                 app.fleet.router.active.expire_stale(now, Duration::from_secs(3600));
+                // Cost accrues with time, whether or not anyone reads /metrics.
+                crate::cost::accrue(&app.fleet.registry.snapshot(), &app.metrics, now);
             }
         }
     }

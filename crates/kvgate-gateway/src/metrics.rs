@@ -18,6 +18,44 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+pub mod process;
+
+/// `kvgate_retries_total{reason}` values (proxy.rs), created at 0 so `rate()` works from the start.
+pub const RETRY_REASONS: [&str; 6] = [
+    "status_503",
+    "status_429",
+    "status_5xx",
+    "upstream_connect",
+    "upstream_io",
+    "upstream_timeout",
+];
+/// `kvgate_config_reloads_total{reason}` values (reload.rs).
+pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
+/// `kvgate_errors_total{kind}` values: `GatewayError::label` and the observer's stream kinds.
+pub const ERROR_KINDS: [&str; 21] = [
+    "unauthorized",
+    "rate_limited",
+    "not_found",
+    "method_not_allowed",
+    "payload_too_large",
+    "headers_too_large",
+    "request_timeout",
+    "bad_request",
+    "model_not_found",
+    "no_worker",
+    "queue_full",
+    "queue_timeout",
+    "upstream_connect",
+    "upstream_status",
+    "upstream_io",
+    "upstream_timeout",
+    "upstream_stream",
+    "upstream_body",
+    "upstream_oom",
+    "shutting_down",
+    "too_many_connections",
+];
+
 pub type Lbl = Arc<str>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,6 +86,19 @@ pub struct WorkerLabel {
 pub struct WorkerResult {
     pub worker: Lbl,
     pub result: &'static str,
+}
+
+/// `kvgate_worker_info` labels: what the worker is, from config, discovery and DCGM.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerInfo {
+    pub worker: Lbl,
+    pub model: Lbl,
+    /// The configured kind (`vllm`, `sglang`, ...).
+    pub kind: String,
+    /// DCGM's `modelName` (empty without `dcgm_url`).
+    pub gpu_type: String,
+    /// Configured `gpus`.
+    pub gpus: u32,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -116,6 +167,13 @@ fn sub_ms_buckets() -> Histogram {
         0.0025, 0.01, 0.1,
     ])
 }
+fn token_count_buckets() -> Histogram {
+    // Prompt and completion sizes: 1 .. 128k tokens, powers of 4 (plus 2k/8k/32k context sizes).
+    Histogram::new([
+        1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0,
+        131072.0,
+    ])
+}
 fn error_ratio_buckets() -> Histogram {
     Histogram::new([0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0])
 }
@@ -138,6 +196,11 @@ pub struct Metrics {
     pub connections_refused: Counter,
     pub upstream_stray: Counter,
     pub ttft: HFamily<ModelLabel>,
+    pub non_stream_response: HFamily<ModelLabel>,
+    pub worker_ttft: HFamily<WorkerLabel>,
+    pub worker_duration: HFamily<WorkerLabel>,
+    pub prompt_tokens_hist: HFamily<ModelLabel>,
+    pub completion_tokens_hist: HFamily<ModelLabel>,
     pub itl: HFamily<ModelLabel>,
     pub jitter: HFamily<ModelLabel>,
     pub upstream_connect: Histogram,
@@ -165,6 +228,10 @@ pub struct Metrics {
     pub slo_checked: Family<ModelLabel, Counter>,
     pub cost_dollars: Family<WorkerLabel, FCounter>,
     pub tokens_per_dollar: FGauge,
+    pub cost_per_hour: Family<WorkerLabel, FGauge>,
+    pub gpus: Family<WorkerLabel, Gauge>,
+    pub gpu_seconds: Family<WorkerLabel, FCounter>,
+    pub idle_cost_dollars: Family<WorkerLabel, FCounter>,
     pub config_reloads: Family<ReasonLabel, Counter>,
     pub pd: PdMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
@@ -188,6 +255,22 @@ pub struct WorkerSignals {
     pub kv_replays: Family<WorkerResult, Counter>,
     pub kv_resets: Family<WorkerLabel, Counter>,
     pub kv_reconnects: Family<WorkerLabel, Counter>,
+    pub info: Family<WorkerInfo, Gauge>,
+    pub kv_capacity_blocks: Family<WorkerLabel, Gauge>,
+    pub kv_blocks_stored: Family<WorkerLabel, Counter>,
+    pub kv_blocks_removed: Family<WorkerLabel, Counter>,
+    pub prefix_cache_queries: Family<WorkerLabel, FCounter>,
+    pub prefix_cache_hits: Family<WorkerLabel, FCounter>,
+    pub preemptions: Family<WorkerLabel, FCounter>,
+    pub dcgm_scrapes: Family<WorkerResult, Counter>,
+    pub gpu_count: Family<WorkerLabel, Gauge>,
+    pub gpu_utilization: Family<WorkerLabel, FGauge>,
+    pub gpu_sm_active: Family<WorkerLabel, FGauge>,
+    pub gpu_memory_used: Family<WorkerLabel, FGauge>,
+    pub gpu_memory_free: Family<WorkerLabel, FGauge>,
+    pub gpu_power: Family<WorkerLabel, FGauge>,
+    pub gpu_temperature: Family<WorkerLabel, FGauge>,
+    pub gpu_energy: Family<WorkerLabel, FCounter>,
 }
 
 impl WorkerSignals {
@@ -207,6 +290,22 @@ impl WorkerSignals {
         self.kv_replays.clear();
         self.kv_resets.clear();
         self.kv_reconnects.clear();
+        self.info.clear();
+        self.kv_capacity_blocks.clear();
+        self.kv_blocks_stored.clear();
+        self.kv_blocks_removed.clear();
+        self.prefix_cache_queries.clear();
+        self.prefix_cache_hits.clear();
+        self.preemptions.clear();
+        self.dcgm_scrapes.clear();
+        self.gpu_count.clear();
+        self.gpu_utilization.clear();
+        self.gpu_sm_active.clear();
+        self.gpu_memory_used.clear();
+        self.gpu_memory_free.clear();
+        self.gpu_power.clear();
+        self.gpu_temperature.clear();
+        self.gpu_energy.clear();
     }
 }
 
@@ -226,7 +325,7 @@ impl Metrics {
                 m
             }};
         }
-        Metrics {
+        let m = Metrics {
             requests: reg!("kvgate_requests", "Requests finished, by model, worker and HTTP status (worker=\"none\" when none was chosen).", Family::default()),
             request_duration: reg!("kvgate_request_duration_seconds", "Time from request arrival to the last response byte.", HFamily::new_with_constructor(latency_buckets)),
             decision: reg!("kvgate_router_decision_seconds", "Time spent tokenizing, hashing and choosing a worker.", sub_ms_buckets()),
@@ -235,7 +334,12 @@ impl Metrics {
             client_connections: reg!("kvgate_client_connections", "Client connections open on the data-path listener.", Gauge::default()),
             upstream_stray: reg!("kvgate_upstream_stray_responses", "Times a worker was caught writing bytes after a finished response (its connections are then not reused for 60 s).", Counter::default()),
             connections_refused: reg!("kvgate_client_connections_refused", "Client connections refused at accept because server.max_connections were open (answered 503 and closed).", Counter::default()),
-            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token (non-stream: to the response).", HFamily::new_with_constructor(latency_buckets)),
+            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token of streamed requests (non-streamed ones: kvgate_non_stream_response_seconds).", HFamily::new_with_constructor(latency_buckets)),
+            non_stream_response: reg!("kvgate_non_stream_response_seconds", "Time from request arrival to the complete response of non-streamed completions and chat requests.", HFamily::new_with_constructor(latency_buckets)),
+            worker_ttft: reg!("kvgate_worker_time_to_first_token_seconds", "TTFT of streamed requests, by the worker that served them.", HFamily::new_with_constructor(latency_buckets)),
+            worker_duration: reg!("kvgate_worker_request_duration_seconds", "Arrival to last response byte, by the worker that served the request.", HFamily::new_with_constructor(latency_buckets)),
+            prompt_tokens_hist: reg!("kvgate_request_prompt_tokens", "Prompt tokens per successful request (worker usage, else the gateway's count).", HFamily::new_with_constructor(token_count_buckets)),
+            completion_tokens_hist: reg!("kvgate_request_completion_tokens", "Completion tokens per successful completions/chat request.", HFamily::new_with_constructor(token_count_buckets)),
             itl: reg!("kvgate_inter_token_latency_seconds", "Gaps between consecutive streamed token events.", HFamily::new_with_constructor(itl_buckets)),
             jitter: reg!("kvgate_stream_jitter_seconds", "Per-stream standard deviation of inter-token gaps.", HFamily::new_with_constructor(itl_buckets)),
             upstream_connect: reg!("kvgate_upstream_connect_seconds", "Time to open a connection to a worker (TCP connect, plus the TLS handshake for https; new pooled connections only).", sub_ms_buckets()),
@@ -261,8 +365,12 @@ impl Metrics {
             stream_errors: reg!("kvgate_stream_errors", "Streams ended with an SSE error event because the worker failed after the first byte.", Counter::default()),
             goodput: reg!("kvgate_goodput_requests", "Successful requests that met both the TTFT and the inter-token latency SLO.", Family::default()),
             slo_checked: reg!("kvgate_slo_checked_requests", "Successful requests evaluated against the SLOs (goodput denominator).", Family::default()),
-            cost_dollars: reg!("kvgate_cost_dollars", "Accrued worker cost from configured cost_per_hour while the worker is in the fleet.", Family::default()),
+            cost_dollars: reg!("kvgate_cost_dollars", "Accrued worker cost from configured cost_per_hour while the worker is in the fleet (every replica accrues the full figure: aggregate with max by (worker)).", Family::default()),
             tokens_per_dollar: reg!("kvgate_tokens_per_dollar", "Prompt+completion tokens served per accrued dollar since start (0 without costs).", FGauge::default()),
+            cost_per_hour: reg!("kvgate_worker_cost_per_hour", "Configured dollars per hour of each worker (the same on every gateway replica: aggregate with max by (worker)).", Family::default()),
+            gpus: reg!("kvgate_worker_gpus", "Configured GPUs of each worker.", Family::default()),
+            gpu_seconds: reg!("kvgate_worker_gpu_seconds", "GPU-seconds accrued (gpus x time in the fleet); every replica accrues the full figure.", Family::default()),
+            idle_cost_dollars: reg!("kvgate_worker_idle_cost_dollars", "Part of kvgate_cost_dollars accrued while the worker ran nothing (engine-reported running+waiting = 0, else nothing in flight through this gateway).", Family::default()),
             config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
             pd: PdMetrics {
                 decisions: reg!("kvgate_pd_decisions", "Requests to pools with prefill workers, by path (disaggregated: a prefill worker ran the prefill; local: the decode worker ran it all) and reason.", Family::default()),
@@ -286,11 +394,39 @@ impl Metrics {
                 kv_replays: reg!("kvgate_worker_kv_replays", "Replay requests for missed KV events, by result", Family::default()),
                 kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
+                info: reg!("kvgate_worker_info", "Always 1: the worker's model, kind, GPU type (DCGM modelName) and configured GPU count as labels", Family::default()),
+                kv_capacity_blocks: reg!("kvgate_worker_kv_capacity_blocks", "KV-cache capacity in the engine's blocks, as the worker reports (vLLM num_gpu_blocks; last successful scrape)", Family::default()),
+                kv_blocks_stored: reg!("kvgate_worker_kv_blocks_stored", "KV blocks the worker's events stored (BlockStored), applied to the exact index", Family::default()),
+                kv_blocks_removed: reg!("kvgate_worker_kv_blocks_removed", "KV blocks the worker's events removed (BlockRemoved: evictions), applied to the exact index", Family::default()),
+                prefix_cache_queries: reg!("kvgate_worker_prefix_cache_queries", "Prompt tokens the engine looked up in its prefix cache, as the worker reports (its own counter)", Family::default()),
+                prefix_cache_hits: reg!("kvgate_worker_prefix_cache_hits", "Prompt tokens the engine found in its prefix cache, as the worker reports (its own counter)", Family::default()),
+                preemptions: reg!("kvgate_worker_preemptions", "Requests the engine preempted, as the worker reports (vLLM num_preemptions_total)", Family::default()),
+                dcgm_scrapes: reg!("kvgate_worker_dcgm_scrapes", "Scrapes of the worker's dcgm-exporter (dcgm_url), by result", Family::default()),
+                gpu_count: reg!("kvgate_worker_gpu_count", "GPUs the worker's dcgm-exporter reports", Family::default()),
+                gpu_utilization: reg!("kvgate_worker_gpu_utilization_ratio", "DCGM_FI_DEV_GPU_UTIL / 100, mean over the worker's GPUs", Family::default()),
+                gpu_sm_active: reg!("kvgate_worker_gpu_sm_active_ratio", "DCGM_FI_PROF_SM_ACTIVE, mean over the worker's GPUs", Family::default()),
+                gpu_memory_used: reg!("kvgate_worker_gpu_memory_used_bytes", "DCGM_FI_DEV_FB_USED in bytes, summed over the worker's GPUs", Family::default()),
+                gpu_memory_free: reg!("kvgate_worker_gpu_memory_free_bytes", "DCGM_FI_DEV_FB_FREE in bytes, summed over the worker's GPUs", Family::default()),
+                gpu_power: reg!("kvgate_worker_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE, summed over the worker's GPUs", Family::default()),
+                gpu_temperature: reg!("kvgate_worker_gpu_temperature_celsius", "DCGM_FI_DEV_GPU_TEMP of the worker's hottest GPU", Family::default()),
+                gpu_energy: reg!("kvgate_worker_gpu_energy_joules", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION in joules (since the GPUs' driver loaded), summed over the worker's GPUs", Family::default()),
             },
             cluster: kvgate_cluster::ClusterMetrics::register(&mut r),
             registry: r,
             id: NEXT_METRICS_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        // Unlabelled-by-worker counters exist at 0 from the start (a family that appears only when
+        // first used makes `rate()`/`increase()` return nothing instead of 0).
+        for reason in RETRY_REASONS {
+            let _ = m.retries.get_or_create(&ReasonLabel { reason });
         }
+        for reason in RELOAD_RESULTS {
+            let _ = m.config_reloads.get_or_create(&ReasonLabel { reason });
+        }
+        for kind in ERROR_KINDS {
+            let _ = m.errors.get_or_create(&KindLabel { kind });
+        }
+        m
     }
 
     /// The series a request for `model` served by `worker` records, resolved once per thread and
@@ -344,7 +480,11 @@ impl Metrics {
         if prometheus_client::encoding::text::encode_registry(&mut om, &self.registry).is_err() {
             return String::new();
         }
-        openmetrics_to_classic(&om)
+        let mut out = openmetrics_to_classic(&om);
+        if let Some(p) = process::read() {
+            process::render(&p, &mut out);
+        }
+        out
     }
 }
 
@@ -366,6 +506,11 @@ pub struct RequestHandles {
     ok: OnceLock<Counter>,
     duration: OnceLock<Histogram>,
     ttft: OnceLock<Histogram>,
+    non_stream_response: OnceLock<Histogram>,
+    worker_ttft: OnceLock<Histogram>,
+    worker_duration: OnceLock<Histogram>,
+    prompt_tokens_hist: OnceLock<Histogram>,
+    completion_tokens_hist: OnceLock<Histogram>,
     itl: OnceLock<Histogram>,
     jitter: OnceLock<Histogram>,
     prompt_tokens: OnceLock<Counter>,
@@ -383,6 +528,11 @@ impl RequestHandles {
             ok: OnceLock::new(),
             duration: OnceLock::new(),
             ttft: OnceLock::new(),
+            non_stream_response: OnceLock::new(),
+            worker_ttft: OnceLock::new(),
+            worker_duration: OnceLock::new(),
+            prompt_tokens_hist: OnceLock::new(),
+            completion_tokens_hist: OnceLock::new(),
             itl: OnceLock::new(),
             jitter: OnceLock::new(),
             prompt_tokens: OnceLock::new(),
@@ -435,6 +585,32 @@ impl RequestHandles {
     pub fn ttft(&self, m: &Metrics) -> &Histogram {
         self.ttft
             .get_or_init(|| m.ttft.get_or_create(&self.ml()).clone())
+    }
+    pub fn non_stream_response(&self, m: &Metrics) -> &Histogram {
+        self.non_stream_response
+            .get_or_init(|| m.non_stream_response.get_or_create(&self.ml()).clone())
+    }
+    fn wl(&self) -> WorkerLabel {
+        WorkerLabel {
+            worker: self.worker.clone(),
+        }
+    }
+    /// Per-worker TTFT (only record when a worker served the request).
+    pub fn worker_ttft(&self, m: &Metrics) -> &Histogram {
+        self.worker_ttft
+            .get_or_init(|| m.worker_ttft.get_or_create(&self.wl()).clone())
+    }
+    pub fn worker_duration(&self, m: &Metrics) -> &Histogram {
+        self.worker_duration
+            .get_or_init(|| m.worker_duration.get_or_create(&self.wl()).clone())
+    }
+    pub fn prompt_tokens_hist(&self, m: &Metrics) -> &Histogram {
+        self.prompt_tokens_hist
+            .get_or_init(|| m.prompt_tokens_hist.get_or_create(&self.ml()).clone())
+    }
+    pub fn completion_tokens_hist(&self, m: &Metrics) -> &Histogram {
+        self.completion_tokens_hist
+            .get_or_init(|| m.completion_tokens_hist.get_or_create(&self.ml()).clone())
     }
     pub fn itl(&self, m: &Metrics) -> &Histogram {
         self.itl
@@ -537,6 +713,54 @@ mod tests {
         );
         assert!(!text.contains("# EOF"));
         assert!(text.contains("# TYPE kvgate_router_decision_seconds histogram"));
+    }
+
+    #[test]
+    fn counters_exist_at_zero_before_first_use() {
+        let text = Metrics::new().render();
+        for want in [
+            "kvgate_retries_total{reason=\"status_503\"} 0",
+            "kvgate_retries_total{reason=\"upstream_timeout\"} 0",
+            "kvgate_config_reloads_total{reason=\"ok\"} 0",
+            "kvgate_config_reloads_total{reason=\"error\"} 0",
+            "kvgate_errors_total{kind=\"upstream_status\"} 0",
+            "kvgate_errors_total{kind=\"too_many_connections\"} 0",
+        ] {
+            assert!(text.contains(want), "{want} missing in {text}");
+        }
+        if cfg!(target_os = "linux") {
+            assert!(text.contains("\nprocess_resident_memory_bytes "), "{text}");
+        }
+    }
+
+    #[test]
+    fn error_kinds_cover_every_gateway_error_label() {
+        use crate::error::{ErrorKind::*, GatewayError};
+        use std::time::Duration;
+        for k in [
+            Unauthorized,
+            RateLimited {
+                retry_after: Duration::ZERO,
+            },
+            NotFound,
+            MethodNotAllowed,
+            PayloadTooLarge { limit: 1 },
+            HeadersTooLarge,
+            RequestTimeout,
+            BadRequest { param: None },
+            ModelNotFound,
+            NoWorker,
+            QueueFull,
+            QueueTimeout,
+            UpstreamConnect,
+            UpstreamIo,
+            UpstreamTimeout,
+            ShuttingDown,
+            TooManyConnections,
+        ] {
+            let e = GatewayError::new(k, "x");
+            assert!(ERROR_KINDS.contains(&e.label()), "{}", e.label());
+        }
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub struct MockConfig {
     pub tokens: usize,
     /// Answer every completion request with this status (and an OpenAI error body).
     pub status: Option<u16>,
+    /// The error message of those answers (default `mock status <code>`).
+    pub error_message: Option<String>,
     /// Streams: abort the connection after this many token events.
     pub die_after: Option<usize>,
     /// Report this many cached prompt tokens in usage.
@@ -60,6 +62,7 @@ impl Default for MockConfig {
             itl: Duration::ZERO,
             tokens: 4,
             status: None,
+            error_message: None,
             die_after: None,
             cached_tokens: 0,
             chunk_bytes: None,
@@ -103,6 +106,10 @@ impl MockBuilder {
     }
     pub fn status(mut self, s: u16) -> Self {
         self.cfg.status = Some(s);
+        self
+    }
+    pub fn error_message(mut self, m: &str) -> Self {
+        self.cfg.error_message = Some(m.to_string());
         self
     }
     pub fn die_after(mut self, n: usize) -> Self {
@@ -268,8 +275,14 @@ async fn handle(s: Arc<Shared>, req: Request<Incoming>) -> Response<MockBody> {
     s.completions.fetch_add(1, Ordering::Relaxed);
     if let Some(code) = s.cfg.status {
         let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let message = s
+            .cfg
+            .error_message
+            .clone()
+            .unwrap_or_else(|| format!("mock status {code}"));
+        let message = serde_json::Value::String(message);
         let e = format!(
-            r#"{{"error":{{"message":"mock status {code}","type":"server_error","param":null,"code":{code}}}}}"#
+            r#"{{"error":{{"message":{message},"type":"server_error","param":null,"code":{code}}}}}"#
         );
         return json(status, e.into_bytes());
     }

@@ -162,6 +162,11 @@ impl ObservedBody {
             if let Some(u) = find_usage(tail) {
                 self.ctx.usage = Some(u);
             }
+            // A worker's 5xx saying it ran out of memory (vLLM/SGLang/TRT-LLM pass the CUDA or
+            // allocator message on) is its own error kind: it calls for capacity, not a restart.
+            if self.ctx.status >= 500 && self.ctx.error.is_none() && says_out_of_memory(tail) {
+                self.ctx.error = Some("upstream_oom");
+            }
             // Non-stream: the whole response is the "first token" (prefill and decode done).
             self.ctx.on_token(Instant::now());
         }
@@ -177,6 +182,16 @@ impl ObservedBody {
             .to_sse_event();
         Poll::Ready(Some(Ok(Frame::data(event))))
     }
+}
+
+/// Whether an error body reports an out-of-memory condition ("CUDA out of memory", "OutOfMemory",
+/// "OOM"), ASCII case-insensitively.
+fn says_out_of_memory(body: &[u8]) -> bool {
+    let has = |needle: &[u8]| {
+        body.windows(needle.len())
+            .any(|w| w.eq_ignore_ascii_case(needle))
+    };
+    has(b"out of memory") || has(b"outofmemory") || has(b"\"oom") || has(b" oom")
 }
 
 impl Body for ObservedBody {
@@ -315,6 +330,30 @@ impl Drop for ObservedBody {
             } else {
                 self.ctx.finish(Outcome::Cancelled);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::says_out_of_memory;
+
+    #[test]
+    fn out_of_memory_messages_are_recognised() {
+        for yes in [
+            &br#"{"error":{"message":"CUDA out of memory. Tried to allocate 2.00 GiB"}}"#[..],
+            br#"{"error":{"message":"torch.OutOfMemoryError: ..."}}"#,
+            br#"{"object":"error","message":"Engine OOM while scheduling","type":"InternalServerError"}"#,
+            br#"{"error":"OOM"}"#,
+        ] {
+            assert!(says_out_of_memory(yes), "{}", String::from_utf8_lossy(yes));
+        }
+        for no in [
+            &br#"{"error":{"message":"mock status 500"}}"#[..],
+            br#"{"error":{"message":"room for improvement: zoom"}}"#,
+            b"",
+        ] {
+            assert!(!says_out_of_memory(no), "{}", String::from_utf8_lossy(no));
         }
     }
 }

@@ -140,7 +140,6 @@ impl AppState {
         let loads = router.active.all();
         let latency = router.latency.lock().clone();
         let curve = router.policy.load().latency.curve;
-        let mut dollars_total = 0.0;
         for w in &fleet.workers {
             let l = WorkerLabel {
                 worker: w.name.clone(),
@@ -179,15 +178,8 @@ impl AppState {
             m.worker_breaker
                 .get_or_create(&l)
                 .set(crate::registry::breaker_gauge(w.state.breaker_state(now)));
-            // Cost accrues while the worker is in the fleet; add what accrued since last scrape.
-            let alive_ms = now.duration_since(w.state.added).as_millis() as u64;
-            let prev = w.state.cost_accrued_ms.swap(alive_ms, Ordering::Relaxed);
-            let c = m.cost_dollars.get_or_create(&l);
-            if w.cfg.cost_per_hour > 0.0 && alive_ms > prev {
-                c.inc_by(w.cfg.cost_per_hour * (alive_ms - prev) as f64 / 3_600_000.0);
-            }
-            dollars_total += c.get();
         }
+        let dollars_total = crate::cost::accrue(&fleet, m, now);
         let tokens = self.telemetry.tokens_served.load(Ordering::Relaxed) as f64;
         m.tokens_per_dollar.set(if dollars_total > 0.0 {
             tokens / dollars_total

@@ -80,8 +80,29 @@ async fn chat_and_completions_stream_and_non_stream() {
         m.contains("kvgate_cached_tokens_total{model=\"mock-model\""),
         "{m}"
     );
-    assert!(
-        m.contains("kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 4"),
+    // Two streams feed TTFT; the two non-streamed responses have their own series.
+    for want in [
+        "kvgate_time_to_first_token_seconds_count{model=\"mock-model\"} 2",
+        "kvgate_non_stream_response_seconds_count{model=\"mock-model\"} 2",
+        "kvgate_request_prompt_tokens_count{model=\"mock-model\"} 5",
+        "kvgate_request_completion_tokens_count{model=\"mock-model\"} 4",
+    ] {
+        assert!(m.contains(want), "{want} missing in {m}");
+    }
+    let per_worker = |family: &str| {
+        m.lines()
+            .filter(|l| l.starts_with(family) && l.contains("worker=\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(
+        per_worker("kvgate_worker_time_to_first_token_seconds_count{"),
+        2.0,
+        "{m}"
+    );
+    assert_eq!(
+        per_worker("kvgate_worker_request_duration_seconds_count{"),
+        5.0,
         "{m}"
     );
     gw.shutdown().await;
@@ -250,6 +271,52 @@ async fn worker_503_is_retried_on_another_worker() {
             "kvgate_retries_total{{reason=\"status_503\"}} {}",
             bad.completions()
         )),
+        "{m}"
+    );
+    gw.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_worker_running_out_of_memory_is_counted_as_upstream_oom() {
+    let oom = MockWorker::builder()
+        .status(500)
+        .error_message("CUDA out of memory. Tried to allocate 2.00 GiB")
+        .spawn()
+        .await
+        .unwrap();
+    let other = MockWorker::builder().status(500).spawn().await.unwrap();
+    let mut cfg = config_for(&[&oom], "round_robin");
+    cfg.retry.max_attempts = 1;
+    let gw = gateway(cfg).await;
+    let c = client();
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 500, "{}", r.text());
+    assert!(r.text().contains("out of memory"), "{}", r.text());
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"upstream_oom\"} 1\n"),
+        "{m}"
+    );
+    gw.shutdown().await;
+    // A 500 that does not say so is not an OOM.
+    let mut cfg = config_for(&[&other], "round_robin");
+    cfg.retry.max_attempts = 1;
+    let gw = gateway(cfg).await;
+    let r = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    let m = get(&c, &format!("{}/metrics", gw.url())).await.text();
+    assert!(
+        m.contains("kvgate_errors_total{kind=\"upstream_oom\"} 0\n"),
         "{m}"
     );
     gw.shutdown().await;

@@ -117,7 +117,7 @@ async fn ttft_and_itl_count_generated_content_only() {
     assert_eq!(completion, Some(2.0), "{m}");
     // `"error": null` is not an error event.
     assert!(
-        !m.contains("kind=\"upstream_stream\""),
+        m.contains("kvgate_errors_total{kind=\"upstream_stream\"} 0\n"),
         "no stream error recorded: {m}"
     );
     assert!(m.contains("kvgate_requests_total{model=\"m\""), "{m}");

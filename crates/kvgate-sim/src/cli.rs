@@ -93,6 +93,9 @@ pub struct SimArgs {
     /// Fault: delay every completion request by this many ms before it is admitted.
     #[arg(long, default_value_t = 0)]
     pub stall_ms: u64,
+    /// Serve an emulated dcgm-exporter at /dcgm/metrics whose figures follow the simulated load.
+    #[arg(long)]
+    pub dcgm: bool,
     /// Fault: delay /metrics by this many ms.
     #[arg(long, default_value_t = 0)]
     pub metrics_delay_ms: u64,
@@ -162,6 +165,7 @@ impl SimArgs {
             kv_events_encoding: self.kv_events_encoding,
             kv_events_topic: self.kv_events_topic.clone(),
             tokenizer: self.tokenizer.clone(),
+            dcgm: self.dcgm,
             faults: Faults {
                 fail_rate: self.fail_rate,
                 crash_after: self.crash_after,

@@ -267,6 +267,8 @@ pub struct SimConfig {
     pub dp_rank: u32,
     /// Path of a HuggingFace `tokenizer.json`; `None` = the cheap deterministic tokenizer.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
+    pub dcgm: bool,
     pub faults: Faults,
     /// Prefill/decode disaggregation (role, lease, transfer model, PD faults).
     pub pd: PdConfig,
@@ -292,6 +294,7 @@ impl Default for SimConfig {
             kv_events_buffer_steps: 10_000,
             dp_rank: 0,
             tokenizer: None,
+            dcgm: false,
             faults: Faults::default(),
             pd: PdConfig::default(),
         }

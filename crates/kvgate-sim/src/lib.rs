@@ -5,12 +5,13 @@
 //! Layout: `config.rs` (every knob), `engine.rs` + `engine/` (pure engine: block pool, requests,
 //! scheduler; no tokio), `worker.rs` (the one scheduler task per worker), `kv_events.rs` (msgpack
 //! payloads) + `publisher.rs` (ZMQ PUB + replay ROUTER), `http.rs` + `http/` (endpoints),
-//! `metrics.rs` (vLLM `/metrics`), `tokenizer.rs`, `server.rs` (spawn/handle), `fleet.rs` (N workers),
+//! `metrics.rs` (vLLM `/metrics`), `dcgm.rs` (emulated dcgm-exporter), `tokenizer.rs`, `server.rs` (spawn/handle), `fleet.rs` (N workers),
 //! `cli.rs` (`kvgate sim`).
 #![forbid(unsafe_code)]
 
 pub mod cli;
 pub mod config;
+pub mod dcgm;
 pub mod engine;
 pub mod fleet;
 mod http;

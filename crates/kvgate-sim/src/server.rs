@@ -36,6 +36,8 @@ pub struct Shared {
     pub created: u64,
     /// Fault-injection dice (seeded, so a run is reproducible).
     pub rng: Mutex<fastrand::Rng>,
+    /// The emulated GPU's energy counter (`--dcgm`).
+    pub energy: Mutex<crate::dcgm::EnergyMeter>,
 }
 
 impl Shared {
@@ -97,6 +99,7 @@ impl SimWorker {
             .unwrap_or(0);
         let shared = Arc::new(Shared {
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
+            energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
             cfg: config,
             http_addr,
             tokenizer,

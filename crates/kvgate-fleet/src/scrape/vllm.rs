@@ -41,6 +41,7 @@ pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
             "vllm:prefix_cache_hits_total",
             "vllm:gpu_prefix_cache_hits_total",
         ),
+        preemptions: counter("vllm:num_preemptions_total", "vllm:num_preemptions"),
         ..ScrapedLoad::default()
     })
 }

@@ -6,7 +6,7 @@
 //! costs nothing per event.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
@@ -45,6 +45,10 @@ struct LastLoad {
     running: Option<u32>,
     waiting: Option<u32>,
     kv_usage: Option<f64>,
+    capacity_blocks: Option<u64>,
+    prefix_cache_queries: Option<f64>,
+    prefix_cache_hits: Option<f64>,
+    preemptions: Option<f64>,
 }
 
 /// What the worker last reported, kept for the metrics scrape.
@@ -55,6 +59,9 @@ struct Signals {
     /// True after `on_load_stale` until the next successful scrape.
     stale: AtomicBool,
     block_size_mismatch: AtomicBool,
+    /// Blocks the worker's KV events stored / removed (evicted) in the exact index.
+    kv_blocks_stored: AtomicU64,
+    kv_blocks_removed: AtomicU64,
 }
 
 impl Monitors {
@@ -75,6 +82,7 @@ impl Monitors {
             std::time::Duration::from_millis(cfg.upstream.health_recovery_interval_ms);
         mc.tls = app.upstream.client.tls.clone();
         mc.auth = w.auth_header.clone();
+        mc.dcgm_url = w.cfg.dcgm_url.clone();
         if let Some(ep) = &w.cfg.kv_events {
             mc.kv_events = KvEventsSource::Endpoints(vec![KvSource {
                 endpoint: ep.clone(),
@@ -165,7 +173,27 @@ impl Monitors {
                 if let Some(v) = l.kv_usage {
                     ws.kv_usage.get_or_create(&mw).set(v.clamp(0.0, 1.0));
                 }
+                if let Some(v) = l.capacity_blocks {
+                    ws.kv_capacity_blocks
+                        .get_or_create(&worker)
+                        .set(i64::try_from(v).unwrap_or(i64::MAX));
+                }
+                for (family, v) in [
+                    (&ws.prefix_cache_queries, l.prefix_cache_queries),
+                    (&ws.prefix_cache_hits, l.prefix_cache_hits),
+                    (&ws.preemptions, l.preemptions),
+                ] {
+                    if let Some(v) = v.filter(|v| v.is_finite() && *v >= 0.0) {
+                        family.get_or_create(&worker).inc_by(v);
+                    }
+                }
             }
+            ws.kv_blocks_stored
+                .get_or_create(&worker)
+                .inc_by(r.signals.kv_blocks_stored.load(Ordering::Relaxed));
+            ws.kv_blocks_removed
+                .get_or_create(&worker)
+                .inc_by(r.signals.kv_blocks_removed.load(Ordering::Relaxed));
             let s = r.handle.stats().snapshot();
             let by = |result| WorkerResult {
                 worker: w.name.clone(),
@@ -199,6 +227,26 @@ impl Monitors {
             ws.kv_reconnects
                 .get_or_create(&worker)
                 .inc_by(s.kv_reconnects);
+            if w.cfg.dcgm_url.is_some() {
+                crate::fleet::gpu::export(ws, &worker, r.handle.stats());
+            }
+            let gpu_type = r
+                .handle
+                .stats()
+                .gpu
+                .lock()
+                .as_ref()
+                .and_then(|g| g.model_name.clone())
+                .unwrap_or_default();
+            ws.info
+                .get_or_create(&crate::metrics::WorkerInfo {
+                    worker: w.name.clone(),
+                    model: primary_model(w),
+                    kind: w.cfg.kind.clone(),
+                    gpu_type,
+                    gpus: w.cfg.gpus,
+                })
+                .set(1);
         }
     }
 
@@ -265,6 +313,10 @@ impl FleetSink for GatewaySink {
             running: load.running,
             waiting: load.waiting,
             kv_usage: load.kv_usage,
+            capacity_blocks: load.num_gpu_blocks,
+            prefix_cache_queries: load.prefix_cache_queries,
+            prefix_cache_hits: load.prefix_cache_hits,
+            preemptions: load.preemptions,
         });
         self.signals.stale.store(false, Ordering::Relaxed);
         self.with(worker, |app, w| {
@@ -328,7 +380,12 @@ impl FleetSink for GatewaySink {
             if !matches!(index.mode(worker), Some(IndexMode::Exact)) {
                 index.set_mode(worker, IndexMode::Exact);
             }
-            kvgate_fleet::apply_batch(&mut index, worker, batch, self.block_size);
+            let out = kvgate_fleet::apply_batch(&mut index, worker, batch, self.block_size);
+            let s = &self.signals;
+            s.kv_blocks_stored
+                .fetch_add(out.stored_blocks as u64, Ordering::Relaxed);
+            s.kv_blocks_removed
+                .fetch_add(out.removed_blocks as u64, Ordering::Relaxed);
         });
     }
 

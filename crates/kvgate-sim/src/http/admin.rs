@@ -69,6 +69,18 @@ pub fn tokenize(sh: &Shared, body: &[u8]) -> Response<Body> {
     )
 }
 
+/// The emulated dcgm-exporter (`--dcgm`).
+pub fn dcgm(sh: &Shared) -> Response<Body> {
+    let snapshot = sh.metrics.lock().clone();
+    let f = crate::dcgm::figures(&snapshot, &mut sh.energy.lock(), std::time::Instant::now());
+    let mut r = Response::new(full(crate::dcgm::render(&f, "localhost")));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
+
 pub async fn metrics(sh: &Shared) -> Response<Body> {
     let delay = sh.cfg.faults.metrics_delay;
     if !delay.is_zero() {

@@ -1,0 +1,127 @@
+//! Cost with two gateway replicas in front of the same workers (the Helm chart runs two): each
+//! replica accrues every worker's full cost, so the documented fleet queries aggregate with
+//! `max by (worker)` and the fleet's cost rate equals the configured rate, not twice it; the
+//! traffic share of each replica splits it (docs/metrics.md, "Cost with several replicas").
+
+#[path = "deploy_support/harness.rs"]
+mod harness;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use harness::*;
+
+const MODEL: &str = "kvgate-sim";
+
+/// `family{worker="W"} value` samples of one family, by worker.
+fn by_worker(text: &str, family: &str) -> BTreeMap<String, f64> {
+    let prefix = format!("{family}{{worker=\"");
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (w, v) = rest.split_once("\"} ")?;
+            Some((w.to_string(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// PromQL's `sum(max by (worker) (X))` over the replicas' samples.
+fn sum_of_max(replicas: &[BTreeMap<String, f64>]) -> f64 {
+    let mut max: BTreeMap<&str, f64> = BTreeMap::new();
+    for r in replicas {
+        for (w, v) in r {
+            let e = max.entry(w).or_insert(f64::MIN);
+            *e = e.max(*v);
+        }
+    }
+    max.values().sum()
+}
+
+fn scrape(gws: &[SocketAddr], family: &str) -> Vec<BTreeMap<String, f64>> {
+    gws.iter()
+        .map(|gw| {
+            let (s, text) = http(*gw, "GET", "/metrics", None);
+            assert_eq!(s, 200);
+            by_worker(&text, family)
+        })
+        .collect()
+}
+
+#[test]
+fn two_replicas_do_not_double_the_fleet_cost() {
+    let (_a, wa) = start_sim(MODEL);
+    let (_b, wb) = start_sim(MODEL);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("kvgate.toml");
+    // $3600/h = $1/s and $7200/h = $2/s: the fleet costs $3/s, whatever the number of replicas.
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
+             [[workers]]\nurl = \"http://{wa}\"\nname = \"a\"\nmodels = [\"{MODEL}\"]\ncost_per_hour = 3600.0\ngpus = 2\n\
+             [[workers]]\nurl = \"http://{wb}\"\nname = \"b\"\nmodels = [\"{MODEL}\"]\ncost_per_hour = 7200.0\n"
+        ),
+    )
+    .unwrap();
+    let mut procs = Vec::new();
+    let mut gws = Vec::new();
+    for _ in 0..2 {
+        let mut p = Proc::kvgate(
+            "kvgate serve",
+            &["serve", "--config", cfg_path.to_str().unwrap()],
+        );
+        gws.push(p.wait_for(Duration::from_secs(20), serving_addr));
+        procs.push(p);
+    }
+    let plain = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
+    for gw in &gws {
+        let (s, body) = http(*gw, "POST", "/v1/completions", Some(&plain));
+        assert_eq!(s, 200, "{body}");
+    }
+
+    // The rate gauge: every replica exports the same figure, so max by worker is the fleet's.
+    let rates = scrape(&gws, "kvgate_worker_cost_per_hour");
+    assert_eq!(sum_of_max(&rates), 10_800.0, "{rates:?}");
+    let plain_sum: f64 = rates.iter().flat_map(|r| r.values()).sum();
+    assert_eq!(
+        plain_sum, 21_600.0,
+        "a plain sum counts every worker once per replica"
+    );
+    let gpus = scrape(&gws, "kvgate_worker_gpus");
+    assert_eq!(sum_of_max(&gpus), 3.0, "{gpus:?}");
+
+    // The dollars counter: its increase over a window, aggregated with max by worker, is the
+    // fleet's cost over that window (within scheduling slack), not twice it.
+    let t0 = Instant::now();
+    let before = scrape(&gws, "kvgate_cost_dollars_total");
+    let deadline = t0 + Duration::from_secs(60);
+    while t0.elapsed() < Duration::from_secs(3) {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let after = scrape(&gws, "kvgate_cost_dollars_total");
+    let secs = t0.elapsed().as_secs_f64();
+    let increase: Vec<BTreeMap<String, f64>> = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| a.iter().map(|(w, v)| (w.clone(), v - b[w])).collect())
+        .collect();
+    let fleet_rate = sum_of_max(&increase) / secs;
+    eprintln!("measured: fleet cost rate {fleet_rate:.3} $/s over {secs:.2} s (configured 3 $/s)");
+    assert!(
+        (2.4..=3.3).contains(&fleet_rate),
+        "fleet cost rate {fleet_rate} $/s, configured 3 $/s: {increase:?}"
+    );
+    // Both replicas accrue the whole cost (so a plain sum doubles it; the PromQL must not).
+    for r in &increase {
+        let mine: f64 = r.values().sum();
+        assert!(
+            mine / secs > 2.4,
+            "a replica accrued only {mine} over {secs} s"
+        );
+    }
+    for p in procs {
+        drop(p);
+    }
+}
