@@ -3,14 +3,12 @@
 //! `max by (worker)` and the fleet's cost rate equals the configured rate, not twice it; the
 //! traffic share of each replica splits it (docs/metrics.md, "Cost with several replicas").
 
-#[path = "deploy_support/harness.rs"]
-mod harness;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use harness::*;
+use kvgate_system_tests::harness::*;
 
 const MODEL: &str = "kvgate-sim";
 

@@ -4,12 +4,10 @@
 //! this test, not a production rollout), and the Dockerfile's HEALTHCHECK command really probes a
 //! running gateway.
 
-#[path = "deploy_support/harness.rs"]
-mod harness;
 
 use std::process::Command;
 
-use harness::*;
+use kvgate_system_tests::harness::*;
 use kvgate_gateway::config::Config;
 
 #[test]

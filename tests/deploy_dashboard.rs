@@ -6,13 +6,11 @@
 //! `vllm:*` by the vLLM-compatible worker; `up` is Prometheus'). Labelled families appear in the
 //! exposition only once they have a child, hence the traffic mix.
 
-#[path = "deploy_support/harness.rs"]
-mod harness;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use harness::*;
+use kvgate_system_tests::harness::*;
 
 const MODEL: &str = "kvgate-sim";
 

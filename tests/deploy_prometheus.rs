@@ -8,14 +8,12 @@
 //! Bounded to ~30 s of waiting; every process is killed on exit (also on failure: `Proc` kills on
 //! drop).
 
-#[path = "deploy_support/harness.rs"]
-mod harness;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use harness::*;
+use kvgate_system_tests::harness::*;
 
 const PROMETHEUS: &str = "/usr/bin/prometheus";
 

@@ -3,12 +3,10 @@
 //! `kvgate_worker_gpu_*{worker}`. Idle, the GPU reads 0 % utilisation; while long streams run,
 //! utilisation and power rise; the energy counter grows; tokens per joule is computable.
 
-#[path = "deploy_support/harness.rs"]
-mod harness;
 
 use std::time::{Duration, Instant};
 
-use harness::*;
+use kvgate_system_tests::harness::*;
 
 const MODEL: &str = "kvgate-sim";
 

@@ -9,6 +9,9 @@
 //! reader.
 #![forbid(unsafe_code)]
 
+#[path = "support/harness.rs"]
+pub mod harness;
+
 use std::path::PathBuf;
 
 /// The repository root.

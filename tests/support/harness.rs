@@ -1,7 +1,6 @@
-//! Shared by the `deploy_*` tests: start `kvgate sim` and `kvgate serve` as real processes on
+//! Processes with their output on a channel ([`Proc`]), `kvgate sim` / `kvgate serve` started on
 //! loopback ephemeral ports, a tiny HTTP/1.1 client, the skip-or-fail rule for external tools, and
-//! a PromQL metric-name extractor. Included with `#[path]` (not a test target of its own).
-#![allow(dead_code)]
+//! a PromQL metric-name extractor (the `deploy_*`, `cost_replicas`, `gpu_metrics` suites).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -11,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 pub fn repo_root() -> PathBuf {
-    kvgate_system_tests::repo_root()
+    crate::repo_root()
 }
 
 /// The common brief's rule for external tools: missing locally → print "skipped" and return
@@ -48,7 +47,7 @@ impl Proc {
     /// As [`Proc::kvgate`] with extra environment variables. Inherited `KVGATE_*` variables are
     /// removed so the developer's shell cannot change what the test runs.
     pub fn kvgate_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(kvgate_system_tests::kvgate_bin());
+        let mut cmd = Command::new(crate::kvgate_bin());
         cmd.args(args).env("NO_COLOR", "1");
         for (k, _) in std::env::vars_os() {
             if k.to_string_lossy().starts_with("KVGATE_") && k != "KVGATE_PYTHON" {
@@ -228,7 +227,8 @@ pub fn http_maybe(addr: SocketAddr, method: &str, path: &str) -> Option<(u16, St
     try_http(addr, method, path, None).ok()
 }
 
-fn try_http(
+/// One HTTP/1.1 request (Connection: close) whose I/O errors the caller handles.
+pub fn try_http(
     addr: SocketAddr,
     method: &str,
     path: &str,
