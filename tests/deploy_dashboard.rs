@@ -6,7 +6,6 @@
 //! `vllm:*` by the vLLM-compatible worker; `up` is Prometheus'). Labelled families appear in the
 //! exposition only once they have a child, hence the traffic mix.
 
-
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,6 @@
 //! Bounded to ~30 s of waiting; every process is killed on exit (also on failure: `Proc` kills on
 //! drop).
 
-
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -5,73 +5,47 @@
 //! sim's `kvgate_sim_pd_pinned_blocks`; leases are set far longer than the tests run, so only
 //! the handoff itself can have freed them).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvgate_system_tests::{exchange_raw, kvgate_bin};
-
-/// A child process killed (by its pid) and reaped on drop.
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use kvgate_system_tests::exchange_raw;
+use kvgate_system_tests::harness::{addr_after, serving_addr, Proc};
 
 const MODEL: &str = "pd-model";
 
 /// One `kvgate sim` worker on an ephemeral port with `args`; its HTTP address.
 fn sim(args: &[&str]) -> (Proc, SocketAddr) {
-    let mut child = Command::new(kvgate_bin())
-        .args(["sim", "--port", "0", "--no-kv-events", "--model", MODEL])
-        .args(["--speedup", "100", "--kv-lease-ms", "600000"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvgate sim starts");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        if out.read_line(&mut line).unwrap_or(0) == 0 {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvgate sim exited before its worker line");
-        }
-        if let Some(rest) = line.trim().strip_prefix("worker 0 http=") {
-            let a = rest.split_whitespace().next().expect("address");
-            break a.parse().expect("sim address");
-        }
-    };
-    std::thread::spawn(move || for _ in out.lines() {});
-    (Proc(child), addr)
+    let mut all = vec!["sim", "--port", "0", "--no-kv-events", "--model", MODEL];
+    all.extend(["--speedup", "100", "--kv-lease-ms", "600000"]);
+    all.extend_from_slice(args);
+    let mut p = Proc::kvgate("kvgate sim", &all);
+    let addr = p.wait_for(Duration::from_secs(20), |l| addr_after(l, "worker 0 http="));
+    (p, addr)
 }
 
-/// `kvgate serve` with `prefill` and `decode` workers and `config` (TOML); its address.
-fn gateway(config: &str, prefill: &[SocketAddr], decode: &[SocketAddr]) -> (Proc, SocketAddr) {
-    let dir = std::env::temp_dir().join(format!(
-        "kvgate-pd-{}-{}",
-        std::process::id(),
-        fastrand::u64(..)
-    ));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join("kvgate.toml");
-    std::fs::write(&path, config).expect("config");
+/// `kvgate serve` with `prefill` and `decode` workers and `config` (TOML, kept on disk while the
+/// gateway runs); its address.
+fn gateway(
+    config: &str,
+    prefill: &[SocketAddr],
+    decode: &[SocketAddr],
+) -> ((Proc, tempfile::NamedTempFile), SocketAddr) {
+    let file = tempfile::NamedTempFile::new().expect("temp config");
+    std::fs::write(file.path(), config).expect("config");
     let urls = |a: &[SocketAddr]| {
         a.iter()
             .map(|a| format!("http://{a}"))
             .collect::<Vec<_>>()
             .join(",")
     };
-    let mut child = Command::new(kvgate_bin())
-        .arg("serve")
-        .arg("--config")
-        .arg(&path)
-        .args([
+    let (path, prefill, decode) = (file.path().to_string_lossy(), urls(prefill), urls(decode));
+    let mut p = Proc::kvgate(
+        "kvgate serve",
+        &[
+            "serve",
+            "--config",
+            &path,
             "--listen",
             "127.0.0.1:0",
             "--no-request-log",
@@ -79,35 +53,14 @@ fn gateway(config: &str, prefill: &[SocketAddr], decode: &[SocketAddr]) -> (Proc
             MODEL,
             "--log",
             "warn",
-        ])
-        .args([
             "--prefill-worker",
-            &urls(prefill),
+            &prefill,
             "--decode-worker",
-            &urls(decode),
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvgate serve starts");
-    let mut err = BufReader::new(child.stderr.take().expect("stderr"));
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        if err.read_line(&mut line).unwrap_or(0) == 0 {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("kvgate serve exited before listening");
-        }
-        if let Some(rest) = line.trim().strip_prefix("kvgate serve: listening on ") {
-            break rest
-                .trim_start_matches("http://")
-                .parse()
-                .expect("listen address");
-        }
-    };
-    std::thread::spawn(move || for _ in err.lines() {});
-    (Proc(child), addr)
+            &decode,
+        ],
+    );
+    let addr = p.wait_for(Duration::from_secs(20), serving_addr);
+    ((p, file), addr)
 }
 
 /// One HTTP/1.1 exchange with `Connection: close`: (status, body with chunked framing removed).

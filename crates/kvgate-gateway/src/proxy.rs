@@ -128,17 +128,12 @@ pub(crate) async fn route_and_forward(
         n_tried += 1;
         ctx.attempts += 1;
         let worker = pick.worker;
-        let out = client::Outgoing {
-            https: worker.scheme == http::uri::Scheme::HTTPS,
-            method: &p.parts.method,
-            authority: &worker.authority,
-            path_prefix: &worker.path_prefix,
-            path_and_query: p.parts.uri.path_and_query().map_or("/", |q| q.as_str()),
-            headers: &p.parts.headers,
-            strip_client_auth: auth.enabled(),
-            worker_auth: worker.auth_header.as_ref(),
-            body: p.spliced.as_ref().unwrap_or(&p.bytes),
-        };
+        let out = outgoing(
+            &p.parts,
+            &worker,
+            p.spliced.as_ref().unwrap_or(&p.bytes),
+            auth.enabled(),
+        );
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
         let can_retry = |now: Instant| {
             n_tried < max_attempts
@@ -261,6 +256,27 @@ async fn prepare(
         ri,
         t_decide,
     })
+}
+
+/// The client's request as sent to `worker`: its method, path and headers (client credentials
+/// stripped when `strip_client_auth`), the worker's own credentials, and `body`.
+pub(crate) fn outgoing<'a>(
+    parts: &'a http::request::Parts,
+    worker: &'a crate::registry::Worker,
+    body: &'a Bytes,
+    strip_client_auth: bool,
+) -> client::Outgoing<'a> {
+    client::Outgoing {
+        https: worker.scheme == http::uri::Scheme::HTTPS,
+        method: &parts.method,
+        authority: &worker.authority,
+        path_prefix: &worker.path_prefix,
+        path_and_query: parts.uri.path_and_query().map_or("/", |q| q.as_str()),
+        headers: &parts.headers,
+        strip_client_auth,
+        worker_auth: worker.auth_header.as_ref(),
+        body,
+    }
 }
 
 /// One try on one worker: send, and wait for the response head (streams: and the first body

@@ -71,6 +71,8 @@ pub struct PdMetrics {
     pub expired_reqs: u64,
     /// `vllm:nixl_num_failed_transfers`: decode-side reads that failed.
     pub failed_transfers: u64,
+    /// Decode legs pulling their KV right now (not exported; tests wait on it instead of a sleep).
+    pub pulls_in_flight: usize,
     /// `vllm:nixl_xfer_time_seconds` (charged by the transfer-time model, after the speed-up).
     pub xfer_time: Histogram,
     /// `vllm:nixl_bytes_transferred` per transfer.
@@ -84,6 +86,7 @@ impl Default for PdMetrics {
             pinned_requests: 0,
             expired_reqs: 0,
             failed_transfers: 0,
+            pulls_in_flight: 0,
             xfer_time: Histogram::new(XFER_BUCKETS),
             bytes: Histogram::new(BYTES_BUCKETS),
         }

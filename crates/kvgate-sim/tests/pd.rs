@@ -322,7 +322,15 @@ async fn decode_aborted_mid_transfer_still_frees_prefill_blocks() {
         let c = client();
         post(&c, &url, &body).await
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Abort once the decode worker's pull is under way, not after a guessed delay.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while d.metrics().pd.pulls_in_flight == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the decode leg never reached the decode worker"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     call.abort();
     wait_pinned(&p, 0).await;
     assert_eq!(

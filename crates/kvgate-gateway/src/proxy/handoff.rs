@@ -174,17 +174,7 @@ async fn prefill_leg(
     auth_enabled: bool,
     timeout: Duration,
 ) -> LegResult {
-    let out = client::Outgoing {
-        https: worker.scheme == http::uri::Scheme::HTTPS,
-        method: &p.parts.method,
-        authority: &worker.authority,
-        path_prefix: &worker.path_prefix,
-        path_and_query: p.parts.uri.path_and_query().map_or("/", |q| q.as_str()),
-        headers: &p.parts.headers,
-        strip_client_auth: auth_enabled,
-        worker_auth: worker.auth_header.as_ref(),
-        body,
-    };
+    let out = super::outgoing(&p.parts, worker, body, auth_enabled);
     let read = async {
         let fwd = attempt(app, conns, false, &worker.name, &out).await.ok()?;
         let ok = fwd.resp.status.is_success();

@@ -7,18 +7,21 @@
 //! `remote_host`/`remote_port` name the prefill worker's HTTP listener (vLLM's name its NIXL side
 //! channel); routers treat the dict as opaque, so only this sim reads them.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
+use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 use super::{error, json as json_resp, Body};
 use crate::config::{LoadFailurePolicy, Role};
 use crate::engine::KvTransfer;
+use crate::metrics::Metrics;
 use crate::server::Shared;
 use crate::worker::Command;
 
@@ -183,6 +186,23 @@ impl Drop for ReadGuard {
     }
 }
 
+/// Counts a pull in `pulls_in_flight` for as long as it runs, aborted or not.
+struct PullGauge(Arc<Mutex<Metrics>>);
+
+impl PullGauge {
+    fn start(metrics: &Arc<Mutex<Metrics>>) -> Self {
+        metrics.lock().pd.pulls_in_flight += 1;
+        Self(metrics.clone())
+    }
+}
+
+impl Drop for PullGauge {
+    fn drop(&mut self) {
+        let mut m = self.0.lock();
+        m.pd.pulls_in_flight = m.pd.pulls_in_flight.saturating_sub(1);
+    }
+}
+
 /// A decode leg refused before its pull (an injected fault): tell the prefill worker, as vLLM's
 /// decode side sends an empty read for a request it aborts before scheduling.
 pub fn abandon(remote: &Remote) {
@@ -198,6 +218,7 @@ pub async fn pull(
     prompt: &[u32],
 ) -> Result<KvTransfer, Box<Response<Body>>> {
     let mut guard = ReadGuard(Some(remote.clone()));
+    let _pulling = PullGauge::start(&sh.metrics);
     let (tx, rx) = oneshot::channel();
     let _ = sh.cmd.send(Command::LocalHit {
         prompt: prompt.to_vec(),
