@@ -287,7 +287,10 @@ impl RequestCtx {
             tel.tokens_served
                 .fetch_add(prompt + completion, Ordering::Relaxed);
         }
-        if let (true, Some(f)) = (ok && self.endpoint != Endpoint::Embeddings, self.finish_reason) {
+        if let (true, Some(f)) = (
+            ok && self.endpoint != Endpoint::Embeddings,
+            self.finish_reason,
+        ) {
             h.finish_reason(m, f).inc();
         }
         if ok && self.endpoint != Endpoint::Embeddings {

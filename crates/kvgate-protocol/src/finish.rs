@@ -87,7 +87,10 @@ mod tests {
     #[test]
     fn reads_the_first_string_finish_reason() {
         let f = |b: &[u8]| find_finish_reason(b);
-        assert_eq!(f(br#"{"choices":[{"delta":{},"finish_reason":null}]}"#), None);
+        assert_eq!(
+            f(br#"{"choices":[{"delta":{},"finish_reason":null}]}"#),
+            None
+        );
         assert_eq!(
             f(br#"{"choices":[{"delta":{},"finish_reason" : "stop"}]}"#),
             Some(FinishReason::Stop)
@@ -99,9 +102,18 @@ mod tests {
         // vLLM non-streamed chat: message, then finish_reason, then usage.
         let doc = br#"{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"say \"finish_reason\": \"stop\"","tool_calls":[]},"logprobs":null,"finish_reason":"tool_calls","stop_reason":null}],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#;
         assert_eq!(f(doc), Some(FinishReason::ToolCalls));
-        assert_eq!(f(br#"{"finish_reason":"content_filter"}"#), Some(FinishReason::ContentFilter));
-        assert_eq!(f(br#"{"finish_reason":"abort"}"#), Some(FinishReason::Other));
-        assert_eq!(f(br#"{"finish_reason":"eos_token"}"#), Some(FinishReason::Stop));
+        assert_eq!(
+            f(br#"{"finish_reason":"content_filter"}"#),
+            Some(FinishReason::ContentFilter)
+        );
+        assert_eq!(
+            f(br#"{"finish_reason":"abort"}"#),
+            Some(FinishReason::Other)
+        );
+        assert_eq!(
+            f(br#"{"finish_reason":"eos_token"}"#),
+            Some(FinishReason::Stop)
+        );
         assert_eq!(f(br#"{"finish_reason":"a\"b"}"#), Some(FinishReason::Other));
         assert_eq!(f(br#"{"finish_reason":"unterminated"#), None);
         assert_eq!(f(b""), None);

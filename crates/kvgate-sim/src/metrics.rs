@@ -454,7 +454,10 @@ mod tests {
         assert!(t.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\\\"x\",le=\"0.04\"} 1.0\n"));
         assert!(t.contains("finished_reason=\"length\"} 1.0\n"));
         assert!(t.contains("num_gpu_blocks=\"100\""));
-        assert!(t.contains("\nprocess_start_time_seconds 1700000000.0\n"), "{t}");
+        assert!(
+            t.contains("\nprocess_start_time_seconds 1700000000.0\n"),
+            "{t}"
+        );
         assert!(t.contains("# TYPE vllm:iteration_tokens_total histogram\n"));
         assert!(t.contains("vllm:request_prefill_time_seconds_count{"));
         assert!(t.contains("vllm:spec_decode_num_accepted_tokens_total{"));

@@ -346,7 +346,8 @@ impl Scheduler {
             let mut m = self.metrics.lock();
             m.e2e.observe(now.duration_since(t.arrival).as_secs_f64());
             let decode_from = t.first_token.unwrap_or(now);
-            m.decode.observe(now.duration_since(decode_from).as_secs_f64());
+            m.decode
+                .observe(now.duration_since(decode_from).as_secs_f64());
             m.finished(Some(reason));
             drop(m);
             self.tracks.remove(&id);

@@ -125,6 +125,18 @@ fn real_llamacpp_samples() {
         (after.prefix_cache_queries, after.prefix_cache_hits),
         (Some(156.0), Some(51.0))
     );
+    // 105 prompt tokens processed + 360 predicted over 240 decode calls; spec decoding off (0).
+    assert_eq!(
+        after.iteration_tokens,
+        Some(SumCount {
+            sum: 465.0,
+            count: 240.0
+        })
+    );
+    assert_eq!(
+        (after.spec_drafts, after.spec_accepted_tokens),
+        (Some(0.0), Some(0.0))
+    );
     assert_eq!(
         prom_text::parse(fixture!("metrics_llamacpp_real.prom")).bad_lines,
         0
@@ -149,7 +161,10 @@ fn real_llamacpp_samples() {
 
 #[test]
 fn vllm_phase_timings_batching_spec_decode_and_start_time() {
-    let l = vllm::parse(&prom_text::parse(fixture!("metrics_vllm_0.33_timings.prom"))).unwrap();
+    let l = vllm::parse(&prom_text::parse(fixture!(
+        "metrics_vllm_0.33_timings.prom"
+    )))
+    .unwrap();
     let sc = |sum, count| Some(SumCount { sum, count });
     // summed over both DP engines
     assert_eq!(l.queue_time, sc(21.1 + 3.9, 500.0));
@@ -171,10 +186,19 @@ fn vllm_phase_timings_batching_spec_decode_and_start_time() {
 
 #[test]
 fn sglang_retractions_are_preemptions_and_queue_time() {
-    let l = sglang::parse(&prom_text::parse(fixture!("metrics_sglang_retractions.prom"))).unwrap();
+    let l = sglang::parse(&prom_text::parse(fixture!(
+        "metrics_sglang_retractions.prom"
+    )))
+    .unwrap();
     // the counter, not the last batch's `num_retracted_reqs` gauge
     assert_eq!(l.preemptions, Some(48.0));
-    assert_eq!(l.queue_time, Some(SumCount { sum: 12.5, count: 100.0 }));
+    assert_eq!(
+        l.queue_time,
+        Some(SumCount {
+            sum: 12.5,
+            count: 100.0
+        })
+    );
     let old = sglang::parse(&prom_text::parse(fixture!("metrics_sglang.prom"))).unwrap();
     assert_eq!((old.preemptions, old.queue_time), (None, None));
 }
@@ -191,22 +215,43 @@ fn trtllm_queue_time_from_prometheus_and_iterations_from_json() {
         trtllm_request_queue_time_seconds_count{model_name=\"m\",engine_type=\"trtllm\"} 4.0\n\
         trtllm_request_queue_time_seconds_sum{model_name=\"m\",engine_type=\"trtllm\"} 0.8\n";
     let l = trtllm::parse_prom(&prom_text::parse(text)).unwrap();
-    assert_eq!(l.queue_time, Some(SumCount { sum: 0.8, count: 4.0 }));
+    assert_eq!(
+        l.queue_time,
+        Some(SumCount {
+            sum: 0.8,
+            count: 4.0
+        })
+    );
 
     let body = fixture!("metrics_trtllm_iteration_stats_spec.json").as_bytes();
     let j = trtllm::parse_json(body).unwrap();
     // newest iteration's gauges and limits (runtime limits win over static ones)
     assert_eq!(j.paused, Some(1));
-    assert_eq!((j.max_num_batched_tokens, j.max_num_seqs), (Some(4096), Some(48)));
+    assert_eq!(
+        (j.max_num_batched_tokens, j.max_num_seqs),
+        (Some(4096), Some(48))
+    );
     // this read's increments: 1000 context tokens + 4 + 5 generation requests over 2 iterations
-    assert_eq!(j.iteration_tokens, Some(SumCount { sum: 1009.0, count: 2.0 }));
+    assert_eq!(
+        j.iteration_tokens,
+        Some(SumCount {
+            sum: 1009.0,
+            count: 2.0
+        })
+    );
     // the scraper's running totals: a second identical read doubles them; an empty read keeps them
     let mut totals = trtllm::Totals::default();
     let mut a = j.clone();
     totals.accumulate(&mut a);
     let mut b = trtllm::parse_json(body).unwrap();
     totals.accumulate(&mut b);
-    assert_eq!(b.iteration_tokens, Some(SumCount { sum: 2018.0, count: 4.0 }));
+    assert_eq!(
+        b.iteration_tokens,
+        Some(SumCount {
+            sum: 2018.0,
+            count: 4.0
+        })
+    );
     assert_eq!(
         (b.spec_drafts, b.spec_draft_tokens, b.spec_accepted_tokens),
         (Some(18.0), Some(54.0), Some(24.0))
@@ -216,10 +261,17 @@ fn trtllm_queue_time_from_prometheus_and_iterations_from_json() {
     assert_eq!(idle.iteration_tokens, b.iteration_tokens);
     assert_eq!(idle.spec_accepted_tokens, Some(24.0));
     // without speculative decoding the spec counters stay absent
-    let mut plain = trtllm::parse_json(fixture!("metrics_trtllm_iteration_stats.json").as_bytes()).unwrap();
+    let mut plain =
+        trtllm::parse_json(fixture!("metrics_trtllm_iteration_stats.json").as_bytes()).unwrap();
     let mut t2 = trtllm::Totals::default();
     t2.accumulate(&mut plain);
     assert_eq!(plain.spec_drafts, None);
-    assert_eq!(plain.iteration_tokens, Some(SumCount { sum: 3.0 + 512.0 + 3.0, count: 2.0 }));
+    assert_eq!(
+        plain.iteration_tokens,
+        Some(SumCount {
+            sum: 3.0 + 512.0 + 3.0,
+            count: 2.0
+        })
+    );
     assert_eq!(plain.paused, Some(0));
 }

@@ -550,10 +550,16 @@ mod tests {
         let a = load(Some(1.7e9), 100.0, 50.0);
         assert_eq!(restart_between(&a, &load(Some(1.7e9), 120.0, 60.0)), None);
         // the start time wins when both say so
-        assert_eq!(restart_between(&a, &load(Some(1.7e9 + 30.0), 0.0, 0.0)), Some(3));
+        assert_eq!(
+            restart_between(&a, &load(Some(1.7e9 + 30.0), 0.0, 0.0)),
+            Some(3)
+        );
         assert_eq!(RESTART_REASONS[3], "start_time_changed");
         // no start time (SGLang multiprocess, llama.cpp): a counter that went back
-        assert_eq!(restart_between(&load(None, 100.0, 50.0), &load(None, 100.0, 3.0)), Some(2));
+        assert_eq!(
+            restart_between(&load(None, 100.0, 50.0), &load(None, 100.0, 3.0)),
+            Some(2)
+        );
         assert_eq!(RESTART_REASONS[2], "counters_reset");
         // a figure that appears or disappears is not a restart
         let none = ScrapedLoad::default();

@@ -358,7 +358,13 @@ fn chunk_strategy() -> impl Strategy<Value = String> {
             }
             format!("{{{}}}", ms.join(","))
         });
-    const FINISH: [&str; 5] = ["null", r#""stop""#, r#""length""#, r#""tool_calls""#, r#""abort""#];
+    const FINISH: [&str; 5] = [
+        "null",
+        r#""stop""#,
+        r#""length""#,
+        r#""tool_calls""#,
+        r#""abort""#,
+    ];
     let choice = prop_oneof![
         (delta, 0usize..FINISH.len()).prop_map(|(d, f)| format!(
             r#"{{"index":0,"delta":{d},"logprobs":{{"content":[]}},"finish_reason":{}}}"#,
