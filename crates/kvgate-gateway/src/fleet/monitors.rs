@@ -491,7 +491,14 @@ impl FleetSink for GatewaySink {
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason) {
         match reason {
             ResetReason::SeqRegression => self.signals.restart(0, Instant::now()),
-            ResetReason::AllBlocksCleared => self.signals.restart(1, Instant::now()),
+            // TRT-LLM sends `created` when its cache manager starts: a clear before any block
+            // was stored is the worker's start, not a restart.
+            ResetReason::AllBlocksCleared
+                if self.signals.kv_blocks_stored.load(Ordering::Relaxed) > 0 =>
+            {
+                self.signals.restart(1, Instant::now())
+            }
+            ResetReason::AllBlocksCleared => {}
             // A health flap is an outage (`kvgate_worker_recovery_seconds`), not proof of a
             // restart; a lost gap is not one either.
             ResetReason::Restart | ResetReason::GapUnrecoverable => {}
@@ -565,6 +572,33 @@ mod tests {
         let none = ScrapedLoad::default();
         assert_eq!(restart_between(&a, &none), None);
         assert_eq!(restart_between(&none, &a), None);
+    }
+
+    #[test]
+    fn a_cache_cleared_before_any_stored_block_is_the_start_not_a_restart() {
+        let signals = Arc::new(Signals::default());
+        let sink = GatewaySink {
+            app: Weak::new(),
+            block_size: 16,
+            signals: signals.clone(),
+        };
+        let w = WorkerId(1);
+        sink.on_kv_reset(w, ResetReason::AllBlocksCleared);
+        sink.on_kv_reset(w, ResetReason::Restart);
+        sink.on_kv_reset(w, ResetReason::GapUnrecoverable);
+        assert!(signals
+            .restarts
+            .iter()
+            .all(|c| c.load(Ordering::Relaxed) == 0));
+        signals.kv_blocks_stored.store(5, Ordering::Relaxed);
+        sink.on_kv_reset(w, ResetReason::AllBlocksCleared);
+        sink.on_kv_reset(w, ResetReason::SeqRegression); // the same restart, seen twice
+        let counts: Vec<u64> = signals
+            .restarts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(counts, vec![0, 1, 0, 0]);
     }
 
     #[test]
