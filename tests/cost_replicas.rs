@@ -3,7 +3,6 @@
 //! `max by (worker)` and the fleet's cost rate equals the configured rate, not twice it; the
 //! traffic share of each replica splits it (docs/metrics.md, "Cost with several replicas").
 
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -4,11 +4,10 @@
 //! this test, not a production rollout), and the Dockerfile's HEALTHCHECK command really probes a
 //! running gateway.
 
-
 use std::process::Command;
 
-use kvgate_system_tests::harness::*;
 use kvgate_gateway::config::Config;
+use kvgate_system_tests::harness::*;
 
 #[test]
 fn deploy_check_script_passes() {

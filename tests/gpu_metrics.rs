@@ -3,7 +3,6 @@
 //! `kvgate_worker_gpu_*{worker}`. Idle, the GPU reads 0 % utilisation; while long streams run,
 //! utilisation and power rise; the energy counter grows; tokens per joule is computable.
 
-
 use std::time::{Duration, Instant};
 
 use kvgate_system_tests::harness::*;
