@@ -51,7 +51,7 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
              [routing]\npolicy = \"round_robin\"\ntemperature = {temperature}\n\
              [retry]\nmax_attempts = 3\n\
              [[workers]]\nurl = \"http://{worker}\"\nname = \"good\"\nmodels = [\"{MODEL}\"]\ncost_per_hour = 2.0\n\
-             dcgm_url = \"http://{worker}/dcgm/metrics\"\n\
+             dcgm_url = \"http://{worker}/dcgm/metrics\"\nmax_num_batched_tokens = 8192\n\
              [[workers]]\nurl = \"http://{bad}\"\nname = \"failing\"\nmodels = [\"{MODEL}\"]\ncost_per_hour = 1.0\n"
         )
     };

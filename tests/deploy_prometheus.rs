@@ -317,7 +317,8 @@ fn every_dashboard_query_and_kpi_row_returns_data() {
         tool_missing("prometheus binary not found (Debian package prometheus)");
         return;
     };
-    let (_sim, worker) = start_sim_with("kvgate-sim", &["--dcgm"]);
+    // `--spec-tokens`: the sim reports speculative decoding, for the acceptance-rate row.
+    let (_sim, worker) = start_sim_with("kvgate-sim", &["--dcgm", "--spec-tokens", "3"]);
     let dir = tempfile::tempdir().unwrap();
     let cfg_path = dir.path().join("kvgate.toml");
     std::fs::write(
@@ -325,7 +326,8 @@ fn every_dashboard_query_and_kpi_row_returns_data() {
         format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
              [[workers]]\nurl = \"http://{worker}\"\nname = \"w1\"\nmodels = [\"kvgate-sim\"]\n\
-             cost_per_hour = 3.0\ngpus = 2\ndcgm_url = \"http://{worker}/dcgm/metrics\"\n"
+             cost_per_hour = 3.0\ngpus = 2\ndcgm_url = \"http://{worker}/dcgm/metrics\"\n\
+             max_num_batched_tokens = 8192\n"
         ),
     )
     .unwrap();

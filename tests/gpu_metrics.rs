@@ -126,7 +126,7 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
         "{text}"
     );
     assert!(
-        text.contains("kvgate_worker_info{worker=\"gpu-worker\",model=\"kvgate-sim\",kind=\"vllm\",gpu_type=\"kvgate sim GPU (emulated)\",gpus=\"1\"} 1"),
+        text.contains("kvgate_worker_info{worker=\"gpu-worker\",model=\"kvgate-sim\",kind=\"vllm\",gpu_type=\"kvgate sim GPU (emulated)\",gpus=\"1\",role=\"both\"} 1"),
         "{text}"
     );
     for t in streams {

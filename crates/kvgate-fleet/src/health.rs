@@ -34,6 +34,8 @@ pub(crate) struct HealthState {
     up: Option<bool>,
     failures: u32,
     was_up: bool,
+    /// The first failed probe of the current run of failures: where an outage starts.
+    failing_since: Option<Instant>,
 }
 
 /// What a probe result means.
@@ -41,24 +43,33 @@ pub(crate) struct HealthState {
 pub(crate) struct Transition {
     pub report: Option<bool>,
     pub restarted: bool,
+    /// A worker that had been up, then reported down, answers again: the time from the first
+    /// failed probe of the outage to this probe (what MTTR averages).
+    pub recovered_after: Option<Duration>,
 }
 
 impl HealthState {
-    pub fn observe(&mut self, ok: bool, down_after: u32) -> Transition {
+    pub fn observe(&mut self, ok: bool, down_after: u32, now: Instant) -> Transition {
         let mut t = Transition {
             report: None,
             restarted: false,
+            recovered_after: None,
         };
         if ok {
             self.failures = 0;
+            let since = self.failing_since.take();
             if self.up != Some(true) {
                 t.restarted = self.was_up && self.up == Some(false);
+                if t.restarted {
+                    t.recovered_after = since.map(|s| now.saturating_duration_since(s));
+                }
                 self.up = Some(true);
                 self.was_up = true;
                 t.report = Some(true);
             }
         } else {
             self.failures += 1;
+            self.failing_since.get_or_insert(now);
             let down = self.failures >= down_after.max(1) || self.up.is_none();
             if down && self.up != Some(false) {
                 self.up = Some(false);
@@ -100,7 +111,10 @@ pub(crate) async fn run(
                 tracing::warn!(worker = %name, "breaker opened by failed health probes");
             }
         }
-        let t = state.observe(ok, s.down_after);
+        let t = state.observe(ok, s.down_after, now);
+        if let Some(d) = t.recovered_after {
+            sink.on_recovered(worker, d);
+        }
         if t.restarted {
             tracing::info!(worker = %name, "worker came back: treating it as restarted");
             s.bus.restarted();
@@ -136,57 +150,87 @@ mod tests {
 
     #[test]
     fn flaps_and_restarts() {
+        let t0 = Instant::now();
         let mut h = HealthState::default();
         assert_eq!(
-            h.observe(true, 2),
+            h.observe(true, 2, t0),
             Transition {
                 report: Some(true),
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
         assert_eq!(
-            h.observe(true, 2),
+            h.observe(true, 2, t0),
             Transition {
                 report: None,
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
         assert_eq!(
-            h.observe(false, 2),
+            h.observe(false, 2, t0),
             Transition {
                 report: None,
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
         assert_eq!(
-            h.observe(false, 2),
+            h.observe(false, 2, t0),
             Transition {
                 report: Some(false),
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
         assert_eq!(
-            h.observe(true, 2),
+            h.observe(true, 2, t0),
             Transition {
                 report: Some(true),
-                restarted: true
+                restarted: true,
+                recovered_after: Some(Duration::ZERO)
             }
         );
         // a worker that starts down reports it at once, and its first "up" is not a restart
         let mut h = HealthState::default();
         assert_eq!(
-            h.observe(false, 3),
+            h.observe(false, 3, t0),
             Transition {
                 report: Some(false),
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
         assert_eq!(
-            h.observe(true, 3),
+            h.observe(true, 3, t0),
             Transition {
                 report: Some(true),
-                restarted: false
+                restarted: false,
+                recovered_after: None
             }
         );
+    }
+
+    #[test]
+    fn recovery_time_runs_from_the_first_failed_probe() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut h = HealthState::default();
+        assert_eq!(h.observe(true, 2, at(0)).recovered_after, None);
+        // one failure then success: never down, no recovery
+        h.observe(false, 2, at(100));
+        assert_eq!(h.observe(true, 2, at(200)).recovered_after, None);
+        // down at the second failure, back 1.4 s after the first one
+        h.observe(false, 2, at(1000));
+        assert_eq!(h.observe(false, 2, at(1500)).report, Some(false));
+        h.observe(false, 2, at(2000));
+        let t = h.observe(true, 2, at(2400));
+        assert_eq!((t.report, t.restarted), (Some(true), true));
+        assert_eq!(t.recovered_after, Some(Duration::from_millis(1400)));
+        // a worker that starts down and comes up has not recovered from anything
+        let mut h = HealthState::default();
+        h.observe(false, 2, at(0));
+        assert_eq!(h.observe(true, 2, at(900)).recovered_after, None);
     }
 }

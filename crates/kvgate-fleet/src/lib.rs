@@ -49,5 +49,5 @@ pub use discover::KvSource;
 pub use kind::{UnknownKind, WorkerKind};
 pub use monitor::{KvEventsSource, MonitorConfig, MonitorHandle, WorkerMonitor};
 pub use seq::{SeqTracker, SeqVerdict};
-pub use sink::{FleetSink, ResetReason, ScrapedLoad};
+pub use sink::{FleetSink, ResetReason, ScrapedLoad, SumCount};
 pub use stats::{FleetStats, StatsSnapshot};

@@ -71,6 +71,8 @@ pub struct Scraper {
     trtllm_json: bool,
     /// SGLang page size from `/server_info` (fetched until known).
     sglang_page: Option<(u32, Option<u64>)>,
+    /// TRT-LLM JSON stats: running totals of the drained iterations.
+    trtllm_totals: trtllm::Totals,
 }
 
 impl Scraper {
@@ -87,6 +89,7 @@ impl Scraper {
             timeout,
             trtllm_json: false,
             sglang_page: None,
+            trtllm_totals: trtllm::Totals::default(),
         }
     }
 
@@ -154,7 +157,9 @@ impl Scraper {
                     }
                 }
                 let b = self.fetch("/metrics", "application/json").await?;
-                trtllm::parse_json(&b).map_err(|e| p("/metrics", e))?
+                let mut l = trtllm::parse_json(&b).map_err(|e| p("/metrics", e))?;
+                self.trtllm_totals.accumulate(&mut l);
+                l
             }
             WorkerKind::Llamacpp => {
                 let slots = match self.fetch("/slots", "application/json").await {

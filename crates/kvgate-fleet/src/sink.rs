@@ -25,14 +25,60 @@ pub struct ScrapedLoad {
     /// Prefix-cache counters in tokens (monotonic): queries and hits.
     pub prefix_cache_queries: Option<f64>,
     pub prefix_cache_hits: Option<f64>,
-    /// Requests the engine preempted (monotonic; vLLM `num_preemptions_total`).
+    /// Requests the engine preempted (monotonic; vLLM `num_preemptions_total`, SGLang
+    /// `num_retracted_requests_total`).
     pub preemptions: Option<f64>,
+    /// Requests paused in the engine's newest iteration (TRT-LLM `numPausedRequests`, a gauge).
+    pub paused: Option<u32>,
+    /// Engine-side phase timings, each a histogram's sum (seconds) and count (requests), monotonic:
+    /// queue (vLLM `request_queue_time_seconds`, SGLang `queue_time_seconds`, TRT-LLM
+    /// `request_queue_time_seconds`), prefill and decode (vLLM).
+    pub queue_time: Option<SumCount>,
+    pub prefill_time: Option<SumCount>,
+    pub decode_time: Option<SumCount>,
+    /// Tokens per engine step: sum = tokens, count = steps (vLLM `iteration_tokens_total`; TRT-LLM
+    /// context tokens + generation requests of each iteration, accumulated by the scraper).
+    pub iteration_tokens: Option<SumCount>,
+    /// The engine's own limits when it reports them (TRT-LLM `maxNumTokensRuntime`,
+    /// `maxBatchSizeRuntime`).
+    pub max_num_batched_tokens: Option<u64>,
+    pub max_num_seqs: Option<u64>,
+    /// Speculative decoding (monotonic): drafts, draft tokens proposed, draft tokens accepted.
+    pub spec_drafts: Option<f64>,
+    pub spec_draft_tokens: Option<f64>,
+    pub spec_accepted_tokens: Option<f64>,
+    /// The engine process's start time (`process_start_time_seconds`, Unix seconds): a change
+    /// means the worker restarted.
+    pub process_start_time: Option<f64>,
     /// llama.cpp `/slots`: total slots and slots busy.
     pub slots_total: Option<u32>,
     pub slots_busy: Option<u32>,
     /// Ollama `/api/ps`: models resident in memory.
     pub loaded_models: Vec<String>,
     pub scraped_at: Option<Instant>,
+}
+
+/// A histogram's `_sum` and `_count` (both monotonic), summed over the engine's series.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SumCount {
+    pub sum: f64,
+    pub count: f64,
+}
+
+impl SumCount {
+    /// `<name>_sum` and `<name>_count` of an exposition, summed over label sets (DP engines);
+    /// `None` unless both are present.
+    pub fn read(e: &kvgate_protocol::prom_text::Exposition<'_>, name: &str) -> Option<SumCount> {
+        let any = |_: &_| true;
+        let mut key = String::with_capacity(name.len() + 6);
+        key.push_str(name);
+        key.push_str("_sum");
+        let sum = e.sum(&key, any)?;
+        key.truncate(name.len());
+        key.push_str("_count");
+        let count = e.sum(&key, any)?;
+        Some(SumCount { sum, count })
+    }
 }
 
 impl ScrapedLoad {
@@ -90,6 +136,9 @@ pub trait FleetSink: Send + Sync + 'static {
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason);
     /// Health transitions (also the first result).
     fn on_health(&self, worker: WorkerId, up: bool);
+    /// A worker that was up, then down, answers again `down_for` after its first failed probe
+    /// (called just before `on_health(worker, true)`).
+    fn on_recovered(&self, _worker: WorkerId, _down_for: std::time::Duration) {}
     /// Auto-detected kind (only for `kind = auto`).
     fn on_kind(&self, _worker: WorkerId, _kind: crate::WorkerKind) {}
 }

@@ -499,6 +499,13 @@ pub struct WorkerConfig {
     /// `prefill`, `decode` or `both` (default): see `[pd]`.
     #[serde(default)]
     pub role: WorkerRole,
+    /// The engine's token budget per step (vLLM `--max-num-batched-tokens`), for the batch fill
+    /// ratio (`kvgate_worker_max_num_batched_tokens`); engines that report it (TRT-LLM) need none.
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    /// The engine's most sequences per step (vLLM `--max-num-seqs`), `kvgate_worker_max_num_seqs`.
+    #[serde(default)]
+    pub max_num_seqs: Option<u64>,
 }
 
 /// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
@@ -542,6 +549,12 @@ pub struct WorkerPoolConfig {
     /// Role of every address of the pool (as `workers[].role`).
     #[serde(default)]
     pub role: WorkerRole,
+    /// As `workers[].max_num_batched_tokens`, for every address.
+    #[serde(default)]
+    pub max_num_batched_tokens: Option<u64>,
+    /// As `workers[].max_num_seqs`, for every address.
+    #[serde(default)]
+    pub max_num_seqs: Option<u64>,
 }
 
 fn default_gpus() -> u32 {
@@ -590,6 +603,8 @@ impl WorkerPoolConfig {
                 .dcgm_port
                 .map(|p| format!("http://{}/metrics", std::net::SocketAddr::new(addr.ip(), p))),
             role: self.role,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
         }
     }
 
@@ -646,6 +661,8 @@ impl WorkerConfig {
             metrics_url: None,
             dcgm_url: None,
             role: WorkerRole::Both,
+            max_num_batched_tokens: None,
+            max_num_seqs: None,
         }
     }
 }

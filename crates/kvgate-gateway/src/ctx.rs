@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvgate_protocol::finish::FinishReason;
 use kvgate_protocol::usage::Usage;
 use serde::Serialize;
 
@@ -51,6 +52,15 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// Position in `metrics::ENDPOINTS` (the `endpoint` label).
+    pub fn index(self) -> usize {
+        match self {
+            Endpoint::Chat => 0,
+            Endpoint::Completions => 1,
+            Endpoint::Embeddings => 2,
+        }
+    }
+
     pub fn path(self) -> &'static str {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
@@ -99,6 +109,8 @@ pub struct RequestCtx {
     itl_sumsq: f64,
     itl_n: u32,
     pub usage: Option<Usage>,
+    /// The worker's `finish_reason` (a stream's last one, a JSON body's first choice).
+    pub finish_reason: Option<FinishReason>,
     pub error: Option<&'static str>,
     /// Load held on the worker; released in `finish`.
     pub guard: Option<DispatchGuard>,
@@ -134,6 +146,7 @@ impl RequestCtx {
             itl_sumsq: 0.0,
             itl_n: 0,
             usage: None,
+            finish_reason: None,
             error: None,
             guard: None,
             handles: None,
@@ -210,6 +223,7 @@ impl RequestCtx {
             _ => self.status,
         };
         h.request(m, status).inc();
+        m.by_endpoint(self.endpoint.index(), self.stream).inc();
         h.duration(m).observe(total.as_secs_f64());
         if self.worker.is_some() {
             h.worker_duration(m).observe(total.as_secs_f64());
@@ -272,6 +286,12 @@ impl RequestCtx {
             }
             tel.tokens_served
                 .fetch_add(prompt + completion, Ordering::Relaxed);
+        }
+        if let (true, Some(f)) = (
+            ok && self.endpoint != Endpoint::Embeddings,
+            self.finish_reason,
+        ) {
+            h.finish_reason(m, f).inc();
         }
         if ok && self.endpoint != Endpoint::Embeddings {
             h.slo_checked(m).inc();

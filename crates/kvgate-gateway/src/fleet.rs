@@ -109,6 +109,7 @@ impl WorkerFleet {
             m.prefill_throughput.remove(&l);
             m.worker_healthy.remove(&l);
             m.worker_breaker.remove(&l);
+            m.worker_recovery.remove(&l);
             crate::cost::forget(m, &l);
             for role in ["prefill", "decode", "both"] {
                 m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {

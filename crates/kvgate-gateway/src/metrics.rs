@@ -56,6 +56,16 @@ pub const ERROR_KINDS: [&str; 21] = [
     "too_many_connections",
 ];
 
+/// `kvgate_requests_by_endpoint_total{endpoint}` values, in `ctx::Endpoint::index` order.
+pub const ENDPOINTS: [&str; 3] = ["chat", "completions", "embeddings"];
+/// `kvgate_worker_restarts_total{reason}` values: how a worker restart was detected.
+pub const RESTART_REASONS: [&str; 4] = [
+    "kv_sequence_reset",
+    "kv_cache_cleared",
+    "counters_reset",
+    "start_time_changed",
+];
+
 pub type Lbl = Arc<str>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -99,6 +109,36 @@ pub struct WorkerInfo {
     pub gpu_type: String,
     /// Configured `gpus`.
     pub gpus: u32,
+    /// Configured role (`prefill`, `decode`, `both`).
+    pub role: &'static str,
+}
+
+/// A request's endpoint (`chat`, `completions`, `embeddings`) and whether it streamed.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointStream {
+    pub endpoint: &'static str,
+    pub stream: &'static str,
+}
+
+/// A finished choice's `finish_reason`, reduced to kvgate-protocol's fixed set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelFinish {
+    pub model: Lbl,
+    pub finish_reason: &'static str,
+}
+
+/// An engine-side request phase (`queue`, `prefill`, `decode`) of a worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerPhase {
+    pub worker: Lbl,
+    pub phase: &'static str,
+}
+
+/// A worker and a reason from a fixed set ([`RESTART_REASONS`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerReason {
+    pub worker: Lbl,
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -177,6 +217,12 @@ fn token_count_buckets() -> Histogram {
 fn error_ratio_buckets() -> Histogram {
     Histogram::new([0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0])
 }
+fn recovery_buckets() -> Histogram {
+    // Worker outages and start-ups: 100 ms .. 1 h.
+    Histogram::new([
+        0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+    ])
+}
 fn ratio_buckets() -> Histogram {
     Histogram::new([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0])
 }
@@ -233,6 +279,14 @@ pub struct Metrics {
     pub gpu_seconds: Family<WorkerLabel, FCounter>,
     pub idle_cost_dollars: Family<WorkerLabel, FCounter>,
     pub config_reloads: Family<ReasonLabel, Counter>,
+    pub requests_by_endpoint: Family<EndpointStream, Counter>,
+    /// `requests_by_endpoint`'s series, resolved once: `[endpoint index][stream as usize]`.
+    by_endpoint: [[Counter; 2]; 3],
+    pub finish_reasons: Family<ModelFinish, Counter>,
+    /// MTTR: a worker's first failed health probe of an outage → healthy again.
+    pub worker_recovery: HFamily<WorkerLabel>,
+    /// A worker added (config, reload, DNS, admin) → its first successful health probe.
+    pub time_to_routable: Histogram,
     pub pd: PdMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
@@ -271,6 +325,17 @@ pub struct WorkerSignals {
     pub gpu_power: Family<WorkerLabel, FGauge>,
     pub gpu_temperature: Family<WorkerLabel, FGauge>,
     pub gpu_energy: Family<WorkerLabel, FCounter>,
+    pub engine_phase_seconds: Family<WorkerPhase, FCounter>,
+    pub engine_phase_requests: Family<WorkerPhase, FCounter>,
+    pub iteration_tokens: Family<WorkerLabel, FCounter>,
+    pub iterations: Family<WorkerLabel, FCounter>,
+    pub max_num_batched_tokens: Family<WorkerLabel, Gauge>,
+    pub max_num_seqs: Family<WorkerLabel, Gauge>,
+    pub paused_requests: Family<WorkerLabel, Gauge>,
+    pub spec_drafts: Family<WorkerLabel, FCounter>,
+    pub spec_draft_tokens: Family<WorkerLabel, FCounter>,
+    pub spec_accepted_tokens: Family<WorkerLabel, FCounter>,
+    pub restarts: Family<WorkerReason, Counter>,
 }
 
 impl WorkerSignals {
@@ -306,6 +371,17 @@ impl WorkerSignals {
         self.gpu_power.clear();
         self.gpu_temperature.clear();
         self.gpu_energy.clear();
+        self.engine_phase_seconds.clear();
+        self.engine_phase_requests.clear();
+        self.iteration_tokens.clear();
+        self.iterations.clear();
+        self.max_num_batched_tokens.clear();
+        self.max_num_seqs.clear();
+        self.paused_requests.clear();
+        self.spec_drafts.clear();
+        self.spec_draft_tokens.clear();
+        self.spec_accepted_tokens.clear();
+        self.restarts.clear();
     }
 }
 
@@ -372,6 +448,11 @@ impl Metrics {
             gpu_seconds: reg!("kvgate_worker_gpu_seconds", "GPU-seconds accrued (gpus x time in the fleet); every replica accrues the full figure.", Family::default()),
             idle_cost_dollars: reg!("kvgate_worker_idle_cost_dollars", "Part of kvgate_cost_dollars accrued while the worker ran nothing (engine-reported running+waiting = 0, else nothing in flight through this gateway).", Family::default()),
             config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
+            requests_by_endpoint: reg!("kvgate_requests_by_endpoint", "Requests finished, by endpoint (chat, completions, embeddings) and whether the client asked for a stream.", Family::default()),
+            by_endpoint: Default::default(),
+            finish_reasons: reg!("kvgate_finish_reasons", "Successful completions/chat responses by model and finish_reason (stop, length, tool_calls, content_filter, other; first choice).", Family::default()),
+            worker_recovery: reg!("kvgate_worker_recovery_seconds", "Worker outages (MTTR): its first failed health probe to the probe that found it healthy again.", HFamily::new_with_constructor(recovery_buckets)),
+            time_to_routable: reg!("kvgate_worker_time_to_routable_seconds", "Time from a worker being added (config, reload, DNS, admin) to its first successful health probe.", recovery_buckets()),
             pd: PdMetrics {
                 decisions: reg!("kvgate_pd_decisions", "Requests to pools with prefill workers, by path (disaggregated: a prefill worker ran the prefill; local: the decode worker ran it all) and reason.", Family::default()),
                 prefill_duration: reg!("kvgate_pd_prefill_duration_seconds", "Duration of successful prefill legs (sent to answer read).", latency_buckets()),
@@ -410,6 +491,17 @@ impl Metrics {
                 gpu_power: reg!("kvgate_worker_gpu_power_watts", "DCGM_FI_DEV_POWER_USAGE, summed over the worker's GPUs", Family::default()),
                 gpu_temperature: reg!("kvgate_worker_gpu_temperature_celsius", "DCGM_FI_DEV_GPU_TEMP of the worker's hottest GPU", Family::default()),
                 gpu_energy: reg!("kvgate_worker_gpu_energy_joules", "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION in joules (since the GPUs' driver loaded), summed over the worker's GPUs", Family::default()),
+                engine_phase_seconds: reg!("kvgate_worker_engine_phase_seconds", "Seconds requests spent in each engine-side phase (queue, prefill, decode), as the worker reports (its histogram's sum)", Family::default()),
+                engine_phase_requests: reg!("kvgate_worker_engine_phase_requests", "Requests the engine timed in each phase (its histogram's count): mean = rate(seconds) / rate(requests)", Family::default()),
+                iteration_tokens: reg!("kvgate_worker_iteration_tokens", "Tokens the engine ran in its steps (vLLM iteration_tokens_total sum; TRT-LLM context tokens + generation requests per iteration)", Family::default()),
+                iterations: reg!("kvgate_worker_iterations", "Engine steps (iterations) behind kvgate_worker_iteration_tokens_total", Family::default()),
+                max_num_batched_tokens: reg!("kvgate_worker_max_num_batched_tokens", "The engine's token budget per step (TRT-LLM maxNumTokensRuntime, else the configured max_num_batched_tokens)", Family::default()),
+                max_num_seqs: reg!("kvgate_worker_max_num_seqs", "The engine's most sequences per step (TRT-LLM maxBatchSizeRuntime, else the configured max_num_seqs)", Family::default()),
+                paused_requests: reg!("kvgate_worker_paused_requests", "Requests paused in the engine's newest iteration (TRT-LLM numPausedRequests)", Family::default()),
+                spec_drafts: reg!("kvgate_worker_spec_decode_drafts", "Speculative decoding drafts, as the worker reports", Family::default()),
+                spec_draft_tokens: reg!("kvgate_worker_spec_decode_draft_tokens", "Speculative decoding draft tokens proposed, as the worker reports", Family::default()),
+                spec_accepted_tokens: reg!("kvgate_worker_spec_decode_accepted_tokens", "Speculative decoding draft tokens accepted, as the worker reports", Family::default()),
+                restarts: reg!("kvgate_worker_restarts", "Worker restarts detected, by how (kv_sequence_reset, kv_cache_cleared, counters_reset, start_time_changed); one per 30 s at most", Family::default()),
             },
             cluster: kvgate_cluster::ClusterMetrics::register(&mut r),
             registry: r,
@@ -426,7 +518,21 @@ impl Metrics {
         for kind in ERROR_KINDS {
             let _ = m.errors.get_or_create(&KindLabel { kind });
         }
+        let mut m = m;
+        for (e, endpoint) in ENDPOINTS.into_iter().enumerate() {
+            for (i, stream) in ["false", "true"].into_iter().enumerate() {
+                m.by_endpoint[e][i] = m
+                    .requests_by_endpoint
+                    .get_or_create(&EndpointStream { endpoint, stream })
+                    .clone();
+            }
+        }
         m
+    }
+
+    /// `kvgate_requests_by_endpoint_total` of an endpoint ([`ENDPOINTS`] index) and stream flag.
+    pub fn by_endpoint(&self, endpoint: usize, stream: bool) -> &Counter {
+        &self.by_endpoint[endpoint.min(ENDPOINTS.len() - 1)][usize::from(stream)]
     }
 
     /// The series a request for `model` served by `worker` records, resolved once per thread and
@@ -518,6 +624,7 @@ pub struct RequestHandles {
     cached_tokens: OnceLock<Counter>,
     slo_checked: OnceLock<Counter>,
     goodput: OnceLock<Counter>,
+    finish: [OnceLock<Counter>; 5],
 }
 
 impl RequestHandles {
@@ -540,6 +647,7 @@ impl RequestHandles {
             cached_tokens: OnceLock::new(),
             slo_checked: OnceLock::new(),
             goodput: OnceLock::new(),
+            finish: Default::default(),
         }
     }
 
@@ -640,6 +748,21 @@ impl RequestHandles {
         self.goodput
             .get_or_init(|| m.goodput.get_or_create(&self.ml()).clone())
     }
+    /// `kvgate_finish_reasons_total` of this model and `reason`.
+    pub fn finish_reason(
+        &self,
+        m: &Metrics,
+        reason: kvgate_protocol::finish::FinishReason,
+    ) -> &Counter {
+        self.finish[reason.index()].get_or_init(|| {
+            m.finish_reasons
+                .get_or_create(&ModelFinish {
+                    model: self.model.clone(),
+                    finish_reason: reason.as_str(),
+                })
+                .clone()
+        })
+    }
 }
 
 /// prometheus-client writes OpenMetrics, where a counter family is named without `_total`. The
@@ -725,6 +848,9 @@ mod tests {
             "kvgate_config_reloads_total{reason=\"error\"} 0",
             "kvgate_errors_total{kind=\"upstream_status\"} 0",
             "kvgate_errors_total{kind=\"too_many_connections\"} 0",
+            "kvgate_requests_by_endpoint_total{endpoint=\"chat\",stream=\"true\"} 0",
+            "kvgate_requests_by_endpoint_total{endpoint=\"embeddings\",stream=\"false\"} 0",
+            "kvgate_worker_time_to_routable_seconds_count 0",
         ] {
             assert!(text.contains(want), "{want} missing in {text}");
         }
@@ -775,6 +901,9 @@ mod tests {
         h.request(&a, 503).inc();
         h.prompt_tokens(&a).inc_by(7);
         h.ttft(&a).observe(0.002);
+        h.finish_reason(&a, kvgate_protocol::finish::FinishReason::Length)
+            .inc();
+        a.by_endpoint(1, true).inc();
         // A per-request lookup sees the cached handle's counts: one series, shared cells.
         a.requests
             .get_or_create(&RequestLabels {
@@ -789,6 +918,8 @@ mod tests {
             "kvgate_requests_total{model=\"m\",worker=\"w\",status=\"503\"} 1",
             "kvgate_prompt_tokens_total{model=\"m\",worker=\"w\"} 7",
             "kvgate_time_to_first_token_seconds_count{model=\"m\"} 1",
+            "kvgate_finish_reasons_total{model=\"m\",finish_reason=\"length\"} 1",
+            "kvgate_requests_by_endpoint_total{endpoint=\"completions\",stream=\"true\"} 1",
         ] {
             assert!(text.contains(want), "{want} missing in {text}");
         }

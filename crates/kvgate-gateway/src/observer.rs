@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use kvgate_protocol::error::{types, OpenAiError};
+use kvgate_protocol::finish::find_finish_reason;
 use kvgate_protocol::sse::Relay;
 use kvgate_protocol::usage::{find_usage, merge_pd_usage, Usage};
 
@@ -130,6 +131,9 @@ impl ObservedBody {
                     if ev.usage.is_some() {
                         ctx.usage = ev.usage;
                     }
+                    if ev.finish_reason.is_some() {
+                        ctx.finish_reason = ev.finish_reason;
+                    }
                     if ev.has_token {
                         ctx.on_token(now);
                     }
@@ -161,6 +165,11 @@ impl ObservedBody {
         if let Scan::Json { tail } | Scan::JsonPd { doc: tail, .. } = &self.scan {
             if let Some(u) = find_usage(tail) {
                 self.ctx.usage = Some(u);
+            }
+            // `finish_reason` follows a choice's message and logprobs, so even a long answer
+            // has it in the last `TAIL_KEEP` bytes.
+            if let Some(f) = find_finish_reason(tail) {
+                self.ctx.finish_reason = Some(f);
             }
             // A worker's 5xx saying it ran out of memory (vLLM/SGLang/TRT-LLM pass the CUDA or
             // allocator message on) is its own error kind: it calls for capacity, not a restart.

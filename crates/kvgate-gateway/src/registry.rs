@@ -58,6 +58,8 @@ pub struct WorkerState {
     pub dispatched: AtomicU64,
     /// When the worker joined the fleet, and up to when its cost has been accrued (ms since added).
     pub added: Instant,
+    /// Set by the first successful health probe (`kvgate_worker_time_to_routable_seconds`).
+    pub first_healthy: AtomicBool,
     pub cost_accrued_ms: AtomicU64,
     /// Latest worker-reported load and when it was read (fed by kvgate-fleet's scraper).
     pub scraped: Mutex<Option<(Instant, kvgate_core::ScrapedLoad)>>,
@@ -75,6 +77,7 @@ impl WorkerState {
             discovered_models: Mutex::new(Vec::new()),
             dispatched: AtomicU64::new(0),
             added: Instant::now(),
+            first_healthy: AtomicBool::new(false),
             cost_accrued_ms: AtomicU64::new(0),
             scraped: Mutex::new(None),
         }

@@ -4,6 +4,7 @@
 //! - `sse`: incremental scanner for `text/event-stream` responses (token timing, usage, errors) and
 //!   the one definition of "a token arrived".
 //! - `usage`: the OpenAI `usage` object (token counts), found and read without a full parse.
+//! - `finish`: `finish_reason` as a fixed set, found the same way.
 //! - `error`: the OpenAI error JSON shape.
 //! - `kv_events`: vLLM / SGLang KV-event decoding (ZMQ multipart + msgpack, both encodings).
 //! - `trtllm`: TensorRT-LLM `/kv_cache_events` JSON and iteration stats.
@@ -11,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod finish;
 /// Fuzz-target entry points (`fuzz/`); not an API.
 #[doc(hidden)]
 pub mod fuzz {

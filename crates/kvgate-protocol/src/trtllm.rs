@@ -224,6 +224,20 @@ pub struct TrtllmLoad {
     pub reused_blocks: Option<u64>,
     pub missed_blocks: Option<u64>,
     pub cache_hit_rate: Option<f64>,
+    /// Newest iteration's `inflightBatchingStats.numPausedRequests` (requests paused for lack of
+    /// KV blocks: TRT-LLM's preemption), and its batch limits (`maxNumTokensRuntime`, else
+    /// `…Static`; `maxBatchSizeRuntime`, else `…Static`).
+    pub num_paused_requests: Option<u64>,
+    pub max_num_tokens: Option<u64>,
+    pub max_batch_size: Option<u64>,
+    /// Totals over **every** element of the array (each read drains the queue, so a reader that
+    /// adds these up sees every iteration once): iterations, tokens run (context tokens plus one
+    /// per generation request), and `specDecodingStats` drafts / draft tokens / accepted tokens.
+    pub iterations: u64,
+    pub batch_tokens: u64,
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
 }
 
 impl TrtllmLoad {
@@ -245,6 +259,35 @@ struct RawStats {
     num_queued_requests: u64,
     #[serde(default)]
     kv_cache_stats: Option<RawKv>,
+    #[serde(default)]
+    inflight_batching_stats: Option<RawIfb>,
+    #[serde(default)]
+    spec_decoding_stats: Option<RawSpec>,
+    max_num_tokens_runtime: Option<u64>,
+    max_num_tokens_static: Option<u64>,
+    max_batch_size_runtime: Option<u64>,
+    max_batch_size_static: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawIfb {
+    #[serde(default)]
+    num_ctx_tokens: u64,
+    #[serde(default)]
+    num_gen_requests: u64,
+    num_paused_requests: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawSpec {
+    #[serde(default)]
+    num_draft_tokens: u64,
+    #[serde(default)]
+    num_accepted_tokens: u64,
+    #[serde(default)]
+    num_requests_with_draft_tokens: u64,
 }
 
 #[derive(Deserialize)]
@@ -263,11 +306,37 @@ struct RawKv {
 /// idle worker — or one without `enable_iter_perf_stats` — returns `[]`).
 pub fn parse_iteration_stats(body: &[u8]) -> Result<Option<TrtllmLoad>, TrtllmError> {
     let stats: Vec<RawStats> = serde_json::from_slice(body)?;
+    let (mut iterations, mut batch_tokens) = (0u64, 0u64);
+    let (mut drafts, mut draft_tokens, mut accepted) = (0u64, 0u64, 0u64);
+    for s in &stats {
+        iterations += 1;
+        if let Some(b) = &s.inflight_batching_stats {
+            batch_tokens = batch_tokens
+                .saturating_add(b.num_ctx_tokens)
+                .saturating_add(b.num_gen_requests);
+        }
+        if let Some(sp) = &s.spec_decoding_stats {
+            drafts = drafts.saturating_add(sp.num_requests_with_draft_tokens);
+            draft_tokens = draft_tokens.saturating_add(sp.num_draft_tokens);
+            accepted = accepted.saturating_add(sp.num_accepted_tokens);
+        }
+    }
     let Some(last) = stats.into_iter().max_by_key(|s| s.iter) else {
         return Ok(None);
     };
     let kv = last.kv_cache_stats;
     Ok(Some(TrtllmLoad {
+        num_paused_requests: last
+            .inflight_batching_stats
+            .as_ref()
+            .and_then(|b| b.num_paused_requests),
+        max_num_tokens: last.max_num_tokens_runtime.or(last.max_num_tokens_static),
+        max_batch_size: last.max_batch_size_runtime.or(last.max_batch_size_static),
+        iterations,
+        batch_tokens,
+        spec_drafts: drafts,
+        spec_draft_tokens: draft_tokens,
+        spec_accepted_tokens: accepted,
         iter: last.iter,
         num_active_requests: last.num_active_requests,
         num_queued_requests: last.num_queued_requests,

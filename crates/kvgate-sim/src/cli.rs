@@ -96,6 +96,10 @@ pub struct SimArgs {
     /// Serve an emulated dcgm-exporter at /dcgm/metrics whose figures follow the simulated load.
     #[arg(long)]
     pub dcgm: bool,
+    /// Report speculative decoding with N draft tokens per decode step (`vllm:spec_decode_*`
+    /// counters, a fixed pattern of acceptances; timing unchanged). 0 = off, as in vLLM.
+    #[arg(long, default_value_t = 0)]
+    pub spec_tokens: u32,
     /// Fault: delay /metrics by this many ms.
     #[arg(long, default_value_t = 0)]
     pub metrics_delay_ms: u64,
@@ -166,6 +170,7 @@ impl SimArgs {
             kv_events_topic: self.kv_events_topic.clone(),
             tokenizer: self.tokenizer.clone(),
             dcgm: self.dcgm,
+            spec_tokens: self.spec_tokens,
             faults: Faults {
                 fail_rate: self.fail_rate,
                 crash_after: self.crash_after,

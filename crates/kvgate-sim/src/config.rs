@@ -269,6 +269,9 @@ pub struct SimConfig {
     pub tokenizer: Option<std::path::PathBuf>,
     /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
     pub dcgm: bool,
+    /// Speculative tokens per decode step (vLLM `num_speculative_tokens`); > 0 adds the
+    /// `vllm:spec_decode_*` counters. Counters only: the timing model is unchanged.
+    pub spec_tokens: u32,
     pub faults: Faults,
     /// Prefill/decode disaggregation (role, lease, transfer model, PD faults).
     pub pd: PdConfig,
@@ -295,6 +298,7 @@ impl Default for SimConfig {
             dp_rank: 0,
             tokenizer: None,
             dcgm: false,
+            spec_tokens: 0,
             faults: Faults::default(),
             pd: PdConfig::default(),
         }

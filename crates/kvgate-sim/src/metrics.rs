@@ -13,6 +13,10 @@ const ITL_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 ];
+/// vLLM's `iteration_tokens_total` buckets (`cudagraph_capture_sizes`-like powers of two).
+const ITERATION_TOKENS_BUCKETS: &[f64] = &[
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+];
 const LATENCY_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -106,7 +110,21 @@ pub struct Metrics {
     pub itl: Histogram,
     pub e2e: Histogram,
     pub queue: Histogram,
+    /// Scheduled → first token, and first token → finished (vLLM's PREFILL and DECODE phases).
+    pub prefill: Histogram,
+    pub decode: Histogram,
+    /// Tokens per engine step (prefill tokens + decoding sequences).
+    pub iteration_tokens: Histogram,
+    /// Speculative decoding (`--spec-tokens`): drafts, draft tokens, accepted tokens.
+    pub spec: SpecCounters,
     pub pd: PdMetrics,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SpecCounters {
+    pub drafts: u64,
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 impl Default for Metrics {
@@ -121,6 +139,10 @@ impl Default for Metrics {
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),
             queue: Histogram::new(LATENCY_BUCKETS),
+            prefill: Histogram::new(LATENCY_BUCKETS),
+            decode: Histogram::new(LATENCY_BUCKETS),
+            iteration_tokens: Histogram::new(ITERATION_TOKENS_BUCKETS),
+            spec: SpecCounters::default(),
             pd: PdMetrics::default(),
         }
     }
@@ -145,6 +167,10 @@ pub struct Labels<'a> {
     pub block_size: usize,
     pub num_gpu_blocks: usize,
     pub enable_prefix_caching: bool,
+    /// `process_start_time_seconds` (prometheus_client's process collector on a real worker).
+    pub start_time: f64,
+    /// Render `vllm:spec_decode_*` (vLLM has them only with a speculative config).
+    pub spec_decode: bool,
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -174,6 +200,13 @@ fn escape(s: &str) -> String {
 pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
     let base = format!("engine=\"{}\",model_name=\"{}\"", l.engine, escape(l.model));
     let mut o = String::with_capacity(8192);
+    header(
+        &mut o,
+        "process_start_time_seconds",
+        "gauge",
+        "Start time of the process since unix epoch in seconds.",
+    );
+    let _ = writeln!(o, "process_start_time_seconds {}", float(l.start_time));
     let scalar = |o: &mut String, name: &str, kind: &str, help: &str, v: f64| {
         header(o, name, kind, help);
         let _ = writeln!(o, "{name}{{{base}}} {}", float(v));
@@ -300,6 +333,47 @@ pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
         &m.queue,
     );
 
+    hist(
+        &mut o,
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        &m.prefill,
+    );
+    hist(
+        &mut o,
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        &m.decode,
+    );
+    hist(
+        &mut o,
+        "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        &m.iteration_tokens,
+    );
+    if l.spec_decode {
+        let sp = m.spec;
+        for (name, help, v) in [
+            (
+                "vllm:spec_decode_num_drafts_total",
+                "Number of spec decoding drafts.",
+                sp.drafts,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Number of draft tokens.",
+                sp.draft_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Number of accepted tokens.",
+                sp.accepted_tokens,
+            ),
+        ] {
+            scalar(&mut o, name, "counter", help, v as f64);
+        }
+    }
+
     let pd = &m.pd;
     scalar(
         &mut o,
@@ -374,6 +448,8 @@ mod tests {
             block_size: 16,
             num_gpu_blocks: 100,
             enable_prefix_caching: true,
+            start_time: 1.7e9,
+            spec_decode: true,
         };
         let t = render(&m, &l);
         assert!(t.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
@@ -381,6 +457,13 @@ mod tests {
         assert!(t.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\\\"x\",le=\"0.04\"} 1.0\n"));
         assert!(t.contains("finished_reason=\"length\"} 1.0\n"));
         assert!(t.contains("num_gpu_blocks=\"100\""));
+        assert!(
+            t.contains("\nprocess_start_time_seconds 1700000000.0\n"),
+            "{t}"
+        );
+        assert!(t.contains("# TYPE vllm:iteration_tokens_total histogram\n"));
+        assert!(t.contains("vllm:request_prefill_time_seconds_count{"));
+        assert!(t.contains("vllm:spec_decode_num_accepted_tokens_total{"));
         // Every sample line belongs to a family announced by a TYPE line.
         for line in t.lines().filter(|l| !l.starts_with('#')) {
             let name = line.split(['{', ' ']).next().unwrap();

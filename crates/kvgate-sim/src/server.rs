@@ -34,6 +34,8 @@ pub struct Shared {
     pub next_id: AtomicU64,
     pub kv: Option<Endpoints>,
     pub created: u64,
+    /// Unix seconds (fractional) the worker started: `process_start_time_seconds`.
+    pub started: f64,
     /// Fault-injection dice (seeded, so a run is reproducible).
     pub rng: Mutex<fastrand::Rng>,
     /// The emulated GPU's energy counter (`--dcgm`).
@@ -93,10 +95,11 @@ impl SimWorker {
         let sched = Scheduler::new(config.clone(), metrics.clone(), events_tx);
         tasks.push(tokio::spawn(sched.run(cmd_rx, engine_cancel.clone())));
 
-        let created = std::time::SystemTime::now()
+        let started = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let created = started as u64;
         let shared = Arc::new(Shared {
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
@@ -109,6 +112,7 @@ impl SimWorker {
             next_id: AtomicU64::new(0),
             kv,
             created,
+            started,
         });
         let http_task = tokio::spawn(accept_loop(listener, shared.clone(), http_cancel.clone()));
         Ok(SimHandle {

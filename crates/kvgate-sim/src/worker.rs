@@ -71,6 +71,9 @@ struct Track {
     idx: u32,
     tx: ReqSender,
     arrival: Instant,
+    /// First scheduled (end of the queue phase, start of prefill).
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
     tokens: u32,
 }
@@ -132,6 +135,8 @@ impl Scheduler {
                         idx,
                         tx,
                         arrival: now,
+                        scheduled: None,
+                        first_token: None,
                         last_token: None,
                         tokens: 0,
                     },
@@ -190,6 +195,22 @@ impl Scheduler {
         let events = self.engine.take_events();
         if let (false, Some(tx)) = (events.is_empty(), &self.events_tx) {
             let _ = tx.send(events);
+        }
+    }
+
+    /// Per-step figures: tokens in the batch, and (`--spec-tokens k`) one draft of k tokens per
+    /// decoding sequence, of which a fixed rotating pattern 0..=k is accepted (mean k/2).
+    fn step_metrics(&self, step: &crate::engine::Step) {
+        let mut m = self.metrics.lock();
+        m.iteration_tokens
+            .observe((step.prefill_tokens + step.decode_seqs) as f64);
+        let k = u64::from(self.cfg.spec_tokens);
+        if k > 0 {
+            let seqs = step.decode_seqs as u64;
+            let base = m.spec.drafts;
+            m.spec.drafts += seqs;
+            m.spec.draft_tokens += seqs * k;
+            m.spec.accepted_tokens += (0..seqs).map(|i| (base + i) % (k + 1)).sum::<u64>();
         }
     }
 
@@ -256,8 +277,10 @@ impl Scheduler {
                 .step_ms(step.prefill_tokens, step.decode_seqs, step.kv_usage)
                 * self.slowdown();
             let started_at = Instant::now();
+            self.step_metrics(&step);
             for (id, cached) in &step.started {
-                if let Some(t) = self.tracks.get(id) {
+                if let Some(t) = self.tracks.get_mut(id) {
+                    t.scheduled.get_or_insert(started_at);
                     let _ = t.tx.send(ReqEvent::Started {
                         idx: t.idx,
                         cached_tokens: *cached,
@@ -306,7 +329,12 @@ impl Scheduler {
         {
             let mut m = self.metrics.lock();
             match t.last_token {
-                None => m.ttft.observe(now.duration_since(t.arrival).as_secs_f64()),
+                None => {
+                    m.ttft.observe(now.duration_since(t.arrival).as_secs_f64());
+                    let from = t.scheduled.unwrap_or(t.arrival);
+                    m.prefill.observe(now.duration_since(from).as_secs_f64());
+                    t.first_token = Some(now);
+                }
                 Some(prev) => m.itl.observe(now.duration_since(prev).as_secs_f64()),
             }
         }
@@ -317,6 +345,9 @@ impl Scheduler {
             let _ = t.tx.send(ReqEvent::Done { idx: t.idx, reason });
             let mut m = self.metrics.lock();
             m.e2e.observe(now.duration_since(t.arrival).as_secs_f64());
+            let decode_from = t.first_token.unwrap_or(now);
+            m.decode
+                .observe(now.duration_since(decode_from).as_secs_f64());
             m.finished(Some(reason));
             drop(m);
             self.tracks.remove(&id);

@@ -4,7 +4,7 @@ use kvgate_protocol::prom_text::Exposition;
 use serde::Deserialize;
 
 use super::ParseError;
-use crate::sink::ScrapedLoad;
+use crate::sink::{ScrapedLoad, SumCount};
 
 pub fn parse_metrics(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
     let running = e
@@ -15,11 +15,25 @@ pub fn parse_metrics(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
     // queried are the processed plus the cached ones. Builds without the cached counter report none.
     let cached = e.value("llamacpp:prompt_tokens_cached_total");
     let processed = e.value("llamacpp:prompt_tokens_total");
+    // Tokens per batch: the tokens it ran (prompt tokens processed + tokens predicted) over its
+    // `llama_decode` calls. `n_tokens_max` is a high-water mark, not the batch limit: not used.
+    let iteration_tokens = match (e.value("llamacpp:n_decode_total"), processed) {
+        (Some(n), Some(p)) => Some(SumCount {
+            sum: p + e.value("llamacpp:tokens_predicted_total").unwrap_or(0.0),
+            count: n,
+        }),
+        _ => None,
+    };
     Ok(ScrapedLoad {
         running: Some(super::count(running)),
         waiting: Some(super::count(waiting)),
         prefix_cache_queries: cached.and_then(|c| Some(c + processed?)),
         prefix_cache_hits: cached,
+        iteration_tokens,
+        // Recent builds count speculative decoding under vLLM's names.
+        spec_drafts: e.value("llamacpp:spec_decode_num_drafts_total"),
+        spec_draft_tokens: e.value("llamacpp:spec_decode_num_draft_tokens_total"),
+        spec_accepted_tokens: e.value("llamacpp:spec_decode_num_accepted_tokens_total"),
         ..ScrapedLoad::default()
     })
 }

@@ -4,7 +4,7 @@ use kvgate_protocol::prom_text::Exposition;
 use serde::Deserialize;
 
 use super::ParseError;
-use crate::sink::ScrapedLoad;
+use crate::sink::{ScrapedLoad, SumCount};
 
 pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
     let any = |_: &_| true;
@@ -28,6 +28,11 @@ pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
         prefix_cache_hits: e.sum("sglang:cached_tokens_total", |s| {
             s.label("cache_source") != Some("host")
         }),
+        // Retractions are SGLang's preemptions (a running request sent back to the queue when the
+        // KV cache runs out). `sglang:num_retracted_reqs` is the last batch's gauge: not this.
+        preemptions: e.sum("sglang:num_retracted_requests_total", any),
+        queue_time: SumCount::read(e, "sglang:queue_time_seconds"),
+        process_start_time: e.value("process_start_time_seconds"),
         ..ScrapedLoad::default()
     })
 }

@@ -1,6 +1,7 @@
 //! Per-kind parsers against the fixture texts in kvgate-protocol/tests/fixtures.
 
 use super::*;
+use crate::sink::SumCount;
 
 macro_rules! fixture {
     ($f:literal) => {
@@ -124,6 +125,18 @@ fn real_llamacpp_samples() {
         (after.prefix_cache_queries, after.prefix_cache_hits),
         (Some(156.0), Some(51.0))
     );
+    // 105 prompt tokens processed + 360 predicted over 240 decode calls; spec decoding off (0).
+    assert_eq!(
+        after.iteration_tokens,
+        Some(SumCount {
+            sum: 465.0,
+            count: 240.0
+        })
+    );
+    assert_eq!(
+        (after.spec_drafts, after.spec_accepted_tokens),
+        (Some(0.0), Some(0.0))
+    );
     assert_eq!(
         prom_text::parse(fixture!("metrics_llamacpp_real.prom")).bad_lines,
         0
@@ -144,4 +157,121 @@ fn real_llamacpp_samples() {
             ctx_tokens: 4096
         }
     );
+}
+
+#[test]
+fn vllm_phase_timings_batching_spec_decode_and_start_time() {
+    let l = vllm::parse(&prom_text::parse(fixture!(
+        "metrics_vllm_0.33_timings.prom"
+    )))
+    .unwrap();
+    let sc = |sum, count| Some(SumCount { sum, count });
+    // summed over both DP engines
+    assert_eq!(l.queue_time, sc(21.1 + 3.9, 500.0));
+    assert_eq!(l.prefill_time, sc(40.0, 422.0));
+    assert_eq!(l.decode_time, sc(1266.0, 422.0));
+    assert_eq!(l.iteration_tokens, sc(150512.0 + 99488.0, 10000.0));
+    assert_eq!(
+        (l.spec_drafts, l.spec_draft_tokens, l.spec_accepted_tokens),
+        (Some(1500.0), Some(4500.0), Some(3000.0))
+    );
+    assert_eq!(l.process_start_time, Some(1.76314301842e9));
+    // the plain 0.33 fixture has no phase histograms and no speculative decoding
+    let plain = vllm::parse(&prom_text::parse(fixture!("metrics_vllm_0.33.prom"))).unwrap();
+    assert_eq!(plain.prefill_time, None);
+    assert_eq!(plain.spec_drafts, None);
+    assert_eq!(plain.iteration_tokens, sc(150512.0, 5301.0));
+    assert_eq!(plain.preemptions, Some(2.0));
+}
+
+#[test]
+fn sglang_retractions_are_preemptions_and_queue_time() {
+    let l = sglang::parse(&prom_text::parse(fixture!(
+        "metrics_sglang_retractions.prom"
+    )))
+    .unwrap();
+    // the counter, not the last batch's `num_retracted_reqs` gauge
+    assert_eq!(l.preemptions, Some(48.0));
+    assert_eq!(
+        l.queue_time,
+        Some(SumCount {
+            sum: 12.5,
+            count: 100.0
+        })
+    );
+    let old = sglang::parse(&prom_text::parse(fixture!("metrics_sglang.prom"))).unwrap();
+    assert_eq!((old.preemptions, old.queue_time), (None, None));
+}
+
+#[test]
+fn trtllm_queue_time_from_prometheus_and_iterations_from_json() {
+    let text = "# HELP trtllm_num_requests_running Number of requests currently running.\n\
+        # TYPE trtllm_num_requests_running gauge\n\
+        trtllm_num_requests_running{model_name=\"m\",engine_type=\"trtllm\"} 2.0\n\
+        # HELP trtllm_request_queue_time_seconds Histogram of time spent in WAITING phase for request.\n\
+        # TYPE trtllm_request_queue_time_seconds histogram\n\
+        trtllm_request_queue_time_seconds_bucket{model_name=\"m\",engine_type=\"trtllm\",le=\"0.3\"} 3.0\n\
+        trtllm_request_queue_time_seconds_bucket{model_name=\"m\",engine_type=\"trtllm\",le=\"+Inf\"} 4.0\n\
+        trtllm_request_queue_time_seconds_count{model_name=\"m\",engine_type=\"trtllm\"} 4.0\n\
+        trtllm_request_queue_time_seconds_sum{model_name=\"m\",engine_type=\"trtllm\"} 0.8\n";
+    let l = trtllm::parse_prom(&prom_text::parse(text)).unwrap();
+    assert_eq!(
+        l.queue_time,
+        Some(SumCount {
+            sum: 0.8,
+            count: 4.0
+        })
+    );
+
+    let body = fixture!("metrics_trtllm_iteration_stats_spec.json").as_bytes();
+    let j = trtllm::parse_json(body).unwrap();
+    // newest iteration's gauges and limits (runtime limits win over static ones)
+    assert_eq!(j.paused, Some(1));
+    assert_eq!(
+        (j.max_num_batched_tokens, j.max_num_seqs),
+        (Some(4096), Some(48))
+    );
+    // this read's increments: 1000 context tokens + 4 + 5 generation requests over 2 iterations
+    assert_eq!(
+        j.iteration_tokens,
+        Some(SumCount {
+            sum: 1009.0,
+            count: 2.0
+        })
+    );
+    // the scraper's running totals: a second identical read doubles them; an empty read keeps them
+    let mut totals = trtllm::Totals::default();
+    let mut a = j.clone();
+    totals.accumulate(&mut a);
+    let mut b = trtllm::parse_json(body).unwrap();
+    totals.accumulate(&mut b);
+    assert_eq!(
+        b.iteration_tokens,
+        Some(SumCount {
+            sum: 2018.0,
+            count: 4.0
+        })
+    );
+    assert_eq!(
+        (b.spec_drafts, b.spec_draft_tokens, b.spec_accepted_tokens),
+        (Some(18.0), Some(54.0), Some(24.0))
+    );
+    let mut idle = trtllm::parse_json(b"[]").unwrap();
+    totals.accumulate(&mut idle);
+    assert_eq!(idle.iteration_tokens, b.iteration_tokens);
+    assert_eq!(idle.spec_accepted_tokens, Some(24.0));
+    // without speculative decoding the spec counters stay absent
+    let mut plain =
+        trtllm::parse_json(fixture!("metrics_trtllm_iteration_stats.json").as_bytes()).unwrap();
+    let mut t2 = trtllm::Totals::default();
+    t2.accumulate(&mut plain);
+    assert_eq!(plain.spec_drafts, None);
+    assert_eq!(
+        plain.iteration_tokens,
+        Some(SumCount {
+            sum: 3.0 + 512.0 + 3.0,
+            count: 2.0
+        })
+    );
+    assert_eq!(plain.paused, Some(0));
 }

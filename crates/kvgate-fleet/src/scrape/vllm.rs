@@ -1,10 +1,12 @@
 //! vLLM `/metrics` (0.9+ names, with the pre-0.9 names as fallbacks). Figures are summed over DP
-//! engines (`engine` label); KV usage is the mean over engines.
+//! engines (`engine` label); KV usage is the mean over engines. Histograms (phase timings, tokens
+//! per step) are read as their `_sum` and `_count`; `spec_decode_*` only exist with a speculative
+//! config; `process_start_time_seconds` comes from prometheus_client's process collector.
 
 use kvgate_protocol::prom_text::{Exposition, VllmCacheConfig};
 
 use super::ParseError;
-use crate::sink::ScrapedLoad;
+use crate::sink::{ScrapedLoad, SumCount};
 
 pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
     let any = |_: &_| true;
@@ -42,6 +44,14 @@ pub fn parse(e: &Exposition<'_>) -> Result<ScrapedLoad, ParseError> {
             "vllm:gpu_prefix_cache_hits_total",
         ),
         preemptions: counter("vllm:num_preemptions_total", "vllm:num_preemptions"),
+        queue_time: SumCount::read(e, "vllm:request_queue_time_seconds"),
+        prefill_time: SumCount::read(e, "vllm:request_prefill_time_seconds"),
+        decode_time: SumCount::read(e, "vllm:request_decode_time_seconds"),
+        iteration_tokens: SumCount::read(e, "vllm:iteration_tokens_total"),
+        spec_drafts: e.sum("vllm:spec_decode_num_drafts_total", any),
+        spec_draft_tokens: e.sum("vllm:spec_decode_num_draft_tokens_total", any),
+        spec_accepted_tokens: e.sum("vllm:spec_decode_num_accepted_tokens_total", any),
+        process_start_time: e.value("process_start_time_seconds"),
         ..ScrapedLoad::default()
     })
 }

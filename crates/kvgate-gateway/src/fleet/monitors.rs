@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvgate_core::{IndexMode, WorkerId};
 use kvgate_fleet::{
@@ -20,7 +20,10 @@ use parking_lot::Mutex;
 
 use super::WorkerFleet;
 use crate::config::Config;
-use crate::metrics::{Lbl, Metrics, ModelWorker, WorkerLabel, WorkerResult};
+use crate::metrics::{
+    Lbl, Metrics, ModelWorker, WorkerLabel, WorkerPhase, WorkerReason, WorkerResult,
+    RESTART_REASONS,
+};
 use crate::registry::{Fleet, Worker};
 
 /// Running monitors by worker.
@@ -39,29 +42,67 @@ struct Running {
     block_size: u32,
 }
 
-/// Running, waiting and KV usage as scraped (each `None` when the kind lacks it).
-#[derive(Clone, Copy)]
-struct LastLoad {
-    running: Option<u32>,
-    waiting: Option<u32>,
-    kv_usage: Option<f64>,
-    capacity_blocks: Option<u64>,
-    prefix_cache_queries: Option<f64>,
-    prefix_cache_hits: Option<f64>,
-    preemptions: Option<f64>,
-}
+/// Two restart detections closer than this are one restart (a vLLM restart shows as a sequence
+/// regression and, a scrape later, as counters going backwards).
+const RESTART_DEDUP: Duration = Duration::from_secs(30);
 
 /// What the worker last reported, kept for the metrics scrape.
 #[derive(Default)]
 struct Signals {
     /// Figures of the last successful scrape; `None` before the first one.
-    load: Mutex<Option<LastLoad>>,
+    load: Mutex<Option<ScrapedLoad>>,
+    /// Restarts detected, by `metrics::RESTART_REASONS` index, and when the last one counted.
+    restarts: [AtomicU64; RESTART_REASONS.len()],
+    last_restart: Mutex<Option<Instant>>,
     /// True after `on_load_stale` until the next successful scrape.
     stale: AtomicBool,
     block_size_mismatch: AtomicBool,
     /// Blocks the worker's KV events stored / removed (evicted) in the exact index.
     kv_blocks_stored: AtomicU64,
     kv_blocks_removed: AtomicU64,
+}
+
+impl Signals {
+    /// Count a detected restart (`reason`: a `RESTART_REASONS` index) unless one was counted
+    /// within `RESTART_DEDUP`.
+    fn restart(&self, reason: usize, now: Instant) {
+        let mut last = self.last_restart.lock();
+        if last.is_some_and(|t| now.saturating_duration_since(t) < RESTART_DEDUP) {
+            return;
+        }
+        *last = Some(now);
+        if let Some(c) = self.restarts.get(reason) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How a new scrape says the engine restarted since the previous one, if it does: its process
+/// start time changed, or one of its monotonic counters went backwards (`RESTART_REASONS` index).
+fn restart_between(prev: &ScrapedLoad, now: &ScrapedLoad) -> Option<usize> {
+    if let (Some(a), Some(b)) = (prev.process_start_time, now.process_start_time) {
+        // The same process reports the same float every time; allow for text round-trips.
+        if (a - b).abs() > 1e-3 {
+            return Some(3);
+        }
+    }
+    let count = |l: &ScrapedLoad| {
+        [
+            l.prefix_cache_queries,
+            l.prefix_cache_hits,
+            l.preemptions,
+            l.queue_time.map(|t| t.count),
+            l.prefill_time.map(|t| t.count),
+            l.decode_time.map(|t| t.count),
+            l.iteration_tokens.map(|t| t.count),
+            l.spec_drafts,
+        ]
+    };
+    let went_back = count(prev)
+        .into_iter()
+        .zip(count(now))
+        .any(|(a, b)| matches!((a, b), (Some(a), Some(b)) if b < a));
+    went_back.then_some(2)
 }
 
 impl Monitors {
@@ -91,6 +132,10 @@ impl Monitors {
             }]);
         }
         let signals = Arc::new(Signals::default());
+        // The recovery histogram exists from the start (an empty one, not none, until an outage).
+        let _ = app.metrics.worker_recovery.get_or_create(&WorkerLabel {
+            worker: w.name.clone(),
+        });
         let sink = Arc::new(GatewaySink {
             app: Arc::downgrade(app),
             block_size,
@@ -152,13 +197,43 @@ impl Monitors {
                 worker: w.name.clone(),
             };
             let stale = r.signals.stale.load(Ordering::Relaxed);
-            let load = *r.signals.load.lock();
+            let load = r.signals.load.lock().clone();
             // The monitor's own verdict (no successful scrape within its bound), not "never scraped":
             // kinds without a load endpoint must not look stale forever.
             ws.load_stale.get_or_create(&worker).set(i64::from(stale));
             ws.block_size_mismatch.get_or_create(&worker).set(i64::from(
                 r.signals.block_size_mismatch.load(Ordering::Relaxed),
             ));
+            // The engine's own limits win over configured ones (TRT-LLM reports them).
+            let engine_limits = load.as_ref().filter(|_| !stale);
+            for (family, v) in [
+                (
+                    &ws.max_num_batched_tokens,
+                    engine_limits
+                        .and_then(|l| l.max_num_batched_tokens)
+                        .or(w.cfg.max_num_batched_tokens),
+                ),
+                (
+                    &ws.max_num_seqs,
+                    engine_limits
+                        .and_then(|l| l.max_num_seqs)
+                        .or(w.cfg.max_num_seqs),
+                ),
+            ] {
+                if let Some(v) = v {
+                    family
+                        .get_or_create(&worker)
+                        .set(i64::try_from(v).unwrap_or(i64::MAX));
+                }
+            }
+            for (i, reason) in RESTART_REASONS.into_iter().enumerate() {
+                ws.restarts
+                    .get_or_create(&WorkerReason {
+                        worker: w.name.clone(),
+                        reason,
+                    })
+                    .inc_by(r.signals.restarts[i].load(Ordering::Relaxed));
+            }
             if let (Some(l), false) = (load, stale) {
                 let mw = ModelWorker {
                     model: primary_model(w),
@@ -173,19 +248,43 @@ impl Monitors {
                 if let Some(v) = l.kv_usage {
                     ws.kv_usage.get_or_create(&mw).set(v.clamp(0.0, 1.0));
                 }
-                if let Some(v) = l.capacity_blocks {
+                if let Some(v) = l.num_gpu_blocks {
                     ws.kv_capacity_blocks
                         .get_or_create(&worker)
                         .set(i64::try_from(v).unwrap_or(i64::MAX));
                 }
+                let valid = |v: &f64| v.is_finite() && *v >= 0.0;
                 for (family, v) in [
                     (&ws.prefix_cache_queries, l.prefix_cache_queries),
                     (&ws.prefix_cache_hits, l.prefix_cache_hits),
                     (&ws.preemptions, l.preemptions),
+                    (&ws.iteration_tokens, l.iteration_tokens.map(|t| t.sum)),
+                    (&ws.iterations, l.iteration_tokens.map(|t| t.count)),
+                    (&ws.spec_drafts, l.spec_drafts),
+                    (&ws.spec_draft_tokens, l.spec_draft_tokens),
+                    (&ws.spec_accepted_tokens, l.spec_accepted_tokens),
                 ] {
-                    if let Some(v) = v.filter(|v| v.is_finite() && *v >= 0.0) {
+                    if let Some(v) = v.filter(valid) {
                         family.get_or_create(&worker).inc_by(v);
                     }
+                }
+                for (phase, t) in [
+                    ("queue", l.queue_time),
+                    ("prefill", l.prefill_time),
+                    ("decode", l.decode_time),
+                ] {
+                    let Some(t) = t.filter(|t| valid(&t.sum) && valid(&t.count)) else {
+                        continue;
+                    };
+                    let wp = WorkerPhase {
+                        worker: w.name.clone(),
+                        phase,
+                    };
+                    ws.engine_phase_seconds.get_or_create(&wp).inc_by(t.sum);
+                    ws.engine_phase_requests.get_or_create(&wp).inc_by(t.count);
+                }
+                if let Some(p) = l.paused {
+                    ws.paused_requests.get_or_create(&worker).set(i64::from(p));
                 }
             }
             ws.kv_blocks_stored
@@ -245,6 +344,7 @@ impl Monitors {
                     kind: w.cfg.kind.clone(),
                     gpu_type,
                     gpus: w.cfg.gpus,
+                    role: w.cfg.role.as_str(),
                 })
                 .set(1);
         }
@@ -309,15 +409,14 @@ impl GatewaySink {
 
 impl FleetSink for GatewaySink {
     fn on_load(&self, worker: WorkerId, load: &ScrapedLoad) {
-        *self.signals.load.lock() = Some(LastLoad {
-            running: load.running,
-            waiting: load.waiting,
-            kv_usage: load.kv_usage,
-            capacity_blocks: load.num_gpu_blocks,
-            prefix_cache_queries: load.prefix_cache_queries,
-            prefix_cache_hits: load.prefix_cache_hits,
-            preemptions: load.preemptions,
-        });
+        let prev = self.signals.load.lock().replace(load.clone());
+        if let Some(reason) = prev.and_then(|p| restart_between(&p, load)) {
+            self.with(worker, |_, w| {
+                tracing::warn!(worker = %w.name, reason = RESTART_REASONS[reason],
+                    "worker restart detected from its metrics");
+            });
+            self.signals.restart(reason, Instant::now());
+        }
         self.signals.stale.store(false, Ordering::Relaxed);
         self.with(worker, |app, w| {
             *w.state.scraped.lock() = load
@@ -390,6 +489,20 @@ impl FleetSink for GatewaySink {
     }
 
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason) {
+        match reason {
+            ResetReason::SeqRegression => self.signals.restart(0, Instant::now()),
+            // TRT-LLM sends `created` when its cache manager starts: a clear before any block
+            // was stored is the worker's start, not a restart.
+            ResetReason::AllBlocksCleared
+                if self.signals.kv_blocks_stored.load(Ordering::Relaxed) > 0 =>
+            {
+                self.signals.restart(1, Instant::now())
+            }
+            ResetReason::AllBlocksCleared => {}
+            // A health flap is an outage (`kvgate_worker_recovery_seconds`), not proof of a
+            // restart; a lost gap is not one either.
+            ResetReason::Restart | ResetReason::GapUnrecoverable => {}
+        }
         self.with(worker, |app, w| {
             tracing::warn!(worker = %w.name, reason = reason.as_str(), "KV index entries of worker dropped");
             app.router.index.write().clear_worker(worker);
@@ -397,10 +510,108 @@ impl FleetSink for GatewaySink {
     }
 
     fn on_health(&self, worker: WorkerId, up: bool) {
-        self.with(worker, |_, w| {
+        self.with(worker, |app, w| {
             if w.state.healthy.swap(up, Ordering::Relaxed) != up {
                 tracing::warn!(worker = %w.name, up, "worker health changed");
             }
+            if up && !w.state.first_healthy.swap(true, Ordering::Relaxed) {
+                app.metrics
+                    .time_to_routable
+                    .observe(w.state.added.elapsed().as_secs_f64());
+            }
         });
+    }
+
+    fn on_recovered(&self, worker: WorkerId, down_for: Duration) {
+        self.with(worker, |app, w| {
+            tracing::info!(worker = %w.name, down_s = down_for.as_secs_f64(), "worker recovered");
+            app.metrics
+                .worker_recovery
+                .get_or_create(&WorkerLabel {
+                    worker: w.name.clone(),
+                })
+                .observe(down_for.as_secs_f64());
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_fleet::SumCount;
+
+    fn load(start: Option<f64>, hits: f64, steps: f64) -> ScrapedLoad {
+        ScrapedLoad {
+            process_start_time: start,
+            prefix_cache_hits: Some(hits),
+            iteration_tokens: Some(SumCount {
+                sum: steps * 10.0,
+                count: steps,
+            }),
+            ..ScrapedLoad::default()
+        }
+    }
+
+    #[test]
+    fn restarts_are_seen_in_start_time_or_counters_going_back() {
+        let a = load(Some(1.7e9), 100.0, 50.0);
+        assert_eq!(restart_between(&a, &load(Some(1.7e9), 120.0, 60.0)), None);
+        // the start time wins when both say so
+        assert_eq!(
+            restart_between(&a, &load(Some(1.7e9 + 30.0), 0.0, 0.0)),
+            Some(3)
+        );
+        assert_eq!(RESTART_REASONS[3], "start_time_changed");
+        // no start time (SGLang multiprocess, llama.cpp): a counter that went back
+        assert_eq!(
+            restart_between(&load(None, 100.0, 50.0), &load(None, 100.0, 3.0)),
+            Some(2)
+        );
+        assert_eq!(RESTART_REASONS[2], "counters_reset");
+        // a figure that appears or disappears is not a restart
+        let none = ScrapedLoad::default();
+        assert_eq!(restart_between(&a, &none), None);
+        assert_eq!(restart_between(&none, &a), None);
+    }
+
+    #[test]
+    fn a_cache_cleared_before_any_stored_block_is_the_start_not_a_restart() {
+        let signals = Arc::new(Signals::default());
+        let sink = GatewaySink {
+            app: Weak::new(),
+            block_size: 16,
+            signals: signals.clone(),
+        };
+        let w = WorkerId(1);
+        sink.on_kv_reset(w, ResetReason::AllBlocksCleared);
+        sink.on_kv_reset(w, ResetReason::Restart);
+        sink.on_kv_reset(w, ResetReason::GapUnrecoverable);
+        assert!(signals
+            .restarts
+            .iter()
+            .all(|c| c.load(Ordering::Relaxed) == 0));
+        signals.kv_blocks_stored.store(5, Ordering::Relaxed);
+        sink.on_kv_reset(w, ResetReason::AllBlocksCleared);
+        sink.on_kv_reset(w, ResetReason::SeqRegression); // the same restart, seen twice
+        let counts: Vec<u64> = signals
+            .restarts
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(counts, vec![0, 1, 0, 0]);
+    }
+
+    #[test]
+    fn detections_close_together_are_one_restart() {
+        let s = Signals::default();
+        let t0 = Instant::now();
+        s.restart(0, t0);
+        s.restart(2, t0 + Duration::from_secs(1));
+        s.restart(3, t0 + Duration::from_secs(29));
+        assert_eq!(s.restarts[0].load(Ordering::Relaxed), 1);
+        assert_eq!(s.restarts[2].load(Ordering::Relaxed), 0);
+        s.restart(2, t0 + Duration::from_secs(61));
+        assert_eq!(s.restarts[2].load(Ordering::Relaxed), 1);
+        assert_eq!(s.restarts[3].load(Ordering::Relaxed), 0);
     }
 }

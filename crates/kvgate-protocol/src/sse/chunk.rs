@@ -16,6 +16,7 @@
 
 use memchr::memmem::Finder;
 
+use crate::finish::{find_finish_reason, FinishReason};
 use crate::usage::{find_usage, finder, value_start, Usage};
 
 /// The facts about one SSE `data` payload.
@@ -31,6 +32,8 @@ pub struct ChunkInfo {
     /// An `error` object or string (OpenAI, llama.cpp, TGI), or vLLM/SGLang's flat
     /// `"object": "error"` shape: a worker failing mid-stream. Such an event has no other facts.
     pub error: bool,
+    /// The first choice's `finish_reason` when it is a string (the chunk that ends a choice).
+    pub finish_reason: Option<FinishReason>,
 }
 
 impl ChunkInfo {
@@ -46,6 +49,7 @@ impl ChunkInfo {
             return info;
         }
         info.has_token = has_token(data);
+        info.finish_reason = find_finish_reason(data);
         info.usage = find_usage(data);
         if info.usage.is_some() {
             info.usage_only = hits(finder!(Finder, b"\"choices\""), data).any(|end| {
@@ -144,11 +148,19 @@ pub(crate) fn plain_facts(data: &[u8]) -> Option<ChunkInfo> {
         }
         _ => None,
     };
+    let finish_reason = choices.and_then(|cs| {
+        cs.iter().find_map(|c| {
+            c["finish_reason"]
+                .as_str()
+                .map(|s| FinishReason::from_wire(s.as_bytes()))
+        })
+    });
     Some(ChunkInfo {
         done: false,
         has_token,
         usage,
         usage_only: usage.is_some() && choices.is_some_and(|c| c.is_empty()),
         error: false,
+        finish_reason,
     })
 }

@@ -358,12 +358,22 @@ fn chunk_strategy() -> impl Strategy<Value = String> {
             }
             format!("{{{}}}", ms.join(","))
         });
+    const FINISH: [&str; 5] = [
+        "null",
+        r#""stop""#,
+        r#""length""#,
+        r#""tool_calls""#,
+        r#""abort""#,
+    ];
     let choice = prop_oneof![
-        delta.prop_map(|d| format!(
-            r#"{{"index":0,"delta":{d},"logprobs":{{"content":[]}},"finish_reason":null}}"#
+        (delta, 0usize..FINISH.len()).prop_map(|(d, f)| format!(
+            r#"{{"index":0,"delta":{d},"logprobs":{{"content":[]}},"finish_reason":{}}}"#,
+            FINISH[f]
         )),
-        (0usize..VALUES.len())
-            .prop_map(|v| format!(r#"{{"index":0,"text":{},"finish_reason":null}}"#, VALUES[v])),
+        (0usize..VALUES.len(), 0usize..FINISH.len()).prop_map(|(v, f)| format!(
+            r#"{{"index":0,"text":{},"finish_reason":{}}}"#,
+            VALUES[v], FINISH[f]
+        )),
     ];
     const TOP: [&str; 7] = [
         "",

@@ -93,6 +93,8 @@ pub async fn metrics(sh: &Shared) -> Response<Body> {
         block_size: sh.cfg.block_size,
         num_gpu_blocks: sh.cfg.num_gpu_blocks,
         enable_prefix_caching: sh.cfg.enable_prefix_caching,
+        start_time: sh.started,
+        spec_decode: sh.cfg.spec_tokens > 0,
     };
     let mut r = Response::new(full(render(&snapshot, &labels)));
     r.headers_mut().insert(
