@@ -27,6 +27,7 @@ use crate::router::{NoPick, Pick};
 use crate::state::AppState;
 use kvgate_http::client;
 
+mod bootstrap;
 mod handoff;
 
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
@@ -87,7 +88,11 @@ pub(crate) async fn route_and_forward(
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
     if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
-        handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?;
+        if let Some(fwd) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?
+        {
+            // SGLang: both legs ran at once; this is the decode worker's answer.
+            return Ok(fwd);
+        }
     }
     let max_attempts = (app
         .upstream

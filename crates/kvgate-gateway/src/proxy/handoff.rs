@@ -12,7 +12,7 @@ use kvgate_protocol::usage::Usage;
 use serde_json::Value;
 
 use super::{attempt, Prepared};
-use crate::config::WorkerRole;
+use crate::config::{PdProtocol, WorkerRole};
 use crate::ctx::RequestCtx;
 use crate::error::GatewayError;
 use crate::metrics::{KindLabel, PdDecisionLabels};
@@ -25,7 +25,7 @@ const MAX_PREFILL_ANSWER: usize = 4 << 20;
 /// Prefill workers tried per request before falling back to the decode worker.
 const MAX_PREFILL_ATTEMPTS: usize = 2;
 
-fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
+pub(super) fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
     app.metrics
         .pd
         .decisions
@@ -37,7 +37,7 @@ fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'stat
         .inc();
 }
 
-fn failure(app: &AppState, kind: &'static str) {
+pub(super) fn failure(app: &AppState, kind: &'static str) {
     app.metrics
         .pd
         .handoff_failures
@@ -61,14 +61,16 @@ enum LegResult {
 }
 
 /// Runs the prefill leg when it pays off and points `p` at the decode leg (see the module
-/// documentation). Errors only when the pool has no decode-capable worker.
+/// documentation); with `[pd] protocol = "sglang"` runs both legs at once and returns the decode
+/// worker's answer (`Some`). Errors when the pool has no decode-capable worker, or (SGLang) when
+/// a leg failed.
 pub(crate) async fn prepare_handoff(
     app: &Arc<AppState>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     p: &mut Prepared,
     auth_enabled: bool,
-) -> Result<(), GatewayError> {
+) -> Result<Option<super::Forwarded>, GatewayError> {
     let settings = app.pd.load_full();
     let decode = sub_pool(&p.pool, WorkerRole::can_decode);
     if decode.workers.is_empty() {
@@ -92,15 +94,27 @@ pub(crate) async fn prepare_handoff(
     p.pool = Arc::new(decode);
     if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
         decision(app, ctx, "local", "short_prompt");
-        return Ok(());
+        return Ok(None);
+    }
+    if settings.protocol == PdProtocol::Sglang {
+        return super::bootstrap::dual_dispatch(
+            app,
+            conns,
+            ctx,
+            p,
+            &prefill,
+            &local_body,
+            auth_enabled,
+        )
+        .await;
     }
     let Some(body) = prefill_body(&local_body) else {
         decision(app, ctx, "local", "single_sequence_only");
-        return Ok(());
+        return Ok(None);
     };
     let Ok(body) = serde_json::to_vec(&body).map(Bytes::from) else {
         decision(app, ctx, "local", "single_sequence_only");
-        return Ok(());
+        return Ok(None);
     };
     let timeout = Duration::from_secs(settings.prefill_timeout_s);
     let mut tried: Vec<WorkerId> = Vec::with_capacity(MAX_PREFILL_ATTEMPTS);
@@ -112,7 +126,7 @@ pub(crate) async fn prepare_handoff(
             Ok(pick) => pick,
             Err(NoPick::AllBusy) => {
                 decision(app, ctx, "local", "prefill_busy");
-                return Ok(());
+                return Ok(None);
             }
             Err(NoPick::NoWorker) => break,
         };
@@ -127,7 +141,7 @@ pub(crate) async fn prepare_handoff(
             LegResult::Params(params, usage) => {
                 let Some(d) = decode_body(&local_body, &params) else {
                     decision(app, ctx, "local", "single_sequence_only");
-                    return Ok(());
+                    return Ok(None);
                 };
                 let answered = Instant::now();
                 app.metrics
@@ -138,12 +152,12 @@ pub(crate) async fn prepare_handoff(
                 p.spliced = None;
                 ctx.pd = Some(Prefilled { answered, usage });
                 decision(app, ctx, "disaggregated", "prefilled");
-                return Ok(());
+                return Ok(None);
             }
             LegResult::NoParams => {
                 failure(app, "no_params");
                 decision(app, ctx, "local", "no_params");
-                return Ok(());
+                return Ok(None);
             }
             LegResult::Failed => {
                 failure(app, "prefill_error");
@@ -161,7 +175,7 @@ pub(crate) async fn prepare_handoff(
             "no_prefill_worker"
         },
     );
-    Ok(())
+    Ok(None)
 }
 
 /// One prefill leg on `worker`: send, read the whole answer, take its `kv_transfer_params`.
