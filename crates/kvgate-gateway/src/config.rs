@@ -718,11 +718,6 @@ impl Config {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.pd.protocol == PdProtocol::Trtllm {
-            bail!(
-                "pd.protocol \"trtllm\": the gateway does not run TensorRT-LLM's context/generation legs yet (use vllm or sglang)"
-            );
-        }
         if self.pd.prefill_timeout_s == 0 {
             bail!("pd.prefill_timeout_s must be >= 1");
         }

@@ -50,6 +50,13 @@ pub(crate) struct Forwarded {
     pub body_deadline: Option<tokio::time::Instant>,
 }
 
+/// What the request path hands back: a worker's response to stream through, or (TensorRT-LLM: a
+/// context leg that finished the request) a whole answer already read.
+pub(crate) enum Routed {
+    Worker(Forwarded),
+    Whole(Bytes),
+}
+
 /// Answer with a gateway error, recording it.
 pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
     ctx.status = e.status().as_u16();
@@ -82,16 +89,16 @@ pub(crate) async fn route_and_forward(
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
-) -> Result<Forwarded, GatewayError> {
+) -> Result<Routed, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
     if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
-        if let Some(fwd) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?
-        {
-            // SGLang: both legs ran at once; this is the decode worker's answer.
-            return Ok(fwd);
+        if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
+            // SGLang: both legs ran at once (the decode worker's answer); TensorRT-LLM: the
+            // context leg finished the request.
+            return Ok(r);
         }
     }
     let max_attempts = (app
@@ -170,7 +177,7 @@ pub(crate) async fn route_and_forward(
                 // Success, or nowhere else to go: the worker's own response goes to the client.
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
-                return Ok(fwd);
+                return Ok(Routed::Worker(fwd));
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
@@ -492,8 +499,27 @@ async fn read_body(
     }
 }
 
+/// The client's response: a worker's through the observer, or a whole answer already read.
+pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, routed: Routed) -> Response<GwBody> {
+    let fwd = match routed {
+        Routed::Worker(f) => f,
+        Routed::Whole(body) => {
+            ctx.status = 200;
+            ctx.usage = kvgate_protocol::usage::find_usage(&body);
+            ctx.finish(crate::ctx::Outcome::Complete);
+            let mut r = Response::new(GwBody::full(body));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("application/json"),
+            );
+            return r;
+        }
+    };
+    respond_forwarded(app, ctx, fwd)
+}
+
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
+fn respond_forwarded(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
     let Forwarded {
         resp,
         first,
