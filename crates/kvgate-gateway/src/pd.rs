@@ -23,6 +23,12 @@
 //! hit), so the client's usage and the recorded tokens take prompt and cached tokens from the
 //! prefill leg and completion tokens from the decode leg ([`Prefilled::on_finish`],
 //! `kvgate_protocol::usage::merge_pd_usage`).
+//!
+//! The other protocols (`[pd] protocol`) reuse steps 1–2. TensorRT-LLM runs the same sequence with
+//! its own bodies ([`trtllm_context_body`], [`trtllm_context_outcome`], [`trtllm_generation_body`]).
+//! SGLang sends one body ([`sglang_body`]: the client's plus `bootstrap_host/port/room`) to both
+//! workers at once (`proxy/bootstrap.rs`) and passes the decode worker's usage through: it does not
+//! count the transferred tokens as cached.
 
 use std::time::Instant;
 

@@ -52,6 +52,9 @@ pub(crate) struct Forwarded {
 
 /// What the request path hands back: a worker's response to stream through, or (TensorRT-LLM: a
 /// context leg that finished the request) a whole answer already read.
+// Not boxed: `Worker` is every request's path, and a box would cost an allocation per request;
+// the enum is moved once, into `respond`.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Routed {
     Worker(Forwarded),
     Whole(Bytes),
