@@ -418,6 +418,9 @@ pub enum PdProtocol {
     /// TensorRT-LLM context-first: a `context_only` leg, then a `generation_only` leg with the
     /// context's `disaggregated_params`.
     Trtllm,
+    /// Per pool, from its prefill workers' `kind`: `sglang` → Sglang, `trtllm` → Trtllm, anything
+    /// else → Vllm.
+    Auto,
 }
 
 impl PdProtocol {
@@ -426,6 +429,7 @@ impl PdProtocol {
             Self::Vllm => "vllm",
             Self::Sglang => "sglang",
             Self::Trtllm => "trtllm",
+            Self::Auto => "auto",
         }
     }
 }
@@ -437,8 +441,9 @@ impl std::str::FromStr for PdProtocol {
             "vllm" => Ok(Self::Vllm),
             "sglang" => Ok(Self::Sglang),
             "trtllm" => Ok(Self::Trtllm),
+            "auto" => Ok(Self::Auto),
             o => Err(format!(
-                "unknown PD protocol {o:?} (expected vllm|sglang|trtllm)"
+                "unknown PD protocol {o:?} (expected vllm|sglang|trtllm|auto)"
             )),
         }
     }
@@ -448,7 +453,8 @@ impl std::str::FromStr for PdProtocol {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PdConfig {
-    /// Handoff protocol of every pool with prefill workers: `vllm` (default), `sglang`, `trtllm`.
+    /// Handoff protocol of every pool with prefill workers: `vllm` (default), `sglang`, `trtllm`,
+    /// or `auto` (per pool, from its prefill workers' `kind`).
     pub protocol: PdProtocol,
     /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
     /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a

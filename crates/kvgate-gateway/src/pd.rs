@@ -36,7 +36,7 @@ use bytes::Bytes;
 use kvgate_protocol::usage::Usage;
 use serde_json::{Map, Value};
 
-use crate::config::WorkerRole;
+use crate::config::{PdProtocol, WorkerRole};
 use crate::metrics::Metrics;
 use crate::registry::Pool;
 
@@ -88,6 +88,19 @@ pub fn applies(pool: &Pool) -> bool {
     pool.workers
         .iter()
         .any(|w| w.cfg.role == WorkerRole::Prefill)
+}
+
+/// The handoff to run for a pool whose prefill workers are `prefill`: the configured protocol, or
+/// with `auto` the first prefill worker's `kind` (one model's pool runs one engine).
+pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> PdProtocol {
+    if configured != PdProtocol::Auto {
+        return configured;
+    }
+    match prefill.workers.first().map(|w| w.cfg.kind.as_str()) {
+        Some("sglang") => PdProtocol::Sglang,
+        Some("trtllm") => PdProtocol::Trtllm,
+        _ => PdProtocol::Vllm,
+    }
 }
 
 /// The workers of `pool` that `keep` accepts, as a pool of their own.
@@ -251,6 +264,43 @@ pub fn trtllm_generation_body(body: &[u8], params: &Value) -> Option<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_the_protocol_from_the_prefill_workers_kind() {
+        let pool_of = |kind: &str| {
+            let mut cfg = crate::config::Config::default();
+            for (url, role) in [
+                ("http://10.0.0.1:8000", WorkerRole::Prefill),
+                ("http://10.0.0.2:8000", WorkerRole::Decode),
+            ] {
+                let mut w = crate::config::WorkerConfig::from_url(url);
+                w.kind = kind.into();
+                w.role = role;
+                w.models = vec!["m".into()];
+                cfg.workers.push(w);
+            }
+            let (reg, _) = crate::registry::Registry::new(std::sync::Arc::new(cfg)).unwrap();
+            let fleet = reg.snapshot();
+            sub_pool(fleet.pool("m").unwrap(), WorkerRole::can_prefill)
+        };
+        for (kind, want) in [
+            ("sglang", PdProtocol::Sglang),
+            ("trtllm", PdProtocol::Trtllm),
+            ("vllm", PdProtocol::Vllm),
+            ("openai", PdProtocol::Vllm),
+        ] {
+            assert_eq!(
+                protocol_for(PdProtocol::Auto, &pool_of(kind)),
+                want,
+                "{kind}"
+            );
+        }
+        // A configured protocol wins over the workers' kind.
+        assert_eq!(
+            protocol_for(PdProtocol::Vllm, &pool_of("sglang")),
+            PdProtocol::Vllm
+        );
+    }
 
     #[test]
     fn sglang_body_adds_the_bootstrap_fields_and_keeps_the_rest() {

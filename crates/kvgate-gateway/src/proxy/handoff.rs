@@ -101,7 +101,8 @@ pub(crate) async fn prepare_handoff(
         decision(app, ctx, "local", "short_prompt");
         return Ok(None);
     }
-    if settings.protocol == PdProtocol::Sglang {
+    let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
+    if protocol == PdProtocol::Sglang {
         return super::bootstrap::dual_dispatch(
             app,
             conns,
@@ -114,7 +115,7 @@ pub(crate) async fn prepare_handoff(
         .await
         .map(|f| f.map(super::Routed::Worker));
     }
-    let trtllm = settings.protocol == PdProtocol::Trtllm;
+    let trtllm = protocol == PdProtocol::Trtllm;
     let body = if trtllm {
         trtllm_context_body(&local_body, bootstrap_room())
     } else {
