@@ -585,3 +585,56 @@ fn sglang_client_disconnect_cancels_both_legs() {
         metric(ga, "kvgate_requests_total", &[]) >= 1.0
     });
 }
+
+// ---- TensorRT-LLM context-first (`[pd] protocol = "trtllm"`, `kvgate sim --pd-protocol trtllm`) ----
+
+#[test]
+fn trtllm_context_then_generation_streamed_and_not() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-protocol", "trtllm"]);
+    let (_d, da) = sim(&["--role", "decode", "--pd-protocol", "trtllm"]);
+    let (_g, ga) = gateway(
+        "[pd]\nprotocol = \"trtllm\"\nmin_uncached_tokens = 0\n",
+        &[pa],
+        &[da],
+    );
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("t", 300), false, 5),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{body}");
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap() >= 300,
+        "{body}"
+    );
+    // Prompt and cached tokens from the context leg (cold), not the generation worker's pull.
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"disaggregated\"", "reason=\"prefilled\""]
+        ),
+        1.0
+    );
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 1.0);
+    assert_eq!(pinned(pa), 0.0);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("u", 300), true, 4),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 2.0);
+    assert_eq!(pinned(pa), 0.0);
+}

@@ -199,6 +199,9 @@ pub enum PdProtocol {
     /// SGLang bootstrap: both legs carry `bootstrap_host/port/room` and meet on the prefill
     /// worker's bootstrap routes (`POST /sim/bootstrap`).
     Sglang,
+    /// TensorRT-LLM context-first: a `context_only` leg pins its blocks and answers with
+    /// `choices[0].disaggregated_params`; a `generation_only` leg pulls them.
+    Trtllm,
 }
 
 impl PdProtocol {
@@ -206,6 +209,7 @@ impl PdProtocol {
         match self {
             Self::Vllm => "vllm",
             Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
         }
     }
 }
@@ -216,8 +220,9 @@ impl std::str::FromStr for PdProtocol {
         match s {
             "vllm" => Ok(Self::Vllm),
             "sglang" => Ok(Self::Sglang),
+            "trtllm" => Ok(Self::Trtllm),
             other => Err(format!(
-                "unknown PD protocol {other:?} (expected vllm|sglang)"
+                "unknown PD protocol {other:?} (expected vllm|sglang|trtllm)"
             )),
         }
     }

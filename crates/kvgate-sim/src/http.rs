@@ -6,6 +6,7 @@ pub(crate) mod bootstrap;
 mod completions;
 mod pd;
 mod sse;
+mod trtllm;
 
 use std::convert::Infallible;
 use std::sync::Arc;

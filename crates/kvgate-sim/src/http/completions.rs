@@ -148,10 +148,20 @@ async fn prepare(
     let (leg, boot) = match cfg.pd.protocol {
         PdProtocol::Vllm => (pd::parse(&v, cfg.pd.role)?, None),
         PdProtocol::Sglang => (Leg::Plain, bootstrap::parse(&v, cfg.pd.role)?),
+        PdProtocol::Trtllm => (super::trtllm::parse(&v, cfg.pd.role)?, None),
+    };
+    let trtllm = cfg.pd.protocol == PdProtocol::Trtllm;
+    // TensorRT-LLM echoes the router's id in the context answer.
+    let disagg_id = if trtllm && leg == Leg::Prefill {
+        v["disaggregated_params"]["disagg_request_id"].clone()
+    } else {
+        Value::Null
     };
     if (leg != Leg::Plain || boot.is_some()) && prompts.len() * n as usize != 1 {
         let param = if boot.is_some() {
             "bootstrap_room"
+        } else if cfg.pd.protocol == PdProtocol::Trtllm {
+            "disaggregated_params"
         } else {
             "kv_transfer_params"
         };
@@ -235,8 +245,9 @@ async fn prepare(
             } else {
                 sh.next_id()
             };
-            // SGLang's prefill leg computes the prompt and samples one token.
-            let max_tokens = if seat.is_some() {
+            // SGLang's prefill leg and TensorRT-LLM's context leg compute the prompt and sample one
+            // token.
+            let max_tokens = if seat.is_some() || (trtllm && leg == Leg::Prefill) {
                 1
             } else {
                 requested.unwrap_or(max_len - prompt.len())
@@ -298,7 +309,7 @@ async fn prepare(
     if stream {
         return Ok(Ok(SseBody::response(meta, rx)));
     }
-    let reply = (leg != Leg::Plain).then_some(sh.as_ref());
+    let reply = (leg != Leg::Plain).then_some((sh.as_ref(), disagg_id));
     Ok(collect(meta, rx, reply).await)
 }
 
@@ -307,7 +318,7 @@ async fn prepare(
 async fn collect(
     meta: Meta,
     mut rx: mpsc::UnboundedReceiver<ReqEvent>,
-    pd_reply: Option<&crate::server::Shared>,
+    pd_reply: Option<(&crate::server::Shared, Value)>,
 ) -> Result<Response<Body>, std::io::Error> {
     let k = meta.choices();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); k];
@@ -362,11 +373,25 @@ async fn collect(
         "choices": choices,
         "usage": meta.usage(completion, cached_total),
     });
-    if let Some(sh) = pd_reply {
-        body["kv_transfer_params"] = match &pinned {
-            Some((id, blocks)) => pd::params(sh, *id, blocks, meta.prompt_lens[0]),
-            None => Value::Null,
-        };
+    match pd_reply {
+        Some((sh, disagg_id)) if sh.cfg.pd.protocol == PdProtocol::Trtllm => {
+            body["choices"][0]["disaggregated_params"] = match &pinned {
+                Some((id, _)) => super::trtllm::params(
+                    sh,
+                    *id,
+                    tokens.first().and_then(|t| t.first()).copied(),
+                    &disagg_id,
+                ),
+                None => Value::Null,
+            };
+        }
+        Some((sh, _)) => {
+            body["kv_transfer_params"] = match &pinned {
+                Some((id, blocks)) => pd::params(sh, *id, blocks, meta.prompt_lens[0]),
+                None => Value::Null,
+            };
+        }
+        None => {}
     }
     Ok(json_resp(StatusCode::OK, &body))
 }
