@@ -376,3 +376,265 @@ fn the_helm_pd_values_config_loads() {
     assert_eq!(w.role.as_str(), "prefill");
     assert_eq!(w.url, "http://10.0.0.7:8000");
 }
+
+// ---- SGLang bootstrap handoff (`[pd] protocol = "sglang"`, `kvgate sim --pd-protocol sglang`) ----
+
+/// `kvgate serve` with SGLang prefill and decode sims listed in `[[workers]]` (each prefill
+/// worker's `bootstrap_port` is its HTTP port: the sim serves its bootstrap route there).
+fn sglang_gateway(
+    prefill: &[SocketAddr],
+    decode: &[SocketAddr],
+) -> ((Proc, tempfile::NamedTempFile), SocketAddr) {
+    let mut config = String::from("[pd]\nprotocol = \"sglang\"\nmin_uncached_tokens = 0\n");
+    for a in prefill {
+        config += &format!(
+            "\n[[workers]]\nurl = \"http://{a}\"\nrole = \"prefill\"\nbootstrap_port = {}\nmodels = [\"{MODEL}\"]\n",
+            a.port()
+        );
+    }
+    for a in decode {
+        config += &format!(
+            "\n[[workers]]\nurl = \"http://{a}\"\nrole = \"decode\"\nmodels = [\"{MODEL}\"]\n"
+        );
+    }
+    let file = tempfile::NamedTempFile::new().expect("temp config");
+    std::fs::write(file.path(), &config).expect("config");
+    let path = file.path().to_string_lossy().into_owned();
+    let mut p = Proc::kvgate(
+        "kvgate serve",
+        &[
+            "serve",
+            "--config",
+            &path,
+            "--listen",
+            "127.0.0.1:0",
+            "--no-request-log",
+            "--log",
+            "warn",
+        ],
+    );
+    let addr = p.wait_for(Duration::from_secs(20), serving_addr);
+    ((p, file), addr)
+}
+
+fn sglang_sim(role: &str, extra: &[&str]) -> (Proc, SocketAddr) {
+    let mut args = vec!["--role", role, "--pd-protocol", "sglang"];
+    args.extend_from_slice(extra);
+    sim(&args)
+}
+
+/// No bootstrap room open on `p` and no leg waiting on `p` or `d`.
+fn no_rooms(p: SocketAddr, d: SocketAddr) -> bool {
+    metric(p, "kvgate_sim_pd_bootstrap_rooms", &[]) == 0.0
+        && metric(p, "kvgate_sim_pd_bootstrap_waiting", &[]) == 0.0
+        && metric(d, "kvgate_sim_pd_bootstrap_waiting", &[]) == 0.0
+}
+
+#[test]
+fn sglang_handoff_streamed_and_not() {
+    let (_p, pa) = sglang_sim("prefill", &[]);
+    let (_d, da) = sglang_sim("decode", &[]);
+    let (_g, ga) = sglang_gateway(&[pa], &[da]);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 300), false, 5),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{body}");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().expect("prompt_tokens");
+    assert!(prompt_tokens >= 300, "{body}");
+    // The decode worker's usage, unchanged: it does not count the transferred tokens as cached.
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"disaggregated\"", "reason=\"bootstrap\""]
+        ),
+        1.0
+    );
+    // The prefill worker computed the prompt, the decode worker took it over.
+    assert!(metric(pa, "vllm:prompt_tokens_total", &[]) >= 300.0);
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 1.0);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("b", 300), true, 4),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 2.0);
+    eventually("both prefill answers drained", || {
+        metric(ga, "kvgate_pd_prefill_duration_seconds_count", &[]) == 2.0
+    });
+    eventually("no room left", || no_rooms(pa, da));
+    assert_eq!(
+        metric(pa, "kvgate_sim_pd_bootstrap_timeouts_total", &[]),
+        0.0
+    );
+}
+
+#[test]
+fn sglang_prefill_failure_is_a_502_and_cancels_the_decode_leg() {
+    let (_p, pa) = sglang_sim("prefill", &["--pd-prefill-fail-rate", "1"]);
+    // Default bootstrap timeout (300 s): only the gateway's cancel can end the decode leg's wait.
+    let (_d, da) = sglang_sim("decode", &[]);
+    let (_g, ga) = sglang_gateway(&[pa], &[da]);
+    for stream in [false, true] {
+        let (st, body) = http(
+            ga,
+            "POST",
+            "/v1/chat/completions",
+            &chat(&prompt("f", 300), stream, 3),
+        );
+        assert_eq!(st, 502, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("JSON error");
+        let msg = v["error"]["message"].as_str().expect("OpenAI error");
+        assert!(msg.contains("prefill leg"), "{body}");
+    }
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"prefill_error\""]
+        ),
+        2.0
+    );
+    eventually("the decode legs were cancelled, no room left", || {
+        no_rooms(pa, da)
+    });
+    assert_eq!(
+        metric(da, "kvgate_sim_pd_bootstrap_timeouts_total", &[]),
+        0.0
+    );
+}
+
+#[test]
+fn sglang_decode_failure_is_a_502_and_cancels_the_prefill_leg() {
+    let (_p, pa) = sglang_sim("prefill", &[]);
+    let (_d, da) = sglang_sim("decode", &["--fail-rate", "1"]);
+    let (_g, ga) = sglang_gateway(&[pa], &[da]);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("x", 300), false, 3),
+    );
+    assert_eq!(st, 502, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("decode leg")),
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_handoff_failures_total",
+            &["kind=\"decode_error\""]
+        ),
+        1.0
+    );
+    // The prefill leg waited for a decode leg that never joins: the gateway dropped it.
+    eventually("the prefill leg was cancelled, no room left", || {
+        no_rooms(pa, da)
+    });
+    assert_eq!(
+        metric(pa, "kvgate_sim_pd_bootstrap_timeouts_total", &[]),
+        0.0
+    );
+}
+
+#[test]
+fn sglang_client_disconnect_cancels_both_legs() {
+    // The prefill leg stalls a minute before it reaches its room: the decode leg waits there.
+    let (_p, pa) = sglang_sim("prefill", &["--stall-ms", "60000"]);
+    let (_d, da) = sglang_sim("decode", &[]);
+    let (_g, ga) = sglang_gateway(&[pa], &[da]);
+    let body = chat(&prompt("c", 300), true, 20);
+    let mut s = TcpStream::connect(ga).expect("connect");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {ga}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    eventually("the decode leg waits in its room", || {
+        metric(da, "kvgate_sim_pd_bootstrap_waiting", &[]) == 1.0
+            && metric(pa, "kvgate_sim_pd_bootstrap_rooms", &[]) == 1.0
+    });
+    drop(s);
+    eventually("both legs cancelled, no room left", || no_rooms(pa, da));
+    assert_eq!(
+        metric(da, "kvgate_sim_pd_bootstrap_timeouts_total", &[]),
+        0.0
+    );
+    eventually("the gateway recorded the cancel", || {
+        metric(ga, "kvgate_requests_total", &[]) >= 1.0
+    });
+}
+
+// ---- TensorRT-LLM context-first (`[pd] protocol = "trtllm"`, `kvgate sim --pd-protocol trtllm`) ----
+
+#[test]
+fn trtllm_context_then_generation_streamed_and_not() {
+    let (_p, pa) = sim(&["--role", "prefill", "--pd-protocol", "trtllm"]);
+    let (_d, da) = sim(&["--role", "decode", "--pd-protocol", "trtllm"]);
+    let (_g, ga) = gateway(
+        "[pd]\nprotocol = \"trtllm\"\nmin_uncached_tokens = 0\n",
+        &[pa],
+        &[da],
+    );
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("t", 300), false, 5),
+    );
+    assert_eq!(st, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON answer");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{body}");
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap() >= 300,
+        "{body}"
+    );
+    // Prompt and cached tokens from the context leg (cold), not the generation worker's pull.
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{body}"
+    );
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"disaggregated\"", "reason=\"prefilled\""]
+        ),
+        1.0
+    );
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 1.0);
+    assert_eq!(pinned(pa), 0.0);
+
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("u", 300), true, 4),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "{body}");
+    assert_eq!(metric(da, "vllm:nixl_xfer_time_seconds_count", &[]), 2.0);
+    assert_eq!(pinned(pa), 0.0);
+}

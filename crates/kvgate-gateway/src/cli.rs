@@ -30,6 +30,9 @@ pub struct ServeArgs {
     /// Conditional disaggregation threshold (`pd.min_uncached_tokens`; 0 = always disaggregate).
     #[arg(long)]
     pub pd_min_uncached_tokens: Option<u64>,
+    /// Prefill/decode handoff protocol (`pd.protocol`): vllm, sglang or trtllm.
+    #[arg(long)]
+    pub pd_protocol: Option<crate::config::PdProtocol>,
     /// Model the `--worker`s serve (repeatable); default: discovered from each worker's /v1/models.
     #[arg(long = "model", env = "KVGATE_MODELS", value_delimiter = ',')]
     pub models: Vec<String>,
@@ -92,6 +95,9 @@ impl ServeArgs {
         }
         if let Some(t) = self.pd_min_uncached_tokens {
             cfg.pd.min_uncached_tokens = t;
+        }
+        if let Some(p) = self.pd_protocol {
+            cfg.pd.protocol = p;
         }
         if let Some(p) = &self.policy {
             cfg.routing.policy = p.clone();

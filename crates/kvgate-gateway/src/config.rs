@@ -404,13 +404,58 @@ impl std::str::FromStr for WorkerRole {
     }
 }
 
+/// The handoff between a prefill and a decode worker (`[pd] protocol`; docs/routing.md §9).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PdProtocol {
+    /// vLLM NixlConnector: prefill leg with `kv_transfer_params`, then the decode leg with what
+    /// the prefill worker returned.
+    #[default]
+    Vllm,
+    /// SGLang bootstrap: the same body to both workers at once, with `bootstrap_host`,
+    /// `bootstrap_port` and `bootstrap_room`; the client gets the decode worker's answer.
+    Sglang,
+    /// TensorRT-LLM context-first: a `context_only` leg, then a `generation_only` leg with the
+    /// context's `disaggregated_params`.
+    Trtllm,
+    /// Per pool, from its prefill workers' `kind`: `sglang` → Sglang, `trtllm` → Trtllm, anything
+    /// else → Vllm.
+    Auto,
+}
+
+impl PdProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for PdProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            "trtllm" => Ok(Self::Trtllm),
+            "auto" => Ok(Self::Auto),
+            o => Err(format!(
+                "unknown PD protocol {o:?} (expected vllm|sglang|trtllm|auto)"
+            )),
+        }
+    }
+}
+
 /// `[pd]`: how pools with prefill workers run the handoff.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PdConfig {
-    /// Handoff protocol: `vllm` (NixlConnector: prefill with `kv_transfer_params`, then decode with
-    /// what prefill returned). The only one implemented.
-    pub protocol: String,
+    /// Handoff protocol of every pool with prefill workers: `vllm` (default), `sglang`, `trtllm`,
+    /// or `auto` (per pool, from its prefill workers' `kind`).
+    pub protocol: PdProtocol,
     /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
     /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a
     /// prefill worker can take the request).
@@ -422,7 +467,7 @@ pub struct PdConfig {
 impl Default for PdConfig {
     fn default() -> Self {
         PdConfig {
-            protocol: "vllm".into(),
+            protocol: PdProtocol::Vllm,
             min_uncached_tokens: 256,
             prefill_timeout_s: 60,
         }
@@ -506,6 +551,11 @@ pub struct WorkerConfig {
     /// The engine's most sequences per step (vLLM `--max-num-seqs`), `kvgate_worker_max_num_seqs`.
     #[serde(default)]
     pub max_num_seqs: Option<u64>,
+    /// SGLang prefill workers: the port of their bootstrap server
+    /// (`--disaggregation-bootstrap-port`, default 8998), sent as `bootstrap_port`; 0 sends null
+    /// (the engine then uses its own).
+    #[serde(default = "default_bootstrap_port")]
+    pub bootstrap_port: u16,
 }
 
 /// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
@@ -555,6 +605,13 @@ pub struct WorkerPoolConfig {
     /// As `workers[].max_num_seqs`, for every address.
     #[serde(default)]
     pub max_num_seqs: Option<u64>,
+    /// Bootstrap port of every address of the pool (as `workers[].bootstrap_port`).
+    #[serde(default = "default_bootstrap_port")]
+    pub bootstrap_port: u16,
+}
+
+fn default_bootstrap_port() -> u16 {
+    8998
 }
 
 fn default_gpus() -> u32 {
@@ -605,6 +662,7 @@ impl WorkerPoolConfig {
             role: self.role,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            bootstrap_port: self.bootstrap_port,
         }
     }
 
@@ -663,6 +721,7 @@ impl WorkerConfig {
             role: WorkerRole::Both,
             max_num_batched_tokens: None,
             max_num_seqs: None,
+            bootstrap_port: default_bootstrap_port(),
         }
     }
 }
@@ -682,12 +741,6 @@ impl Config {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.pd.protocol != "vllm" {
-            bail!(
-                "pd.protocol {:?}: only \"vllm\" is implemented (sglang and trtllm are not yet)",
-                self.pd.protocol
-            );
-        }
         if self.pd.prefill_timeout_s == 0 {
             bail!("pd.prefill_timeout_s must be >= 1");
         }

@@ -119,6 +119,8 @@ pub struct RequestCtx {
     finished: bool,
     /// Set when a prefill worker ran this request's prefill (the decode worker serves the rest).
     pub pd: Option<crate::pd::Prefilled>,
+    /// SGLang: the prefill leg still draining beside the decode worker's answer.
+    pub pd_partner: Option<crate::pd::Partner>,
 }
 
 impl RequestCtx {
@@ -152,6 +154,7 @@ impl RequestCtx {
             handles: None,
             finished: false,
             pd: None,
+            pd_partner: None,
         }
     }
 

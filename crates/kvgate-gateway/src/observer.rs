@@ -48,6 +48,8 @@ pub struct ObservedBody {
     /// and its timer, armed only once the body has to be waited for.
     deadline: Option<tokio::time::Instant>,
     deadline_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// SGLang: the prefill leg draining beside this (decode) body (`crate::pd::Partner`).
+    partner: Option<crate::pd::Partner>,
 }
 
 enum Scan {
@@ -66,7 +68,7 @@ impl ObservedBody {
     /// usage-only event is removed on the way to the client.
     pub fn new(
         inner: ResponseBody,
-        ctx: RequestCtx,
+        mut ctx: RequestCtx,
         sse: bool,
         idle_timeout: Option<Duration>,
     ) -> Self {
@@ -83,7 +85,9 @@ impl ObservedBody {
                 prefill,
             },
         };
+        let partner = ctx.pd_partner.take();
         ObservedBody {
+            partner,
             inner,
             ctx,
             idle,
@@ -267,6 +271,23 @@ impl Body for ObservedBody {
                     return Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))));
                 }
                 Poll::Pending => {
+                    if let Some(p) = &mut this.partner {
+                        match Pin::new(&mut p.failed).poll(cx) {
+                            Poll::Pending => {}
+                            // The prefill leg completed.
+                            Poll::Ready(Err(_)) => this.partner = None,
+                            Poll::Ready(Ok(why)) => {
+                                this.partner = None;
+                                if matches!(this.scan, Scan::Sse(_)) {
+                                    return this.fail_stream(&why);
+                                }
+                                this.done = true;
+                                this.ctx.error = Some("upstream_body");
+                                this.ctx.finish(Outcome::StreamError);
+                                return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
+                            }
+                        }
+                    }
                     if let Some(at) = this.deadline {
                         let timer = this
                             .deadline_timer
@@ -331,6 +352,9 @@ impl Drop for ObservedBody {
         // Body dropped before its end: the client disconnected. `finish` releases the load guard
         // now; `inner` is dropped right after, closing the worker connection (cancelling it there).
         if !self.done {
+            if let Some(p) = &self.partner {
+                p.leave.cancel();
+            }
             // A client that hangs up right after `data: [DONE]` (before the chunked terminator)
             // received the whole answer: that is a completed request, not a cancel.
             if matches!(&self.scan, Scan::Sse(relay) if relay.saw_done()) {

@@ -23,6 +23,12 @@
 //! hit), so the client's usage and the recorded tokens take prompt and cached tokens from the
 //! prefill leg and completion tokens from the decode leg ([`Prefilled::on_finish`],
 //! `kvgate_protocol::usage::merge_pd_usage`).
+//!
+//! The other protocols (`[pd] protocol`) reuse steps 1–2. TensorRT-LLM runs the same sequence with
+//! its own bodies ([`trtllm_context_body`], [`trtllm_context_outcome`], [`trtllm_generation_body`]).
+//! SGLang sends one body ([`sglang_body`]: the client's plus `bootstrap_host/port/room`) to both
+//! workers at once (`proxy/bootstrap.rs`) and passes the decode worker's usage through: it does not
+//! count the transferred tokens as cached.
 
 use std::time::Instant;
 
@@ -30,7 +36,7 @@ use bytes::Bytes;
 use kvgate_protocol::usage::Usage;
 use serde_json::{Map, Value};
 
-use crate::config::WorkerRole;
+use crate::config::{PdProtocol, WorkerRole};
 use crate::metrics::Metrics;
 use crate::registry::Pool;
 
@@ -65,11 +71,36 @@ impl Prefilled {
     }
 }
 
+/// SGLang: the client's (decode) body's link to the prefill leg, which is still being drained
+/// when the decode worker's answer starts. A prefill leg that fails then fails the client's
+/// answer (one SSE error event, or a cut JSON body) and so closes the decode worker's
+/// connection; a client that leaves cancels the prefill leg's drain.
+#[derive(Debug)]
+pub struct Partner {
+    /// Gets the reason if the prefill leg failed; closed without one when it completed.
+    pub failed: tokio::sync::oneshot::Receiver<String>,
+    /// Cancelled when the client's body is dropped before its end.
+    pub leave: tokio_util::sync::CancellationToken,
+}
+
 /// Whether requests to `pool` are split: it has a dedicated prefill worker.
 pub fn applies(pool: &Pool) -> bool {
     pool.workers
         .iter()
         .any(|w| w.cfg.role == WorkerRole::Prefill)
+}
+
+/// The handoff to run for a pool whose prefill workers are `prefill`: the configured protocol, or
+/// with `auto` the first prefill worker's `kind` (one model's pool runs one engine).
+pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> PdProtocol {
+    if configured != PdProtocol::Auto {
+        return configured;
+    }
+    match prefill.workers.first().map(|w| w.cfg.kind.as_str()) {
+        Some("sglang") => PdProtocol::Sglang,
+        Some("trtllm") => PdProtocol::Trtllm,
+        _ => PdProtocol::Vllm,
+    }
 }
 
 /// The workers of `pool` that `keep` accepts, as a pool of their own.
@@ -128,9 +159,246 @@ pub fn decode_body(body: &[u8], params: &Value) -> Option<Bytes> {
     serde_json::to_vec(&o).ok().map(Bytes::from)
 }
 
+/// Where a prefill worker's bootstrap server listens, as SGLang routers send it: the host of the
+/// worker's URL, and its configured `bootstrap_port` (0 = null: the engine uses its own).
+pub fn bootstrap_addr(url: &str, port: u16) -> Option<(String, Option<u16>)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
+    Some((host.to_string(), (port != 0).then_some(port)))
+}
+
+/// A fresh `bootstrap_room`: uniform in [0, 2^63 − 1] (SMG masks a random u64 with `i64::MAX`).
+pub fn bootstrap_room() -> u64 {
+    fastrand::u64(..) & (i64::MAX as u64)
+}
+
+/// SGLang's body for both legs: the client's body (as forwarded) plus `bootstrap_host`,
+/// `bootstrap_port` (null when `None`) and `bootstrap_room`. `None` when the body is not a JSON
+/// object or asks for several choices (one room serves one sequence: decode-only).
+pub fn sglang_body(body: &[u8], host: &str, port: Option<u16>, room: u64) -> Option<Bytes> {
+    let Ok(Value::Object(mut o)) = serde_json::from_slice::<Value>(body) else {
+        return None;
+    };
+    if o.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return None;
+    }
+    o.insert("bootstrap_host".into(), Value::from(host));
+    o.insert(
+        "bootstrap_port".into(),
+        port.map_or(Value::Null, Value::from),
+    );
+    o.insert("bootstrap_room".into(), Value::from(room));
+    serde_json::to_vec(&o).ok().map(Bytes::from)
+}
+
+/// TensorRT-LLM's context leg (context-first): the client's body with `stream: false`,
+/// `stream_options: null` and `disaggregated_params: {request_type: "context_only",
+/// disagg_request_id}`. `None` when not a JSON object or several choices are asked for.
+pub fn trtllm_context_body(body: &[u8], disagg_request_id: u64) -> Option<Bytes> {
+    let Ok(Value::Object(mut o)) = serde_json::from_slice::<Value>(body) else {
+        return None;
+    };
+    if o.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return None;
+    }
+    let mut params = Map::new();
+    params.insert("request_type".into(), Value::from("context_only"));
+    params.insert("disagg_request_id".into(), Value::from(disagg_request_id));
+    o.insert("disaggregated_params".into(), Value::Object(params));
+    o.insert("stream".into(), Value::Bool(false));
+    o.insert("stream_options".into(), Value::Null);
+    serde_json::to_vec(&o).ok().map(Bytes::from)
+}
+
+/// What a TensorRT-LLM context answer leaves for the generation leg.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ContextOutcome {
+    /// Generate with these `disaggregated_params` (already `request_type: "generation_only"`).
+    Generate(Value),
+    /// The context leg finished the request (its one token was EOS or a stop): its answer is the
+    /// client's answer.
+    Finished,
+    /// Not a usable context answer (not one choice, no params, no `ctx_request_id` or
+    /// `disagg_request_id`).
+    Invalid,
+}
+
+/// Reads a context answer as TensorRT-LLM's disaggregated server does: exactly one choice whose
+/// `disaggregated_params` carry `ctx_request_id` and `disagg_request_id`; a `finish_reason` other
+/// than `length`/`not_finished` means the context leg already finished the request.
+pub fn trtllm_context_outcome(answer: &Value) -> ContextOutcome {
+    let Some([choice]) = answer
+        .get("choices")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    else {
+        return ContextOutcome::Invalid;
+    };
+    if let Some(r) = choice.get("finish_reason").and_then(Value::as_str) {
+        if r != "length" && r != "not_finished" {
+            return ContextOutcome::Finished;
+        }
+    }
+    let Some(Value::Object(p)) = choice.get("disaggregated_params") else {
+        return ContextOutcome::Invalid;
+    };
+    let present = |k: &str| p.get(k).is_some_and(|v| !v.is_null());
+    if !present("ctx_request_id") || !present("disagg_request_id") {
+        return ContextOutcome::Invalid;
+    }
+    let mut p = p.clone();
+    p.insert("request_type".into(), Value::from("generation_only"));
+    ContextOutcome::Generate(Value::Object(p))
+}
+
+/// TensorRT-LLM's generation leg: the client's body (its own `stream`, `max_tokens`,
+/// `stream_options`) plus the context's params.
+pub fn trtllm_generation_body(body: &[u8], params: &Value) -> Option<Bytes> {
+    let Ok(Value::Object(mut o)) = serde_json::from_slice::<Value>(body) else {
+        return None;
+    };
+    o.insert("disaggregated_params".into(), params.clone());
+    serde_json::to_vec(&o).ok().map(Bytes::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_takes_the_protocol_from_the_prefill_workers_kind() {
+        let pool_of = |kind: &str| {
+            let mut cfg = crate::config::Config::default();
+            for (url, role) in [
+                ("http://10.0.0.1:8000", WorkerRole::Prefill),
+                ("http://10.0.0.2:8000", WorkerRole::Decode),
+            ] {
+                let mut w = crate::config::WorkerConfig::from_url(url);
+                w.kind = kind.into();
+                w.role = role;
+                w.models = vec!["m".into()];
+                cfg.workers.push(w);
+            }
+            let (reg, _) = crate::registry::Registry::new(std::sync::Arc::new(cfg)).unwrap();
+            let fleet = reg.snapshot();
+            sub_pool(fleet.pool("m").unwrap(), WorkerRole::can_prefill)
+        };
+        for (kind, want) in [
+            ("sglang", PdProtocol::Sglang),
+            ("trtllm", PdProtocol::Trtllm),
+            ("vllm", PdProtocol::Vllm),
+            ("openai", PdProtocol::Vllm),
+        ] {
+            assert_eq!(
+                protocol_for(PdProtocol::Auto, &pool_of(kind)),
+                want,
+                "{kind}"
+            );
+        }
+        // A configured protocol wins over the workers' kind.
+        assert_eq!(
+            protocol_for(PdProtocol::Vllm, &pool_of("sglang")),
+            PdProtocol::Vllm
+        );
+    }
+
+    #[test]
+    fn sglang_body_adds_the_bootstrap_fields_and_keeps_the_rest() {
+        let b = sglang_body(
+            br#"{"model":"m","stream":true,"max_tokens":9,"stream_options":{"include_usage":true}}"#,
+            "10.0.0.5",
+            Some(8998),
+            (1 << 63) - 1,
+        )
+        .unwrap();
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["bootstrap_host"], "10.0.0.5");
+        assert_eq!(v["bootstrap_port"], 8998);
+        assert_eq!(v["bootstrap_room"], i64::MAX);
+        assert_eq!(v["stream"], true);
+        assert_eq!(v["max_tokens"], 9);
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        let b = sglang_body(br#"{"model":"m"}"#, "h", None, 0).unwrap();
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert!(v["bootstrap_port"].is_null());
+        assert!(sglang_body(br#"{"model":"m","n":2}"#, "h", None, 0).is_none());
+        assert!(sglang_body(b"[1]", "h", None, 0).is_none());
+    }
+
+    #[test]
+    fn bootstrap_addr_and_room() {
+        assert_eq!(
+            bootstrap_addr("http://10.0.0.5:30000", 8998),
+            Some(("10.0.0.5".into(), Some(8998)))
+        );
+        assert_eq!(
+            bootstrap_addr("http://[::1]:30000/x", 0),
+            Some(("::1".into(), None))
+        );
+        assert_eq!(
+            bootstrap_addr("https://p.svc", 9000),
+            Some(("p.svc".into(), Some(9000)))
+        );
+        for _ in 0..1000 {
+            assert!(bootstrap_room() <= i64::MAX as u64);
+        }
+    }
+
+    #[test]
+    fn trtllm_context_leg_is_unstreamed_and_tagged() {
+        let b = trtllm_context_body(
+            br#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"max_tokens":9}"#,
+            77,
+        )
+        .unwrap();
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream"], false);
+        assert!(v["stream_options"].is_null());
+        assert_eq!(v["max_tokens"], 9);
+        assert_eq!(v["disaggregated_params"]["request_type"], "context_only");
+        assert_eq!(v["disaggregated_params"]["disagg_request_id"], 77);
+        assert!(trtllm_context_body(br#"{"n":3}"#, 1).is_none());
+    }
+
+    #[test]
+    fn trtllm_context_answer_decides_the_generation_leg() {
+        let params = serde_json::json!({"request_type": "context_only", "ctx_request_id": 5,
+            "disagg_request_id": 77, "first_gen_tokens": [11], "encoded_opaque_state": "AAE="});
+        let answer = |reason: &str, p: &Value| {
+            serde_json::json!({"choices": [{"index": 0, "text": "x", "finish_reason": reason,
+                "disaggregated_params": p}]})
+        };
+        let ContextOutcome::Generate(g) = trtllm_context_outcome(&answer("length", &params)) else {
+            panic!("length-capped context must generate");
+        };
+        assert_eq!(g["request_type"], "generation_only");
+        assert_eq!(g["ctx_request_id"], 5);
+        assert_eq!(g["first_gen_tokens"], serde_json::json!([11]));
+        assert!(matches!(
+            trtllm_context_outcome(&answer("not_finished", &params)),
+            ContextOutcome::Generate(_)
+        ));
+        assert_eq!(
+            trtllm_context_outcome(&answer("stop", &params)),
+            ContextOutcome::Finished
+        );
+        let mut no_ctx = params.clone();
+        no_ctx["ctx_request_id"] = Value::Null;
+        assert_eq!(
+            trtllm_context_outcome(&answer("length", &no_ctx)),
+            ContextOutcome::Invalid
+        );
+        assert_eq!(
+            trtllm_context_outcome(&serde_json::json!({"choices": []})),
+            ContextOutcome::Invalid
+        );
+        let b =
+            trtllm_generation_body(br#"{"model":"m","stream":true,"max_tokens":9}"#, &g).unwrap();
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream"], true);
+        assert_eq!(v["max_tokens"], 9);
+        assert_eq!(v["disaggregated_params"], g);
+    }
 
     #[test]
     fn prefill_body_is_capped_unstreamed_and_tagged() {

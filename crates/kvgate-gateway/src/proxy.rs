@@ -27,6 +27,7 @@ use crate::router::{NoPick, Pick};
 use crate::state::AppState;
 use kvgate_http::client;
 
+mod bootstrap;
 mod handoff;
 
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
@@ -47,6 +48,16 @@ pub(crate) struct Forwarded {
     pub resp: client::Response,
     pub first: Option<(Bytes, Instant)>,
     pub body_deadline: Option<tokio::time::Instant>,
+}
+
+/// What the request path hands back: a worker's response to stream through, or (TensorRT-LLM: a
+/// context leg that finished the request) a whole answer already read.
+// Not boxed: `Worker` is every request's path, and a box would cost an allocation per request;
+// the enum is moved once, into `respond`.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Routed {
+    Worker(Forwarded),
+    Whole(Bytes),
 }
 
 /// Answer with a gateway error, recording it.
@@ -81,13 +92,17 @@ pub(crate) async fn route_and_forward(
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
-) -> Result<Forwarded, GatewayError> {
+) -> Result<Routed, GatewayError> {
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
     if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
-        handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await?;
+        if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
+            // SGLang: both legs ran at once (the decode worker's answer); TensorRT-LLM: the
+            // context leg finished the request.
+            return Ok(r);
+        }
     }
     let max_attempts = (app
         .upstream
@@ -165,7 +180,7 @@ pub(crate) async fn route_and_forward(
                 // Success, or nowhere else to go: the worker's own response goes to the client.
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
-                return Ok(fwd);
+                return Ok(Routed::Worker(fwd));
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
@@ -487,8 +502,27 @@ async fn read_body(
     }
 }
 
+/// The client's response: a worker's through the observer, or a whole answer already read.
+pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, routed: Routed) -> Response<GwBody> {
+    let fwd = match routed {
+        Routed::Worker(f) => f,
+        Routed::Whole(body) => {
+            ctx.status = 200;
+            ctx.usage = kvgate_protocol::usage::find_usage(&body);
+            ctx.finish(crate::ctx::Outcome::Complete);
+            let mut r = Response::new(GwBody::full(body));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("application/json"),
+            );
+            return r;
+        }
+    };
+    respond_forwarded(app, ctx, fwd)
+}
+
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
+fn respond_forwarded(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
     let Forwarded {
         resp,
         first,

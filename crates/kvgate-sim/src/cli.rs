@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::config::{
-    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, Role, SimConfig, Slowdown,
-    TimingModel,
+    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, PdProtocol, Role, SimConfig,
+    Slowdown, TimingModel,
 };
 use crate::fleet::{describe, FleetPorts, SimFleet};
 
@@ -144,6 +144,14 @@ pub struct SimArgs {
     /// Fault: probability that a prefill leg returns kv_transfer_params: null.
     #[arg(long, default_value_t = 0.0)]
     pub pd_no_params_rate: f64,
+    /// Handoff a prefill/decode worker speaks: vllm (NixlConnector, kv_transfer_params) or sglang
+    /// (both legs at once with bootstrap_host/bootstrap_port/bootstrap_room).
+    #[arg(long, default_value = "vllm")]
+    pub pd_protocol: PdProtocol,
+    /// SGLang: how long a leg waits for its partner leg (same bootstrap_room) before failing, in
+    /// real milliseconds (SGLang's bootstrap timeout, 300 s).
+    #[arg(long, default_value_t = 300_000)]
+    pub bootstrap_timeout_ms: u64,
 }
 
 impl SimArgs {
@@ -186,6 +194,8 @@ impl SimArgs {
             },
             pd: PdConfig {
                 role: self.role,
+                protocol: self.pd_protocol,
+                bootstrap_timeout: Duration::from_millis(self.bootstrap_timeout_ms),
                 kv_lease: Duration::from_millis(self.kv_lease_ms),
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 kv_transfer_gbps: self.kv_transfer_gbps,

@@ -189,10 +189,54 @@ impl std::str::FromStr for LoadFailurePolicy {
     }
 }
 
-/// Prefill/decode disaggregation with vLLM NixlConnector semantics (docs/sim.md, "PD").
+/// Which engine's handoff a `prefill`/`decode` worker speaks (`--pd-protocol`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PdProtocol {
+    /// vLLM NixlConnector: the prefill leg pins its blocks and returns `kv_transfer_params`; the
+    /// decode leg pulls them.
+    #[default]
+    Vllm,
+    /// SGLang bootstrap: both legs carry `bootstrap_host/port/room` and meet on the prefill
+    /// worker's bootstrap routes (`POST /sim/bootstrap`).
+    Sglang,
+    /// TensorRT-LLM context-first: a `context_only` leg pins its blocks and answers with
+    /// `choices[0].disaggregated_params`; a `generation_only` leg pulls them.
+    Trtllm,
+}
+
+impl PdProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
+            Self::Trtllm => "trtllm",
+        }
+    }
+}
+
+impl std::str::FromStr for PdProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            "trtllm" => Ok(Self::Trtllm),
+            other => Err(format!(
+                "unknown PD protocol {other:?} (expected vllm|sglang|trtllm)"
+            )),
+        }
+    }
+}
+
+/// Prefill/decode disaggregation: vLLM NixlConnector semantics by default, SGLang's bootstrap
+/// rendezvous with `protocol = Sglang` (docs/sim.md, "PD").
 #[derive(Clone, Debug, PartialEq)]
 pub struct PdConfig {
     pub role: Role,
+    pub protocol: PdProtocol,
+    /// SGLang: how long a leg waits for its partner leg with the same `bootstrap_room` before it
+    /// fails (SGLang's `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, default 300 s). Real time.
+    pub bootstrap_timeout: Duration,
     /// How long a prefill worker keeps a finished `do_remote_decode` request's blocks pinned for a
     /// decode worker to read (vLLM `kv_lease_duration`, default 30 s). Real time, not scaled.
     pub kv_lease: Duration,
@@ -215,6 +259,8 @@ impl Default for PdConfig {
     fn default() -> Self {
         Self {
             role: Role::Both,
+            protocol: PdProtocol::Vllm,
+            bootstrap_timeout: Duration::from_secs(300),
             kv_lease: Duration::from_secs(30),
             kv_bytes_per_token: 32 * 2 * 8 * 128 * 2,
             kv_transfer_gbps: 64.0,

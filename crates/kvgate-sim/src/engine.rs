@@ -257,7 +257,9 @@ impl Engine {
             }
             let hit_tokens = hit.len() * bs;
             // A decode leg whose KV was pulled: only the last prompt token is computed here.
-            let pulled = if r.kv == KvTransfer::RemotePrefill && r.num_cached_tokens.is_none() {
+            let remote = matches!(r.kv, KvTransfer::RemotePrefill | KvTransfer::Bootstrapped);
+            let pulled_as_cached = r.kv == KvTransfer::RemotePrefill;
+            let pulled = if remote && r.num_cached_tokens.is_none() {
                 (total - 1).saturating_sub(hit_tokens)
             } else {
                 0
@@ -278,7 +280,7 @@ impl Engine {
             r.blocks = hit.clone();
             r.cached_blocks = hit.len();
             r.computed = hit_tokens + pulled;
-            if r.kv == KvTransfer::RemotePrefill {
+            if remote {
                 // A preempted decode leg recomputes like any request (its pulled blocks are cached).
                 r.kv = KvTransfer::None;
             }
@@ -288,8 +290,9 @@ impl Engine {
                 .expect("checked free count");
             r.blocks.extend(new);
             if r.num_cached_tokens.is_none() {
-                // vLLM reports pulled tokens as cached (local + external).
-                let cached = (hit_tokens + pulled).min(r.prompt_len);
+                // vLLM reports pulled tokens as cached (local + external); SGLang does not.
+                let reported = if pulled_as_cached { pulled } else { 0 };
+                let cached = (hit_tokens + reported).min(r.prompt_len);
                 r.num_cached_tokens = Some(cached);
                 self.counters.prefix_cache_queries += r.prompt_len as u64;
                 self.counters.prefix_cache_hits += hit_tokens.min(r.prompt_len) as u64;

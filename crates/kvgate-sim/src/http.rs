@@ -2,9 +2,11 @@
 //! group under `http/`. Errors use vLLM's OpenAI error JSON (`code` is the integer status).
 
 mod admin;
+pub(crate) mod bootstrap;
 mod completions;
 mod pd;
 mod sse;
+mod trtllm;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -88,6 +90,7 @@ pub async fn route(
         "/reset_prefix_cache",
         "/sim/cache",
         "/sim/kv/read",
+        "/sim/bootstrap",
     ];
     Ok(match (&method, path.as_str()) {
         (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
@@ -110,6 +113,10 @@ pub async fn route(
         (&Method::GET, "/sim/cache") => admin::cache(&sh).await,
         (&Method::POST, "/sim/kv/read") => match read_body(req).await {
             Ok(b) => pd::read(&sh, &b).await,
+            Err(r) => r,
+        },
+        (&Method::POST, "/sim/bootstrap") => match read_body(req).await {
+            Ok(b) => bootstrap::join(&sh, &b).await,
             Err(r) => r,
         },
         (_, p) if known.contains(&p) => error(

@@ -23,8 +23,8 @@ pub mod tokenizer;
 mod worker;
 
 pub use config::{
-    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, Role, SimConfig, Slowdown,
-    TimingModel,
+    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, PdProtocol, Role, SimConfig,
+    Slowdown, TimingModel,
 };
 pub use engine::CacheEntry;
 pub use fleet::{FleetPorts, SimFleet};

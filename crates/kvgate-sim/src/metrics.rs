@@ -63,6 +63,9 @@ const XFER_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 ];
 const BYTES_BUCKETS: &[f64] = &[1.0e6, 1.0e7, 5.0e7, 1.0e8, 5.0e8, 1.0e9, 5.0e9, 1.0e10];
+const WAIT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
 
 /// Prefill/decode figures, named as vLLM's NIXL connector names them (plus the sim's own pinned
 /// gauges, which vLLM does not export).
@@ -81,6 +84,15 @@ pub struct PdMetrics {
     pub xfer_time: Histogram,
     /// `vllm:nixl_bytes_transferred` per transfer.
     pub bytes: Histogram,
+    /// SGLang bootstrap rooms open on this (prefill) worker: a leg arrived, its handoff is not
+    /// over. 0 when idle; a room left behind is a leak.
+    pub bootstrap_rooms: usize,
+    /// Legs on this worker waiting for their partner leg right now.
+    pub bootstrap_waiting: usize,
+    /// How long each leg waited for its partner (both sides; timeouts included).
+    pub bootstrap_wait: Histogram,
+    /// Legs that gave up because their partner never came within `--bootstrap-timeout-ms`.
+    pub bootstrap_timeouts: u64,
 }
 
 impl Default for PdMetrics {
@@ -93,6 +105,10 @@ impl Default for PdMetrics {
             pulls_in_flight: 0,
             xfer_time: Histogram::new(XFER_BUCKETS),
             bytes: Histogram::new(BYTES_BUCKETS),
+            bootstrap_rooms: 0,
+            bootstrap_waiting: 0,
+            bootstrap_wait: Histogram::new(WAIT_BUCKETS),
+            bootstrap_timeouts: 0,
         }
     }
 }
@@ -414,6 +430,33 @@ pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
         "gauge",
         "Finished prefill legs whose KV blocks are still pinned (sim only).",
         pd.pinned_requests as f64,
+    );
+    scalar(
+        &mut o,
+        "kvgate_sim_pd_bootstrap_rooms",
+        "gauge",
+        "SGLang bootstrap rooms open on this prefill worker (sim only).",
+        pd.bootstrap_rooms as f64,
+    );
+    scalar(
+        &mut o,
+        "kvgate_sim_pd_bootstrap_waiting",
+        "gauge",
+        "Legs waiting for their partner leg of the same bootstrap room (sim only).",
+        pd.bootstrap_waiting as f64,
+    );
+    hist(
+        &mut o,
+        "kvgate_sim_pd_bootstrap_wait_seconds",
+        "Histogram of how long a leg waited for its partner leg (sim only).",
+        &pd.bootstrap_wait,
+    );
+    scalar(
+        &mut o,
+        "kvgate_sim_pd_bootstrap_timeouts_total",
+        "counter",
+        "Legs whose partner leg never came within the bootstrap timeout (sim only).",
+        pd.bootstrap_timeouts as f64,
     );
 
     header(

@@ -40,6 +40,8 @@ pub struct Shared {
     pub rng: Mutex<fastrand::Rng>,
     /// The emulated GPU's energy counter (`--dcgm`).
     pub energy: Mutex<crate::dcgm::EnergyMeter>,
+    /// SGLang bootstrap rooms (prefill workers with `--pd-protocol sglang`).
+    pub rooms: crate::http::bootstrap::Rooms,
 }
 
 impl Shared {
@@ -103,6 +105,7 @@ impl SimWorker {
         let shared = Arc::new(Shared {
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
+            rooms: Default::default(),
             cfg: config,
             http_addr,
             tokenizer,

@@ -12,11 +12,14 @@ use kvgate_protocol::usage::Usage;
 use serde_json::Value;
 
 use super::{attempt, Prepared};
-use crate::config::WorkerRole;
+use crate::config::{PdProtocol, WorkerRole};
 use crate::ctx::RequestCtx;
 use crate::error::GatewayError;
 use crate::metrics::{KindLabel, PdDecisionLabels};
-use crate::pd::{decode_body, prefill_body, sub_pool, Prefilled};
+use crate::pd::{
+    bootstrap_room, decode_body, prefill_body, sub_pool, trtllm_context_body,
+    trtllm_context_outcome, trtllm_generation_body, ContextOutcome, Prefilled,
+};
 use crate::router::NoPick;
 use crate::state::AppState;
 
@@ -25,7 +28,7 @@ const MAX_PREFILL_ANSWER: usize = 4 << 20;
 /// Prefill workers tried per request before falling back to the decode worker.
 const MAX_PREFILL_ATTEMPTS: usize = 2;
 
-fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
+pub(super) fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
     app.metrics
         .pd
         .decisions
@@ -37,7 +40,7 @@ fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'stat
         .inc();
 }
 
-fn failure(app: &AppState, kind: &'static str) {
+pub(super) fn failure(app: &AppState, kind: &'static str) {
     app.metrics
         .pd
         .handoff_failures
@@ -58,17 +61,21 @@ enum LegResult {
     Params(Value, Option<Usage>),
     NoParams,
     Failed,
+    /// TensorRT-LLM: the context leg finished the request (EOS or stop on its first token).
+    Finished(Bytes),
 }
 
 /// Runs the prefill leg when it pays off and points `p` at the decode leg (see the module
-/// documentation). Errors only when the pool has no decode-capable worker.
+/// documentation); with `[pd] protocol = "sglang"` runs both legs at once and returns the decode
+/// worker's answer (`Some`). Errors when the pool has no decode-capable worker, or (SGLang) when
+/// a leg failed.
 pub(crate) async fn prepare_handoff(
     app: &Arc<AppState>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     p: &mut Prepared,
     auth_enabled: bool,
-) -> Result<(), GatewayError> {
+) -> Result<Option<super::Routed>, GatewayError> {
     let settings = app.pd.load_full();
     let decode = sub_pool(&p.pool, WorkerRole::can_decode);
     if decode.workers.is_empty() {
@@ -92,15 +99,33 @@ pub(crate) async fn prepare_handoff(
     p.pool = Arc::new(decode);
     if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
         decision(app, ctx, "local", "short_prompt");
-        return Ok(());
+        return Ok(None);
     }
-    let Some(body) = prefill_body(&local_body) else {
-        decision(app, ctx, "local", "single_sequence_only");
-        return Ok(());
+    let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
+    if protocol == PdProtocol::Sglang {
+        return super::bootstrap::dual_dispatch(
+            app,
+            conns,
+            ctx,
+            p,
+            &prefill,
+            &local_body,
+            auth_enabled,
+        )
+        .await
+        .map(|f| f.map(super::Routed::Worker));
+    }
+    let trtllm = protocol == PdProtocol::Trtllm;
+    let body = if trtllm {
+        trtllm_context_body(&local_body, bootstrap_room())
+    } else {
+        prefill_body(&local_body)
+            .and_then(|o| serde_json::to_vec(&o).ok())
+            .map(Bytes::from)
     };
-    let Ok(body) = serde_json::to_vec(&body).map(Bytes::from) else {
+    let Some(body) = body else {
         decision(app, ctx, "local", "single_sequence_only");
-        return Ok(());
+        return Ok(None);
     };
     let timeout = Duration::from_secs(settings.prefill_timeout_s);
     let mut tried: Vec<WorkerId> = Vec::with_capacity(MAX_PREFILL_ATTEMPTS);
@@ -112,7 +137,7 @@ pub(crate) async fn prepare_handoff(
             Ok(pick) => pick,
             Err(NoPick::AllBusy) => {
                 decision(app, ctx, "local", "prefill_busy");
-                return Ok(());
+                return Ok(None);
             }
             Err(NoPick::NoWorker) => break,
         };
@@ -120,14 +145,29 @@ pub(crate) async fn prepare_handoff(
         let started = Instant::now();
         // The prefill worker's load lasts until it answers (the handoff).
         let guard = router.dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
-        let result = prefill_leg(app, conns, p, &pick.worker, &body, auth_enabled, timeout).await;
+        let result = prefill_leg(
+            app,
+            conns,
+            p,
+            &pick.worker,
+            &body,
+            auth_enabled,
+            timeout,
+            trtllm,
+        )
+        .await;
         drop(guard);
         app.admission.wake_one();
         match result {
             LegResult::Params(params, usage) => {
-                let Some(d) = decode_body(&local_body, &params) else {
+                let d = if trtllm {
+                    trtllm_generation_body(&local_body, &params)
+                } else {
+                    decode_body(&local_body, &params)
+                };
+                let Some(d) = d else {
                     decision(app, ctx, "local", "single_sequence_only");
-                    return Ok(());
+                    return Ok(None);
                 };
                 let answered = Instant::now();
                 app.metrics
@@ -138,16 +178,30 @@ pub(crate) async fn prepare_handoff(
                 p.spliced = None;
                 ctx.pd = Some(Prefilled { answered, usage });
                 decision(app, ctx, "disaggregated", "prefilled");
-                return Ok(());
+                return Ok(None);
             }
             LegResult::NoParams => {
                 failure(app, "no_params");
                 decision(app, ctx, "local", "no_params");
-                return Ok(());
+                return Ok(None);
             }
             LegResult::Failed => {
                 failure(app, "prefill_error");
                 failed = true;
+            }
+            LegResult::Finished(answer) if !ctx.stream => {
+                // TensorRT-LLM's server returns the context answer; so does the gateway.
+                decision(app, ctx, "disaggregated", "context_finished");
+                ctx.worker = Some(pick.worker.clone());
+                return Ok(Some(super::Routed::Whole(strip_disaggregated_params(
+                    answer,
+                ))));
+            }
+            LegResult::Finished(_) => {
+                // A streaming client cannot take the context's JSON answer: the generation
+                // worker runs the original request whole (rare: the first token ended it).
+                decision(app, ctx, "local", "context_finished");
+                return Ok(None);
             }
         }
     }
@@ -161,10 +215,28 @@ pub(crate) async fn prepare_handoff(
             "no_prefill_worker"
         },
     );
-    Ok(())
+    Ok(None)
 }
 
-/// One prefill leg on `worker`: send, read the whole answer, take its `kv_transfer_params`.
+/// The context answer without `choices[].disaggregated_params` (opaque transceiver state the
+/// client has no use for); unchanged if it is not such a document.
+fn strip_disaggregated_params(answer: Bytes) -> Bytes {
+    let Ok(mut v) = serde_json::from_slice::<Value>(&answer) else {
+        return answer;
+    };
+    if let Some(choices) = v.get_mut("choices").and_then(Value::as_array_mut) {
+        for c in choices {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("disaggregated_params");
+            }
+        }
+    }
+    serde_json::to_vec(&v).map(Bytes::from).unwrap_or(answer)
+}
+
+/// One prefill leg on `worker`: send, read the whole answer, take its `kv_transfer_params`
+/// (TensorRT-LLM: its `choices[0].disaggregated_params`).
+#[allow(clippy::too_many_arguments)]
 async fn prefill_leg(
     app: &AppState,
     conns: &client::Pool,
@@ -173,6 +245,7 @@ async fn prefill_leg(
     body: &Bytes,
     auth_enabled: bool,
     timeout: Duration,
+    trtllm: bool,
 ) -> LegResult {
     let out = super::outgoing(&p.parts, worker, body, auth_enabled);
     let read = async {
@@ -199,6 +272,13 @@ async fn prefill_leg(
         return LegResult::Failed;
     };
     let usage = kvgate_protocol::usage::find_usage(&bytes);
+    if trtllm {
+        return match trtllm_context_outcome(&v) {
+            ContextOutcome::Generate(params) => LegResult::Params(params, usage),
+            ContextOutcome::Finished => LegResult::Finished(bytes),
+            ContextOutcome::Invalid => LegResult::NoParams,
+        };
+    }
     match v.get("kv_transfer_params") {
         Some(Value::Object(m)) if !m.is_empty() => {
             LegResult::Params(Value::Object(m.clone()), usage)

@@ -33,6 +33,10 @@ pub enum KvTransfer {
     /// Decode leg (`do_remote_prefill`) whose KV was pulled: every prompt token but the last counts
     /// as computed (and reported as cached); the last one is recomputed for logits.
     RemotePrefill,
+    /// Decode leg of SGLang's bootstrap handoff whose KV arrived: computed like `RemotePrefill`,
+    /// but only this worker's own prefix hits are reported as cached (the transferred tokens are
+    /// not: SGLang's decode side writes them into freshly allocated slots, not its prefix cache).
+    Bootstrapped,
 }
 
 /// What the caller submits.

@@ -9,8 +9,10 @@ use http::{Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::bootstrap::{self, BootLeg};
 use super::pd::{self, Leg};
 use super::{error, json as json_resp, sse::SseBody, Body};
+use crate::config::PdProtocol;
 use crate::engine::{FinishReason, KvTransfer, NewRequest};
 use crate::server::Shared;
 use crate::tokenizer::encode_body;
@@ -143,14 +145,33 @@ async fn prepare(
         }
     }
 
-    let leg = pd::parse(&v, cfg.pd.role)?;
-    if leg != Leg::Plain && prompts.len() * n as usize != 1 {
+    let (leg, boot) = match cfg.pd.protocol {
+        PdProtocol::Vllm => (pd::parse(&v, cfg.pd.role)?, None),
+        PdProtocol::Sglang => (Leg::Plain, bootstrap::parse(&v, cfg.pd.role)?),
+        PdProtocol::Trtllm => (super::trtllm::parse(&v, cfg.pd.role)?, None),
+    };
+    let trtllm = cfg.pd.protocol == PdProtocol::Trtllm;
+    // TensorRT-LLM echoes the router's id in the context answer.
+    let disagg_id = if trtllm && leg == Leg::Prefill {
+        v["disaggregated_params"]["disagg_request_id"].clone()
+    } else {
+        Value::Null
+    };
+    if (leg != Leg::Plain || boot.is_some()) && prompts.len() * n as usize != 1 {
+        let param = if boot.is_some() {
+            "bootstrap_room"
+        } else if cfg.pd.protocol == PdProtocol::Trtllm {
+            "disaggregated_params"
+        } else {
+            "kv_transfer_params"
+        };
         return Err(bad(
-            "`kv_transfer_params` serves exactly one choice (one prompt, n = 1)",
-            "kv_transfer_params",
+            format!("`{param}` serves exactly one choice (one prompt, n = 1)"),
+            param,
         ));
     }
-    if leg == Leg::Prefill && cfg.pd.prefill_fail_rate > 0.0 {
+    let boot_prefill = matches!(boot, Some(BootLeg::Prefill { .. }));
+    if (leg == Leg::Prefill || boot_prefill) && cfg.pd.prefill_fail_rate > 0.0 {
         let fail = sh.rng.lock().f64() < cfg.pd.prefill_fail_rate;
         if fail {
             sh.metrics.lock().finished(None);
@@ -191,9 +212,18 @@ async fn prepare(
         tokio::time::sleep(f.stall).await;
     }
 
-    let kv = match &leg {
-        Leg::Plain => KvTransfer::None,
-        Leg::Prefill => {
+    // SGLang prefill leg: held until the prompt is computed (then the decode leg takes the KV).
+    let mut seat = None;
+    let kv = match (&leg, &boot) {
+        (_, Some(BootLeg::Prefill { room })) => {
+            seat = Some(bootstrap::prefill_arrives(sh, *room).await?);
+            KvTransfer::None
+        }
+        (_, Some(BootLeg::Decode { host, port, room })) => {
+            bootstrap::decode_joins(sh, host, *port, *room, &prompts[0]).await?
+        }
+        (Leg::Plain, None) => KvTransfer::None,
+        (Leg::Prefill, None) => {
             let no_params =
                 cfg.pd.no_params_rate > 0.0 && sh.rng.lock().f64() < cfg.pd.no_params_rate;
             if no_params {
@@ -202,7 +232,7 @@ async fn prepare(
                 KvTransfer::RemoteDecode
             }
         }
-        Leg::Decode(remote) => pd::pull(sh, remote.clone(), &prompts[0]).await?,
+        (Leg::Decode(remote), None) => pd::pull(sh, remote.clone(), &prompts[0]).await?,
     };
 
     let (tx, rx) = mpsc::unbounded_channel();
@@ -215,7 +245,13 @@ async fn prepare(
             } else {
                 sh.next_id()
             };
-            let max_tokens = requested.unwrap_or(max_len - prompt.len());
+            // SGLang's prefill leg and TensorRT-LLM's context leg compute the prompt and sample one
+            // token.
+            let max_tokens = if seat.is_some() || (trtllm && leg == Leg::Prefill) {
+                1
+            } else {
+                requested.unwrap_or(max_len - prompt.len())
+            };
             let req = NewRequest {
                 id,
                 prompt: prompt.clone(),
@@ -260,10 +296,20 @@ async fn prepare(
         include_usage,
         tokenizer: sh.tokenizer.tokenizer().clone(),
     };
+    if let Some(seat) = seat {
+        // The prefill leg answers once the prompt is computed and handed over; one JSON answer
+        // whatever `stream` says (the router drains it).
+        let prompt_len = meta.prompt_lens[0];
+        let resp = collect(meta, rx, None).await;
+        if matches!(&resp, Ok(r) if r.status().is_success()) {
+            seat.prefilled(prompt_len)?;
+        }
+        return Ok(resp);
+    }
     if stream {
         return Ok(Ok(SseBody::response(meta, rx)));
     }
-    let reply = (leg != Leg::Plain).then_some(sh.as_ref());
+    let reply = (leg != Leg::Plain).then_some((sh.as_ref(), disagg_id));
     Ok(collect(meta, rx, reply).await)
 }
 
@@ -272,7 +318,7 @@ async fn prepare(
 async fn collect(
     meta: Meta,
     mut rx: mpsc::UnboundedReceiver<ReqEvent>,
-    pd_reply: Option<&crate::server::Shared>,
+    pd_reply: Option<(&crate::server::Shared, Value)>,
 ) -> Result<Response<Body>, std::io::Error> {
     let k = meta.choices();
     let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); k];
@@ -327,11 +373,25 @@ async fn collect(
         "choices": choices,
         "usage": meta.usage(completion, cached_total),
     });
-    if let Some(sh) = pd_reply {
-        body["kv_transfer_params"] = match &pinned {
-            Some((id, blocks)) => pd::params(sh, *id, blocks, meta.prompt_lens[0]),
-            None => Value::Null,
-        };
+    match pd_reply {
+        Some((sh, disagg_id)) if sh.cfg.pd.protocol == PdProtocol::Trtllm => {
+            body["choices"][0]["disaggregated_params"] = match &pinned {
+                Some((id, _)) => super::trtllm::params(
+                    sh,
+                    *id,
+                    tokens.first().and_then(|t| t.first()).copied(),
+                    &disagg_id,
+                ),
+                None => Value::Null,
+            };
+        }
+        Some((sh, _)) => {
+            body["kv_transfer_params"] = match &pinned {
+                Some((id, blocks)) => pd::params(sh, *id, blocks, meta.prompt_lens[0]),
+                None => Value::Null,
+            };
+        }
+        None => {}
     }
     Ok(json_resp(StatusCode::OK, &body))
 }

@@ -1,0 +1,198 @@
+//! SGLang's bootstrap handoff (docs/routing.md §9, "Handoff (SGLang)"): the same body, with
+//! `bootstrap_host/port/room`, goes to the prefill and the decode worker at once; both response
+//! heads are awaited together (a transport error, timeout or non-2xx on either leg drops the other,
+//! which closes its connection, and the client gets a 502 — a plain join would leave the survivor
+//! waiting for a partner that never comes, smg #831); then the client gets the decode worker's
+//! answer while the prefill worker's is drained beside it (`crate::pd::Partner`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http_body_util::BodyExt;
+use tokio_util::sync::CancellationToken;
+
+use super::{attempt, outgoing, Forwarded, Prepared};
+use crate::ctx::RequestCtx;
+use crate::error::{ErrorKind, GatewayError};
+use crate::pd::{bootstrap_addr, bootstrap_room, sglang_body, Partner};
+use crate::registry::{Pool, Worker};
+use crate::router::NoPick;
+use crate::state::AppState;
+use kvgate_http::client;
+
+use super::handoff::{decision, failure};
+
+/// One leg's response head, or why the leg failed (as the client's 502).
+async fn leg(
+    app: &AppState,
+    conns: &client::Pool,
+    stream: bool,
+    which: &str,
+    worker: &Worker,
+    out: &client::Outgoing<'_>,
+) -> Result<Forwarded, GatewayError> {
+    let fwd = match attempt(app, conns, stream, &worker.name, out).await {
+        Ok(f) => f,
+        Err(e) => {
+            worker.state.record_outcome(false, Instant::now());
+            return Err(GatewayError::new(
+                ErrorKind::UpstreamIo,
+                format!("{which} leg failed: {}", e.message),
+            ));
+        }
+    };
+    let s = fwd.resp.status;
+    worker
+        .state
+        .record_outcome(!s.is_server_error(), Instant::now());
+    if s.is_success() {
+        return Ok(fwd);
+    }
+    // The worker's own error message, when it sent one promptly.
+    let detail = tokio::time::timeout(
+        std::time::Duration::from_secs(1),
+        http_body_util::Limited::new(fwd.resp.body, 64 << 10).collect(),
+    )
+    .await
+    .ok()
+    .and_then(|r| r.ok())
+    .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b.to_bytes()).ok())
+    .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+    .unwrap_or_default();
+    Err(GatewayError::new(
+        ErrorKind::UpstreamIo,
+        format!(
+            "{which} leg: worker {} answered {}{}{detail}",
+            worker.name,
+            s.as_u16(),
+            if detail.is_empty() { "" } else { ": " }
+        ),
+    ))
+}
+
+/// Runs both legs on `prefill` and the decode pool in `p.pool`. `Ok(None)`: not split after all
+/// (no prefill worker free: the decode worker runs it all through the proxy's loop).
+pub(crate) async fn dual_dispatch(
+    app: &Arc<AppState>,
+    conns: &client::Pool,
+    ctx: &mut RequestCtx,
+    p: &Prepared,
+    prefill: &Pool,
+    body: &bytes::Bytes,
+    auth_enabled: bool,
+) -> Result<Option<Forwarded>, GatewayError> {
+    let router = &app.fleet.router;
+    let now = Instant::now();
+    let ppick = match router.select(prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
+        Ok(pick) => pick,
+        Err(NoPick::AllBusy) => {
+            decision(app, ctx, "local", "prefill_busy");
+            return Ok(None);
+        }
+        Err(NoPick::NoWorker) => {
+            decision(app, ctx, "local", "no_prefill_worker");
+            return Ok(None);
+        }
+    };
+    let Some((host, port)) = bootstrap_addr(&ppick.worker.cfg.url, ppick.worker.cfg.bootstrap_port)
+    else {
+        decision(app, ctx, "local", "no_bootstrap_host");
+        return Ok(None);
+    };
+    let Some(both) = sglang_body(body, &host, port, bootstrap_room()) else {
+        decision(app, ctx, "local", "single_sequence_only");
+        return Ok(None);
+    };
+    // The decode worker: queued like any request when every one is busy.
+    let dpick = super::pick(app, ctx, &p.pool, &p.ri, &[], p.t_decide).await?;
+    let now = Instant::now();
+    ctx.decision_time = now
+        .saturating_duration_since(p.t_decide)
+        .saturating_sub(ctx.queue_wait);
+    app.metrics
+        .decision
+        .observe(ctx.decision_time.as_secs_f64());
+    ctx.overlap_blocks = dpick.decision.overlap_blocks;
+    ctx.attempts += 1;
+    let bs = p.pool.block_size;
+    // The prefill worker's load lasts until its answer is drained; the decode worker's until the
+    // end of the client's stream.
+    let pguard = router.dispatch(&ppick, &p.ri.hashes, p.ri.isl, bs, now);
+    let mut dguard = router.dispatch(&dpick, &p.ri.hashes, p.ri.isl, bs, now);
+    dguard.on_release = Some(app.admission.clone());
+    let (pw, dw) = (ppick.worker, dpick.worker);
+    let pout = outgoing(&p.parts, &pw, &both, auth_enabled);
+    let dout = outgoing(&p.parts, &dw, &both, auth_enabled);
+    let started = Instant::now();
+    let heads = tokio::try_join!(
+        leg(app, conns, ctx.stream, "prefill", &pw, &pout),
+        leg(app, conns, ctx.stream, "decode", &dw, &dout),
+    );
+    let (pfwd, dfwd) = match heads {
+        Ok(h) => h,
+        Err(e) => {
+            drop(pguard);
+            app.admission.wake_one();
+            let kind = if e.message.starts_with("prefill") {
+                "prefill_error"
+            } else {
+                "decode_error"
+            };
+            failure(app, kind);
+            decision(app, ctx, "disaggregated", "bootstrap_failed");
+            ctx.worker = Some(dw);
+            return Err(e);
+        }
+    };
+    decision(app, ctx, "disaggregated", "bootstrap");
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let leave = CancellationToken::new();
+    ctx.pd_partner = Some(Partner {
+        failed: rx,
+        leave: leave.clone(),
+    });
+    ctx.worker = Some(dw);
+    ctx.guard = Some(dguard);
+    let app2 = app.clone();
+    let shutdown = app.shutdown.clone();
+    let limit = app.upstream.request_timeout;
+    tokio::spawn(async move {
+        let Forwarded { resp, first, .. } = pfwd;
+        let drain = async {
+            drop(first);
+            let mut body = resp.body;
+            loop {
+                match body.frame().await {
+                    None => return Ok(()),
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(format!("the prefill leg failed: {e}")),
+                }
+            }
+        };
+        let result = tokio::select! {
+            r = tokio::time::timeout(limit, drain) => Some(r.unwrap_or_else(|_| {
+                Err(format!("the prefill leg did not end within {limit:?}"))
+            })),
+            // The client left (its decode body was dropped) or the gateway stops: dropping the
+            // prefill answer closes its connection, which cancels it on the worker.
+            _ = leave.cancelled() => None,
+            _ = shutdown.cancelled() => None,
+        };
+        drop(pguard);
+        app2.admission.wake_one();
+        match result {
+            Some(Ok(())) => app2
+                .metrics
+                .pd
+                .prefill_duration
+                .observe(started.elapsed().as_secs_f64()),
+            Some(Err(why)) => {
+                pw.state.record_outcome(false, Instant::now());
+                failure(&app2, "prefill_error");
+                let _ = tx.send(why);
+            }
+            None => {}
+        }
+    });
+    Ok(Some(dfwd))
+}

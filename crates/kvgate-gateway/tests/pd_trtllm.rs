@@ -1,0 +1,140 @@
+//! TensorRT-LLM's context-first handoff (`[pd] protocol = "trtllm"`) in-process: a scripted
+//! context worker answers with `choices[0].disaggregated_params`, a mock generation worker
+//! records what it got. The leg bodies themselves are unit-tested in `src/pd.rs`.
+
+#[path = "helpers/support.rs"]
+mod support;
+
+use std::net::SocketAddr;
+
+use kvgate_gateway::config::{Config, PdProtocol, WorkerConfig, WorkerRole};
+use kvgate_gateway::mock::{MockHandle, MockWorker};
+use support::*;
+use tokio::io::AsyncWriteExt;
+use tokio_util::sync::CancellationToken;
+
+/// A context worker whose chat answers end with `finish_reason`.
+async fn context_worker(finish_reason: &'static str, stop: CancellationToken) -> SocketAddr {
+    raw_worker(stop, move |head, mut s| async move {
+        let body = if head.starts_with("POST /v1/chat/completions") {
+            serde_json::json!({"id": "ctx", "object": "chat.completion", "model": "mock-model",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                    "finish_reason": finish_reason,
+                    "disaggregated_params": {"request_type": "context_only", "ctx_request_id": 5,
+                        "disagg_request_id": 77, "first_gen_tokens": [11],
+                        "encoded_opaque_state": "AAE="}}],
+                "usage": {"prompt_tokens": 20, "completion_tokens": 1, "total_tokens": 21,
+                    "prompt_tokens_details": {"cached_tokens": 16}}})
+            .to_string()
+        } else {
+            "{}".to_string()
+        };
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = s.write_all(resp.as_bytes()).await;
+    })
+    .await
+}
+
+fn config(ctx: SocketAddr, gen: &MockHandle) -> Config {
+    let mut cfg = config_for(&[gen], "kv");
+    cfg.workers[0].role = WorkerRole::Decode;
+    cfg.workers[0].models = vec!["mock-model".into()];
+    let mut c = WorkerConfig::from_url(&format!("http://{ctx}"));
+    c.role = WorkerRole::Prefill;
+    c.models = vec!["mock-model".into()];
+    cfg.workers.push(c);
+    cfg.pd.protocol = PdProtocol::Trtllm;
+    cfg.pd.min_uncached_tokens = 0;
+    cfg
+}
+
+#[tokio::test]
+async fn the_generation_leg_gets_the_context_params() {
+    let stop = CancellationToken::new();
+    let ctx = context_worker("length", stop.clone()).await;
+    let gen = MockWorker::builder()
+        .tokens(4)
+        .record(true)
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config(ctx, &gen)).await;
+    let r = post(
+        &client(),
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // Prompt and cached tokens from the context leg (the vLLM usage rule).
+    assert_eq!(v["usage"]["prompt_tokens"], 20, "{v}");
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 16,
+        "{v}"
+    );
+    let got = gen.received();
+    assert_eq!(got.len(), 1);
+    let b: serde_json::Value = serde_json::from_slice(&got[0].body).unwrap();
+    let p = &b["disaggregated_params"];
+    assert_eq!(p["request_type"], "generation_only", "{b}");
+    assert_eq!(p["ctx_request_id"], 5);
+    assert_eq!(p["first_gen_tokens"], serde_json::json!([11]));
+    assert_eq!(p["encoded_opaque_state"], "AAE=");
+    assert_eq!(b["stream"], false);
+    gw.shutdown().await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn a_context_leg_that_finished_is_the_answer() {
+    let stop = CancellationToken::new();
+    let ctx = context_worker("stop", stop.clone()).await;
+    let gen = MockWorker::builder()
+        .tokens(4)
+        .record(true)
+        .spawn()
+        .await
+        .unwrap();
+    let gw = gateway(config(ctx, &gen)).await;
+    let r = post(
+        &client(),
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", false),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["id"], "ctx", "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["choices"][0].get("disaggregated_params").is_none(), "{v}");
+    assert_eq!(gen.received().len(), 0, "no generation leg");
+
+    // A streaming client cannot take that JSON: the generation worker runs it whole.
+    let r = post(
+        &client(),
+        &format!("{}/v1/chat/completions", gw.url()),
+        chat_body("s", "u", true),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert!(r.text().contains("[DONE]"), "{}", r.text());
+    let got = gen.received();
+    assert_eq!(got.len(), 1);
+    let b: serde_json::Value = serde_json::from_slice(&got[0].body).unwrap();
+    assert!(b.get("disaggregated_params").is_none(), "{b}");
+    let m = get(&client(), &format!("{}/metrics", gw.url()))
+        .await
+        .text();
+    assert!(
+        m.contains("path=\"disaggregated\",reason=\"context_finished\"")
+            || m.contains("reason=\"context_finished\",path=\"disaggregated\""),
+        "{m}"
+    );
+    gw.shutdown().await;
+    stop.cancel();
+}
