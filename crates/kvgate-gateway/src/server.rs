@@ -81,12 +81,12 @@ fn method_not_allowed(app: &AppState, allow: &'static str) -> Response<GwBody> {
     r
 }
 
+/// Hears of every request the HTTP/1.1 loop refuses itself (to count it by kind).
+pub type RefusalCounter = Arc<dyn Fn(&GatewayError) + Send + Sync>;
+
 /// The HTTP/1.1 server loop's limits from `[server]`; `count` hears of every request the loop
 /// refuses itself (malformed, oversize or too slow), which is answered in the OpenAI error shape.
-pub fn h1_limits(
-    cfg: &ServerConfig,
-    count: Option<Arc<dyn Fn(&GatewayError) + Send + Sync>>,
-) -> h1server::Limits {
+pub fn h1_limits(cfg: &ServerConfig, count: Option<RefusalCounter>) -> h1server::Limits {
     h1server::Limits {
         max_head: cfg.max_header_bytes,
         max_body: cfg.max_body_bytes,
@@ -238,7 +238,12 @@ pub async fn serve<M, F, Fut>(
                         return;
                     }
                 };
-                rt.block_on(io_thread(rx, b, t, h, pool, s, grace, h1));
+                let protocols = Protocols {
+                    builder: b,
+                    tls: t,
+                    h1,
+                };
+                rt.block_on(io_thread(rx, protocols, h, pool, s, grace));
                 let _ = done_tx.send(());
             });
         match spawned {
@@ -333,16 +338,22 @@ async fn accept_loop(
     drop(listener);
 }
 
+/// How an io thread speaks to its connections: hyper (HTTP/2, and HTTP/1 when `h1` is unset),
+/// TLS when configured, kvgate's HTTP/1 loop with its limits otherwise.
+struct Protocols {
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    h1: Option<Arc<h1server::Limits>>,
+}
+
 /// One io thread: serve the connections handed to it until shutdown, then drain them.
 async fn io_thread<F, Fut>(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Accepted>,
-    builder: Arc<auto::Builder<TokioExecutor>>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    protocols: Protocols,
     handler: F,
     pool: client::Pool,
     shutdown: CancellationToken,
     grace: Duration,
-    h1: Option<Arc<h1server::Limits>>,
 ) where
     F: Fn(Request<ReqBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
@@ -373,9 +384,9 @@ async fn io_thread<F, Fut>(
         match tokio::net::TcpStream::from_std(s) {
             Ok(stream) => {
                 let c = Conn {
-                    builder: &builder,
-                    tls: &tls,
-                    h1: &h1,
+                    builder: &protocols.builder,
+                    tls: &protocols.tls,
+                    h1: &protocols.h1,
                     shutdown: &shutdown,
                 };
                 spawn_conn(c, &handler, stream, peer, permit, &graceful)

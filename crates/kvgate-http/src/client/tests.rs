@@ -360,17 +360,12 @@ async fn bytes_written_after_a_response_never_answer_the_next_request() {
         )
         .into_bytes()
     };
-    let stray = |_| {
-        Some((
-            Duration::from_millis(5),
-            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray".to_vec(),
-        ))
-    };
-    let undercount = |_| Some((Duration::from_millis(5), b"-rest-of-the-body".to_vec()));
-    let later: [&(dyn Fn(usize) -> Option<(Duration, Vec<u8>)> + Send + Sync); 2] =
-        [&stray, &undercount];
-    for (case, later) in later.into_iter().enumerate() {
-        let later = later(0);
+    // What the worker writes 5 ms after each answer: a stray response, or the rest of a body
+    // whose length it undercounted.
+    let stray = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray".to_vec();
+    let undercount = b"-rest-of-the-body".to_vec();
+    for (case, bytes) in [stray, undercount].into_iter().enumerate() {
+        let later = Some((Duration::from_millis(5), bytes));
         let (a, conns) = misbehaving_worker(numbered, |_| false, move |_| later.clone()).await;
         for i in 0..4 {
             let (status, body) = post(&a, &s).await.unwrap();
