@@ -152,6 +152,12 @@ pub struct SimArgs {
     /// real milliseconds (SGLang's bootstrap timeout, 300 s).
     #[arg(long, default_value_t = 300_000)]
     pub bootstrap_timeout_ms: u64,
+    /// SGLang: the bootstrap port a decode leg uses when the router sent `bootstrap_port: null`
+    /// (SGLang's --disaggregation-bootstrap-port). The sim serves the rendezvous on the prefill
+    /// worker's HTTP port, so give that port (one prefill worker per host, as with SGLang's
+    /// shared default); unset, a null bootstrap_port is refused with 400.
+    #[arg(long)]
+    pub disaggregation_bootstrap_port: Option<u16>,
 }
 
 impl SimArgs {
@@ -196,6 +202,7 @@ impl SimArgs {
                 role: self.role,
                 protocol: self.pd_protocol,
                 bootstrap_timeout: Duration::from_millis(self.bootstrap_timeout_ms),
+                bootstrap_port: self.disaggregation_bootstrap_port,
                 kv_lease: Duration::from_millis(self.kv_lease_ms),
                 kv_bytes_per_token: self.kv_bytes_per_token,
                 kv_transfer_gbps: self.kv_transfer_gbps,

@@ -237,6 +237,11 @@ pub struct PdConfig {
     /// SGLang: how long a leg waits for its partner leg with the same `bootstrap_room` before it
     /// fails (SGLang's `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, default 300 s). Real time.
     pub bootstrap_timeout: Duration,
+    /// SGLang: the bootstrap port a decode leg uses when the router sent `bootstrap_port: null`
+    /// (SGLang substitutes its own `--disaggregation-bootstrap-port`, default 8998). The sim serves
+    /// the rendezvous on each worker's HTTP port, so this names the prefill worker's HTTP port;
+    /// `None`: a null port is refused with 400.
+    pub bootstrap_port: Option<u16>,
     /// How long a prefill worker keeps a finished `do_remote_decode` request's blocks pinned for a
     /// decode worker to read (vLLM `kv_lease_duration`, default 30 s). Real time, not scaled.
     pub kv_lease: Duration,
@@ -261,6 +266,7 @@ impl Default for PdConfig {
             role: Role::Both,
             protocol: PdProtocol::Vllm,
             bootstrap_timeout: Duration::from_secs(300),
+            bootstrap_port: None,
             kv_lease: Duration::from_secs(30),
             kv_bytes_per_token: 32 * 2 * 8 * 128 * 2,
             kv_transfer_gbps: 64.0,

@@ -233,3 +233,43 @@ async fn bad_bootstrap_fields_are_refused_and_both_role_ignores_them() {
     d.shutdown().await;
     both.shutdown().await;
 }
+
+/// `smg launch --pd-disaggregation --prefill URL` (no port) sends `bootstrap_port: null`; SGLang's
+/// decode side then uses its own configured bootstrap port, the sim's
+/// `--disaggregation-bootstrap-port` (here: the prefill worker's HTTP port).
+#[tokio::test]
+async fn a_null_bootstrap_port_uses_the_configured_one() {
+    let p = spawn(cfg(Role::Prefill, LONG)).await;
+    let mut dc = cfg(Role::Decode, LONG);
+    dc.pd.bootstrap_port = Some(p.http_addr().port());
+    let d = spawn(dc).await;
+    let prompt = ids(9, 40);
+    for null_or_absent in [true, false] {
+        let room = if null_or_absent { 7 } else { 8 };
+        let mut b = body(&p, &prompt, room, 3);
+        if null_or_absent {
+            b["bootstrap_port"] = Value::Null;
+        } else if let Some(o) = b.as_object_mut() {
+            o.remove("bootstrap_port");
+        }
+        let pl = leg(format!("{}/v1/completions", p.base_url()), b.clone());
+        let (st, dv) = post(&client(), &format!("{}/v1/completions", d.base_url()), &b).await;
+        assert_eq!(st, 200, "{dv}");
+        assert_eq!(dv["usage"]["completion_tokens"], 3, "{dv}");
+        let (st, pv) = pl.await.unwrap();
+        assert_eq!(st, 200, "{pv}");
+    }
+    assert_eq!(d.metrics().pd.xfer_time.count(), 2);
+    let pm = p.metrics();
+    assert_eq!((pm.pd.bootstrap_rooms, pm.pd.bootstrap_waiting), (0, 0));
+    // An explicit port still wins, and a bad one is still refused.
+    let mut b = body(&p, &prompt, 9, 2);
+    b["bootstrap_port"] = json!("x");
+    let (st, v) = post(&client(), &format!("{}/v1/completions", d.base_url()), &b).await;
+    assert_eq!(
+        (st, v["error"]["param"].as_str()),
+        (400, Some("bootstrap_port"))
+    );
+    p.shutdown().await;
+    d.shutdown().await;
+}

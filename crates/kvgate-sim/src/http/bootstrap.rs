@@ -53,8 +53,10 @@ fn failed(msg: impl Into<String>) -> Bad {
 }
 
 /// Reads `bootstrap_room/host/port`; `None` = a plain request (no room, or a `both` worker, which
-/// like SGLang's `--disaggregation-mode null` ignores the fields).
-pub fn parse(v: &Value, role: Role) -> Result<Option<BootLeg>, Bad> {
+/// like SGLang's `--disaggregation-mode null` ignores the fields). A decode leg with a null or
+/// absent `bootstrap_port` uses `own_port` (`--disaggregation-bootstrap-port`), as SGLang uses its
+/// own configured port there.
+pub fn parse(v: &Value, role: Role, own_port: Option<u16>) -> Result<Option<BootLeg>, Bad> {
     let room = match v.get("bootstrap_room") {
         None | Some(Value::Null) => return Ok(None),
         Some(r) => r
@@ -77,18 +79,19 @@ pub fn parse(v: &Value, role: Role) -> Result<Option<BootLeg>, Bad> {
                 .filter(|h| !h.is_empty())
                 .ok_or_else(|| bad("a decode leg needs `bootstrap_host`", "bootstrap_host"))?;
             // SGLang substitutes its own bootstrap port for null; the sim serves the bootstrap
-            // routes on each worker's HTTP port, so it needs the prefill worker's.
-            let port = v
-                .get("bootstrap_port")
-                .and_then(Value::as_u64)
-                .and_then(|p| u16::try_from(p).ok())
-                .filter(|p| *p != 0)
-                .ok_or_else(|| {
-                    bad(
-                        "the sim needs `bootstrap_port`: the prefill worker's HTTP port",
-                        "bootstrap_port",
-                    )
-                })?;
+            // routes on each worker's HTTP port, so it needs the prefill worker's: from the
+            // request, or for null from --disaggregation-bootstrap-port.
+            let given = match v.get("bootstrap_port") {
+                None | Some(Value::Null) => own_port,
+                Some(p) => p.as_u64().and_then(|p| u16::try_from(p).ok()),
+            };
+            let port = given.filter(|p| *p != 0).ok_or_else(|| {
+                bad(
+                    "the sim needs `bootstrap_port` (the prefill worker's HTTP port), or \
+                     --disaggregation-bootstrap-port for a null one",
+                    "bootstrap_port",
+                )
+            })?;
             Ok(Some(BootLeg::Decode {
                 host: host.to_string(),
                 port,

@@ -147,7 +147,10 @@ async fn prepare(
 
     let (leg, boot) = match cfg.pd.protocol {
         PdProtocol::Vllm => (pd::parse(&v, cfg.pd.role)?, None),
-        PdProtocol::Sglang => (Leg::Plain, bootstrap::parse(&v, cfg.pd.role)?),
+        PdProtocol::Sglang => (
+            Leg::Plain,
+            bootstrap::parse(&v, cfg.pd.role, cfg.pd.bootstrap_port)?,
+        ),
         PdProtocol::Trtllm => (super::trtllm::parse(&v, cfg.pd.role)?, None),
     };
     let trtllm = cfg.pd.protocol == PdProtocol::Trtllm;
