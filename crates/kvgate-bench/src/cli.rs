@@ -177,9 +177,14 @@ impl TrafficArgs {
     }
 
     pub fn target(&self, url: &str) -> anyhow::Result<Target> {
+        self.targets(&[url.to_owned()])
+    }
+
+    /// One target over several replicas of a server, taken in turn per request.
+    pub fn targets(&self, urls: &[String]) -> anyhow::Result<Target> {
         anyhow::ensure!(self.request_timeout > 0.0, "--request-timeout must be > 0");
-        Target::new(
-            url,
+        Target::round_robin(
+            urls,
             &self.model,
             self.api,
             secs(self.request_timeout, "--request-timeout")?,
