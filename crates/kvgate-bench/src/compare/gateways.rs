@@ -45,13 +45,14 @@ impl Gateways {
             cluster: cluster.is_some(),
         };
         let started = async {
-            for i in 0..replicas {
+            let ports = children::free_ports(replicas)?;
+            for (i, port) in ports.into_iter().enumerate() {
                 let name = if replicas == 1 {
                     format!("serve-{}", spec.file_stem())
                 } else {
                     format!("serve-{}-r{i}", spec.file_stem())
                 };
-                let listen = format!("127.0.0.1:{}", children::free_port()?);
+                let listen = format!("127.0.0.1:{port}");
                 let extra = cluster.as_ref().map(|c| cluster_toml(c, &format!("r{i}")));
                 let args = serve_args(&listen, fleet, spec, a, log_dir, &name, extra)?;
                 gws.guards
@@ -77,31 +78,34 @@ impl Gateways {
         }
     }
 
-    /// Until every replica's `kvgate_cluster_peers` counts all the others.
+    /// Until every replica's `kvgate_cluster_peers` counts all the others; fails at once if a
+    /// replica exits meanwhile.
     async fn wait_peers(&mut self, nats_url: &str, timeout: Duration) -> anyhow::Result<()> {
         let want = (self.urls.len() - 1) as f64;
         let deadline = tokio::time::Instant::now() + timeout;
-        for (g, url) in self.guards.iter_mut().zip(&self.urls) {
-            loop {
+        loop {
+            let mut lagging = None;
+            for (g, url) in self.guards.iter_mut().zip(&self.urls) {
                 g.check_alive()?;
                 let peers = scrape(url)
                     .await
                     .ok()
                     .and_then(|m| sample_sum(&m, "kvgate_cluster_peers"));
-                if peers.is_some_and(|p| p >= want) {
-                    break;
+                if lagging.is_none() && !peers.is_some_and(|p| p >= want) {
+                    lagging = Some((url.clone(), peers.unwrap_or(0.0), g.log.clone()));
                 }
-                anyhow::ensure!(
-                    tokio::time::Instant::now() < deadline,
-                    "the gateway at {url} heard from {} of its {want} peers within {timeout:?} \
-                     (NATS at {nats_url}; log: {})",
-                    peers.unwrap_or(0.0),
-                    g.log.display()
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
             }
+            let Some((url, peers, log)) = lagging else {
+                return Ok(());
+            };
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "the gateway at {url} heard from {peers} of its {want} peers within {timeout:?} \
+                 (NATS at {nats_url}; log: {})",
+                log.display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Ok(())
     }
 
     /// Requests each replica finished (`kvgate_requests_total`, every label), `None` where its
