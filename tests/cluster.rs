@@ -4,7 +4,8 @@
 //! late gets the snapshot; NATS killed and restarted mid-run fails no request and re-syncs; a killed
 //! replica drops out of its peers within the heartbeat timeout; malformed, oversized and
 //! foreign-version messages are counted and dropped; a per-key rate limit holds across two
-//! replicas (and is twice as loose with the cluster off).
+//! replicas (and is twice as loose with the cluster off); a route message counts only the blocks
+//! past the worker's cached prefix (read off NATS and decoded).
 //! Prints `skipped: nats-server not found` when it is missing, unless `CI` is set (then it fails).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -545,4 +546,96 @@ fn per_key_rate_limit_holds_across_replicas() {
         alone >= 1.5 * shared,
         "no cluster ({alone_ok}) should admit clearly more than the cluster ({shared_ok})"
     );
+}
+
+/// Subscribe to `subject` with the NATS text protocol; returns the connection once the server
+/// has registered the subscription.
+fn nats_subscribe(port: u16, subject: &str) -> BufReader<TcpStream> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("nats");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    let mut line = String::new();
+    r.read_line(&mut line).expect("INFO");
+    write!(
+        s,
+        "CONNECT {{\"verbose\":false}}\r\nSUB {subject} 1\r\nPING\r\n"
+    )
+    .expect("sub");
+    while !line.starts_with("PONG") {
+        line.clear();
+        r.read_line(&mut line).expect("PONG");
+    }
+    r
+}
+
+/// The next `route` message on a subscription (other kinds skipped, server PINGs answered).
+fn next_route(r: &mut BufReader<TcpStream>) -> kvgate_cluster::Message {
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(Instant::now() < end, "no route message within 30 s");
+        let mut line = String::new();
+        assert!(r.read_line(&mut line).expect("read") > 0, "NATS closed");
+        if line.starts_with("PING") {
+            r.get_mut().write_all(b"PONG\r\n").expect("pong");
+            continue;
+        }
+        let Some(n) = line
+            .strip_prefix("MSG ")
+            .and_then(|h| h.split_whitespace().last())
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let mut payload = vec![0; n + 2];
+        r.read_exact(&mut payload).expect("payload");
+        let env = kvgate_cluster::wire::decode(&payload[..n], 1 << 20).expect("a valid message");
+        if let m @ kvgate_cluster::Message::Route { .. } = env.msg {
+            return m;
+        }
+    }
+}
+
+/// A route message counts the blocks the request adds on its worker, not its whole prompt: peers
+/// sum them per request, so a prefix shared by many in-flight requests must not count once each.
+#[test]
+fn route_messages_count_blocks_beyond_the_cached_prefix() {
+    if nats_missing() {
+        return;
+    }
+    let (_sim, workers) = sims(2);
+    let port = free_port();
+    let _nats = nats(port);
+    let a = replica("a", port, &workers);
+    let mut sub = nats_subscribe(port, "systest.msg");
+    let blocks_and_hashes = |m: kvgate_cluster::Message| match m {
+        kvgate_cluster::Message::Route {
+            blocks,
+            hashes,
+            worker,
+            ..
+        } => (blocks as usize, hashes, worker),
+        _ => unreachable!("next_route returns routes"),
+    };
+
+    // A new prefix: every block is new on its worker.
+    route_once(a.addr, &prompt(7, 0));
+    let (first_blocks, first, w1) = blocks_and_hashes(next_route(&mut sub));
+    assert!(first.len() > 10, "a long prompt: {} blocks", first.len());
+    assert_eq!(first_blocks, first.len());
+
+    // The same prefix again, on the worker that now holds it: only the blocks past it count.
+    route_once(a.addr, &prompt(7, 1));
+    let (second_blocks, second, w2) = blocks_and_hashes(next_route(&mut sub));
+    assert_eq!(w1, w2, "the prefix holder was chosen");
+    let shared = first
+        .iter()
+        .zip(&second)
+        .take_while(|(x, y)| x == y)
+        .count();
+    assert!(
+        shared + 2 >= second.len(),
+        "the prompts share all but their tails"
+    );
+    assert_eq!(second_blocks, second.len() - shared);
 }
