@@ -12,9 +12,20 @@ use serde_json::Value;
 /// Runs `kvgate ARGS`, output to files in `dir`; kills it after `limit`. Returns (exit ok,
 /// stdout, stderr).
 fn run_kvgate(args: &[&str], dir: &Path, limit: Duration) -> (bool, String, String) {
+    run_kvgate_env(args, &[], dir, limit)
+}
+
+/// As [`run_kvgate`] with extra environment variables.
+fn run_kvgate_env(
+    args: &[&str],
+    env: &[(&str, &str)],
+    dir: &Path,
+    limit: Duration,
+) -> (bool, String, String) {
     let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
     let mut child = Command::new(kvgate_system_tests::kvgate_bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).unwrap())
         .stderr(std::fs::File::create(&err_path).unwrap())
@@ -56,11 +67,11 @@ fn child_pids(stderr: &str) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// A process (live or zombie) with this pid that is a kvgate; a reused pid of some other program
-/// does not count.
+/// A process (live or zombie) with this pid that is a kvgate (or the nats-server a comparison
+/// starts); a reused pid of some other program does not count.
 fn kvgate_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| s.contains("(kvgate)"))
+        .map(|s| s.contains("(kvgate)") || s.contains("(nats-server)"))
         .unwrap_or(false)
 }
 
@@ -117,9 +128,10 @@ fn check_outputs(out: &Path, stdout: &str, names: &[&str], n: u64) -> Vec<f64> {
     let mut hits = vec![];
     for (row, name) in rows.iter().zip(names) {
         assert_eq!(row["policy"], *name);
+        // The errors column is the 11th (a `replicas` column may follow it).
         assert!(
-            md.lines()
-                .any(|l| l.starts_with(&format!("| {name} | ")) && l.trim_end().ends_with("| 0 |")),
+            md.lines().any(|l| l.starts_with(&format!("| {name} | "))
+                && l.split('|').nth(11).map(str::trim) == Some("0")),
             "{name} row with 0 errors:\n{md}"
         );
         let s = &row["summary"];
@@ -302,4 +314,123 @@ fn demo_rejects_bad_knobs() {
         assert!(stderr.contains(msg), "{args:?}: {stderr}");
         assert!(child_pids(&stderr).is_empty(), "nothing started: {stderr}");
     }
+}
+
+/// `--replicas 2`: one command compares one gateway, two replicas on their own and two replicas
+/// in one cluster (a nats-server the comparison starts and stops). The client takes the replicas
+/// in turn, both serve, nothing fails, and the cluster's replicas applied each other's messages.
+#[test]
+fn bench_compare_two_replicas_with_and_without_the_cluster() {
+    if Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .is_err()
+        && kvgate_system_tests::harness::tool_missing("nats-server not found")
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out_s = out.to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "one=kv:replicas=1,split=kv:cluster=false,kv");
+    args.extend(["--replicas", "2"]);
+    let (ok, stdout, stderr) = run_kvgate(&args, dir.path(), Duration::from_secs(120));
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    check_outputs(&out, &stdout, &["one", "split", "kv"], 20);
+    let md = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(
+        md.lines()
+            .next()
+            .unwrap()
+            .ends_with("| errors | replicas |"),
+        "{md}"
+    );
+    for (name, cell) in [
+        ("one", "1"),
+        ("split", "2 (no cluster)"),
+        ("kv", "2 (cluster)"),
+    ] {
+        assert!(
+            md.lines().any(|l| l.starts_with(&format!("| {name} | "))
+                && l.trim_end().ends_with(&format!("| {cell} |"))),
+            "{name}: {cell}\n{md}"
+        );
+    }
+    let json = read_json(&out.join("compare.json"));
+    let rows = json["rows"].as_array().unwrap();
+    let shape: Vec<(u64, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["replicas"].as_u64().unwrap(),
+                r["cluster"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(shape, [(1, false), (2, false), (2, true)]);
+    assert_eq!(
+        rows[0]["replica_traffic"],
+        serde_json::json!([{"sent": 20, "served": 20}])
+    );
+    for row in &rows[1..] {
+        // Round robin per request: 10 each; each replica's own counter agrees.
+        let traffic = row["replica_traffic"].as_array().unwrap();
+        assert_eq!(traffic.len(), 2, "{row}");
+        for t in traffic {
+            assert_eq!(t["sent"], 10, "{row}");
+            assert_eq!(t["served"], 10, "{row}");
+        }
+    }
+    // The cluster's replicas applied each other's decisions (the lag histogram counts them).
+    assert!(rows[1].get("sync_lag").is_none(), "{}", rows[1]);
+    let lag = &rows[2]["sync_lag"];
+    assert!(lag["count"].as_u64().unwrap() >= 10, "{lag}");
+    assert!(
+        stdout.contains("kv: requests per replica sent 10/10, served 10/10; sync lag over"),
+        "{stdout}"
+    );
+    // Two rows' replicas never shared subjects: each row's config names its own prefix.
+    let cfg0 = std::fs::read_to_string(out.join("logs/serve-kv-r0.toml")).unwrap();
+    let cfg1 = std::fs::read_to_string(out.join("logs/serve-kv-r1.toml")).unwrap();
+    assert!(cfg0.contains("replica_id = \"r0\"") && cfg1.contains("replica_id = \"r1\""));
+    assert!(cfg0.contains("subject_prefix = \"kvgate-bench-"), "{cfg0}");
+    assert!(
+        !out.join("logs/serve-split-r0.toml").exists() || {
+            let c = std::fs::read_to_string(out.join("logs/serve-split-r0.toml")).unwrap();
+            !c.contains("[cluster]")
+        }
+    );
+    assert_children_gone(
+        &stderr,
+        &[
+            "sim",
+            "nats-server",
+            "serve-one",
+            "serve-split-r0",
+            "serve-split-r1",
+            "serve-kv-r0",
+            "serve-kv-r1",
+        ],
+    );
+}
+
+/// Replicas with the cluster on and no NATS: a clear error before anything starts.
+#[test]
+fn bench_compare_replicas_without_nats_fail_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty-path");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out_s = dir.path().join("out").to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "kv");
+    args.extend(["--replicas", "2"]);
+    let (ok, stdout, stderr) = run_kvgate_env(
+        &args,
+        &[("PATH", empty.to_str().unwrap())],
+        dir.path(),
+        Duration::from_secs(30),
+    );
+    assert!(!ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stderr.contains("nats-server is not on PATH"), "{stderr}");
+    assert!(stderr.contains("--nats-url"), "{stderr}");
+    assert!(child_pids(&stderr).is_empty(), "nothing started: {stderr}");
 }

@@ -3,7 +3,9 @@
 //! routing state. Checked: replica B routes a prefix first seen by A to A's worker; a replica started
 //! late gets the snapshot; NATS killed and restarted mid-run fails no request and re-syncs; a killed
 //! replica drops out of its peers within the heartbeat timeout; malformed, oversized and
-//! foreign-version messages are counted and dropped.
+//! foreign-version messages are counted and dropped; a per-key rate limit holds across two
+//! replicas (and is twice as loose with the cluster off); a route message counts only the blocks
+//! past the worker's cached prefix (read off NATS and decoded).
 //! Prints `skipped: nats-server not found` when it is missing, unless `CI` is set (then it fails).
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -43,11 +45,22 @@ fn nats(port: u16) -> Proc {
 
 /// One HTTP/1.1 exchange with `Connection: close`: (status, body).
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
+    http_with(addr, method, path, "", body)
+}
+
+/// As [`http`] with extra header lines (each ending in `\r\n`).
+fn http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{headers}connection: close\r\n\r\n{body}",
         body.len()
     )?;
     let mut out = String::new();
@@ -86,23 +99,36 @@ fn served(addr: SocketAddr) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// The replicas' heartbeat (and rate-limit usage report) period.
+const HEARTBEAT_MS: u64 = 200;
+
 struct Replica {
     proc: Proc,
     addr: SocketAddr,
 }
 
 fn replica(id: &str, nats_port: u16, workers: &[String]) -> Replica {
+    replica_with(id, Some(nats_port), workers, "")
+}
+
+/// A replica in the cluster on `nats_port` (or, with `None`, on its own), with `extra` TOML
+/// tables in its config.
+fn replica_with(id: &str, nats_port: Option<u16>, workers: &[String], extra: &str) -> Replica {
     let bin = kvgate_system_tests::kvgate_bin();
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = dir.path().join("kvgate.toml");
     let mut toml = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
          [routing]\npolicy = \"kv\"\n\
-         [upstream]\nmonitor = false\n\
-         [cluster]\nnats_url = \"nats://127.0.0.1:{nats_port}\"\nreplica_id = \"{id}\"\n\
-         subject_prefix = \"systest\"\nheartbeat_interval_ms = 200\nheartbeat_timeout_ms = 1500\n\
-         max_message_bytes = 65536\nsnapshot_wait_ms = 300\n"
+         [upstream]\nmonitor = false\n{extra}\n"
     );
+    if let Some(nats_port) = nats_port {
+        toml.push_str(&format!(
+            "[cluster]\nnats_url = \"nats://127.0.0.1:{nats_port}\"\nreplica_id = \"{id}\"\n\
+             subject_prefix = \"systest\"\nheartbeat_interval_ms = {HEARTBEAT_MS}\n\
+             heartbeat_timeout_ms = 1500\nmax_message_bytes = 65536\nsnapshot_wait_ms = 300\n"
+        ));
+    }
     for (i, w) in workers.iter().enumerate() {
         toml.push_str(&format!(
             "[[workers]]\nname = \"w{i}\"\nurl = \"{w}\"\nmodels = [\"sim-model\"]\n"
@@ -217,26 +243,31 @@ fn nats_publish(port: u16, subject: &str, payloads: &[Vec<u8>]) {
     }
 }
 
-#[test]
-fn replicas_route_as_one_over_nats() {
+/// True (after printing `skipped: ...`) when nats-server is missing locally; fails under CI.
+fn nats_missing() -> bool {
     if Command::new("nats-server")
         .arg("--version")
         .output()
-        .is_err()
+        .is_ok()
     {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "nats-server not found (.ci/run installs it)"
-        );
-        println!("skipped: nats-server not found");
-        return;
+        return false;
     }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "nats-server not found (.ci/run installs it)"
+    );
+    println!("skipped: nats-server not found");
+    true
+}
+
+/// `kvgate sim --workers n` at speed-up 20: the process and its workers' URLs.
+fn sims(n: usize) -> (Proc, Vec<String>) {
     let bin = kvgate_system_tests::kvgate_bin();
     let mut sim = Command::new(&bin)
         .args([
             "sim",
             "--workers",
-            "4",
+            &n.to_string(),
             "--port",
             "0",
             "--model",
@@ -249,7 +280,7 @@ fn replicas_route_as_one_over_nats() {
         .spawn()
         .expect("kvgate sim starts");
     let mut out = BufReader::new(sim.stdout.take().expect("stdout"));
-    let _sim = Proc(sim);
+    let proc = Proc(sim);
     let mut workers = Vec::new();
     let mut line = String::new();
     loop {
@@ -266,7 +297,23 @@ fn replicas_route_as_one_over_nats() {
             break;
         }
     }
-    assert_eq!(workers.len(), 4);
+    assert_eq!(workers.len(), n);
+    // Keep reading so the sim never writes into a closed pipe.
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        while out.read_line(&mut s).unwrap_or(0) > 0 {
+            s.clear();
+        }
+    });
+    (proc, workers)
+}
+
+#[test]
+fn replicas_route_as_one_over_nats() {
+    if nats_missing() {
+        return;
+    }
+    let (_sim, workers) = sims(4);
 
     let port = free_port();
     let mut nats_proc = Some(nats(port));
@@ -395,4 +442,200 @@ fn replicas_route_as_one_over_nats() {
         killed.elapsed()
     );
     drop(nats_proc);
+}
+
+/// Sends the same key's requests alternately to `replicas` from 4 threads, 10 req/s each, for
+/// `secs` seconds. Returns (accepted, rejected with 429, seconds from the first to the last send).
+fn hammer(replicas: &[SocketAddr], key: &str, secs: f64) -> (u32, u32, f64) {
+    let start = Instant::now();
+    let threads: Vec<_> = (0..4u32)
+        .map(|k| {
+            let replicas = replicas.to_vec();
+            let header = format!("authorization: Bearer {key}\r\n");
+            std::thread::spawn(move || {
+                let (mut ok, mut limited, mut last) = (0u32, 0u32, Duration::ZERO);
+                let body = r#"{"model":"sim-model","messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+                for j in 0u32.. {
+                    // Thread k's j-th send is due at k×25 ms + j×100 ms.
+                    let due = Duration::from_millis(u64::from(k) * 25 + u64::from(j) * 100);
+                    if due.as_secs_f64() >= secs {
+                        break;
+                    }
+                    if let Some(wait) = due.checked_sub(start.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                    last = last.max(start.elapsed());
+                    let to = replicas[((k + j) as usize) % replicas.len()];
+                    match http_with(to, "POST", "/v1/chat/completions", &header, body) {
+                        Ok((200, _)) => ok += 1,
+                        Ok((429, _)) => limited += 1,
+                        other => panic!("unexpected answer from {to}: {other:?}"),
+                    }
+                }
+                (ok, limited, last)
+            })
+        })
+        .collect();
+    let mut total = (0, 0, Duration::ZERO);
+    for t in threads {
+        let (ok, limited, last) = t.join().expect("sender thread");
+        total = (total.0 + ok, total.1 + limited, total.2.max(last));
+    }
+    (total.0, total.1, total.2.as_secs_f64())
+}
+
+/// Issue 18: a key limited to R req/s gets about R req/s in total through two replicas that
+/// share their usage over NATS, not 2R as through two replicas on their own.
+#[test]
+fn per_key_rate_limit_holds_across_replicas() {
+    if nats_missing() {
+        return;
+    }
+    const RATE: f64 = 5.0;
+    const BURST: f64 = 2.0;
+    const SECS: f64 = 4.0;
+    let auth = format!(
+        "[auth]\nkeys = [{{ key = \"k-limited\", rate_per_s = {RATE:.1}, burst = {BURST:.1} }}]\n"
+    );
+    let (_sim, workers) = sims(2);
+    let port = free_port();
+    let _nats = nats(port);
+
+    // Cluster on: every bucket is charged with the peer's admissions each heartbeat.
+    let a = replica_with("a", Some(port), &workers, &auth);
+    let b = replica_with("b", Some(port), &workers, &auth);
+    for r in [&a, &b] {
+        until("peers see each other", || {
+            sample(&metrics(r.addr), "kvgate_cluster_peers ") >= 1.0
+        });
+    }
+    let (shared_ok, shared_429, elapsed) = hammer(&[a.addr, b.addr], "k-limited", SECS);
+    drop((a, b));
+
+    // Cluster off: the same two replicas, each with its own bucket.
+    let a = replica_with("a", None, &workers, &auth);
+    let b = replica_with("b", None, &workers, &auth);
+    let (alone_ok, alone_429, elapsed_alone) = hammer(&[a.addr, b.addr], "k-limited", SECS);
+    println!(
+        "cluster: {shared_ok} accepted, {shared_429} limited in {elapsed:.2} s; \
+         no cluster: {alone_ok} accepted, {alone_429} limited in {elapsed_alone:.2} s"
+    );
+
+    // One bucket's worth: R × duration + the burst, plus the documented slack (docs/cluster.md):
+    // the other replica's own starting burst, and up to (replicas − 1) × R × heartbeat interval
+    // admitted before a usage report lands. One more request for timer granularity.
+    let one = RATE * elapsed + BURST;
+    let slack = BURST + RATE * HEARTBEAT_MS as f64 / 1e3 + 1.0;
+    let shared = f64::from(shared_ok);
+    assert!(
+        shared <= one + slack,
+        "cluster: {shared_ok} accepted, more than {one:.1} + slack {slack:.1}"
+    );
+    assert!(
+        shared >= 0.8 * RATE * elapsed,
+        "cluster: only {shared_ok} accepted"
+    );
+    // The load offered (40 req/s, 20 per replica) is 4x the rate: without the cluster each
+    // replica admits its own R × duration + burst.
+    let alone = f64::from(alone_ok);
+    assert!(
+        alone >= 1.7 * RATE * elapsed_alone,
+        "no cluster: {alone_ok} accepted; expected about twice the rate"
+    );
+    assert!(
+        alone >= 1.5 * shared,
+        "no cluster ({alone_ok}) should admit clearly more than the cluster ({shared_ok})"
+    );
+}
+
+/// Subscribe to `subject` with the NATS text protocol; returns the connection once the server
+/// has registered the subscription.
+fn nats_subscribe(port: u16, subject: &str) -> BufReader<TcpStream> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("nats");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    let mut line = String::new();
+    r.read_line(&mut line).expect("INFO");
+    write!(
+        s,
+        "CONNECT {{\"verbose\":false}}\r\nSUB {subject} 1\r\nPING\r\n"
+    )
+    .expect("sub");
+    while !line.starts_with("PONG") {
+        line.clear();
+        r.read_line(&mut line).expect("PONG");
+    }
+    r
+}
+
+/// The next `route` message on a subscription (other kinds skipped, server PINGs answered).
+fn next_route(r: &mut BufReader<TcpStream>) -> kvgate_cluster::Message {
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(Instant::now() < end, "no route message within 30 s");
+        let mut line = String::new();
+        assert!(r.read_line(&mut line).expect("read") > 0, "NATS closed");
+        if line.starts_with("PING") {
+            r.get_mut().write_all(b"PONG\r\n").expect("pong");
+            continue;
+        }
+        let Some(n) = line
+            .strip_prefix("MSG ")
+            .and_then(|h| h.split_whitespace().last())
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        let mut payload = vec![0; n + 2];
+        r.read_exact(&mut payload).expect("payload");
+        let env = kvgate_cluster::wire::decode(&payload[..n], 1 << 20).expect("a valid message");
+        if let m @ kvgate_cluster::Message::Route { .. } = env.msg {
+            return m;
+        }
+    }
+}
+
+/// A route message counts the blocks the request adds on its worker, not its whole prompt: peers
+/// sum them per request, so a prefix shared by many in-flight requests must not count once each.
+#[test]
+fn route_messages_count_blocks_beyond_the_cached_prefix() {
+    if nats_missing() {
+        return;
+    }
+    let (_sim, workers) = sims(2);
+    let port = free_port();
+    let _nats = nats(port);
+    let a = replica("a", port, &workers);
+    let mut sub = nats_subscribe(port, "systest.msg");
+    let blocks_and_hashes = |m: kvgate_cluster::Message| match m {
+        kvgate_cluster::Message::Route {
+            blocks,
+            hashes,
+            worker,
+            ..
+        } => (blocks as usize, hashes, worker),
+        _ => unreachable!("next_route returns routes"),
+    };
+
+    // A new prefix: every block is new on its worker.
+    route_once(a.addr, &prompt(7, 0));
+    let (first_blocks, first, w1) = blocks_and_hashes(next_route(&mut sub));
+    assert!(first.len() > 10, "a long prompt: {} blocks", first.len());
+    assert_eq!(first_blocks, first.len());
+
+    // The same prefix again, on the worker that now holds it: only the blocks past it count.
+    route_once(a.addr, &prompt(7, 1));
+    let (second_blocks, second, w2) = blocks_and_hashes(next_route(&mut sub));
+    assert_eq!(w1, w2, "the prefix holder was chosen");
+    let shared = first
+        .iter()
+        .zip(&second)
+        .take_while(|(x, y)| x == y)
+        .count();
+    assert!(
+        shared + 2 >= second.len(),
+        "the prompts share all but their tails"
+    );
+    assert_eq!(second_blocks, second.len() - shared);
 }

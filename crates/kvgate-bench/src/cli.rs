@@ -20,10 +20,10 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Drive one OpenAI-compatible endpoint with a workload and report latency, throughput,
     /// goodput and cache reuse.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Start a simulated fleet and one gateway per policy, replay the same workload against each
     /// (plus any --external router), and write a table, JSON and SVG plots.
-    Compare(crate::compare::CompareArgs),
+    Compare(Box<crate::compare::CompareArgs>),
 }
 
 /// What to send.
@@ -177,9 +177,14 @@ impl TrafficArgs {
     }
 
     pub fn target(&self, url: &str) -> anyhow::Result<Target> {
+        self.targets(&[url.to_owned()])
+    }
+
+    /// One target over several replicas of a server, taken in turn per request.
+    pub fn targets(&self, urls: &[String]) -> anyhow::Result<Target> {
         anyhow::ensure!(self.request_timeout > 0.0, "--request-timeout must be > 0");
-        Target::new(
-            url,
+        Target::round_robin(
+            urls,
             &self.model,
             self.api,
             secs(self.request_timeout, "--request-timeout")?,
@@ -229,8 +234,8 @@ pub use crate::demo::DemoArgs;
 
 pub async fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
-        BenchCommand::Run(a) => run_once(a).await,
-        BenchCommand::Compare(a) => crate::compare::run(a).await,
+        BenchCommand::Run(a) => run_once(*a).await,
+        BenchCommand::Compare(a) => crate::compare::run(*a).await,
     }
 }
 

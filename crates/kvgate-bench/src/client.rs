@@ -3,6 +3,8 @@
 //! end-to-end latency, token counts and `cached_tokens` from the final usage chunk
 //! (`stream_options.include_usage`).
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -38,11 +40,16 @@ pub fn words(tokens: &[u32]) -> String {
     text
 }
 
-/// A pooled HTTP client bound to one server and model.
+/// A pooled HTTP client bound to one model and one server, or to several replicas of one server
+/// that it takes in turn per request (round robin, as a plain load balancer in front of gateway
+/// replicas would).
 #[derive(Clone)]
 pub struct Target {
     client: Client<HttpConnector, Full<Bytes>>,
-    uri: http::Uri,
+    uris: Arc<[http::Uri]>,
+    /// The next replica's index (mod `uris.len()`), and the requests sent to each.
+    next: Arc<AtomicUsize>,
+    sent: Arc<[AtomicU64]>,
     model: String,
     api: Api,
     timeout: Duration,
@@ -50,19 +57,36 @@ pub struct Target {
 
 impl Target {
     pub fn new(base_url: &str, model: &str, api: Api, timeout: Duration) -> anyhow::Result<Self> {
-        let base = base_url.trim_end_matches('/');
-        anyhow::ensure!(
-            base.starts_with("http://"),
-            "--url must be an http:// URL (got {base_url:?})"
-        );
+        Self::round_robin(&[base_url.to_owned()], model, api, timeout)
+    }
+
+    /// Requests go to `base_urls[0]`, `[1]`, ... in turn.
+    pub fn round_robin(
+        base_urls: &[String],
+        model: &str,
+        api: Api,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        anyhow::ensure!(!base_urls.is_empty(), "no URL to send requests to");
         let path = match api {
             Api::Completions | Api::Text => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
         };
-        let base = base.strip_suffix("/v1").unwrap_or(base);
-        let uri: http::Uri = format!("{base}{path}")
-            .parse()
-            .map_err(|e| anyhow::anyhow!("bad --url {base_url:?}: {e}"))?;
+        let uris = base_urls
+            .iter()
+            .map(|base_url| {
+                let base = base_url.trim_end_matches('/');
+                anyhow::ensure!(
+                    base.starts_with("http://"),
+                    "--url must be an http:// URL (got {base_url:?})"
+                );
+                let base = base.strip_suffix("/v1").unwrap_or(base);
+                format!("{base}{path}")
+                    .parse::<http::Uri>()
+                    .map_err(|e| anyhow::anyhow!("bad --url {base_url:?}: {e}"))
+            })
+            .collect::<anyhow::Result<Arc<[http::Uri]>>>()?;
+        let sent = uris.iter().map(|_| AtomicU64::new(0)).collect();
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
         conn.set_connect_timeout(Some(Duration::from_secs(5)));
@@ -71,11 +95,21 @@ impl Target {
             .build(conn);
         Ok(Self {
             client,
-            uri,
+            uris,
+            next: Arc::new(AtomicUsize::new(0)),
+            sent,
             model: model.to_owned(),
             api,
             timeout,
         })
+    }
+
+    /// Requests sent so far to each URL, in the order given.
+    pub fn sent_per_url(&self) -> Vec<u64> {
+        self.sent
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// The JSON body for one request.
@@ -118,7 +152,9 @@ impl Target {
     }
 
     async fn drive(&self, r: &Request, start: Instant, out: &mut Outcome) -> Result<(), String> {
-        let req = http::Request::post(self.uri.clone())
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.uris.len();
+        self.sent[i].fetch_add(1, Ordering::Relaxed);
+        let req = http::Request::post(self.uris[i].clone())
             .header(http::header::CONTENT_TYPE, "application/json")
             .header(http::header::ACCEPT, "text/event-stream")
             .body(Full::new(Bytes::from(self.body(r))))
@@ -287,7 +323,7 @@ mod tests {
             Duration::from_secs(1),
         )
         .unwrap();
-        assert_eq!(t.uri.path(), "/v1/completions");
+        assert_eq!(t.uris[0].path(), "/v1/completions");
         let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
         assert_eq!(v["prompt"], serde_json::json!([1001, 1002]));
         assert_eq!(v["stream_options"]["include_usage"], true);
@@ -296,9 +332,35 @@ mod tests {
         let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
         assert_eq!(v["messages"][0]["content"], "w1001 w1002 ");
         let t = Target::new("http://127.0.0.1:1", "m", Api::Text, Duration::from_secs(1)).unwrap();
-        assert_eq!(t.uri.path(), "/v1/completions");
+        assert_eq!(t.uris[0].path(), "/v1/completions");
         let v: Value = serde_json::from_slice(&t.body(&r)).unwrap();
         assert_eq!(v["prompt"], "w1001 w1002 ");
         assert!(Target::new("https://x", "m", Api::Chat, Duration::from_secs(1)).is_err());
+    }
+
+    #[tokio::test]
+    async fn round_robin_takes_each_url_in_turn() {
+        let r = Request {
+            at: None,
+            prompt: vec![1],
+            max_tokens: 1,
+        };
+        // Nothing listens on these ports: every send fails fast with `connect`.
+        let urls = [
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2/".into(),
+        ];
+        let t = Target::round_robin(&urls, "m", Api::Completions, Duration::from_secs(5)).unwrap();
+        let clone = t.clone();
+        for i in 0..5 {
+            let t = if i % 2 == 0 { &t } else { &clone };
+            assert_eq!(
+                t.send(&r, Duration::ZERO).await.error.as_deref(),
+                Some("connect")
+            );
+        }
+        // Clones share the turn (the runner clones the target into every request's task).
+        assert_eq!(t.sent_per_url(), vec![3, 2]);
+        assert!(Target::round_robin(&[], "m", Api::Chat, Duration::from_secs(1)).is_err());
     }
 }

@@ -6,14 +6,21 @@
 //! every run, while sampling each worker's running requests. Writes `compare.md`, `compare.json`,
 //! `ttft_cdf.svg` and `worker_load.svg` to `--out-dir`.
 //!
+//! With `--replicas N` each policy runs as N gateways that the client takes in turn per request
+//! (a plain load balancer), sharing state over a NATS server the comparison starts (or
+//! `--nats-url`) unless the entry says `cluster=false`.
+//!
 //! Files: `capacity.rs` (each worker's KV capacity for the oracle, from its `/metrics`),
-//! `children.rs` (process guards, ports, readiness), `http.rs` (control calls),
-//! `policy_spec.rs` (`--policies` entries with per-gateway routing keys), `sampler.rs` (load
-//! sampling).
+//! `children.rs` (process guards, ports, readiness), `gateways.rs` (one row's `kvgate serve`
+//! replicas, their configs and their `/metrics`), `http.rs` (control calls), `nats.rs` (the NATS
+//! server replicas share), `policy_spec.rs` (`--policies` entries with per-gateway routing keys),
+//! `sampler.rs` (load sampling).
 
 pub mod capacity;
 pub mod children;
+pub mod gateways;
 pub mod http;
+pub mod nats;
 pub mod policy_spec;
 pub mod sampler;
 
@@ -25,8 +32,9 @@ use serde::Serialize;
 
 use crate::cli::{TrafficArgs, WorkloadArgs};
 use crate::oracle::Oracle;
-use crate::report::{self, PolicyRow};
+use crate::report::{self, PolicyRow, ReplicaTraffic};
 use children::ChildGuard;
+use gateways::{ClusterLink, Gateways};
 use policy_spec::PolicySpec;
 use sampler::{Sample, Sampler};
 
@@ -62,6 +70,15 @@ pub struct CompareArgs {
     /// Load sampling period (ms) of each worker's /metrics.
     #[arg(long, default_value_t = 250)]
     pub sample_ms: u64,
+    /// Run every policy as N `kvgate serve` replicas over the same fleet, the client taking them
+    /// in turn per request; N > 1 shares state over NATS (`[cluster]`) unless the entry says
+    /// `cluster=false`. An entry's `replicas=N` overrides this.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// The NATS server replicated gateways share (default: start `nats-server` from PATH on a
+    /// free loopback port).
+    #[arg(long)]
+    pub nats_url: Option<String>,
 }
 
 /// The simulated fleet (ignored for spawning when `--worker` URLs are given).
@@ -307,104 +324,6 @@ pub fn parse_worker_line(line: &str) -> Option<(usize, String)> {
     Some((i, addr.trim_end_matches('/').to_owned()))
 }
 
-/// Arguments for one `kvgate serve` in front of the fleet. With every worker's KV-event endpoint
-/// known (and not `--approx-index`), the workers go into a generated config file so the gateway
-/// subscribes to their events (exact index); otherwise `--worker` flags (approximate index). The
-/// spec's routing keys go into the same file's `[routing]` table.
-fn serve_args(
-    listen: &str,
-    fleet: &Fleet,
-    spec: &PolicySpec,
-    a: &CompareArgs,
-    dir: &std::path::Path,
-) -> anyhow::Result<Vec<String>> {
-    let mut args: Vec<String> = vec![
-        "serve".into(),
-        "--listen".into(),
-        listen.into(),
-        "--policy".into(),
-        spec.policy.clone(),
-    ];
-    let events: Option<Vec<&String>> = fleet.kv_events.iter().map(Option::as_ref).collect();
-    let events = events.filter(|_| !a.approx_index);
-    let mut toml = String::new();
-    let no_roles = vec![None; fleet.urls.len()];
-    let roles = if spec.unified {
-        &no_roles
-    } else {
-        &fleet.roles
-    };
-    match &events {
-        Some(events) => {
-            toml = workers_toml(
-                &fleet.urls,
-                events,
-                roles,
-                &a.traffic.model,
-                a.fleet.bootstrap_on_http_port,
-            )
-        }
-        None => {
-            anyhow::ensure!(
-                !a.fleet.bootstrap_on_http_port,
-                "--bootstrap-on-http-port needs the workers' KV-event endpoints (--worker-kv-events)"
-            );
-            for (w, role) in fleet.urls.iter().zip(roles) {
-                args.push(match role.as_deref() {
-                    Some("prefill") => "--prefill-worker".into(),
-                    Some("decode") => "--decode-worker".into(),
-                    _ => "--worker".into(),
-                });
-                args.push(w.clone());
-            }
-            args.push("--model".into());
-            args.push(a.traffic.model.clone());
-        }
-    }
-    toml.push_str(&spec.routing_toml());
-    if !toml.is_empty() {
-        let path = dir.join(format!("serve-{}.toml", spec.file_stem()));
-        std::fs::write(&path, toml)
-            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
-        args.push("--config".into());
-        args.push(path.to_string_lossy().into_owned());
-    }
-    args.push("--block-size".into());
-    args.push(a.fleet.block_size.to_string());
-    // The per-request log line goes to stdout, which nobody reads here.
-    args.push("--no-request-log".into());
-    args.extend(a.serve_args.iter().cloned());
-    Ok(args)
-}
-
-/// `[[workers]]` tables with KV-event endpoints (flags still set listen/policy/block size).
-fn workers_toml(
-    urls: &[String],
-    events: &[&String],
-    roles: &[Option<String>],
-    model: &str,
-    bootstrap_on_http_port: bool,
-) -> String {
-    let q = |s: &str| serde_json::to_string(s).expect("strings serialize");
-    let mut t = String::from("# Generated by kvgate bench compare.\n");
-    for (i, (u, e)) in urls.iter().zip(events).enumerate() {
-        t.push_str(&format!(
-            "\n[[workers]]\nurl = {}\nname = \"sim-{i}\"\nmodels = [{}]\nkv_events = {}\n",
-            q(u),
-            q(model),
-            q(e)
-        ));
-        if let Some(Some(r)) = roles.get(i) {
-            t.push_str(&format!("role = {}\n", q(r)));
-            let port = u.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
-            if let (true, "prefill", Some(port)) = (bootstrap_on_http_port, r.as_str(), port) {
-                t.push_str(&format!("bootstrap_port = {port}\n"));
-            }
-        }
-    }
-    t
-}
-
 /// What one row of the comparison measures.
 enum Router {
     /// A `kvgate serve` we start.
@@ -442,6 +361,16 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         .min(wl.requests.len());
     let sent = wl.head(n_sent);
 
+    // Replicas sharing state need NATS: fail before anything starts when there is none.
+    anyhow::ensure!(a.replicas > 0, "--replicas must be > 0");
+    let need_nats = specs
+        .iter()
+        .any(|s| s.replicas.unwrap_or(a.replicas) > 1 && s.cluster);
+    let nats_server = match (need_nats, &a.nats_url) {
+        (true, None) => Some(nats::require_server()?),
+        _ => None,
+    };
+
     // An approximate-index comparison needs sims that publish no events: the gateway would
     // otherwise discover the publishers through /kv_event_sources and subscribe anyway.
     let mut fleet_args = a.fleet.clone();
@@ -460,8 +389,19 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     let worker_capacity = capacity::read(&fleet.urls, a.fleet.num_gpu_blocks as u64, bs).await;
     let pooled = capacity::pooled_blocks(&worker_capacity, bs);
     let oracle = crate::oracle::compute(&sent, a.fleet.block_size, Some(pooled));
-    // Every exit from here on, error or not, stops (and reaps) the fleet before returning;
-    // dropping it would only send the kill.
+    // Every exit from here on, error or not, stops (and reaps) the fleet and the NATS server
+    // before returning; dropping them would only send the kill.
+    let nats = if need_nats {
+        match nats::Nats::start(a.nats_url.as_deref(), nats_server.as_deref(), &log_dir).await {
+            Ok(n) => Some(n),
+            Err(e) => {
+                fleet.stop().await;
+                return Err(e);
+            }
+        }
+    } else {
+        None
+    };
     let measured = async {
         let exe = kvgate_exe(&a.fleet)?;
         let mut rows = Vec::new();
@@ -477,32 +417,30 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 .iter()
                 .map(|(n, u)| (n.clone(), Router::External(u.clone()))),
         );
-        for (name, router) in routers {
+        for (i, (name, router)) in routers.into_iter().enumerate() {
             fleet.reset_caches().await?;
-            let (url, gateway) = match router {
-                Router::External(url) => (url, None),
+            let (urls, gateways) = match router {
+                Router::External(url) => (vec![url], None),
                 Router::Gateway(spec) => {
-                    let port = children::free_port()?;
-                    let listen = format!("127.0.0.1:{port}");
-                    let args = serve_args(&listen, &fleet, &spec, a, &log_dir)?;
-                    let child_name = format!("serve-{}", spec.file_stem());
-                    let mut g = ChildGuard::spawn(&exe, &args, &child_name, &log_dir)?;
-                    let url = format!("http://{listen}");
-                    let ready = g
-                        .wait_http_ok(&format!("{url}/ready"), Duration::from_secs(60))
-                        .await;
-                    if let Err(e) = ready {
-                        g.stop().await;
-                        return Err(e);
-                    }
-                    (url, Some(g))
+                    let replicas = spec.replicas.unwrap_or(a.replicas);
+                    let link = nats
+                        .as_ref()
+                        .filter(|_| replicas > 1 && spec.cluster)
+                        .map(|n| ClusterLink {
+                            nats_url: &n.url,
+                            // Ours alone on a shared NATS, and one per row.
+                            subject_prefix: format!("kvgate-bench-{}-{i}", std::process::id()),
+                        });
+                    let g =
+                        Gateways::start(&exe, &fleet, &spec, a, &log_dir, replicas, link).await?;
+                    (g.urls.clone(), Some(g))
                 }
             };
-            eprintln!("running {name} against {url} ...");
-            let target = match a.traffic.target(&url) {
+            eprintln!("running {name} against {} ...", urls.join(" "));
+            let target = match a.traffic.targets(&urls) {
                 Ok(t) => t,
                 Err(e) => {
-                    if let Some(g) = gateway {
+                    if let Some(g) = gateways {
                         g.stop().await;
                     }
                     return Err(e);
@@ -514,7 +452,18 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
             );
             let res = crate::runner::run(&target, &wl, &cfg).await;
             let samples = sampler.finish().await;
-            if let Some(g) = gateway {
+            // Read from the gateways before they stop: what each served, the cluster's lag.
+            let (mut replica_traffic, mut sync_lag, mut cluster) = (Vec::new(), None, false);
+            if let Some(g) = gateways {
+                let served = g.requests_served().await;
+                replica_traffic = target
+                    .sent_per_url()
+                    .into_iter()
+                    .zip(served)
+                    .map(|(sent, served)| ReplicaTraffic { sent, served })
+                    .collect();
+                sync_lag = g.sync_lag().await;
+                cluster = g.cluster;
                 g.stop().await;
             }
             let res = res?;
@@ -529,6 +478,10 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 load_max_over_mean: report::max_over_mean(&per_worker),
                 worker_mean_running: per_worker,
                 summary,
+                replicas: urls.len(),
+                cluster,
+                replica_traffic,
+                sync_lag,
             });
             ttfts.push((
                 name.clone(),
@@ -544,6 +497,9 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     }
     .await;
     let worker_urls = fleet.urls.clone();
+    if let Some(n) = nats {
+        n.stop().await;
+    }
     fleet.stop().await;
     let (rows, ttfts, loads) = measured?;
 
@@ -599,43 +555,6 @@ mod tests {
         );
         assert!(parse_external("nourl").is_err());
         assert!(parse_external("=http://x").is_err());
-        let t = workers_toml(
-            &["http://a:1".into()],
-            &[&"tcp://a:2".to_string()],
-            &[None],
-            "m",
-            false,
-        );
-        assert!(t.contains("[[workers]]\nurl = \"http://a:1\"\nname = \"sim-0\"\nmodels = [\"m\"]\nkv_events = \"tcp://a:2\"\n"), "{t}");
-        assert!(!t.contains("role"), "{t}");
-        let t = workers_toml(
-            &["http://a:1".into(), "http://b:1".into()],
-            &[&"tcp://a:2".to_string(), &"tcp://b:2".to_string()],
-            &[Some("prefill".into()), Some("decode".into())],
-            "m",
-            false,
-        );
-        assert!(
-            t.contains("kv_events = \"tcp://a:2\"\nrole = \"prefill\"\n"),
-            "{t}"
-        );
-        assert!(
-            t.contains("kv_events = \"tcp://b:2\"\nrole = \"decode\"\n"),
-            "{t}"
-        );
-        assert!(!t.contains("bootstrap_port"), "{t}");
-        let t = workers_toml(
-            &["http://a:18001".into(), "http://b:18002".into()],
-            &[&"tcp://a:2".to_string(), &"tcp://b:2".to_string()],
-            &[Some("prefill".into()), Some("decode".into())],
-            "m",
-            true,
-        );
-        assert!(
-            t.contains("role = \"prefill\"\nbootstrap_port = 18001\n"),
-            "{t}"
-        );
-        assert_eq!(t.matches("bootstrap_port").count(), 1, "{t}");
         let r = given_roles(3, Some(1)).expect("valid split");
         assert_eq!(
             r,

@@ -1,4 +1,5 @@
-//! `kvgate demo`: a simulated fleet, a shared-prefix workload, three policies, one table.
+//! `kvgate demo`: a simulated fleet, a shared-prefix workload, three policies, one table
+//! (`--replicas N`: plus `kv` as N replicas without and with cluster mode).
 
 use std::path::PathBuf;
 
@@ -25,6 +26,13 @@ pub struct DemoArgs {
     /// Where the table, JSON, plots and logs go (default: $TMPDIR/kvgate-demo).
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    /// Also run `kv` as N gateway replicas behind a round-robin client, without and with cluster
+    /// mode (a row each; needs nats-server on PATH or --nats-url).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// NATS for the replicas' cluster (default: start nats-server from PATH).
+    #[arg(long)]
+    pub nats_url: Option<String>,
 }
 
 impl Default for DemoArgs {
@@ -53,6 +61,15 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
         d.speedup.to_string(),
     );
     let requests = d.requests.map(|n| n.to_string());
+    let n = d.replicas;
+    let policies = if n > 1 {
+        format!(
+            "round_robin,least_loaded,kv,kv_x{n}_no_cluster=kv:replicas={n}:cluster=false,\
+             kv_x{n}_cluster=kv:replicas={n}"
+        )
+    } else {
+        "round_robin,least_loaded,kv".to_owned()
+    };
     let mut argv = vec![
         "demo",
         "--workload",
@@ -78,7 +95,7 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
         "--rate",
         &rate,
         "--policies",
-        "round_robin,least_loaded,kv",
+        &policies,
         "--quiet",
         "--out-dir",
         &out,
@@ -86,12 +103,16 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
     if let Some(n) = &requests {
         argv.extend(["--requests", n]);
     }
+    if let Some(u) = &d.nats_url {
+        argv.extend(["--nats-url", u]);
+    }
     P::parse_from(argv).c
 }
 
 pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!(d.workers > 0, "--workers must be > 0");
     anyhow::ensure!(d.requests != Some(0), "--requests must be > 0");
+    anyhow::ensure!(d.replicas > 0, "--replicas must be > 0");
     anyhow::ensure!(
         d.rate.is_finite() && d.rate > 0.0,
         "--rate must be a number > 0"
@@ -142,11 +163,33 @@ mod tests {
             rate: 50.0,
             speedup: 20.0,
             out_dir: None,
+            replicas: 1,
+            nats_url: None,
         };
         let a = demo_args(&d, "/tmp/y".into());
         assert_eq!(a.fleet.workers, 2);
         assert_eq!(a.fleet.speedup, 20.0);
         assert_eq!(a.traffic.rate, Some(50.0));
         assert_eq!(a.traffic.requests, Some(20));
+        assert_eq!((a.replicas, a.nats_url), (1, None));
+        // Replicas add two kv rows (without and with the cluster); the others stay single.
+        let d = DemoArgs {
+            replicas: 2,
+            nats_url: Some("nats://127.0.0.1:4222".into()),
+            ..d
+        };
+        let a = demo_args(&d, "/tmp/z".into());
+        assert_eq!(
+            a.policies,
+            vec![
+                "round_robin",
+                "least_loaded",
+                "kv",
+                "kv_x2_no_cluster=kv:replicas=2:cluster=false",
+                "kv_x2_cluster=kv:replicas=2"
+            ]
+        );
+        assert_eq!(a.replicas, 1);
+        assert_eq!(a.nats_url.as_deref(), Some("nats://127.0.0.1:4222"));
     }
 }

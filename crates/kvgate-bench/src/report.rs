@@ -5,6 +5,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
+use crate::compare::gateways::LagHistogram;
 use crate::oracle::Oracle;
 use crate::stats::Summary;
 
@@ -19,6 +20,25 @@ pub struct PolicyRow {
     pub worker_mean_running: Vec<f64>,
     /// max over workers / mean over workers of `worker_mean_running` (1.0 = perfectly even).
     pub load_max_over_mean: Option<f64>,
+    /// Gateway replicas the client spread the requests over, in turn (1 for an external router).
+    pub replicas: usize,
+    /// Whether those replicas shared routing state over NATS (`[cluster]`).
+    pub cluster: bool,
+    /// Per gateway replica: requests the client sent to it and requests it counted itself.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replica_traffic: Vec<ReplicaTraffic>,
+    /// `kvgate_cluster_sync_lag_seconds` summed over the replicas (rows with the cluster on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_lag: Option<LagHistogram>,
+}
+
+/// One gateway replica's share of a row's requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaTraffic {
+    /// Requests the client sent to this replica.
+    pub sent: u64,
+    /// `kvgate_requests_total` on its `/metrics` (every label) after the run; None if unreadable.
+    pub served: Option<u64>,
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {
@@ -71,15 +91,20 @@ pub fn run_text(s: &Summary, oracle: Option<&Oracle>) -> String {
     t
 }
 
-/// The markdown comparison table.
+/// The markdown comparison table. A `replicas` column is added when a row ran more than one
+/// gateway replica, and a line per replicated row after the oracle's (requests per replica, and
+/// the cluster's sync lag).
 pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
+    let replicated = rows.iter().any(|r| r.replicas > 1);
     let mut t = String::from(
-        "| policy | hit | hit/oracle | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | e2e p99 ms | req/s | goodput req/s | max/mean load | errors |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| policy | hit | hit/oracle | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | e2e p99 ms | req/s | goodput req/s | max/mean load | errors |",
     );
+    t.push_str(if replicated { " replicas |\n" } else { "\n" });
+    t.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    t.push_str(if replicated { "---:|\n" } else { "\n" });
     for r in rows {
         let s = &r.summary;
-        let _ = writeln!(
+        let _ = write!(
             t,
             "| {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} | {} | {} |",
             r.policy,
@@ -94,6 +119,10 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
             opt(r.load_max_over_mean, 2),
             s.requests - s.succeeded,
         );
+        if replicated {
+            let _ = write!(t, " {} |", replicas_cell(r));
+        }
+        t.push('\n');
     }
     let _ = writeln!(
         t,
@@ -103,7 +132,42 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
         oracle.capacity_blocks.map_or("–".into(), |c| c.to_string()),
         opt(oracle.capacity_hit_rate, 3),
     );
+    for r in rows.iter().filter(|r| r.replicas > 1) {
+        let list = |f: &dyn Fn(&ReplicaTraffic) -> String| {
+            r.replica_traffic
+                .iter()
+                .map(f)
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        let _ = write!(
+            t,
+            "{}: requests per replica sent {}, served {}",
+            r.policy,
+            list(&|x| x.sent.to_string()),
+            list(&|x| x.served.map_or("?".into(), |n| n.to_string())),
+        );
+        if let Some(h) = &r.sync_lag {
+            let _ = write!(
+                t,
+                "; sync lag over {} messages: mean {} ms, p99 ≤ {}",
+                h.count,
+                opt(h.mean_ms(), 2),
+                h.quantile_bound_ms(0.99)
+                    .map_or("–".into(), |v| format!("{v} ms")),
+            );
+        }
+        t.push('\n');
+    }
     t
+}
+
+fn replicas_cell(r: &PolicyRow) -> String {
+    match (r.replicas, r.cluster) {
+        (1, _) => "1".into(),
+        (n, true) => format!("{n} (cluster)"),
+        (n, false) => format!("{n} (no cluster)"),
+    }
 }
 
 /// max / mean of per-worker averages (None when there is no load at all).
@@ -147,11 +211,45 @@ mod tests {
             hit_over_oracle: Some(0.5 / 0.8),
             worker_mean_running: vec![1.0, 3.0],
             load_max_over_mean: max_over_mean(&[1.0, 3.0]),
+            replicas: 1,
+            cluster: false,
+            replica_traffic: vec![],
+            sync_lag: None,
         }];
         let t = compare_table(&rows, &o);
         assert!(t.contains("| kv | 0.500 | 0.62 | 12.0 |"), "{t}");
-        assert!(t.contains("| 1.50 | 0 |"), "{t}");
+        assert!(t.contains("| 1.50 | 0 |\n"), "{t}");
         assert!(t.contains("infinite cache 0.800"), "{t}");
+        assert!(!t.contains("replicas"), "{t}");
         assert_eq!(max_over_mean(&[0.0, 0.0]), None);
+
+        // Replicated rows: a replicas column and a line each.
+        let mut two = rows[0].clone();
+        two.policy = "kv2".into();
+        two.replicas = 2;
+        two.cluster = true;
+        two.replica_traffic = vec![
+            ReplicaTraffic {
+                sent: 3,
+                served: Some(3),
+            },
+            ReplicaTraffic {
+                sent: 2,
+                served: None,
+            },
+        ];
+        two.sync_lag = Some(LagHistogram {
+            buckets: vec![("0.005".into(), 4), ("+Inf".into(), 4)],
+            sum_s: 0.004,
+            count: 4,
+        });
+        let t = compare_table(&[rows[0].clone(), two], &o);
+        assert!(t.contains("| errors | replicas |\n"), "{t}");
+        assert!(t.contains("| 1.50 | 0 | 1 |\n"), "{t}");
+        assert!(t.contains("| 0 | 2 (cluster) |\n"), "{t}");
+        assert!(
+            t.contains("kv2: requests per replica sent 3/2, served 3/?; sync lag over 4 messages: mean 1.00 ms, p99 ≤ 5 ms\n"),
+            "{t}"
+        );
     }
 }

@@ -28,7 +28,8 @@ pub enum Message {
     /// A routing decision and its dispatch: `worker` of pool `model` got request `request` (id
     /// unique per sending replica) whose prompt has block `hashes`. Receivers insert the hashes
     /// into their approximate index (or the exact index's predicted inserts) and count
-    /// `prefill_tokens` pending prefill and `blocks` active blocks on the worker under the sender.
+    /// `prefill_tokens` pending prefill and `blocks` active blocks on the worker under the sender
+    /// (the prompt's blocks beyond the prefix the worker was predicted to hold).
     Route {
         model: String,
         worker: String,

@@ -322,7 +322,11 @@ impl Router {
                 &pick.worker.name,
                 id,
                 isl.saturating_sub(cached),
-                hashes.len() as u32,
+                // The blocks this request adds on its worker: its prompt beyond the prefix the
+                // worker is predicted to hold. Peers sum these per request (they get counts, not
+                // block sets), so the whole prompt would count a shared prefix once per request
+                // and steer its group away from the worker holding it (docs/cluster.md, Measured).
+                (hashes.len() as u32).saturating_sub(pick.decision.overlap_blocks),
                 hashes,
             );
             (c.clone(), id)

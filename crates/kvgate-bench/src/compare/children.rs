@@ -114,6 +114,27 @@ impl ChildGuard {
 
 /// A port that was free a moment ago on 127.0.0.1 (bind port 0, read it, release it).
 pub fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    Ok(free_ports(1)?[0])
+}
+
+/// `n` distinct ports that were free a moment ago: every listener is held until all are bound,
+/// so two children started back to back never get the same one.
+pub fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
+    let held = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| anyhow::anyhow!("cannot bind a loopback port: {e}"))?;
+    held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn free_ports_are_distinct() {
+        let mut ports = super::free_ports(64).unwrap();
+        assert!(ports.iter().all(|&p| p > 0));
+        ports.sort_unstable();
+        ports.dedup();
+        assert_eq!(ports.len(), 64);
+    }
 }

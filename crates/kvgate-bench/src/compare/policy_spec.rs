@@ -4,6 +4,9 @@
 //! Prefill/decode fleets (`--prefill-workers`): `pd_KEY=VALUE` becomes a `[pd]` key
 //! (`kv:pd_min_uncached_tokens=0`), and `unified=true` gives that gateway the same workers without
 //! roles (one unified fleet of the same size).
+//! Replicas (`--replicas`): `replicas=N` runs that entry as N gateways (overriding `--replicas`),
+//! and `cluster=false` runs them without `[cluster]` (each routes on what it alone sees), so one
+//! comparison holds "1 replica", "N replicas" and "N replicas sharing state over NATS".
 
 /// One gateway to compare.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,6 +21,10 @@ pub struct PolicySpec {
     pub pd: Vec<(String, String)>,
     /// Route a prefill/decode fleet as one unified fleet (no worker roles).
     pub unified: bool,
+    /// Gateway replicas for this entry (`None`: `--replicas`).
+    pub replicas: Option<usize>,
+    /// Whether N > 1 replicas share state over NATS (`cluster=false`: they do not).
+    pub cluster: bool,
 }
 
 impl PolicySpec {
@@ -45,6 +52,8 @@ impl PolicySpec {
         let mut routing = Vec::new();
         let mut pd = Vec::new();
         let mut unified = false;
+        let mut replicas = None;
+        let mut cluster = true;
         for kv in parts {
             let (k, v) = kv
                 .split_once('=')
@@ -60,6 +69,17 @@ impl PolicySpec {
             }
             if k == "unified" {
                 unified = v == "true";
+            } else if k == "replicas" {
+                match v.parse::<usize>() {
+                    Ok(n) if n > 0 => replicas = Some(n),
+                    _ => return Err(bad("replicas is a number > 0")),
+                }
+            } else if k == "cluster" {
+                cluster = match v {
+                    "true" => true,
+                    "false" => false,
+                    _ => return Err(bad("cluster is true or false")),
+                };
             } else if let Some(pk) = k.strip_prefix("pd_") {
                 pd.push((pk.to_owned(), toml_value(v)));
             } else {
@@ -72,6 +92,8 @@ impl PolicySpec {
             routing,
             pd,
             unified,
+            replicas,
+            cluster,
         })
     }
 
@@ -180,6 +202,22 @@ mod tests {
         );
         let p = PolicySpec::parse("one=kv:unified=true").unwrap();
         assert!(p.unified && p.routing_toml().is_empty());
+    }
+
+    #[test]
+    fn replicas_and_cluster_keys() {
+        let p = PolicySpec::parse("kv").unwrap();
+        assert_eq!((p.replicas, p.cluster), (None, true));
+        let p = PolicySpec::parse("solo=kv:replicas=1:prefill_weight=8").unwrap();
+        assert_eq!((p.replicas, p.cluster), (Some(1), true));
+        assert_eq!(p.routing_toml(), "\n[routing]\nprefill_weight = 8\n");
+        let p = PolicySpec::parse("kv4=kv:replicas=4:cluster=false").unwrap();
+        assert_eq!((p.replicas, p.cluster), (Some(4), false));
+        assert!(p.routing_toml().is_empty());
+        for bad in ["kv:replicas=0", "kv:replicas=x", "kv:cluster=no"] {
+            let e = PolicySpec::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("bad --policies entry"), "{bad}: {e}");
+        }
     }
 
     #[test]

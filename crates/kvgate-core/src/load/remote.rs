@@ -4,8 +4,9 @@
 //! heartbeats stop ([`RemoteLoads::expire`]) its whole share goes instead of leaking.
 //!
 //! Remote active blocks are summed per request, not deduplicated against our own or other
-//! replicas' blocks (peers send counts, not block sets): an upper bound that only matters when
-//! replicas share prefixes on one worker at the same instant.
+//! replicas' blocks (peers send counts, not block sets). The gateway therefore sends each
+//! request's blocks beyond the prefix its worker is predicted to hold, so a prefix shared by many
+//! in-flight requests on one worker is not counted once per request.
 
 use crate::select::Candidate;
 use crate::{WorkerId, WorkerLoad};
