@@ -50,7 +50,7 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
         format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
              [[workers]]\nurl = \"http://{worker}\"\nname = \"gpu-worker\"\nmodels = [\"{MODEL}\"]\n\
-             dcgm_url = \"http://{worker}/dcgm/metrics\"\n"
+             dcgm_url = \"http://{worker}/dcgm/metrics\"\ntensor_parallelism = 2\nmodel_version = \"rev-7\"\n"
         ),
     )
     .unwrap();
@@ -126,7 +126,7 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
         "{text}"
     );
     assert!(
-        text.contains("kvgate_worker_info{worker=\"gpu-worker\",model=\"kvgate-sim\",kind=\"vllm\",gpu_type=\"kvgate sim GPU (emulated)\",gpus=\"1\",role=\"both\"} 1"),
+        text.contains("kvgate_worker_info{worker=\"gpu-worker\",model=\"kvgate-sim\",kind=\"vllm\",gpu_type=\"kvgate sim GPU (emulated)\",gpus=\"1\",role=\"both\",tensor_parallelism=\"2\",model_version=\"rev-7\"} 1"),
         "{text}"
     );
     for t in streams {

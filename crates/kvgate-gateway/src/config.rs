@@ -551,6 +551,14 @@ pub struct WorkerConfig {
     /// The engine's most sequences per step (vLLM `--max-num-seqs`), `kvgate_worker_max_num_seqs`.
     #[serde(default)]
     pub max_num_seqs: Option<u64>,
+    /// GPUs one model replica is split over (`--tensor-parallel-size`, SGLang `--tp`): the
+    /// `tensor_parallelism` label of `kvgate_worker_info` (empty when unset).
+    #[serde(default)]
+    pub tensor_parallelism: Option<u32>,
+    /// The served model's version (a checkpoint tag, a revision): the `model_version` label of
+    /// `kvgate_worker_info` (empty when unset).
+    #[serde(default)]
+    pub model_version: Option<String>,
     /// SGLang prefill workers: the port of their bootstrap server
     /// (`--disaggregation-bootstrap-port`, default 8998), sent as `bootstrap_port`; 0 sends null
     /// (the engine then uses its own).
@@ -605,6 +613,12 @@ pub struct WorkerPoolConfig {
     /// As `workers[].max_num_seqs`, for every address.
     #[serde(default)]
     pub max_num_seqs: Option<u64>,
+    /// As `workers[].tensor_parallelism`, for every address.
+    #[serde(default)]
+    pub tensor_parallelism: Option<u32>,
+    /// As `workers[].model_version`, for every address.
+    #[serde(default)]
+    pub model_version: Option<String>,
     /// Bootstrap port of every address of the pool (as `workers[].bootstrap_port`).
     #[serde(default = "default_bootstrap_port")]
     pub bootstrap_port: u16,
@@ -662,6 +676,8 @@ impl WorkerPoolConfig {
             role: self.role,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
+            tensor_parallelism: self.tensor_parallelism,
+            model_version: self.model_version.clone(),
             bootstrap_port: self.bootstrap_port,
         }
     }
@@ -721,6 +737,8 @@ impl WorkerConfig {
             role: WorkerRole::Both,
             max_num_batched_tokens: None,
             max_num_seqs: None,
+            tensor_parallelism: None,
+            model_version: None,
             bootstrap_port: default_bootstrap_port(),
         }
     }

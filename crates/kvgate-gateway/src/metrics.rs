@@ -111,6 +111,10 @@ pub struct WorkerInfo {
     pub gpus: u32,
     /// Configured role (`prefill`, `decode`, `both`).
     pub role: &'static str,
+    /// Configured `tensor_parallelism` (empty when unset).
+    pub tensor_parallelism: String,
+    /// Configured `model_version` (empty when unset).
+    pub model_version: String,
 }
 
 /// A request's endpoint (`chat`, `completions`, `embeddings`) and whether it streamed.
@@ -475,7 +479,7 @@ impl Metrics {
                 kv_replays: reg!("kvgate_worker_kv_replays", "Replay requests for missed KV events, by result", Family::default()),
                 kv_resets: reg!("kvgate_worker_kv_index_resets", "Times the worker's KV index entries were dropped (restart, sequence regression, AllBlocksCleared, unrecoverable gap)", Family::default()),
                 kv_reconnects: reg!("kvgate_worker_kv_reconnects", "Reconnects of the worker's KV-event subscription", Family::default()),
-                info: reg!("kvgate_worker_info", "Always 1: the worker's model, kind, GPU type (DCGM modelName) and configured GPU count as labels", Family::default()),
+                info: reg!("kvgate_worker_info", "Always 1: the worker's model, kind, GPU type (DCGM modelName), configured GPU count, role, tensor parallelism and model version as labels", Family::default()),
                 kv_capacity_blocks: reg!("kvgate_worker_kv_capacity_blocks", "KV-cache capacity in the engine's blocks, as the worker reports (vLLM num_gpu_blocks; last successful scrape)", Family::default()),
                 kv_blocks_stored: reg!("kvgate_worker_kv_blocks_stored", "KV blocks the worker's events stored (BlockStored), applied to the exact index", Family::default()),
                 kv_blocks_removed: reg!("kvgate_worker_kv_blocks_removed", "KV blocks the worker's events removed (BlockRemoved: evictions), applied to the exact index", Family::default()),

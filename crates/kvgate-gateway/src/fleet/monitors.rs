@@ -345,6 +345,12 @@ impl Monitors {
                     gpu_type,
                     gpus: w.cfg.gpus,
                     role: w.cfg.role.as_str(),
+                    tensor_parallelism: w
+                        .cfg
+                        .tensor_parallelism
+                        .map(|t| t.to_string())
+                        .unwrap_or_default(),
+                    model_version: w.cfg.model_version.clone().unwrap_or_default(),
                 })
                 .set(1);
         }
