@@ -97,8 +97,9 @@ impl Speed {
 }
 
 /// How many requests the worker's engine runs at once, and how long one stays, as learned: the
-/// limit is the largest running count the worker reported while it also had requests waiting (its
-/// `max_num_seqs`, or what its KV cache holds), the service time an average of dispatch-to-end.
+/// limit is the largest running count the worker reported while it also had requests waiting in
+/// two scrapes in a row (its `max_num_seqs`, or what its KV cache holds), the service time an
+/// average of dispatch-to-end.
 /// Beyond the limit, a new request waits for a running one to finish before its prefill starts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineSlots {
@@ -306,6 +307,8 @@ pub struct WorkerFit {
     /// Predicted TTFT ms of the last request routed there.
     pub last_predicted_ms: f64,
     slots: EngineSlots,
+    /// Running count of the previous scrape if requests were waiting then (0 otherwise).
+    queued_running: u32,
 }
 
 impl WorkerFit {
@@ -316,6 +319,7 @@ impl WorkerFit {
             decode: LogFactor::new(seed.decode),
             last_predicted_ms: 0.0,
             slots: EngineSlots::UNKNOWN,
+            queued_running: 0,
         }
     }
 
@@ -406,12 +410,22 @@ impl LatencyModel {
     }
 
     /// The worker reported `running` requests running and `waiting` queued (a metrics scrape).
-    /// Running while others wait is the engine's limit; running past a known limit raises it (the
-    /// limit was a moment of a full KV cache, or the engine was reconfigured).
+    /// Running while others wait in two scrapes in a row is the engine's limit (the smaller of the
+    /// two running counts): one scrape's queue can be a request that arrived between two
+    /// scheduler steps, or behind one step's full token budget, with slots still free. Running
+    /// past a known limit raises it (the limit was a moment of a full KV cache, or the engine was
+    /// reconfigured).
     pub fn observe_engine(&mut self, w: WorkerId, running: u32, waiting: u32) {
-        let slots = &mut self.fit_mut(w).slots;
-        if (waiting > 0 && running > 0) || (slots.limit > 0 && running > slots.limit) {
-            slots.limit = slots.limit.max(running);
+        let fit = self.fit_mut(w);
+        let queued_now = if waiting > 0 { running } else { 0 };
+        let persisted = fit.queued_running.min(queued_now);
+        fit.queued_running = queued_now;
+        let slots = &mut fit.slots;
+        if persisted > 0 {
+            slots.limit = slots.limit.max(persisted);
+        }
+        if slots.limit > 0 && running > slots.limit {
+            slots.limit = running;
         }
     }
 

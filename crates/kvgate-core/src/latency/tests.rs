@@ -214,10 +214,20 @@ fn engine_slots_are_learned_from_saturated_scrapes_and_request_ends() {
     // Running without waiting says nothing about the limit.
     m.observe_engine(w, 5, 0);
     assert_eq!(m.fit(w).unwrap().slots().limit, 0);
-    // Running while others wait: that is the limit.
+    // One scrape with a queue is not saturation: a request can wait for the next scheduler step
+    // (or behind a full token budget) while slots are free.
+    m.observe_engine(w, 2, 1);
+    m.observe_engine(w, 3, 0);
+    m.observe_engine(w, 1, 2);
+    m.observe_engine(w, 3, 0);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 0);
+    // Running while others wait in two scrapes in a row: the smaller running count is the limit.
+    m.observe_engine(w, 5, 3);
+    assert_eq!(m.fit(w).unwrap().slots().limit, 0);
     m.observe_engine(w, 4, 3);
     assert_eq!(m.fit(w).unwrap().slots().limit, 4);
     // A smaller saturated moment (KV cache full) does not lower it; running past it raises it.
+    m.observe_engine(w, 2, 1);
     m.observe_engine(w, 2, 1);
     assert_eq!(m.fit(w).unwrap().slots().limit, 4);
     m.observe_engine(w, 6, 0);
