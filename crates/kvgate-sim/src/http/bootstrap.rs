@@ -21,10 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
+use http::{Response, StatusCode};
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
@@ -342,45 +339,11 @@ pub async fn decode_joins(
 }
 
 /// One `POST /sim/bootstrap` to the prefill worker at `host:port`; its answer's prompt tokens.
+/// The connection lives as long as this call: dropping the call (the decode leg's client went
+/// away) closes it, which makes the prefill worker leave the room.
 async fn call_join(host: &str, port: u16, room: u64) -> Result<usize, String> {
     let addr = format!("{host}:{port}");
-    let body = serde_json::to_vec(&json!({"bootstrap_room": room})).map_err(|e| e.to_string())?;
-    let stream = tokio::net::TcpStream::connect(&addr)
-        .await
-        .map_err(|e| format!("connecting to prefill worker {addr}: {e}"))?;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| format!("handshake with {addr}: {e}"))?;
-    // The connection lives as long as this call: dropping the call (the decode leg's client went
-    // away) closes it, which makes the prefill worker leave the room.
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = conn => {}
-            _ = stopped => {}
-        }
-    });
-    let _stop = stop;
-    let req = Request::post("/sim/bootstrap")
-        .header(http::header::HOST, addr.as_str())
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    let resp = send
-        .send_request(req)
-        .await
-        .map_err(|e| format!("bootstrap call to {addr}: {e}"))?;
-    let status = resp.status();
-    let bytes = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
-    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    if !status.is_success() {
-        let msg = v["error"]["message"].as_str().unwrap_or("no detail");
-        return Err(format!("prefill worker {addr} answered {status}: {msg}"));
-    }
+    let body = json!({"bootstrap_room": room});
+    let v = super::pd::post_to_prefill(&addr, "/sim/bootstrap", &body, "bootstrap call").await?;
     Ok(v["prompt_tokens"].as_u64().unwrap_or(0) as usize)
 }

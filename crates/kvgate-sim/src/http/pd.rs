@@ -130,44 +130,60 @@ pub fn params(sh: &Shared, id: u64, blocks: &[usize], prompt_len: usize) -> Valu
 /// Tells the prefill worker its blocks were read (or will never be). Answers the freed block count.
 async fn notify(remote: &Remote) -> Result<usize, String> {
     let addr = format!("{}:{}", remote.host, remote.port);
-    let body = serde_json::to_vec(&json!({"remote_request_id": remote.request_id}))
-        .map_err(|e| e.to_string())?;
-    let call = async {
-        let stream = tokio::net::TcpStream::connect(&addr)
-            .await
-            .map_err(|e| format!("connecting to prefill worker {addr}: {e}"))?;
-        let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("handshake with {addr}: {e}"))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let req = Request::post("/sim/kv/read")
-            .header(http::header::HOST, addr.as_str())
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
-        let resp = send
-            .send_request(req)
-            .await
-            .map_err(|e| format!("read notification to {addr}: {e}"))?;
-        let status = resp.status();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        if !status.is_success() {
-            let msg = v["error"]["message"].as_str().unwrap_or("no detail");
-            return Err(format!("prefill worker {addr} answered {status}: {msg}"));
-        }
-        Ok(v["freed_blocks"].as_u64().unwrap_or(0) as usize)
-    };
-    tokio::time::timeout(READ_TIMEOUT, call)
+    let body = json!({"remote_request_id": remote.request_id});
+    let call = post_to_prefill(&addr, "/sim/kv/read", &body, "read notification");
+    let v = tokio::time::timeout(READ_TIMEOUT, call)
         .await
-        .map_err(|_| format!("prefill worker {addr} did not answer the read in time"))?
+        .map_err(|_| format!("prefill worker {addr} did not answer the read in time"))??;
+    Ok(v["freed_blocks"].as_u64().unwrap_or(0) as usize)
+}
+
+/// One JSON `POST path` to the prefill worker at `addr` (`what` names it in errors), on a
+/// connection that lives as long as the call: dropping the call closes it, which the prefill worker
+/// sees. Its JSON answer, or why there is none (a non-2xx answer carries its error message).
+pub(super) async fn post_to_prefill(
+    addr: &str,
+    path: &str,
+    body: &Value,
+    what: &str,
+) -> Result<Value, String> {
+    let body = serde_json::to_vec(body).map_err(|e| e.to_string())?;
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connecting to prefill worker {addr}: {e}"))?;
+    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("handshake with {addr}: {e}"))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = conn => {}
+            _ = stopped => {}
+        }
+    });
+    let _stop = stop;
+    let req = Request::post(path)
+        .header(http::header::HOST, addr)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let resp = send
+        .send_request(req)
+        .await
+        .map_err(|e| format!("{what} to {addr}: {e}"))?;
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    if !status.is_success() {
+        let msg = v["error"]["message"].as_str().unwrap_or("no detail");
+        return Err(format!("prefill worker {addr} answered {status}: {msg}"));
+    }
+    Ok(v)
 }
 
 /// Sends the read notification if the decode leg is dropped before it did (the client went
