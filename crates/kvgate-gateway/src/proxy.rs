@@ -509,6 +509,7 @@ pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, routed: Routed) -> Re
         Routed::Whole(body) => {
             ctx.status = 200;
             ctx.usage = kvgate_protocol::usage::find_usage(&body);
+            ctx.finish_reason = kvgate_protocol::finish::find_finish_reason(&body);
             ctx.finish(crate::ctx::Outcome::Complete);
             let mut r = Response::new(GwBody::full(body));
             r.headers_mut().insert(

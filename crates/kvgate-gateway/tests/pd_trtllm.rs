@@ -135,6 +135,14 @@ async fn a_context_leg_that_finished_is_the_answer() {
             || m.contains("reason=\"context_finished\",path=\"disaggregated\""),
         "{m}"
     );
+    // The answer the context leg finished is counted by its finish reason like any other.
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kvgate_finish_reasons_total{")
+                && l.contains("finish_reason=\"stop\"")
+                && l.ends_with(" 1")),
+        "{m}"
+    );
     gw.shutdown().await;
     stop.cancel();
 }
