@@ -36,8 +36,14 @@ const MAX_EVENT: usize = 1 << 20;
 pub struct ObservedBody {
     inner: ResponseBody,
     ctx: RequestCtx,
-    /// Streams only: fires when the worker sends nothing for this long.
-    idle: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+    /// Fires when the worker sends nothing for this long (`upstream.stream_idle_timeout_s`).
+    idle: Option<Duration>,
+    /// When the last data arrived (or the body was handed over), for `idle`.
+    last_data: tokio::time::Instant,
+    /// `idle`'s timer, armed only once the body has to be waited for. It is not moved at each
+    /// chunk (a timer reset per token costs more than the chunk's bookkeeping): when it fires, it
+    /// is moved to `last_data + idle` unless that has passed.
+    idle_timer: Option<Pin<Box<tokio::time::Sleep>>>,
     scan: Scan,
     /// SSE error event still to deliver before the end.
     pending: Option<Bytes>,
@@ -74,7 +80,6 @@ impl ObservedBody {
     ) -> Self {
         // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
         // (and the worker's load) forever, since `response_timeout_s` ends at the head.
-        let idle = idle_timeout.map(|d| (Box::pin(tokio::time::sleep(d)), d));
         let pd_usage = ctx.pd.as_ref().and_then(|p| p.usage);
         let scan = match (sse, pd_usage) {
             (true, None) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT)),
@@ -90,7 +95,9 @@ impl ObservedBody {
             partner,
             inner,
             ctx,
-            idle,
+            idle: idle_timeout,
+            last_data: tokio::time::Instant::now(),
+            idle_timer: None,
             scan,
             pending: None,
             done: false,
@@ -186,6 +193,27 @@ impl ObservedBody {
         self.ctx.finish(Outcome::Complete);
     }
 
+    /// Polls the idle timer: `Some(why)` once nothing has arrived for `idle`; otherwise the timer
+    /// is armed (or moved to `last_data + idle`) with `cx`'s waker.
+    fn idle_expired(&mut self, idle: Duration, cx: &mut Context<'_>) -> Option<String> {
+        let due = self.last_data + idle;
+        let timer = self
+            .idle_timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        loop {
+            if timer.as_mut().poll(cx).is_pending() {
+                return None;
+            }
+            // The timer was set for an earlier `last_data`: data came since.
+            let due = self.last_data + idle;
+            if tokio::time::Instant::now() >= due {
+                let secs = idle.as_secs_f64();
+                return Some(format!("worker sent nothing for {secs:.0} s mid-stream"));
+            }
+            timer.as_mut().reset(due);
+        }
+    }
+
     fn fail_stream(&mut self, why: &str) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.done = true;
         self.ctx.error = Some("upstream_stream");
@@ -235,8 +263,8 @@ impl Body for ObservedBody {
                             frame = Frame::data(out);
                         }
                     }
-                    if let Some((sleep, d)) = &mut this.idle {
-                        sleep.as_mut().reset(tokio::time::Instant::now() + *d);
+                    if this.idle.is_some() {
+                        this.last_data = tokio::time::Instant::now();
                     }
                     // A body of known length ends with its last data frame: hyper stops polling
                     // once it has sent content-length bytes, so waiting for `None` would record a
@@ -304,10 +332,8 @@ impl Body for ObservedBody {
                             ))));
                         }
                     }
-                    if let Some((sleep, d)) = &mut this.idle {
-                        if sleep.as_mut().poll(cx).is_ready() {
-                            let secs = d.as_secs_f64();
-                            let why = format!("worker sent nothing for {secs:.0} s mid-stream");
+                    if let Some(d) = this.idle {
+                        if let Some(why) = this.idle_expired(d, cx) {
                             if matches!(this.scan, Scan::Sse { .. }) {
                                 return this.fail_stream(&why);
                             }

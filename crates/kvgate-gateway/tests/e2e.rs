@@ -873,3 +873,94 @@ async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
     gw.shutdown().await;
     worker.abort();
 }
+
+/// A worker that answers one streamed request with `chunks` SSE events `gap` apart, then ends the
+/// stream (`done`) or goes silent with the connection open (`!done`).
+async fn sse_worker(
+    chunks: usize,
+    gap: Duration,
+    done: bool,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut buf = vec![0u8; 8192];
+        let _ = s.read(&mut buf).await.unwrap();
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        s.write_all(head.as_bytes()).await.unwrap();
+        for i in 0..chunks {
+            let ev = format!(
+                "data: {{\"id\":\"t\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
+            );
+            s.write_all(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes())
+                .await
+                .unwrap();
+            tokio::time::sleep(gap).await;
+        }
+        if done {
+            let end = "data: [DONE]\n\n";
+            s.write_all(format!("{:x}\r\n{end}\r\n0\r\n\r\n", end.len()).as_bytes())
+                .await
+                .unwrap();
+        }
+        let _ = s.read(&mut buf).await;
+    });
+    (url, task)
+}
+
+/// The streamed answer through a gateway with `stream_idle_timeout_s = 1` (the whole exchange,
+/// as the client reads it until the gateway ends it).
+async fn stream_through_idle_gateway(url: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut cfg = config_for(&[], "round_robin");
+    cfg.upstream.monitor = false;
+    cfg.upstream.stream_idle_timeout_s = 1;
+    let mut wc = kvgate_gateway::config::WorkerConfig::from_url(url);
+    wc.models = vec!["mock-model".into()];
+    cfg.workers.push(wc);
+    let gw = gateway(cfg).await;
+    let body = chat_body("s", "u", true);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{}",
+        body.len(),
+        body
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the stream never ended");
+    gw.shutdown().await;
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test]
+async fn a_stream_that_keeps_sending_outlives_its_idle_timeout() {
+    // 2.8 s of stream, a chunk every 400 ms, under a 1 s idle timeout: the timer follows the data.
+    let (url, worker) = sse_worker(7, Duration::from_millis(400), true).await;
+    let text = stream_through_idle_gateway(&url).await;
+    assert!(text.contains("tok6 "), "{text}");
+    assert!(text.contains("[DONE]"), "{text}");
+    assert!(!text.contains("upstream_stream_error"), "{text}");
+    worker.abort();
+}
+
+#[tokio::test]
+async fn a_stream_gone_silent_gets_an_error_event_after_the_idle_timeout() {
+    let (url, worker) = sse_worker(3, Duration::from_millis(400), false).await;
+    let t0 = std::time::Instant::now();
+    let text = stream_through_idle_gateway(&url).await;
+    assert!(text.contains("tok2 "), "{text}");
+    assert!(text.contains("upstream_stream_error"), "{text}");
+    assert!(text.contains("sent nothing for 1 s"), "{text}");
+    // The last chunk left at ~0.8 s: the error comes one idle timeout after it, not after the
+    // first chunk or the stream's start.
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1700),
+        "{:?}",
+        t0.elapsed()
+    );
+    worker.abort();
+}

@@ -47,15 +47,35 @@ pub(crate) fn value_start(data: &[u8], i: usize) -> Option<(usize, u8)> {
 /// a colon is a key; the last one is the document's own (a non-stream body ends with it, and a
 /// chunk's `"usage": null` says there is none).
 pub fn find_usage(buf: &[u8]) -> Option<Usage> {
-    const KEY: &[u8] = b"\"usage\"";
-    let (at, first) = finder!(FinderRev, KEY)
-        .rfind_iter(buf)
-        .find_map(|at| value_start(buf, at + KEY.len()))?;
+    let (at, first) = last_usage_key(buf)?;
     if first != b'{' {
         return None;
     }
     let obj = &buf[at..];
     usage_fast(obj).or_else(|| usage_serde(obj))
+}
+
+/// Where the value of the last `"usage"` key of `buf` starts, and its first byte. The document's
+/// own `usage` is at its end, so the search runs forward (memchr's vectorised search; its reverse
+/// searcher has no such prefilter and cost ~4x more per response) over windows taken from the end
+/// backwards, stopping at the first window that has a key. Consecutive windows overlap by
+/// `KEY.len() - 1` bytes, so a key across a boundary is found once.
+fn last_usage_key(buf: &[u8]) -> Option<(usize, u8)> {
+    const KEY: &[u8] = b"\"usage\"";
+    const WINDOW: usize = 1024;
+    let f = finder!(Finder, KEY);
+    let mut end = buf.len();
+    loop {
+        let start = end.saturating_sub(WINDOW);
+        let found = f
+            .find_iter(&buf[start..end])
+            .filter_map(|at| value_start(buf, start + at + KEY.len()))
+            .last();
+        if found.is_some() || start == 0 {
+            return found;
+        }
+        end = start + KEY.len() - 1;
+    }
 }
 
 #[derive(Deserialize)]

@@ -115,3 +115,49 @@ proptest::proptest! {
         }
     }
 }
+
+/// The last `"usage"` key, by checking every position: what the windowed search must equal.
+fn last_usage_key_naive(buf: &[u8]) -> Option<(usize, u8)> {
+    const KEY: &[u8] = b"\"usage\"";
+    (0..buf.len().saturating_sub(KEY.len() - 1))
+        .rev()
+        .filter(|&i| &buf[i..i + KEY.len()] == KEY)
+        .find_map(|i| value_start(buf, i + KEY.len()))
+}
+
+#[test]
+fn a_key_across_a_window_boundary_is_found_once() {
+    // The last 1024-byte window starts `shift` bytes into the 29-byte document head, so the key
+    // (bytes 1..8) is before, across or after the boundary.
+    for shift in 0..12 {
+        let mut doc = br#"{"usage":{"prompt_tokens":9}}"#.to_vec();
+        doc.extend(std::iter::repeat_n(b' ', 1024 - 29 + shift));
+        assert_eq!(last_usage_key(&doc), last_usage_key_naive(&doc), "{shift}");
+        assert_eq!(key(find_usage(&doc)), Some((9, 0, None)), "{shift}");
+    }
+    // Only a string value in the last window: the key further back decides.
+    let mut doc = br#"{"usage":{"prompt_tokens":4},"t":""#.to_vec();
+    doc.extend(std::iter::repeat_n(b'x', 3000));
+    doc.extend_from_slice(br#"","k":"usage"}"#);
+    assert_eq!(key(find_usage(&doc)), Some((4, 0, None)));
+}
+
+proptest::proptest! {
+    /// Over documents of up to a few windows, with keys, string values and key-like text at any
+    /// place, the windowed search finds what a check of every position finds.
+    #[test]
+    fn windowed_search_finds_the_last_key(
+        parts in proptest::collection::vec((0usize..6, 0usize..1500), 0..12),
+    ) {
+        const PIECES: [&str; 6] = [
+            "\"usage\":{\"prompt_tokens\":1}", "\"usage\" : null", "\"usage\"", "\"usag",
+            "e\":{}", "\"usage\"\n:\n{\"completion_tokens\":2}",
+        ];
+        let mut doc = Vec::new();
+        for &(p, pad) in &parts {
+            doc.extend(std::iter::repeat_n(b'a', pad));
+            doc.extend_from_slice(PIECES[p].as_bytes());
+        }
+        proptest::prop_assert_eq!(last_usage_key(&doc), last_usage_key_naive(&doc));
+    }
+}
