@@ -462,6 +462,11 @@ pub struct PdConfig {
     pub min_uncached_tokens: u64,
     /// A prefill leg's whole answer must arrive within this many seconds (it is one token).
     pub prefill_timeout_s: u64,
+    /// The policy that chooses the decode worker of a disaggregated request (any
+    /// `routing.policy` name, with the same `[routing]` settings). Unset: `routing.policy`, as for
+    /// whole requests. `least_loaded` balances decode batches: `kv` counts a shared prefix's
+    /// blocks once per worker, so requests sharing a prompt add almost no decode cost where it is.
+    pub decode_policy: Option<String>,
 }
 
 impl Default for PdConfig {
@@ -470,6 +475,7 @@ impl Default for PdConfig {
             protocol: PdProtocol::Vllm,
             min_uncached_tokens: 256,
             prefill_timeout_s: 60,
+            decode_policy: None,
         }
     }
 }

@@ -41,7 +41,11 @@ impl WorkerFleet {
         metrics: Arc<Metrics>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<Arc<WorkerFleet>> {
-        let router = Router::new(RoutePolicy::from_config(&config.routing, &config.slo)?);
+        let router = Router::new(RoutePolicy::from_config(
+            &config.routing,
+            &config.slo,
+            &config.pd,
+        )?);
         let (registry, rebuilt) = Registry::new(config.clone())?;
         let fleet = Arc::new_cyclic(|me| WorkerFleet {
             registry,
@@ -59,7 +63,7 @@ impl WorkerFleet {
 
     /// A reloaded config: workers and the routing policy.
     pub fn apply_config(&self, config: Arc<Config>) -> anyhow::Result<()> {
-        let policy = RoutePolicy::from_config(&config.routing, &config.slo)?;
+        let policy = RoutePolicy::from_config(&config.routing, &config.slo, &config.pd)?;
         let rebuilt = self.registry.set_config(config)?;
         self.apply_rebuild(&rebuilt);
         self.router.policy.store(Arc::new(policy));

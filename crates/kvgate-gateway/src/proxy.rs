@@ -23,7 +23,7 @@ use crate::error::{ErrorKind, GatewayError};
 use crate::observer::ObservedBody;
 use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::registry::Pool;
-use crate::router::{NoPick, Pick};
+use crate::router::{Leg, NoPick, Pick};
 use crate::state::AppState;
 use kvgate_http::client;
 
@@ -119,7 +119,13 @@ pub(crate) async fn route_and_forward(
         } else {
             Instant::now()
         };
-        let pick = pick(app, ctx, &p.pool, &p.ri, &tried[..n_tried], at).await?;
+        // After a prefill leg (`ctx.pd`), this loop chooses the decode worker.
+        let leg = if ctx.pd.is_some() {
+            Leg::Decode
+        } else {
+            Leg::Whole
+        };
+        let pick = pick(app, ctx, &p.pool, &p.ri, &tried[..n_tried], at, leg).await?;
         let now = Instant::now();
         if n_tried == 0 {
             ctx.decision_time = now
@@ -397,6 +403,7 @@ async fn pick(
     ri: &RouteInput,
     tried: &[WorkerId],
     mut now: Instant,
+    leg: Leg,
 ) -> Result<Pick, GatewayError> {
     let mut queued_at: Option<Instant> = None;
     let mut woken = false;
@@ -404,7 +411,7 @@ async fn pick(
         match app
             .fleet
             .router
-            .select(pool, &ri.hashes, ri.isl, ri.affinity, tried, now)
+            .select_leg(pool, &ri.hashes, ri.isl, ri.affinity, tried, now, leg)
         {
             Ok(p) => {
                 if let Some(q) = queued_at {

@@ -25,12 +25,14 @@ use kvgate_core::{
 };
 use parking_lot::{Mutex, RwLock};
 
-use crate::config::{RoutingConfig, SloConfig};
+use crate::config::{PdConfig, RoutingConfig, SloConfig};
 use crate::registry::{Pool, Worker};
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
 pub struct RoutePolicy {
     pub policy: Box<dyn Policy>,
+    /// The decode leg of a disaggregated request (`pd.decode_policy`); unset: `policy`.
+    pub decode_policy: Option<Box<dyn Policy>>,
     pub busy: BusyThresholds,
     /// A worker with this many requests in flight from us is busy (0 = no bound).
     pub max_inflight: u32,
@@ -52,7 +54,11 @@ pub fn kind_seed(kind: &str) -> Speed {
 }
 
 impl RoutePolicy {
-    pub fn from_config(cfg: &RoutingConfig, slo: &SloConfig) -> anyhow::Result<Self> {
+    pub fn from_config(
+        cfg: &RoutingConfig,
+        slo: &SloConfig,
+        pd: &PdConfig,
+    ) -> anyhow::Result<Self> {
         let mut pc = PolicyConfig::default();
         let curve = TimingCurve {
             prefill: cfg
@@ -107,8 +113,15 @@ impl RoutePolicy {
         };
         let policy = kvgate_core::policy_by_name(&cfg.policy, &pc)
             .map_err(|e| anyhow::anyhow!("routing.policy: {e}"))?;
+        let decode_policy = pd
+            .decode_policy
+            .as_deref()
+            .map(|name| kvgate_core::policy_by_name(name, &pc))
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("pd.decode_policy: {e}"))?;
         Ok(RoutePolicy {
             policy,
+            decode_policy,
             busy: pc.busy,
             max_inflight: cfg.max_inflight_per_worker,
             latency,
@@ -127,6 +140,15 @@ pub struct Router {
     pub remote: Mutex<RemoteLoads>,
     /// Cluster mode: where our decisions and load deltas are published (unset = off).
     pub cluster: OnceLock<Arc<Cluster>>,
+}
+
+/// Which part of a request a worker is chosen for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leg {
+    /// The whole request (no disaggregation), or a prefill leg.
+    Whole,
+    /// The decode leg of a disaggregated request.
+    Decode,
 }
 
 /// Why no worker was chosen.
@@ -206,7 +228,27 @@ impl Router {
         exclude: &[WorkerId],
         now: Instant,
     ) -> Result<Pick, NoPick> {
+        self.select_leg(pool, hashes, isl, affinity_key, exclude, now, Leg::Whole)
+    }
+
+    /// [`Router::select`] for one leg of a request: a disaggregated request's decode leg is
+    /// chosen by `pd.decode_policy` when set.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_leg(
+        &self,
+        pool: &Pool,
+        hashes: &[u64],
+        isl: u64,
+        affinity_key: Option<u64>,
+        exclude: &[WorkerId],
+        now: Instant,
+        leg: Leg,
+    ) -> Result<Pick, NoPick> {
         let rp = self.policy.load();
+        let policy = match (leg, &rp.decode_policy) {
+            (Leg::Decode, Some(p)) => p.as_ref(),
+            _ => rp.policy.as_ref(),
+        };
         SCRATCH.with(|s| {
             let s = &mut *s.borrow_mut();
             let Scratch {
@@ -244,7 +286,7 @@ impl Router {
             // The index is read only for policies that route on overlap; for the others the pick's
             // TTFT prediction counts the whole prompt as uncached (an upper bound), and their
             // decision costs no index lock.
-            if rp.policy.uses_overlap() {
+            if policy.uses_overlap() {
                 let index = self.index.read();
                 score_candidates(&index, &self.active, hashes, now, scores, candidates);
             } else {
@@ -263,8 +305,7 @@ impl Router {
                 block_size: pool.block_size,
                 affinity_key,
             };
-            let decision = rp
-                .policy
+            let decision = policy
                 .select(&req, candidates, rng)
                 .ok_or(NoPick::NoWorker)?;
             let worker = pool

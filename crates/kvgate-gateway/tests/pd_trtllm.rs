@@ -146,3 +146,74 @@ async fn a_context_leg_that_finished_is_the_answer() {
     gw.shutdown().await;
     stop.cancel();
 }
+
+/// `[pd] decode_policy`: the generation (decode) leg has its own policy. Four requests with one
+/// prompt, each dispatched while the earlier ones still generate: `least_loaded` gives each its
+/// own generation worker (`kv` would count the shared prompt's blocks once per worker and could
+/// stack them), while the context legs still go by `kv`.
+#[tokio::test]
+async fn decode_policy_chooses_the_generation_worker() {
+    let stop = CancellationToken::new();
+    let ctx = context_worker("length", stop.clone()).await;
+    let mut gens = Vec::new();
+    for _ in 0..4 {
+        gens.push(
+            MockWorker::builder()
+                .tokens(2)
+                .ttft(std::time::Duration::from_secs(3))
+                .record(true)
+                .spawn()
+                .await
+                .unwrap(),
+        );
+    }
+    let mut cfg = config(ctx, &gens[0]);
+    for g in &gens[1..] {
+        let mut c = WorkerConfig::from_url(&g.url());
+        c.role = WorkerRole::Decode;
+        c.models = vec!["mock-model".into()];
+        cfg.workers.push(c);
+    }
+    cfg.pd.decode_policy = Some("least_loaded".into());
+    let gw = gateway(cfg).await;
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let received =
+        |gens: &[MockHandle]| gens.iter().map(|g| g.received().len()).collect::<Vec<_>>();
+    let mut clients = Vec::new();
+    for i in 0..4 {
+        let url = url.clone();
+        clients.push(tokio::spawn(async move {
+            post(
+                &client(),
+                &url,
+                chat_body("shared system prompt", "same question", false),
+            )
+            .await
+        }));
+        // The next request is routed only once this one's generation leg is in flight.
+        let arrived = eventually(std::time::Duration::from_secs(10), || {
+            received(&gens).iter().sum::<usize>() == i + 1
+        })
+        .await;
+        assert!(arrived, "request {i} never reached a generation worker");
+    }
+    assert_eq!(received(&gens), vec![1, 1, 1, 1]);
+    for c in clients {
+        let r = c.await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    gw.shutdown().await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn an_unknown_decode_policy_is_a_config_error() {
+    let gen = MockWorker::builder().spawn().await.unwrap();
+    let mut cfg = config_for(&[&gen], "kv");
+    cfg.pd.decode_policy = Some("fastest".into());
+    let err = kvgate_gateway::Gateway::start(cfg)
+        .await
+        .err()
+        .expect("refused");
+    assert!(format!("{err:#}").contains("pd.decode_policy"), "{err:#}");
+}

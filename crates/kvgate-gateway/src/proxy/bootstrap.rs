@@ -16,7 +16,7 @@ use crate::ctx::RequestCtx;
 use crate::error::{ErrorKind, GatewayError};
 use crate::pd::{bootstrap_addr, bootstrap_room, sglang_body, Partner};
 use crate::registry::{Pool, Worker};
-use crate::router::NoPick;
+use crate::router::{Leg, NoPick};
 use crate::state::AppState;
 use kvgate_http::client;
 
@@ -104,7 +104,7 @@ pub(crate) async fn dual_dispatch(
         return Ok(None);
     };
     // The decode worker: queued like any request when every one is busy.
-    let dpick = super::pick(app, ctx, &p.pool, &p.ri, &[], p.t_decide).await?;
+    let dpick = super::pick(app, ctx, &p.pool, &p.ri, &[], p.t_decide, Leg::Decode).await?;
     let now = Instant::now();
     ctx.decision_time = now
         .saturating_duration_since(p.t_decide)
