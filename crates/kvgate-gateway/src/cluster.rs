@@ -153,6 +153,10 @@ impl Sink for GatewayPeers {
     fn take_rate_usage(&self) -> Vec<(u64, u32)> {
         self.auth.load().take_usage()
     }
+
+    fn route_lag(&self, lag: Duration, now: Instant) {
+        self.fleet.router.remote.lock().observe_lag(lag, now);
+    }
 }
 
 /// The cluster config slice from `[cluster]`, or `None` when cluster mode is off.

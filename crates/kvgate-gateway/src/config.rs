@@ -54,8 +54,9 @@ pub struct ClusterSection {
     pub queue_capacity: usize,
     /// How long a (re)connecting replica collects peers' snapshot replies.
     pub snapshot_wait_ms: u64,
-    /// How long each of our routing decisions also counts once per live peer, standing for the
-    /// peers' concurrent decisions until theirs arrive (about the sync lag under a burst; 0 = off).
+    /// How long (at least) each of our routing decisions also counts once per live peer, standing
+    /// for the peers' concurrent decisions until theirs arrive; the recent sync lag stretches it
+    /// when longer (0 = off).
     pub provisional_window_ms: u64,
 }
 

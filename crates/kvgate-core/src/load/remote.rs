@@ -13,7 +13,9 @@
 //! instant, from the same picture of the fleet. Each of our own decisions therefore also counts as
 //! if each live peer had just made it ([`RemoteLoads::routed_here`]: once per peer we hold a share
 //! of) until it is older than the provisional window, by when the peers' real decisions have
-//! arrived and replace the guess. Without it four replicas each sent their share of a burst to the
+//! arrived and replace the guess. The window is the configured floor or the recent sync lag
+//! ([`RemoteLoads::observe_lag`]: its peak, halving every second), whichever is longer: a busy
+//! host's lag outlasts a fixed window. Without it four replicas each sent their share of a burst to the
 //! worker that looked cheapest, and the burst piled onto fewer workers than through one replica
 //! (docs/cluster.md, Measured).
 
@@ -44,6 +46,10 @@ struct Provisional {
     share: f64,
 }
 
+/// The recent sync lag stretches the provisional window at most to this (a skewed clock between
+/// hosts must not make every decision count for seconds).
+const LAG_WINDOW_MAX: Duration = Duration::from_millis(250);
+
 /// Our own decisions kept at most this many (a bound on memory, not a setting: at any realistic
 /// rate the window empties the queue long before).
 const PROVISIONAL_MAX: usize = 4096;
@@ -56,8 +62,10 @@ pub struct RemoteLoads {
     sums: Vec<WorkerLoad>,
     /// Our own decisions younger than `window`, oldest first.
     provisional: VecDeque<Provisional>,
-    /// How long one of our decisions also stands for the peers' (zero: off).
+    /// Shortest time one of our decisions also stands for the peers' (zero: off).
     window: Duration,
+    /// Peak sync lag of peers' decisions and when it was seen (decays: see `recent_lag`).
+    lag_peak: (Duration, Option<Instant>),
 }
 
 impl RemoteLoads {
@@ -140,10 +148,36 @@ impl RemoteLoads {
         });
     }
 
+    /// A peer's routing decision reached us `lag` after it was sent, at `now`.
+    pub fn observe_lag(&mut self, lag: Duration, now: Instant) {
+        if lag >= self.recent_lag(now) {
+            self.lag_peak = (lag, Some(now));
+        }
+    }
+
+    /// The peak sync lag, halved for every second since it was seen.
+    fn recent_lag(&self, now: Instant) -> Duration {
+        let (peak, Some(at)) = self.lag_peak else {
+            return Duration::ZERO;
+        };
+        let age = now.saturating_duration_since(at).as_secs_f64();
+        peak.mul_f64(0.5f64.powf(age))
+    }
+
+    /// How long our decisions count as provisional load at `now`: the configured window, or the
+    /// recent sync lag when longer (up to [`LAG_WINDOW_MAX`]); zero when off.
+    pub fn provisional_window(&self, now: Instant) -> Duration {
+        if self.window.is_zero() {
+            return Duration::ZERO;
+        }
+        self.window.max(self.recent_lag(now).min(LAG_WINDOW_MAX))
+    }
+
     /// Drops our decisions older than the window.
     fn prune(&mut self, now: Instant) {
+        let window = self.provisional_window(now);
         while let Some(p) = self.provisional.front() {
-            if now.saturating_duration_since(p.at) < self.window {
+            if now.saturating_duration_since(p.at) < window {
                 break;
             }
             self.provisional.pop_front();
@@ -416,6 +450,18 @@ mod tests {
             ),
             (1 + 1, 2 + 54, 50 + 864)
         );
+        // A sync lag longer than the window stretches it while it is recent.
+        r.observe_lag(ms(40), t + ms(20));
+        assert_eq!(r.provisional_window(t + ms(20)), ms(40));
+        r.routed_here(W0, 128, 8, 1.0, t + ms(20));
+        let mut c = [Candidate::new(W0)];
+        r.add_into_at(&mut c, t + ms(50));
+        assert_eq!(c[0].inflight, 3);
+        r.observe_lag(ms(5), t + ms(50));
+        assert_eq!(r.provisional_window(t + ms(1020)), ms(20));
+        assert_eq!(r.provisional_window(t + ms(3020)), ms(10));
+        r.observe_lag(Duration::from_secs(30), t + ms(3020));
+        assert_eq!(r.provisional_window(t + ms(3020)), LAG_WINDOW_MAX);
         // A zero window turns it off.
         r.set_provisional_window(Duration::ZERO);
         r.routed_here(W0, 128, 8, 1.0, t + ms(15));
