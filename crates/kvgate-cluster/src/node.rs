@@ -45,6 +45,11 @@ pub trait Sink: Send + Sync + 'static {
     fn expire(&self, now: Instant, timeout: Duration);
     /// API-key usage (key id, requests) since the last call, to publish.
     fn take_rate_usage(&self) -> Vec<(u64, u32)>;
+    /// A peer's routing decision arrived `lag` after it was sent (the sync lag, also observed in
+    /// `kvgate_cluster_sync_lag_seconds`).
+    fn route_lag(&self, lag: Duration, now: Instant) {
+        let _ = (lag, now);
+    }
 }
 
 /// A running cluster membership. Dropping the last handle does not stop it: call [`Cluster::shutdown`].
@@ -300,6 +305,7 @@ impl Cluster {
                 if kind == Kind::Route {
                     let lag = unix_us().saturating_sub(env.sent_unix_us);
                     self.metrics.sync_lag.observe(lag as f64 / 1e6);
+                    sink.route_lag(Duration::from_micros(lag), now);
                 }
             }
             Err(r) => self.metrics.dropped(Some(kind), r),

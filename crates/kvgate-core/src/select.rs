@@ -108,6 +108,11 @@ pub struct Decision {
     pub overlap_blocks: u32,
     /// Predicted fraction of prompt tokens served from cache: overlap·block_size / isl, ≤ 1.
     pub predicted_hit_ratio: f64,
+    /// Probability that a router deciding from the same view picks this worker too: 1 / the
+    /// number of equally cheap workers for an argmin, the pick's probability at temperature > 0,
+    /// 1 where the policy does not say. Cluster mode counts our decision that many times per peer
+    /// until the peers' own decisions arrive (`RemoteLoads::routed_here`).
+    pub share: f64,
 }
 
 impl Decision {
@@ -124,7 +129,14 @@ impl Decision {
             cost,
             overlap_blocks: overlap,
             predicted_hit_ratio: ratio,
+            share: 1.0,
         }
+    }
+
+    /// With [`Decision::share`] set.
+    pub fn with_share(mut self, share: f64) -> Self {
+        self.share = share;
+        self
     }
 }
 
@@ -252,6 +264,18 @@ pub fn pick_with(
     temperature: f64,
     rng: &mut fastrand::Rng,
 ) -> Option<usize> {
+    pick_with_share(n, cost, temperature, rng).map(|(i, _)| i)
+}
+
+/// [`pick_with`], also returning the probability with which the pick was made (its
+/// [`Decision::share`]): 1 / the number of exact ties at temperature 0, its softmax weight over
+/// the total otherwise.
+pub fn pick_with_share(
+    n: usize,
+    cost: impl Fn(usize) -> Option<f64>,
+    temperature: f64,
+    rng: &mut fastrand::Rng,
+) -> Option<(usize, f64)> {
     let cost = |i: usize| cost(i).map(|c| if c.is_nan() { f64::INFINITY } else { c });
     let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
     let mut any = false;
@@ -277,11 +301,11 @@ pub fn pick_with(
             }
             r -= w;
             if r < 0.0 {
-                return Some(i);
+                return Some((i, w / total));
             }
         }
         // Rounding left r ≥ 0: the last candidate with non-zero weight.
-        return last;
+        return last.and_then(|i| cost(i).map(|c| (i, weight(c) / total)));
     }
     // Argmin with reservoir sampling over exact ties: uniform without a second pass.
     let mut best = None;
@@ -294,7 +318,7 @@ pub fn pick_with(
             }
         }
     }
-    best
+    best.map(|i| (i, 1.0 / f64::from(ties.max(1))))
 }
 
 /// Fills overlap (from the index) and router-side load (from `active`) for every candidate, whose

@@ -153,6 +153,10 @@ impl Sink for GatewayPeers {
     fn take_rate_usage(&self) -> Vec<(u64, u32)> {
         self.auth.load().take_usage()
     }
+
+    fn route_lag(&self, lag: Duration, now: Instant) {
+        self.fleet.router.remote.lock().observe_lag(lag, now);
+    }
 }
 
 /// The cluster config slice from `[cluster]`, or `None` when cluster mode is off.
@@ -198,9 +202,11 @@ fn hostname() -> String {
         .unwrap_or_else(|| format!("kvgate-{:016x}", fastrand::u64(..)))
 }
 
-/// Start cluster mode: the NATS tasks, the router's publishing, and the breaker watcher.
+/// Start cluster mode: the NATS tasks, the router's publishing (with our decisions' provisional
+/// load, `provisional_window`), and the breaker watcher.
 pub fn start(
     cfg: ClusterConfig,
+    provisional_window: Duration,
     fleet: Arc<WorkerFleet>,
     auth: Arc<ArcSwap<Auth>>,
     metrics: kvgate_cluster::ClusterMetrics,
@@ -212,6 +218,11 @@ pub fn start(
     });
     let interval = cfg.heartbeat_interval;
     let cluster = Cluster::start(cfg, sink, metrics).map_err(|e| anyhow::anyhow!(e))?;
+    fleet
+        .router
+        .remote
+        .lock()
+        .set_provisional_window(provisional_window);
     let _ = fleet.router.cluster.set(cluster.clone());
     tracing::info!(replica = cluster.replica_id(), "cluster mode on");
     let c = cluster.clone();

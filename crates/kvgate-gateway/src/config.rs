@@ -54,6 +54,10 @@ pub struct ClusterSection {
     pub queue_capacity: usize,
     /// How long a (re)connecting replica collects peers' snapshot replies.
     pub snapshot_wait_ms: u64,
+    /// How long (at least) each of our routing decisions also counts once per live peer, standing
+    /// for the peers' concurrent decisions until theirs arrive; the recent sync lag stretches it
+    /// when longer (0 = off).
+    pub provisional_window_ms: u64,
 }
 
 impl Default for ClusterSection {
@@ -67,6 +71,7 @@ impl Default for ClusterSection {
             max_message_bytes: 1 << 20,
             queue_capacity: 8192,
             snapshot_wait_ms: 500,
+            provisional_window_ms: 10,
         }
     }
 }

@@ -293,7 +293,7 @@ impl Router {
                 self.active.fill_loads(hashes, candidates);
             }
             if self.cluster.get().is_some() {
-                self.remote.lock().add_into(candidates);
+                self.remote.lock().add_into_at(candidates, now);
             }
             self.latency.lock().fill(candidates);
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
@@ -358,17 +358,27 @@ impl Router {
             }
         }
         let cluster = self.cluster.get().map(|c| {
+            // The blocks this request adds on its worker: its prompt beyond the prefix the worker
+            // is predicted to hold. Peers sum these per request (they get counts, not block sets),
+            // so the whole prompt would count a shared prefix once per request and steer its group
+            // away from the worker holding it (docs/cluster.md, Measured).
+            let blocks = (hashes.len() as u32).saturating_sub(pick.decision.overlap_blocks);
+            let prefill = isl.saturating_sub(cached);
             c.route(
                 pick.worker.models.first().map_or("", |m| m),
                 &pick.worker.name,
                 id,
-                isl.saturating_sub(cached),
-                // The blocks this request adds on its worker: its prompt beyond the prefix the
-                // worker is predicted to hold. Peers sum these per request (they get counts, not
-                // block sets), so the whole prompt would count a shared prefix once per request
-                // and steer its group away from the worker holding it (docs/cluster.md, Measured).
-                (hashes.len() as u32).saturating_sub(pick.decision.overlap_blocks),
+                prefill,
+                blocks,
                 hashes,
+            );
+            // Until peers' decisions of this same instant arrive, ours stands for theirs.
+            self.remote.lock().routed_here(
+                pick.worker.id,
+                prefill,
+                blocks,
+                pick.decision.share,
+                now,
             );
             (c.clone(), id)
         });

@@ -86,6 +86,7 @@ impl AppState {
         let cluster = match crate::cluster::config(&config.cluster)? {
             Some(c) => Some(crate::cluster::start(
                 c,
+                std::time::Duration::from_millis(config.cluster.provisional_window_ms),
                 fleet.clone(),
                 auth.clone(),
                 metrics.cluster.clone(),

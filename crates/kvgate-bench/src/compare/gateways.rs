@@ -53,7 +53,9 @@ impl Gateways {
                     format!("serve-{}-r{i}", spec.file_stem())
                 };
                 let listen = format!("127.0.0.1:{port}");
-                let extra = cluster.as_ref().map(|c| cluster_toml(c, &format!("r{i}")));
+                let extra = cluster
+                    .as_ref()
+                    .map(|c| cluster_toml(c, &format!("r{i}"), &spec.cluster_keys));
                 let args = serve_args(&listen, fleet, spec, a, log_dir, &name, extra)?;
                 gws.guards
                     .push(ChildGuard::spawn(exe, &args, &name, log_dir)?);
@@ -235,13 +237,17 @@ fn q(s: &str) -> String {
 }
 
 /// The `[cluster]` table of one replica.
-fn cluster_toml(c: &ClusterLink<'_>, replica_id: &str) -> String {
-    format!(
+fn cluster_toml(c: &ClusterLink<'_>, replica_id: &str, keys: &[(String, String)]) -> String {
+    let mut t = format!(
         "\n[cluster]\nnats_url = {}\nreplica_id = {}\nsubject_prefix = {}\n",
         q(c.nats_url),
         q(replica_id),
         q(&c.subject_prefix)
-    )
+    );
+    for (k, v) in keys {
+        t.push_str(&format!("{k} = {v}\n"));
+    }
+    t
 }
 
 /// Arguments for one `kvgate serve` in front of the fleet. With every worker's KV-event endpoint
@@ -393,8 +399,12 @@ mod tests {
             subject_prefix: "kvgate-bench-7-1".into(),
         };
         assert_eq!(
-            cluster_toml(&c, "r1"),
+            cluster_toml(&c, "r1", &[]),
             "\n[cluster]\nnats_url = \"nats://127.0.0.1:4222\"\nreplica_id = \"r1\"\nsubject_prefix = \"kvgate-bench-7-1\"\n"
+        );
+        assert!(
+            cluster_toml(&c, "r1", &[("provisional_window_ms".into(), "0".into())])
+                .ends_with("subject_prefix = \"kvgate-bench-7-1\"\nprovisional_window_ms = 0\n")
         );
     }
 

@@ -7,6 +7,7 @@
 //! Replicas (`--replicas`): `replicas=N` runs that entry as N gateways (overriding `--replicas`),
 //! and `cluster=false` runs them without `[cluster]` (each routes on what it alone sees), so one
 //! comparison holds "1 replica", "N replicas" and "N replicas sharing state over NATS".
+//! `cluster_KEY=VALUE` becomes a `[cluster]` key of those replicas (`kv:cluster_provisional_window_ms=0`).
 
 /// One gateway to compare.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +26,8 @@ pub struct PolicySpec {
     pub replicas: Option<usize>,
     /// Whether N > 1 replicas share state over NATS (`cluster=false`: they do not).
     pub cluster: bool,
+    /// `[cluster]` keys (given as `cluster_KEY`) and their TOML values, for clustered replicas.
+    pub cluster_keys: Vec<(String, String)>,
 }
 
 impl PolicySpec {
@@ -54,6 +57,7 @@ impl PolicySpec {
         let mut unified = false;
         let mut replicas = None;
         let mut cluster = true;
+        let mut cluster_keys = Vec::new();
         for kv in parts {
             let (k, v) = kv
                 .split_once('=')
@@ -80,6 +84,8 @@ impl PolicySpec {
                     "false" => false,
                     _ => return Err(bad("cluster is true or false")),
                 };
+            } else if let Some(ck) = k.strip_prefix("cluster_") {
+                cluster_keys.push((ck.to_owned(), toml_value(v)));
             } else if let Some(pk) = k.strip_prefix("pd_") {
                 pd.push((pk.to_owned(), toml_value(v)));
             } else {
@@ -94,6 +100,7 @@ impl PolicySpec {
             unified,
             replicas,
             cluster,
+            cluster_keys,
         })
     }
 
@@ -213,6 +220,12 @@ mod tests {
         assert_eq!(p.routing_toml(), "\n[routing]\nprefill_weight = 8\n");
         let p = PolicySpec::parse("kv4=kv:replicas=4:cluster=false").unwrap();
         assert_eq!((p.replicas, p.cluster), (Some(4), false));
+        assert!(p.routing_toml().is_empty());
+        let p = PolicySpec::parse("kv4=kv:replicas=4:cluster_provisional_window_ms=0").unwrap();
+        assert_eq!(
+            p.cluster_keys,
+            [("provisional_window_ms".into(), "0".into())]
+        );
         assert!(p.routing_toml().is_empty());
         for bad in ["kv:replicas=0", "kv:replicas=x", "kv:cluster=no"] {
             let e = PolicySpec::parse(bad).unwrap_err().to_string();

@@ -7,10 +7,21 @@
 //! replicas' blocks (peers send counts, not block sets). The gateway therefore sends each
 //! request's blocks beyond the prefix its worker is predicted to hold, so a prefix shared by many
 //! in-flight requests on one worker is not counted once per request.
+//!
+//! Provisional load: peers' decisions reach us a few milliseconds late (the sync lag), and in a
+//! burst behind a load balancer every replica takes its share of the decisions in that same
+//! instant, from the same picture of the fleet. Each of our own decisions therefore also counts as
+//! if each live peer had just made it ([`RemoteLoads::routed_here`]: once per peer we hold a share
+//! of) until it is older than the provisional window, by when the peers' real decisions have
+//! arrived and replace the guess. The window is the configured floor or the recent sync lag
+//! ([`RemoteLoads::observe_lag`]: its peak, halving every second), whichever is longer: a busy
+//! host's lag outlasts a fixed window. Without it four replicas each sent their share of a burst to the
+//! worker that looked cheapest, and the burst piled onto fewer workers than through one replica
+//! (docs/cluster.md, Measured).
 
 use crate::select::Candidate;
 use crate::{WorkerId, WorkerLoad};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy)]
@@ -26,12 +37,35 @@ struct Replica {
     requests: HashMap<u64, Request>,
 }
 
+/// One of our own decisions, still young enough to stand for the peers' concurrent ones.
+#[derive(Debug, Clone, Copy)]
+struct Provisional {
+    at: Instant,
+    req: Request,
+    /// The decision's [`crate::Decision::share`]: how likely a peer with our view made it too.
+    share: f64,
+}
+
+/// The recent sync lag stretches the provisional window at most to this (a skewed clock between
+/// hosts must not make every decision count for seconds).
+const LAG_WINDOW_MAX: Duration = Duration::from_millis(250);
+
+/// Our own decisions kept at most this many (a bound on memory, not a setting: at any realistic
+/// rate the window empties the queue long before).
+const PROVISIONAL_MAX: usize = 4096;
+
 /// Peers' in-flight load per worker, per replica. Not thread-safe: the gateway holds it in a lock.
 #[derive(Debug, Default)]
 pub struct RemoteLoads {
     replicas: HashMap<String, Replica>,
     /// Sum over replicas, indexed by `WorkerId`.
     sums: Vec<WorkerLoad>,
+    /// Our own decisions younger than `window`, oldest first.
+    provisional: VecDeque<Provisional>,
+    /// Shortest time one of our decisions also stands for the peers' (zero: off).
+    window: Duration,
+    /// Peak sync lag of peers' decisions and when it was seen (decays: see `recent_lag`).
+    lag_peak: (Duration, Option<Instant>),
 }
 
 impl RemoteLoads {
@@ -71,6 +105,82 @@ impl RemoteLoads {
             s.active_blocks = s.active_blocks.saturating_sub(r.blocks);
             s.pending_prefill_tokens = s.pending_prefill_tokens.saturating_sub(r.prefill);
             s.inflight = s.inflight.saturating_sub(1);
+        }
+    }
+
+    /// How long each of our own decisions also counts as provisional load of every live peer
+    /// ([`RemoteLoads::routed_here`]); zero turns it off.
+    pub fn set_provisional_window(&mut self, window: Duration) {
+        self.window = window;
+        if window.is_zero() {
+            self.provisional.clear();
+        }
+    }
+
+    /// We dispatched a request to `worker` at `now`, with the load a `route` message of ours
+    /// carries (`prefill_tokens` pending, `blocks` added) and the decision's `share` (the
+    /// probability a router with our view picks that worker: 1 for a clear winner, 1/k among k
+    /// equally cheap workers, which peers spread over). Until it is older than the provisional
+    /// window it counts `share` more times per live peer in [`RemoteLoads::add_into_at`].
+    pub fn routed_here(
+        &mut self,
+        worker: WorkerId,
+        prefill_tokens: u64,
+        blocks: u32,
+        share: f64,
+        now: Instant,
+    ) {
+        if self.window.is_zero() || share.is_nan() || share <= 0.0 {
+            return;
+        }
+        self.prune(now);
+        if self.provisional.len() >= PROVISIONAL_MAX {
+            self.provisional.pop_front();
+        }
+        self.provisional.push_back(Provisional {
+            at: now,
+            req: Request {
+                worker,
+                prefill: prefill_tokens,
+                blocks,
+            },
+            share: share.min(1.0),
+        });
+    }
+
+    /// A peer's routing decision reached us `lag` after it was sent, at `now`.
+    pub fn observe_lag(&mut self, lag: Duration, now: Instant) {
+        if lag >= self.recent_lag(now) {
+            self.lag_peak = (lag, Some(now));
+        }
+    }
+
+    /// The peak sync lag, halved for every second since it was seen.
+    fn recent_lag(&self, now: Instant) -> Duration {
+        let (peak, Some(at)) = self.lag_peak else {
+            return Duration::ZERO;
+        };
+        let age = now.saturating_duration_since(at).as_secs_f64();
+        peak.mul_f64(0.5f64.powf(age))
+    }
+
+    /// How long our decisions count as provisional load at `now`: the configured window, or the
+    /// recent sync lag when longer (up to [`LAG_WINDOW_MAX`]); zero when off.
+    pub fn provisional_window(&self, now: Instant) -> Duration {
+        if self.window.is_zero() {
+            return Duration::ZERO;
+        }
+        self.window.max(self.recent_lag(now).min(LAG_WINDOW_MAX))
+    }
+
+    /// Drops our decisions older than the window.
+    fn prune(&mut self, now: Instant) {
+        let window = self.provisional_window(now);
+        while let Some(p) = self.provisional.front() {
+            if now.saturating_duration_since(p.at) < window {
+                break;
+            }
+            self.provisional.pop_front();
         }
     }
 
@@ -173,7 +283,8 @@ impl RemoteLoads {
         self.sums.get(worker.index()).copied().unwrap_or_default()
     }
 
-    /// Adds peers' load to each candidate's router-side load (after our own was filled in).
+    /// Adds peers' load to each candidate's router-side load (after our own was filled in),
+    /// without provisional load.
     pub fn add_into(&self, candidates: &mut [Candidate]) {
         for c in candidates {
             let l = self.load(c.worker);
@@ -183,6 +294,38 @@ impl RemoteLoads {
                 .saturating_add(l.pending_prefill_tokens);
             c.inflight = c.inflight.saturating_add(l.inflight);
         }
+    }
+
+    /// [`RemoteLoads::add_into`] plus the provisional load at `now`: each of our decisions younger
+    /// than the window counted `share` times per live peer on its worker (the expected number of
+    /// peers that made it too), summed per worker and then rounded.
+    pub fn add_into_at(&mut self, candidates: &mut [Candidate], now: Instant) {
+        self.add_into(candidates);
+        self.prune(now);
+        let peers = self.replicas.len() as f64;
+        if peers == 0.0 || self.provisional.is_empty() {
+            return;
+        }
+        for c in candidates {
+            let (mut n, mut blocks, mut prefill) = (0.0f64, 0.0f64, 0.0f64);
+            for p in self.provisional.iter().filter(|p| p.req.worker == c.worker) {
+                let k = peers * p.share;
+                n += k;
+                blocks += k * f64::from(p.req.blocks);
+                prefill += k * p.req.prefill as f64;
+            }
+            // `as` saturates: a sum past the integer's range counts as its maximum.
+            c.active_blocks = c.active_blocks.saturating_add(blocks.round() as u32);
+            c.pending_prefill_tokens = c
+                .pending_prefill_tokens
+                .saturating_add(prefill.round() as u64);
+            c.inflight = c.inflight.saturating_add(n.round() as u32);
+        }
+    }
+
+    /// Our decisions currently counted as provisional load (for tests and metrics).
+    pub fn provisional_len(&self) -> usize {
+        self.provisional.len()
     }
 
     /// Replicas currently holding a share (heard from and not expired).
@@ -255,6 +398,76 @@ mod tests {
         assert_eq!(dead, vec!["a".to_string()]);
         assert_eq!(r.load(W0).inflight, 1);
         assert_eq!(r.replicas(), 1);
+    }
+
+    #[test]
+    fn our_young_decisions_count_once_per_live_peer_until_the_window_ends() {
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        let mut r = RemoteLoads::new();
+        r.set_provisional_window(ms(10));
+        // Alone (no peer heard from): our decisions are only our own load.
+        r.routed_here(W0, 128, 8, 1.0, t);
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t);
+        assert_eq!((c[0].inflight, c[0].active_blocks), (0, 0));
+        // Three live peers: each of them is taken to have made the same decision just now.
+        for p in ["a", "b", "c"] {
+            r.heard(p, t);
+        }
+        r.dispatch("a", 1, W1, 50, 2, t);
+        r.routed_here(W0, 128, 8, 1.0, t + ms(4));
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t + ms(5));
+        assert_eq!(
+            (
+                c[0].inflight,
+                c[0].active_blocks,
+                c[0].pending_prefill_tokens
+            ),
+            (6, 48, 768)
+        );
+        assert_eq!((c[1].inflight, c[1].active_blocks), (1, 2));
+        // The first decision ages out of the window, then the second; peers' real load stays.
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t + ms(10));
+        assert_eq!((c[0].inflight, c[0].active_blocks), (3, 24));
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t + ms(14));
+        assert_eq!((c[0].inflight, c[0].active_blocks), (0, 0));
+        assert_eq!((c[1].inflight, c[1].active_blocks), (1, 2));
+        assert_eq!(r.provisional_len(), 0);
+        // A pick among 4 equally cheap workers: peers with our view spread over them, so it
+        // stands for 3/4 of a request there.
+        r.routed_here(W1, 1152, 72, 0.25, t + ms(14));
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t + ms(14));
+        assert_eq!(
+            (
+                c[1].inflight,
+                c[1].active_blocks,
+                c[1].pending_prefill_tokens
+            ),
+            (1 + 1, 2 + 54, 50 + 864)
+        );
+        // A sync lag longer than the window stretches it while it is recent.
+        r.observe_lag(ms(40), t + ms(20));
+        assert_eq!(r.provisional_window(t + ms(20)), ms(40));
+        r.routed_here(W0, 128, 8, 1.0, t + ms(20));
+        let mut c = [Candidate::new(W0)];
+        r.add_into_at(&mut c, t + ms(50));
+        assert_eq!(c[0].inflight, 3);
+        r.observe_lag(ms(5), t + ms(50));
+        assert_eq!(r.provisional_window(t + ms(1020)), ms(20));
+        assert_eq!(r.provisional_window(t + ms(3020)), ms(10));
+        r.observe_lag(Duration::from_secs(30), t + ms(3020));
+        assert_eq!(r.provisional_window(t + ms(3020)), LAG_WINDOW_MAX);
+        // A zero window turns it off.
+        r.set_provisional_window(Duration::ZERO);
+        r.routed_here(W0, 128, 8, 1.0, t + ms(15));
+        let mut c = [Candidate::new(W0)];
+        r.add_into_at(&mut c, t + ms(15));
+        assert_eq!(c[0].inflight, 0);
     }
 
     #[test]

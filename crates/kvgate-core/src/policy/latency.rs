@@ -11,7 +11,9 @@
 
 use super::Policy;
 use crate::latency::LatencyConfig;
-use crate::select::{pick_with, BusyThresholds, Candidate, Decision, Eligibility, RouteRequest};
+use crate::select::{
+    pick_with_share, BusyThresholds, Candidate, Decision, Eligibility, RouteRequest,
+};
 
 /// Settings of the `latency` policy.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,15 +119,16 @@ impl Policy for LatencyPolicy {
                 }
             }
             if let Some((i, _, cost)) = best {
-                return Some(Decision::for_candidate(req, &candidates[i], cost));
+                let share = 1.0 / f64::from(ties.max(1));
+                return Some(Decision::for_candidate(req, &candidates[i], cost).with_share(share));
             }
         }
         let cost = |i: usize| {
             let c = &candidates[i];
             el.ok(c).then(|| self.cfg.cost(req, c).0)
         };
-        let i = pick_with(candidates.len(), cost, self.cfg.temperature, rng)?;
+        let (i, share) = pick_with_share(candidates.len(), cost, self.cfg.temperature, rng)?;
         let c = &candidates[i];
-        Some(Decision::for_candidate(req, c, self.cfg.cost(req, c).0))
+        Some(Decision::for_candidate(req, c, self.cfg.cost(req, c).0).with_share(share))
     }
 }

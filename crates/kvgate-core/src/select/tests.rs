@@ -12,6 +12,25 @@ fn req(hashes: &[u64], isl: u64) -> RouteRequest<'_> {
 }
 
 #[test]
+fn a_pick_reports_how_likely_it_was() {
+    let mut rng = fastrand::Rng::with_seed(7);
+    // Argmin: a clear winner is certain; among k exact ties each is 1/k.
+    let (i, share) = pick_with_share(3, |i| Some([2.0, 1.0, 3.0][i]), 0.0, &mut rng).unwrap();
+    assert_eq!((i, share), (1, 1.0));
+    let costs = [1.0, 5.0, 1.0, 1.0, 1.0];
+    let (i, share) = pick_with_share(5, |i| Some(costs[i]), 0.0, &mut rng).unwrap();
+    assert!(costs[i] == 1.0 && share == 0.25, "{i} {share}");
+    // Temperature: the softmax probability of the pick, summing to 1 over the candidates.
+    let costs = [0.0, 1.0, 2.0];
+    let w: Vec<f64> = costs.iter().map(|c: &f64| (-c / 2.0).exp()).collect();
+    let total: f64 = w.iter().sum();
+    for _ in 0..20 {
+        let (i, share) = pick_with_share(3, |i| Some(costs[i]), 1.0, &mut rng).unwrap();
+        assert!((share - w[i] / total).abs() < 1e-12, "{i} {share}");
+    }
+}
+
+#[test]
 fn dynamo_log_check() {
     // ISL 296, block size 16, 12 blocks overlap, idle worker → (18.5 − 12) + 18 = 24.5; no overlap 36.5.
     let h = vec![0u64; 18];
