@@ -24,8 +24,9 @@
 #      P (prefill workers, 2), D (decode workers, 4), RATE (20), REQUESTS (160), SPEEDUP (2),
 #      WORKLOAD_ARGS (default: the shared-prefix set of docs/bench.md's PD section),
 #      SKIP_A=1 / SKIP_B=1 (skip a run), SKIP_BUILD=1,
-#      POLICIES_A (run A's `--policies`; default below: kv PD always, conditional, with
-#      `least_loaded` decode, round-robin pairs, unified).
+#      POLICIES_A (run A's `--policies`; default below: kv PD always (decode legs by
+#      least_loaded, the default), conditional, always with kv decode legs, round-robin pairs,
+#      unified).
 set -euo pipefail
 OUT=${1:-pd-peers-out}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,7 +40,7 @@ REQUESTS=${REQUESTS:-160}
 SPEEDUP=${SPEEDUP:-2}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:---workload shared-prefix --groups 16 --prompts-per-group 10 --system-tokens 1024 --question-tokens 128 --output-len 32}
 N=$((P + D))
-POLICIES_A=${POLICIES_A:-kv_pd=kv:pd_min_uncached_tokens=0,kv_pd_cond=kv,kv_pd_lld=kv:pd_min_uncached_tokens=0:pd_decode_policy=least_loaded,rr_pairs=round_robin:pd_min_uncached_tokens=0,unified_kv=kv:unified=true}
+POLICIES_A=${POLICIES_A:-kv_pd=kv:pd_min_uncached_tokens=0,kv_pd_cond=kv,kv_pd_kv_decode=kv:pd_min_uncached_tokens=0:pd_decode_policy=kv,rr_pairs=round_robin:pd_min_uncached_tokens=0,unified_kv=kv:unified=true}
 MODEL=sim-model
 BASE_A=${BASE_A:-18300}   # HTTP base+i, KV events base+1000+i, replay base+1100+i
 BASE_B=${BASE_B:-18500}

@@ -468,9 +468,11 @@ pub struct PdConfig {
     /// A prefill leg's whole answer must arrive within this many seconds (it is one token).
     pub prefill_timeout_s: u64,
     /// The policy that chooses the decode worker of a disaggregated request (any
-    /// `routing.policy` name, with the same `[routing]` settings). Unset: `routing.policy`, as for
-    /// whole requests. `least_loaded` balances decode batches: `kv` counts a shared prefix's
-    /// blocks once per worker, so requests sharing a prompt add almost no decode cost where it is.
+    /// `routing.policy` name, with the same `[routing]` settings). Unset: `least_loaded` when
+    /// `routing.policy` routes on cache overlap (`kv`, `latency`, `cache_aware`), else
+    /// `routing.policy` itself. `kv` counts a shared prompt's blocks once per worker, so decode
+    /// legs sharing a prompt would stack where it is cached; the blocks are pulled from the
+    /// prefill worker anyway.
     pub decode_policy: Option<String>,
 }
 

@@ -31,7 +31,7 @@ use crate::registry::{Pool, Worker};
 /// The policy and the gateway-level busy bound, swapped together on reload.
 pub struct RoutePolicy {
     pub policy: Box<dyn Policy>,
-    /// The decode leg of a disaggregated request (`pd.decode_policy`); unset: `policy`.
+    /// The decode leg of a disaggregated request (`pd.decode_policy`, see there); unset: `policy`.
     pub decode_policy: Option<Box<dyn Policy>>,
     pub busy: BusyThresholds,
     /// A worker with this many requests in flight from us is busy (0 = no bound).
@@ -113,9 +113,12 @@ impl RoutePolicy {
         };
         let policy = kvgate_core::policy_by_name(&cfg.policy, &pc)
             .map_err(|e| anyhow::anyhow!("routing.policy: {e}"))?;
-        let decode_policy = pd
-            .decode_policy
-            .as_deref()
+        let decode_name = match pd.decode_policy.as_deref() {
+            Some(name) => Some(name),
+            None if policy.uses_overlap() => Some("least_loaded"),
+            None => None,
+        };
+        let decode_policy = decode_name
             .map(|name| kvgate_core::policy_by_name(name, &pc))
             .transpose()
             .map_err(|e| anyhow::anyhow!("pd.decode_policy: {e}"))?;

@@ -147,10 +147,10 @@ async fn a_context_leg_that_finished_is_the_answer() {
     stop.cancel();
 }
 
-/// `[pd] decode_policy`: the generation (decode) leg has its own policy. Four requests with one
-/// prompt, each dispatched while the earlier ones still generate: `least_loaded` gives each its
-/// own generation worker (`kv` would count the shared prompt's blocks once per worker and could
-/// stack them), while the context legs still go by `kv`.
+/// `[pd] decode_policy`: the generation (decode) leg has its own policy, by default
+/// `least_loaded` under `kv`. Four requests with one prompt, each dispatched while the earlier
+/// ones still generate, get a generation worker each (`kv` counts the shared prompt's blocks once
+/// per worker and stacked them), while the context legs still go by `kv`.
 #[tokio::test]
 async fn decode_policy_chooses_the_generation_worker() {
     let stop = CancellationToken::new();
@@ -174,7 +174,7 @@ async fn decode_policy_chooses_the_generation_worker() {
         c.models = vec!["mock-model".into()];
         cfg.workers.push(c);
     }
-    cfg.pd.decode_policy = Some("least_loaded".into());
+    assert_eq!(cfg.pd.decode_policy, None);
     let gw = gateway(cfg).await;
     let url = format!("{}/v1/chat/completions", gw.url());
     let received =
