@@ -148,9 +148,15 @@ ratio() { # target c
   for i in "${!a[@]}"; do
     [ -n "${b[$i]:-}" ] && r+=("$(awk -v x="${a[$i]}" -v y="${b[$i]}" 'BEGIN{ if (y > 0) printf "%.2f", x/y }')")
   done
-  [ ${#r[@]} -gt 0 ] && median "${r[@]}" || echo "-"
+  [ ${#r[@]} -gt 0 ] || { echo "-"; return; }
+  # The median, and with several rounds the per-round range (how much one round moves).
+  if [ ${#r[@]} -gt 1 ]; then
+    echo "$(median "${r[@]}") ($(printf '%s\n' "${r[@]}" | sort -g | head -1)–$(printf '%s\n' "${r[@]}" | sort -g | tail -1))"
+  else
+    median "${r[@]}"
+  fi
 }
-echo "| target | c | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs | proxy CPU µs/req | CPU ÷ nginx |"
+echo "| target | c | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs | proxy CPU µs/req | CPU ÷ nginx (rounds' range) |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for c in 1 32; do
   d50=$(median ${P50["direct|$c"]}); d99=$(median ${P99["direct|$c"]})
