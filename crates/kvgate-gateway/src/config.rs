@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+pub use kvgate_protocol::pd::Handoff;
 use serde::Deserialize;
 
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -409,32 +410,28 @@ impl std::str::FromStr for WorkerRole {
     }
 }
 
-/// The handoff between a prefill and a decode worker (`[pd] protocol`; docs/routing.md §9).
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
+/// `[pd] protocol`: one handoff for every pool with prefill workers, or `auto` (docs/routing.md §9).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(try_from = "String")]
 pub enum PdProtocol {
-    /// vLLM NixlConnector: prefill leg with `kv_transfer_params`, then the decode leg with what
-    /// the prefill worker returned.
-    #[default]
-    Vllm,
-    /// SGLang bootstrap: the same body to both workers at once, with `bootstrap_host`,
-    /// `bootstrap_port` and `bootstrap_room`; the client gets the decode worker's answer.
-    Sglang,
-    /// TensorRT-LLM context-first: a `context_only` leg, then a `generation_only` leg with the
-    /// context's `disaggregated_params`.
-    Trtllm,
-    /// Per pool, from its prefill workers' `kind`: `sglang` → Sglang, `trtllm` → Trtllm, anything
-    /// else → Vllm.
+    /// This handoff everywhere.
+    Fixed(Handoff),
+    /// Per pool, from its prefill workers' `kind`: `sglang` → SGLang, `trtllm` → TensorRT-LLM,
+    /// anything else → vLLM.
     Auto,
+}
+
+impl Default for PdProtocol {
+    fn default() -> Self {
+        PdProtocol::Fixed(Handoff::Vllm)
+    }
 }
 
 impl PdProtocol {
     pub fn as_str(self) -> &'static str {
         match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::Trtllm => "trtllm",
-            Self::Auto => "auto",
+            PdProtocol::Fixed(h) => h.as_str(),
+            PdProtocol::Auto => "auto",
         }
     }
 }
@@ -443,14 +440,18 @@ impl std::str::FromStr for PdProtocol {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            "trtllm" => Ok(Self::Trtllm),
-            "auto" => Ok(Self::Auto),
-            o => Err(format!(
-                "unknown PD protocol {o:?} (expected vllm|sglang|trtllm|auto)"
-            )),
+            "auto" => Ok(PdProtocol::Auto),
+            s => s.parse().map(PdProtocol::Fixed).map_err(|_| {
+                format!("unknown PD protocol {s:?} (expected vllm|sglang|trtllm|auto)")
+            }),
         }
+    }
+}
+
+impl TryFrom<String> for PdProtocol {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
     }
 }
 
@@ -479,7 +480,7 @@ pub struct PdConfig {
 impl Default for PdConfig {
     fn default() -> Self {
         PdConfig {
-            protocol: PdProtocol::Vllm,
+            protocol: PdProtocol::default(),
             min_uncached_tokens: 256,
             prefill_timeout_s: 60,
             decode_policy: None,
@@ -917,6 +918,28 @@ mod tests {
         );
         let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\ncost = 2\n").unwrap_err();
         assert!(format!("{err:#}").contains("cost"), "{err:#}");
+    }
+
+    #[test]
+    fn pd_protocol_and_decode_policy_parse() {
+        let pd = |toml: &str| Config::from_toml(toml).map(|c| c.pd);
+        assert_eq!(pd("").unwrap().protocol, PdProtocol::Fixed(Handoff::Vllm));
+        assert_eq!(pd("").unwrap().decode_policy, None);
+        for h in Handoff::ALL {
+            let p = pd(&format!("[pd]\nprotocol = \"{}\"\n", h.as_str())).unwrap();
+            assert_eq!(p.protocol, PdProtocol::Fixed(h));
+        }
+        assert_eq!(
+            pd("[pd]\nprotocol = \"auto\"\n").unwrap().protocol,
+            PdProtocol::Auto
+        );
+        let err = pd("[pd]\nprotocol = \"nixl\"\n").unwrap_err();
+        assert!(
+            format!("{err:#}").contains("vllm|sglang|trtllm|auto"),
+            "{err:#}"
+        );
+        let p = pd("[pd]\ndecode_policy = \"round_robin\"\n").unwrap();
+        assert_eq!(p.decode_policy.as_deref(), Some("round_robin"));
     }
 
     #[test]

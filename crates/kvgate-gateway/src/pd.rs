@@ -36,7 +36,7 @@ use bytes::Bytes;
 use kvgate_protocol::usage::Usage;
 use serde_json::{Map, Value};
 
-use crate::config::{PdProtocol, WorkerRole};
+use crate::config::{Handoff, PdProtocol, WorkerRole};
 use crate::metrics::Metrics;
 use crate::registry::Pool;
 
@@ -92,14 +92,14 @@ pub fn applies(pool: &Pool) -> bool {
 
 /// The handoff to run for a pool whose prefill workers are `prefill`: the configured protocol, or
 /// with `auto` the first prefill worker's `kind` (one model's pool runs one engine).
-pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> PdProtocol {
-    if configured != PdProtocol::Auto {
-        return configured;
+pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> Handoff {
+    if let PdProtocol::Fixed(h) = configured {
+        return h;
     }
     match prefill.workers.first().map(|w| w.cfg.kind.as_str()) {
-        Some("sglang") => PdProtocol::Sglang,
-        Some("trtllm") => PdProtocol::Trtllm,
-        _ => PdProtocol::Vllm,
+        Some("sglang") => Handoff::Sglang,
+        Some("trtllm") => Handoff::Trtllm,
+        _ => Handoff::Vllm,
     }
 }
 
@@ -284,10 +284,10 @@ mod tests {
             sub_pool(fleet.pool("m").unwrap(), WorkerRole::can_prefill)
         };
         for (kind, want) in [
-            ("sglang", PdProtocol::Sglang),
-            ("trtllm", PdProtocol::Trtllm),
-            ("vllm", PdProtocol::Vllm),
-            ("openai", PdProtocol::Vllm),
+            ("sglang", Handoff::Sglang),
+            ("trtllm", Handoff::Trtllm),
+            ("vllm", Handoff::Vllm),
+            ("openai", Handoff::Vllm),
         ] {
             assert_eq!(
                 protocol_for(PdProtocol::Auto, &pool_of(kind)),
@@ -297,8 +297,8 @@ mod tests {
         }
         // A configured protocol wins over the workers' kind.
         assert_eq!(
-            protocol_for(PdProtocol::Vllm, &pool_of("sglang")),
-            PdProtocol::Vllm
+            protocol_for(PdProtocol::Fixed(Handoff::Vllm), &pool_of("sglang")),
+            Handoff::Vllm
         );
     }
 

@@ -9,7 +9,7 @@ mod support;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
-use kvgate_gateway::config::{PdProtocol, WorkerRole};
+use kvgate_gateway::config::{Handoff, PdProtocol, WorkerRole};
 use kvgate_gateway::mock::{MockHandle, MockWorker};
 use support::*;
 
@@ -36,7 +36,7 @@ fn pd_config(p: &MockHandle, d: &MockHandle) -> kvgate_gateway::config::Config {
     let mut cfg = config_for(&[p, d], "kv");
     cfg.workers[0].role = WorkerRole::Prefill;
     cfg.workers[1].role = WorkerRole::Decode;
-    cfg.pd.protocol = PdProtocol::Sglang;
+    cfg.pd.protocol = PdProtocol::Fixed(Handoff::Sglang);
     cfg.pd.min_uncached_tokens = 0;
     cfg
 }

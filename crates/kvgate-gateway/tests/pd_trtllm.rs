@@ -7,7 +7,7 @@ mod support;
 
 use std::net::SocketAddr;
 
-use kvgate_gateway::config::{Config, PdProtocol, WorkerConfig, WorkerRole};
+use kvgate_gateway::config::{Config, Handoff, PdProtocol, WorkerConfig, WorkerRole};
 use kvgate_gateway::mock::{MockHandle, MockWorker};
 use support::*;
 use tokio::io::AsyncWriteExt;
@@ -46,7 +46,7 @@ fn config(ctx: SocketAddr, gen: &MockHandle) -> Config {
     c.role = WorkerRole::Prefill;
     c.models = vec!["mock-model".into()];
     cfg.workers.push(c);
-    cfg.pd.protocol = PdProtocol::Trtllm;
+    cfg.pd.protocol = PdProtocol::Fixed(Handoff::Trtllm);
     cfg.pd.min_uncached_tokens = 0;
     cfg
 }

@@ -7,6 +7,7 @@
 //! - `finish`: `finish_reason` as a fixed set, found the same way.
 //! - `error`: the OpenAI error JSON shape.
 //! - `kv_events`: vLLM / SGLang KV-event decoding (ZMQ multipart + msgpack, both encodings).
+//! - `pd`: the prefill/decode handoff protocols by name.
 //! - `trtllm`: TensorRT-LLM `/kv_cache_events` JSON and iteration stats.
 //! - `prom_text`: a tolerant Prometheus text-format parser for scraping workers.
 #![forbid(unsafe_code)]
@@ -20,6 +21,7 @@ pub mod fuzz {
 }
 pub mod kv_events;
 pub mod openai;
+pub mod pd;
 pub mod prom_text;
 pub mod sse;
 pub mod trtllm;

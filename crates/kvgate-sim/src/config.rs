@@ -190,43 +190,7 @@ impl std::str::FromStr for LoadFailurePolicy {
 }
 
 /// Which engine's handoff a `prefill`/`decode` worker speaks (`--pd-protocol`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum PdProtocol {
-    /// vLLM NixlConnector: the prefill leg pins its blocks and returns `kv_transfer_params`; the
-    /// decode leg pulls them.
-    #[default]
-    Vllm,
-    /// SGLang bootstrap: both legs carry `bootstrap_host/port/room` and meet on the prefill
-    /// worker's bootstrap routes (`POST /sim/bootstrap`).
-    Sglang,
-    /// TensorRT-LLM context-first: a `context_only` leg pins its blocks and answers with
-    /// `choices[0].disaggregated_params`; a `generation_only` leg pulls them.
-    Trtllm,
-}
-
-impl PdProtocol {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Vllm => "vllm",
-            Self::Sglang => "sglang",
-            Self::Trtllm => "trtllm",
-        }
-    }
-}
-
-impl std::str::FromStr for PdProtocol {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            "trtllm" => Ok(Self::Trtllm),
-            other => Err(format!(
-                "unknown PD protocol {other:?} (expected vllm|sglang|trtllm)"
-            )),
-        }
-    }
-}
+pub use kvgate_protocol::pd::Handoff as PdProtocol;
 
 /// Prefill/decode disaggregation: vLLM NixlConnector semantics by default, SGLang's bootstrap
 /// rendezvous with `protocol = Sglang` (docs/sim.md, "PD").

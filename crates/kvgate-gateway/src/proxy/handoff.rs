@@ -12,7 +12,7 @@ use kvgate_protocol::usage::Usage;
 use serde_json::Value;
 
 use super::{attempt, Prepared};
-use crate::config::{PdProtocol, WorkerRole};
+use crate::config::{Handoff, WorkerRole};
 use crate::ctx::RequestCtx;
 use crate::error::GatewayError;
 use crate::metrics::{KindLabel, PdDecisionLabels};
@@ -102,7 +102,7 @@ pub(crate) async fn prepare_handoff(
         return Ok(None);
     }
     let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
-    if protocol == PdProtocol::Sglang {
+    if protocol == Handoff::Sglang {
         return super::bootstrap::dual_dispatch(
             app,
             conns,
@@ -115,7 +115,7 @@ pub(crate) async fn prepare_handoff(
         .await
         .map(|f| f.map(super::Routed::Worker));
     }
-    let trtllm = protocol == PdProtocol::Trtllm;
+    let trtllm = protocol == Handoff::Trtllm;
     let body = if trtllm {
         trtllm_context_body(&local_body, bootstrap_room())
     } else {
