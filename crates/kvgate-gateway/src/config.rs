@@ -365,50 +365,7 @@ impl Default for CacheConfig {
 }
 
 /// What a worker does in a prefill/decode split (docs/routing.md, "Prefill/decode disaggregation").
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum WorkerRole {
-    /// Serves whole requests, and either leg of a split (the default; a fleet without prefill
-    /// workers routes exactly as before).
-    #[default]
-    Both,
-    /// Only prefill legs of disaggregated requests.
-    Prefill,
-    /// Decode legs, and whole requests when disaggregation is skipped.
-    Decode,
-}
-
-impl WorkerRole {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-
-    pub fn can_prefill(self) -> bool {
-        self != Self::Decode
-    }
-
-    pub fn can_decode(self) -> bool {
-        self != Self::Prefill
-    }
-}
-
-impl std::str::FromStr for WorkerRole {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "both" => Ok(Self::Both),
-            "prefill" => Ok(Self::Prefill),
-            "decode" => Ok(Self::Decode),
-            o => Err(format!(
-                "unknown worker role {o:?} (expected prefill|decode|both)"
-            )),
-        }
-    }
-}
+pub use kvgate_protocol::pd::Role as WorkerRole;
 
 /// `[pd] protocol`: one handoff for every pool with prefill workers, or `auto` (docs/routing.md §9).
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! Prefill/decode disaggregation: which engine's handoff joins the two legs of a request.
+//! Prefill/decode disaggregation: which engine's handoff joins the two legs of a request, and
+//! what a worker does in a split.
 
 /// How a prefill leg's KV cache reaches the decode worker, as each engine does it
 /// (`../shared/reference/pd-disaggregation.md`).
@@ -37,6 +38,51 @@ impl std::str::FromStr for Handoff {
             .into_iter()
             .find(|h| h.as_str() == s)
             .ok_or_else(|| format!("unknown PD protocol {s:?} (expected vllm|sglang|trtllm)"))
+    }
+}
+
+/// What a worker does in a prefill/decode split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Whole requests, and either leg of a split (the default: a fleet without prefill workers
+    /// is not split).
+    #[default]
+    Both,
+    /// Only prefill legs.
+    Prefill,
+    /// Decode legs, and whole requests when a split is skipped.
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Both, Role::Prefill, Role::Decode];
+
+    /// The name in configs, flags and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    pub fn can_prefill(self) -> bool {
+        self != Role::Decode
+    }
+
+    pub fn can_decode(self) -> bool {
+        self != Role::Prefill
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| format!("unknown worker role {s:?} (expected prefill|decode|both)"))
     }
 }
 

@@ -133,37 +133,7 @@ pub struct Slowdown {
 /// catches a router sending a leg to the wrong pool: a `prefill` worker refuses
 /// `do_remote_prefill`, a `decode` worker refuses `do_remote_decode` (400). Plain requests are
 /// served by every role (conditional disaggregation runs them on decode workers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Role {
-    #[default]
-    Both,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Both => "both",
-            Self::Prefill => "prefill",
-            Self::Decode => "decode",
-        }
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "both" => Ok(Self::Both),
-            "prefill" => Ok(Self::Prefill),
-            "decode" => Ok(Self::Decode),
-            other => Err(format!(
-                "unknown role {other:?} (expected prefill|decode|both)"
-            )),
-        }
-    }
-}
+pub use kvgate_protocol::pd::Role;
 
 /// What a decode worker does when it cannot read the prompt's KV from the prefill worker
 /// (vLLM's `kv_load_failure_policy`).
