@@ -10,16 +10,10 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use kvgate_system_tests::{Gateway, Proc, Sims};
+use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -56,25 +50,7 @@ fn http_with(
     headers: &str,
     body: &str,
 ) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{headers}connection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("not HTTP: {out:?}")))?;
-    let body = out
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    Ok((status, body))
+    kvgate_system_tests::harness::try_http_with(addr, method, path, headers, Some(body))
 }
 
 /// The value of the first sample of `metrics` whose line starts with `prefix` (0 when absent).
@@ -102,21 +78,13 @@ fn served(addr: SocketAddr) -> Vec<(String, f64)> {
 /// The replicas' heartbeat (and rate-limit usage report) period.
 const HEARTBEAT_MS: u64 = 200;
 
-struct Replica {
-    proc: Proc,
-    addr: SocketAddr,
-}
-
-fn replica(id: &str, nats_port: u16, workers: &[String]) -> Replica {
+fn replica(id: &str, nats_port: u16, workers: &[String]) -> Gateway {
     replica_with(id, Some(nats_port), workers, "")
 }
 
 /// A replica in the cluster on `nats_port` (or, with `None`, on its own), with `extra` TOML
-/// tables in its config.
-fn replica_with(id: &str, nats_port: Option<u16>, workers: &[String], extra: &str) -> Replica {
-    let bin = kvgate_system_tests::kvgate_bin();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = dir.path().join("kvgate.toml");
+/// tables in its config; ready when this returns.
+fn replica_with(id: &str, nats_port: Option<u16>, workers: &[String], extra: &str) -> Gateway {
     let mut toml = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
          [routing]\npolicy = \"kv\"\n\
@@ -134,48 +102,13 @@ fn replica_with(id: &str, nats_port: Option<u16>, workers: &[String], extra: &st
             "[[workers]]\nname = \"w{i}\"\nurl = \"{w}\"\nmodels = [\"sim-model\"]\n"
         ));
     }
-    std::fs::write(&cfg, toml).expect("config");
-    let mut gw = Command::new(&bin)
-        .args([
-            "serve",
-            "--config",
-            cfg.to_str().expect("path"),
-            "--log",
-            "warn",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvgate serve starts");
-    let mut err = BufReader::new(gw.stderr.take().expect("stderr"));
-    let proc = Proc(gw);
-    let mut line = String::new();
-    let addr: SocketAddr = loop {
-        line.clear();
-        assert!(
-            err.read_line(&mut line).unwrap_or(0) > 0,
-            "kvgate serve exited before listening"
-        );
-        if let Some(a) = line
-            .trim()
-            .strip_prefix("kvgate serve: listening on http://")
-        {
-            break a.parse().expect("address");
-        }
-    };
-    std::thread::spawn(move || {
-        let _dir = dir;
-        let mut s = String::new();
-        while err.read_line(&mut s).unwrap_or(0) > 0 {
-            s.clear();
-        }
-    });
+    let gw = Gateway::from_config(&toml);
     let end = Instant::now() + Duration::from_secs(30);
-    while http(addr, "GET", "/ready", "").map(|r| r.0).ok() != Some(200) {
+    while http(gw.addr, "GET", "/ready", "").map(|r| r.0).ok() != Some(200) {
         assert!(Instant::now() < end, "gateway never became ready");
         std::thread::sleep(Duration::from_millis(50));
     }
-    Replica { proc, addr }
+    gw
 }
 
 fn metrics(addr: SocketAddr) -> String {
@@ -260,60 +193,13 @@ fn nats_missing() -> bool {
     true
 }
 
-/// `kvgate sim --workers n` at speed-up 20: the process and its workers' URLs.
-fn sims(n: usize) -> (Proc, Vec<String>) {
-    let bin = kvgate_system_tests::kvgate_bin();
-    let mut sim = Command::new(&bin)
-        .args([
-            "sim",
-            "--workers",
-            &n.to_string(),
-            "--port",
-            "0",
-            "--model",
-            "sim-model",
-            "--speedup",
-            "20",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvgate sim starts");
-    let mut out = BufReader::new(sim.stdout.take().expect("stdout"));
-    let proc = Proc(sim);
-    let mut workers = Vec::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(out.read_line(&mut line).unwrap_or(0) > 0, "sim exited");
-        let l = line.trim();
-        if let Some(h) = l
-            .strip_prefix("worker ")
-            .and_then(|r| r.split_whitespace().find_map(|f| f.strip_prefix("http=")))
-        {
-            workers.push(format!("http://{h}"));
-        }
-        if l == "ready" {
-            break;
-        }
-    }
-    assert_eq!(workers.len(), n);
-    // Keep reading so the sim never writes into a closed pipe.
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        while out.read_line(&mut s).unwrap_or(0) > 0 {
-            s.clear();
-        }
-    });
-    (proc, workers)
-}
-
 #[test]
 fn replicas_route_as_one_over_nats() {
     if nats_missing() {
         return;
     }
-    let (_sim, workers) = sims(4);
+    let sims = Sims::start(4, "sim-model", &[]);
+    let workers = sims.urls.clone();
 
     let port = free_port();
     let mut nats_proc = Some(nats(port));
@@ -427,9 +313,8 @@ fn replicas_route_as_one_over_nats() {
     until("A's stream counted at B", || {
         sample(&metrics(b.addr), "kvgate_cluster_remote_inflight_requests ") >= 1.0
     });
-    let Replica { proc, .. } = a;
     let killed = Instant::now();
-    drop(proc);
+    drop(a);
     until("A expired at B", || {
         let m = metrics(b.addr);
         sample(&m, "kvgate_cluster_peers ") == 0.0
@@ -497,7 +382,8 @@ fn per_key_rate_limit_holds_across_replicas() {
     let auth = format!(
         "[auth]\nkeys = [{{ key = \"k-limited\", rate_per_s = {RATE:.1}, burst = {BURST:.1} }}]\n"
     );
-    let (_sim, workers) = sims(2);
+    let sims = Sims::start(2, "sim-model", &[]);
+    let workers = sims.urls.clone();
     let port = free_port();
     let _nats = nats(port);
 
@@ -603,7 +489,8 @@ fn route_messages_count_blocks_beyond_the_cached_prefix() {
     if nats_missing() {
         return;
     }
-    let (_sim, workers) = sims(2);
+    let sims = Sims::start(2, "sim-model", &[]);
+    let workers = sims.urls.clone();
     let port = free_port();
     let _nats = nats(port);
     let a = replica("a", port, &workers);

@@ -2,7 +2,7 @@
 //! turns 503 at once while the listener keeps accepting and serving for `server.drain_delay_s`,
 //! then the port closes and the process exits cleanly.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 
@@ -11,25 +11,7 @@ use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 exchange with `Connection: close`: (status, body).
 fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let status = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("not HTTP: {out:?}")))?;
-    let body = out
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    Ok((status, body))
+    kvgate_system_tests::harness::try_http(addr, method, path, Some(body))
 }
 
 fn read_until<R: BufRead>(r: &mut R, within: Duration, mut f: impl FnMut(&str) -> bool) -> String {

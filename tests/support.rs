@@ -119,6 +119,30 @@ impl Gateway {
     /// `kvgate serve --listen 127.0.0.1:0 --policy round_robin --no-request-log` in front of
     /// `workers` serving `model`, with `config` (TOML, may be empty) as its `--config` file.
     pub fn start(config: &str, workers: &[String], model: &str) -> Gateway {
+        let workers = workers.join(",");
+        Self::spawn(
+            config,
+            &[
+                "--listen",
+                "127.0.0.1:0",
+                "--policy",
+                "round_robin",
+                "--no-request-log",
+                "--model",
+                model,
+                "--worker",
+                &workers,
+            ],
+        )
+    }
+
+    /// `kvgate serve --config <config>`: listen address, workers and policy all from the TOML
+    /// (which should listen on `127.0.0.1:0`).
+    pub fn from_config(config: &str) -> Gateway {
+        Self::spawn(config, &[])
+    }
+
+    fn spawn(config: &str, args: &[&str]) -> Gateway {
         use std::io::{BufRead, Write};
         let mut file = tempfile::NamedTempFile::new().expect("temp config");
         file.write_all(config.as_bytes()).expect("write config");
@@ -126,10 +150,8 @@ impl Gateway {
             .arg("serve")
             .arg("--config")
             .arg(file.path())
-            .args(["--listen", "127.0.0.1:0", "--policy", "round_robin"])
-            .args(["--no-request-log", "--model", model, "--log", "warn"])
-            .arg("--worker")
-            .arg(workers.join(","))
+            .args(args)
+            .args(["--log", "warn"])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()

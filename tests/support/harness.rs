@@ -234,11 +234,22 @@ pub fn try_http(
     path: &str,
     body: Option<&str>,
 ) -> std::io::Result<(u16, String)> {
+    try_http_with(addr, method, path, "", body)
+}
+
+/// As [`try_http`] with extra header lines (each ending in `\r\n`).
+pub fn try_http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: Option<&str>,
+) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let body = body.unwrap_or("");
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain;version=0.0.4\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain;version=0.0.4\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes())?;
