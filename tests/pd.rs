@@ -198,6 +198,12 @@ fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
         3.0
     );
     assert_eq!(pinned(pa), 0.0);
+    // The predicted overlap is the prefill pick's (where the prompt's cache is): the third
+    // request's prompt was predicted cached there, so the three predictions sum to more than 0.5
+    // (the decode leg's least_loaded pick reads no overlap and would have said 0 each time).
+    assert_eq!(metric(ga, "kvgate_predicted_overlap_ratio_count", &[]), 3.0);
+    let predicted = metric(ga, "kvgate_predicted_overlap_ratio_sum", &[]);
+    assert!(predicted > 0.5, "predicted overlap sum {predicted}");
     assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"prefill\""]), 1.0);
     assert_eq!(metric(ga, "kvgate_worker_role", &["role=\"decode\""]), 1.0);
 }

@@ -135,10 +135,14 @@ pub(crate) async fn route_and_forward(
                 .decision
                 .observe(ctx.decision_time.as_secs_f64());
             app.metrics.queue_wait.observe(ctx.queue_wait.as_secs_f64());
-            app.metrics
-                .predicted_overlap
-                .observe(pick.decision.predicted_hit_ratio);
-            ctx.overlap_blocks = pick.decision.overlap_blocks;
+            // A disaggregated request's cache is where its prefill ran: the handoff recorded
+            // that pick's overlap.
+            if leg == Leg::Whole {
+                app.metrics
+                    .predicted_overlap
+                    .observe(pick.decision.predicted_hit_ratio);
+                ctx.overlap_blocks = pick.decision.overlap_blocks;
+            }
         }
         let mut guard =
             app.fleet

@@ -112,7 +112,11 @@ pub(crate) async fn dual_dispatch(
     app.metrics
         .decision
         .observe(ctx.decision_time.as_secs_f64());
-    ctx.overlap_blocks = dpick.decision.overlap_blocks;
+    // The prompt's cache is where its prefill runs.
+    app.metrics
+        .predicted_overlap
+        .observe(ppick.decision.predicted_hit_ratio);
+    ctx.overlap_blocks = ppick.decision.overlap_blocks;
     ctx.attempts += 1;
     let bs = p.pool.block_size;
     // The prefill worker's load lasts until its answer is drained; the decode worker's until the

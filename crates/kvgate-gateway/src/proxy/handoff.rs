@@ -176,6 +176,12 @@ pub(crate) async fn prepare_handoff(
                     .observe(answered.duration_since(started).as_secs_f64());
                 p.bytes = d;
                 p.spliced = None;
+                // The prompt's cache is where its prefill ran (the decode leg's pick does not
+                // read overlap under its default policy).
+                app.metrics
+                    .predicted_overlap
+                    .observe(pick.decision.predicted_hit_ratio);
+                ctx.overlap_blocks = pick.decision.overlap_blocks;
                 ctx.pd = Some(Prefilled { answered, usage });
                 decision(app, ctx, "disaggregated", "prefilled");
                 return Ok(None);
