@@ -62,6 +62,9 @@ pub struct RemoteLoads {
     sums: Vec<WorkerLoad>,
     /// Our own decisions younger than `window`, oldest first.
     provisional: VecDeque<Provisional>,
+    /// `provisional` summed per worker (indexed by `WorkerId`): share-weighted requests, blocks
+    /// and prefill tokens, kept as entries come and go so a decision reads one entry per candidate.
+    provisional_sums: Vec<[f64; 3]>,
     /// Shortest time one of our decisions also stands for the peers' (zero: off).
     window: Duration,
     /// Peak sync lag of peers' decisions and when it was seen (decays: see `recent_lag`).
@@ -114,6 +117,29 @@ impl RemoteLoads {
         self.window = window;
         if window.is_zero() {
             self.provisional.clear();
+            self.provisional_sums.clear();
+        }
+    }
+
+    /// Adds (`sign` 1) or removes (-1) one provisional entry from the per-worker sums.
+    fn count_provisional(&mut self, p: &Provisional, sign: f64) {
+        let i = p.req.worker.index();
+        if self.provisional_sums.len() <= i {
+            self.provisional_sums.resize(i + 1, [0.0; 3]);
+        }
+        let s = &mut self.provisional_sums[i];
+        s[0] += sign * p.share;
+        s[1] += sign * p.share * f64::from(p.req.blocks);
+        s[2] += sign * p.share * p.req.prefill as f64;
+    }
+
+    fn pop_provisional(&mut self) {
+        if let Some(p) = self.provisional.pop_front() {
+            self.count_provisional(&p, -1.0);
+        }
+        if self.provisional.is_empty() {
+            // No rounding residue survives an empty window.
+            self.provisional_sums.iter_mut().for_each(|s| *s = [0.0; 3]);
         }
     }
 
@@ -135,9 +161,9 @@ impl RemoteLoads {
         }
         self.prune(now);
         if self.provisional.len() >= PROVISIONAL_MAX {
-            self.provisional.pop_front();
+            self.pop_provisional();
         }
-        self.provisional.push_back(Provisional {
+        let p = Provisional {
             at: now,
             req: Request {
                 worker,
@@ -145,7 +171,9 @@ impl RemoteLoads {
                 blocks,
             },
             share: share.min(1.0),
-        });
+        };
+        self.count_provisional(&p, 1.0);
+        self.provisional.push_back(p);
     }
 
     /// A peer's routing decision reached us `lag` after it was sent, at `now`.
@@ -180,7 +208,7 @@ impl RemoteLoads {
             if now.saturating_duration_since(p.at) < window {
                 break;
             }
-            self.provisional.pop_front();
+            self.pop_provisional();
         }
     }
 
@@ -307,13 +335,10 @@ impl RemoteLoads {
             return;
         }
         for c in candidates {
-            let (mut n, mut blocks, mut prefill) = (0.0f64, 0.0f64, 0.0f64);
-            for p in self.provisional.iter().filter(|p| p.req.worker == c.worker) {
-                let k = peers * p.share;
-                n += k;
-                blocks += k * f64::from(p.req.blocks);
-                prefill += k * p.req.prefill as f64;
-            }
+            let Some(&[n, blocks, prefill]) = self.provisional_sums.get(c.worker.index()) else {
+                continue;
+            };
+            let (n, blocks, prefill) = (n * peers, blocks * peers, prefill * peers);
             // `as` saturates: a sum past the integer's range counts as its maximum.
             c.active_blocks = c.active_blocks.saturating_add(blocks.round() as u32);
             c.pending_prefill_tokens = c
@@ -462,6 +487,21 @@ mod tests {
         assert_eq!(r.provisional_window(t + ms(3020)), ms(10));
         r.observe_lag(Duration::from_secs(30), t + ms(3020));
         assert_eq!(r.provisional_window(t + ms(3020)), LAG_WINDOW_MAX);
+        // Past the cap the oldest entries leave the per-worker sums with the queue.
+        let mut r2 = RemoteLoads::new();
+        r2.set_provisional_window(ms(10));
+        r2.heard("a", t);
+        for _ in 0..PROVISIONAL_MAX + 10 {
+            r2.routed_here(W1, 0, 1, 1.0, t);
+        }
+        r2.routed_here(W0, 0, 1, 1.0, t);
+        assert_eq!(r2.provisional_len(), PROVISIONAL_MAX);
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r2.add_into_at(&mut c, t);
+        assert_eq!(
+            (c[0].inflight, c[1].inflight),
+            (1, PROVISIONAL_MAX as u32 - 1)
+        );
         // A zero window turns it off.
         r.set_provisional_window(Duration::ZERO);
         r.routed_here(W0, 128, 8, 1.0, t + ms(15));
