@@ -22,7 +22,10 @@
 //! observation, so a worker that changes speed is followed within tens of requests) and clipped
 //! residuals (at [`LearnConfig::clip`] times a running mean absolute residual, never below
 //! [`LearnConfig::min_clip`]): a single observation 10× off moves a factor by at most
-//! `rate · clip`, a Huber-like bound, so outliers do not swing it.
+//! `rate · clip`, a Huber-like bound, so outliers do not swing it. A run of
+//! [`LearnConfig::shift_run`] clipped residuals of one sign is a change of speed, followed at once;
+//! a factor the fleet's recent observations did not touch relaxes towards the fleet's consensus
+//! ([`LearnConfig::relax_after`]), so a worker avoided for being slow is tried again.
 //!
 //! Everything here is plain data and `&mut self` updates: the gateway keeps a [`LatencyModel`]
 //! behind a lock, copies each candidate's factors into [`Candidate::speed`] before the policy runs
@@ -244,7 +247,19 @@ pub struct LearnConfig {
     pub min_clip: f64,
     /// Speed factors stay within `[1/max_factor, max_factor]` of the seed.
     pub max_factor: f64,
+    /// This many clipped residuals in a row, all of one sign, are a change of speed rather than
+    /// outliers: the factor moves to their median at once (0 = never; at most [`MAX_SHIFT_RUN`]).
+    pub shift_run: usize,
+    /// A factor the fleet's last `relax_after × workers` observations of its kind did not touch
+    /// (the worker gets no traffic, or none of that kind) is stale: it relaxes towards the fleet's
+    /// consensus (the median of the fresh factors' ratio to their seeds, times its own seed), half
+    /// the distance per further `relax_after × workers` observations. Without it a worker that
+    /// was slow once is avoided for ever and never seen recovering. 0 = never relax.
+    pub relax_after: u64,
 }
+
+/// Longest [`LearnConfig::shift_run`].
+pub const MAX_SHIFT_RUN: usize = 8;
 
 impl Default for LearnConfig {
     fn default() -> Self {
@@ -253,6 +268,8 @@ impl Default for LearnConfig {
             clip: 2.5,
             min_clip: 0.25,
             max_factor: 100.0,
+            shift_run: 3,
+            relax_after: 8,
         }
     }
 }
@@ -264,16 +281,28 @@ struct LogFactor {
     seed_log: f64,
     mad: f64,
     n: u64,
+    /// The model's count of observations of this kind when this factor last learned (or was
+    /// added): how long it has been without news.
+    last_tick: u64,
+    /// Logs of the targets of the current run of clipped residuals of one sign.
+    run: [f64; MAX_SHIFT_RUN],
+    run_len: usize,
+    /// The run's residuals are positive (slower than the factor says).
+    run_up: bool,
 }
 
 impl LogFactor {
-    fn new(seed: f64) -> Self {
+    fn new(seed: f64, tick: u64) -> Self {
         let l = seed.max(f64::MIN_POSITIVE).ln();
         Self {
             log: l,
             seed_log: l,
             mad: 0.2,
             n: 0,
+            last_tick: tick,
+            run: [0.0; MAX_SHIFT_RUN],
+            run_len: 0,
+            run_up: false,
         }
     }
 
@@ -281,21 +310,49 @@ impl LogFactor {
         self.log.exp()
     }
 
+    /// Keeps `log` within `max_factor` of the seed.
+    fn bound(&mut self, cfg: &LearnConfig) {
+        let bound = cfg.max_factor.max(1.0).ln();
+        self.log = self.log.clamp(self.seed_log - bound, self.seed_log + bound);
+    }
+
     /// Moves towards `ln(target)` (the factor this one observation implies).
-    fn update(&mut self, target: f64, cfg: &LearnConfig) {
+    fn update(&mut self, target: f64, cfg: &LearnConfig, tick: u64) {
         if !(target.is_finite() && target > 0.0) {
             return;
         }
-        let r = target.ln() - self.log;
+        let t = target.ln();
+        let r = t - self.log;
         let lim = (cfg.clip * self.mad).max(cfg.min_clip);
+        self.n += 1;
+        self.last_tick = tick;
+        let run = cfg.shift_run.min(MAX_SHIFT_RUN);
+        if run > 0 && r.abs() > lim {
+            // A run of one sign continues; the other sign starts a new one.
+            if self.run_len > 0 && self.run_up != (r > 0.0) {
+                self.run_len = 0;
+            }
+            self.run_up = r > 0.0;
+            self.run[self.run_len] = t;
+            self.run_len += 1;
+            if self.run_len >= run {
+                // Not outliers: the worker changed speed. Jump to where the run says it is.
+                let v = &mut self.run[..self.run_len];
+                v.sort_by(f64::total_cmp);
+                self.log = v[v.len() / 2];
+                self.run_len = 0;
+                self.bound(cfg);
+                return;
+            }
+        } else {
+            self.run_len = 0;
+        }
         let clipped = r.clamp(-lim, lim);
         self.log += cfg.rate * clipped;
-        let bound = cfg.max_factor.max(1.0).ln();
-        self.log = self.log.clamp(self.seed_log - bound, self.seed_log + bound);
+        self.bound(cfg);
         // The scale follows the residuals the factor sees, capped so one outlier cannot open the
         // clip for the next ones.
         self.mad += cfg.rate * (r.abs().min(4.0 * lim) - self.mad);
-        self.n += 1;
     }
 }
 
@@ -314,9 +371,13 @@ pub struct WorkerFit {
 impl WorkerFit {
     /// Seeded at `seed` (1 = the curve).
     pub fn new(seed: Speed) -> Self {
+        Self::at(seed, [0, 0])
+    }
+
+    fn at(seed: Speed, ticks: [u64; 2]) -> Self {
         Self {
-            prefill: LogFactor::new(seed.prefill),
-            decode: LogFactor::new(seed.decode),
+            prefill: LogFactor::new(seed.prefill, ticks[PREFILL]),
+            decode: LogFactor::new(seed.decode, ticks[DECODE]),
             last_predicted_ms: 0.0,
             slots: EngineSlots::UNKNOWN,
             queued_running: 0,
@@ -340,13 +401,37 @@ impl WorkerFit {
     pub fn observations(&self) -> (u64, u64) {
         (self.prefill.n, self.decode.n)
     }
+
+    fn factor(&self, k: usize) -> &LogFactor {
+        if k == PREFILL {
+            &self.prefill
+        } else {
+            &self.decode
+        }
+    }
+
+    fn factor_mut(&mut self, k: usize) -> &mut LogFactor {
+        if k == PREFILL {
+            &mut self.prefill
+        } else {
+            &mut self.decode
+        }
+    }
 }
+
+const PREFILL: usize = 0;
+const DECODE: usize = 1;
+
+/// Observations of a kind between two relaxation passes.
+const RELAX_EVERY: u64 = 16;
 
 /// Learned speed of every worker (dense by worker id).
 #[derive(Debug, Clone, Default)]
 pub struct LatencyModel {
     learn: LearnConfig,
     workers: Vec<Option<WorkerFit>>,
+    /// Observations learned from so far, per kind (prefill, decode): the model's clock.
+    ticks: [u64; 2],
 }
 
 impl LatencyModel {
@@ -355,16 +440,86 @@ impl LatencyModel {
         Self {
             learn,
             workers: Vec::new(),
+            ticks: [0; 2],
         }
     }
 
-    /// Adds (or re-seeds) a worker.
+    /// New learning settings (a config reload); what was learned is kept.
+    pub fn set_learn(&mut self, learn: LearnConfig) {
+        self.learn = learn;
+    }
+
+    /// Adds (or re-seeds) a worker. It starts at its seed times the fleet's consensus (see
+    /// [`LearnConfig::relax_after`]) when the fleet has one: a worker joining a fleet that runs
+    /// at half the default speed is not taken for twice as fast as the others.
     pub fn add_worker(&mut self, w: WorkerId, seed: Speed) {
         let i = w.index();
         if i >= self.workers.len() {
             self.workers.resize(i + 1, None);
         }
-        self.workers[i] = Some(WorkerFit::new(seed));
+        let consensus = [PREFILL, DECODE].map(|k| self.consensus(k));
+        let mut fit = WorkerFit::at(seed, self.ticks);
+        for (k, c) in consensus.into_iter().enumerate() {
+            if let Some(c) = c {
+                let f = fit.factor_mut(k);
+                f.log += c;
+                f.bound(&self.learn);
+            }
+        }
+        self.workers[i] = Some(fit);
+    }
+
+    /// Observations of kind `k` after which an untouched factor is stale (0 = never).
+    fn stale_after(&self) -> u64 {
+        let live = self.workers.iter().flatten().count() as u64;
+        self.learn.relax_after.saturating_mul(live.max(1))
+    }
+
+    /// Median of the fresh factors' log ratio to their seeds, for kind `k`; `None` without any.
+    fn consensus(&self, k: usize) -> Option<f64> {
+        let stale = self.stale_after();
+        let now = self.ticks[k];
+        let mut v: Vec<f64> = self
+            .workers
+            .iter()
+            .flatten()
+            .map(|f| f.factor(k))
+            .filter(|f| f.n > 0 && (stale == 0 || now.saturating_sub(f.last_tick) < stale))
+            .map(|f| f.log - f.seed_log)
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let m = v.len() / 2;
+        Some(if v.len() % 2 == 1 {
+            v[m]
+        } else {
+            0.5 * (v[m - 1] + v[m])
+        })
+    }
+
+    /// Counts one observation of kind `k`; every [`RELAX_EVERY`] of them, moves the stale factors
+    /// of that kind towards the consensus.
+    fn tick(&mut self, k: usize) {
+        self.ticks[k] += 1;
+        let stale = self.stale_after();
+        if self.learn.relax_after == 0 || self.ticks[k] % RELAX_EVERY != 0 {
+            return;
+        }
+        let Some(c) = self.consensus(k) else {
+            return;
+        };
+        let now = self.ticks[k];
+        // Half the distance per `stale` observations.
+        let alpha = 1.0 - 0.5f64.powf(RELAX_EVERY as f64 / stale as f64);
+        for fit in self.workers.iter_mut().flatten() {
+            let f = fit.factor_mut(k);
+            if now.saturating_sub(f.last_tick) >= stale {
+                f.log += alpha * (f.seed_log + c - f.log);
+                f.run_len = 0;
+            }
+        }
     }
 
     /// Forgets a worker.
@@ -384,7 +539,8 @@ impl LatencyModel {
         if i >= self.workers.len() {
             self.workers.resize(i + 1, None);
         }
-        self.workers[i].get_or_insert_with(|| WorkerFit::new(Speed::default()))
+        let ticks = self.ticks;
+        self.workers[i].get_or_insert_with(|| WorkerFit::at(Speed::default(), ticks))
     }
 
     /// The worker's speed (1 for unknown workers).
@@ -456,6 +612,7 @@ impl LatencyModel {
             return;
         }
         let learn = self.learn;
+        let ticks = self.ticks;
         let fit = self.fit_mut(w);
         // The slot wait predicted at dispatch is not the worker's speed: learn from the rest.
         let ttft_ms = (ttft_ms - e.slot_wait_ms).max(0.1 * ttft_ms);
@@ -465,10 +622,14 @@ impl LatencyModel {
         if prefill >= step && e.prefill_ms > 0.0 {
             // TTFT = ½·step + prefill_scale·prefill: what is left after the wait is prefill.
             let rest = (ttft_ms - 0.5 * step).max(0.1 * ttft_ms);
-            fit.prefill.update(rest / e.prefill_ms, &learn);
+            fit.prefill
+                .update(rest / e.prefill_ms, &learn, ticks[PREFILL] + 1);
+            self.tick(PREFILL);
         } else if e.step_ms > 0.0 {
             // TTFT = 1.5·decode_scale·step.
-            fit.decode.update(ttft_ms / (1.5 * e.step_ms), &learn);
+            fit.decode
+                .update(ttft_ms / (1.5 * e.step_ms), &learn, ticks[DECODE] + 1);
+            self.tick(DECODE);
         }
     }
 
@@ -478,7 +639,11 @@ impl LatencyModel {
             return;
         }
         let learn = self.learn;
-        self.fit_mut(w).decode.update(itl_ms / e.itl_ref_ms, &learn);
+        let tick = self.ticks[DECODE] + 1;
+        self.fit_mut(w)
+            .decode
+            .update(itl_ms / e.itl_ref_ms, &learn, tick);
+        self.tick(DECODE);
     }
 
     /// Prefill throughput of `w` in tokens/s for a `tokens`-token prompt on an idle worker.

@@ -225,6 +225,11 @@ pub struct RoutingConfig {
     /// `latency` policy: predict the wait for an engine slot on a worker running as many
     /// requests as it was seen running while others waited (its `max_num_seqs`).
     pub latency_slot_wait: bool,
+    /// Latency model: a worker's learned speed that none of the fleet's last `N × workers`
+    /// observations touched (it gets no traffic) relaxes towards the fleet's, half the distance per
+    /// further `N × workers`, so a worker avoided for being slow is tried again and seen recovering;
+    /// 0 = never.
+    pub latency_relax_after: u64,
     /// `latency` policy: among workers predicted to meet `[slo] ttft_ms` / `itl_ms`, prefer the
     /// longest cached prefix (otherwise the fastest).
     pub slo_routing: bool,
@@ -252,6 +257,7 @@ impl Default for RoutingConfig {
             latency_decode_weight: 0.25,
             latency_prefill_coeffs: None,
             latency_slot_wait: true,
+            latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,
         }

@@ -66,6 +66,7 @@ impl WorkerFleet {
         let policy = RoutePolicy::from_config(&config.routing, &config.slo, &config.pd)?;
         let rebuilt = self.registry.set_config(config)?;
         self.apply_rebuild(&rebuilt);
+        self.router.latency.lock().set_learn(policy.learn);
         self.router.policy.store(Arc::new(policy));
         Ok(())
     }

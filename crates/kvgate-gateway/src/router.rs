@@ -38,6 +38,8 @@ pub struct RoutePolicy {
     pub max_inflight: u32,
     /// How TTFT is estimated (every policy's picks carry a prediction).
     pub latency: LatencyConfig,
+    /// How the latency model learns (`routing.latency_relax_after`).
+    pub learn: LearnConfig,
 }
 
 /// The speed a worker kind starts from before it has been observed (1 = the Dynamo/sim curve).
@@ -128,6 +130,10 @@ impl RoutePolicy {
             busy: pc.busy,
             max_inflight: cfg.max_inflight_per_worker,
             latency,
+            learn: LearnConfig {
+                relax_after: cfg.latency_relax_after,
+                ..LearnConfig::default()
+            },
         })
     }
 }
@@ -183,11 +189,12 @@ thread_local! {
 
 impl Router {
     pub fn new(policy: RoutePolicy) -> Self {
+        let learn = policy.learn;
         Router {
             policy: ArcSwap::from_pointee(policy),
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
-            latency: Arc::new(Mutex::new(LatencyModel::new(LearnConfig::default()))),
+            latency: Arc::new(Mutex::new(LatencyModel::new(learn))),
             // Random start: request ids are also our cluster messages' ids, and a restarted
             // replica (same id) must not collide with the entries peers still hold of it.
             next_request: AtomicU64::new(fastrand::u64(1..u64::MAX / 2)),

@@ -19,6 +19,11 @@ fn coeffs(s: &str) -> Result<[f64; 3], String> {
     <[f64; 3]>::try_from(v).map_err(|_| "expected three comma-separated numbers a,b,c".to_string())
 }
 
+fn seconds(s: &str) -> Result<Duration, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{s:?}: {e}"))?;
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{s:?}: expected seconds >= 0"))
+}
+
 #[derive(clap::Args, Debug)]
 pub struct SimArgs {
     /// Address to bind (HTTP and ZMQ).
@@ -115,6 +120,10 @@ pub struct SimArgs {
     /// Fault: in a fleet, only worker I slows down (default: every worker).
     #[arg(long, requires = "slowdown")]
     pub slowdown_worker: Option<usize>,
+    /// Fault: the slowdown ends this many seconds after it began (a noisy neighbour leaving;
+    /// default: it never ends).
+    #[arg(long, requires = "slowdown", value_parser = seconds)]
+    pub slowdown_for: Option<Duration>,
     /// Prefill/decode role: prefill refuses decode legs, decode refuses prefill legs, both serves
     /// everything (vLLM NIXL semantics; see docs/sim.md "PD").
     #[arg(long, default_value = "both")]
@@ -196,6 +205,7 @@ impl SimArgs {
                     factor,
                     after_requests: self.slowdown_after,
                     worker: self.slowdown_worker,
+                    lasts: self.slowdown_for,
                 }),
             },
             pd: PdConfig {

@@ -117,7 +117,7 @@ pub struct Faults {
     pub slowdown: Option<Slowdown>,
 }
 
-/// `--slowdown F --slowdown-after N [--slowdown-worker I]`.
+/// `--slowdown F --slowdown-after N [--slowdown-worker I] [--slowdown-for SECS]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Slowdown {
     /// Every step takes this many times longer (2 = half speed).
@@ -126,6 +126,8 @@ pub struct Slowdown {
     pub after_requests: u64,
     /// In a fleet, only worker I slows down (`None` = every worker).
     pub worker: Option<usize>,
+    /// ... and recovers this long after the slowdown began (`None` = never).
+    pub lasts: Option<Duration>,
 }
 
 /// Which leg of a prefill/decode split this worker serves (`--role`). vLLM's own `kv_role` is a

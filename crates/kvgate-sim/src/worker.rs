@@ -86,6 +86,8 @@ pub struct Scheduler {
     events_tx: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     /// Completion requests received (for `--slowdown-after`).
     received: u64,
+    /// When the `--slowdown` began (the `--slowdown-after`-th request arrived).
+    slow_since: Option<Instant>,
     /// Lease deadline of every pinned prefill leg.
     leases: HashMap<RequestId, Instant>,
 }
@@ -112,14 +114,17 @@ impl Scheduler {
             metrics,
             events_tx,
             received: 0,
+            slow_since: None,
             leases: HashMap::new(),
         }
     }
 
-    /// The `--slowdown` factor in effect now (1 before it starts or without one).
-    fn slowdown(&self) -> f64 {
-        match self.cfg.faults.slowdown {
-            Some(s) if self.received >= s.after_requests => s.factor,
+    /// The `--slowdown` factor in effect now (1 before it starts, after it ended, or without one).
+    fn slowdown(&self, now: Instant) -> f64 {
+        match (self.cfg.faults.slowdown, self.slow_since) {
+            (Some(s), Some(t)) if s.lasts.is_none_or(|d| now.saturating_duration_since(t) < d) => {
+                s.factor
+            }
             _ => 1.0,
         }
     }
@@ -129,6 +134,11 @@ impl Scheduler {
             Command::Submit { req, idx, tx } => {
                 self.received += 1;
                 let now = Instant::now();
+                if let Some(s) = self.cfg.faults.slowdown {
+                    if self.slow_since.is_none() && self.received >= s.after_requests {
+                        self.slow_since = Some(now);
+                    }
+                }
                 self.tracks.insert(
                     req.id,
                     Track {
@@ -275,7 +285,7 @@ impl Scheduler {
                 .cfg
                 .timing
                 .step_ms(step.prefill_tokens, step.decode_seqs, step.kv_usage)
-                * self.slowdown();
+                * self.slowdown(Instant::now());
             let started_at = Instant::now();
             self.step_metrics(&step);
             for (id, cached) in &step.started {

@@ -8,6 +8,7 @@ mod support;
 use kvgate_sim::engine::{Engine, EngineConfig, NewRequest};
 use kvgate_sim::{SimConfig, SimWorker};
 use serde_json::json;
+use std::time::Duration;
 use support::*;
 
 fn cfg() -> SimConfig {
@@ -159,12 +160,42 @@ async fn ttft_grows_with_load_as_the_model_says() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_slowdown_with_a_duration_ends_and_the_worker_is_back_at_speed() {
+    let mut c = cfg();
+    c.faults.slowdown = Some(kvgate_sim::Slowdown {
+        factor: 3.0,
+        after_requests: 1,
+        worker: None,
+        lasts: Some(Duration::from_secs(5)),
+    });
+    let w = SimWorker::spawn(c.clone(), "127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    let http = client();
+    let (p, _) = predicted(&c, &[ids(40, 1000)], &[]);
+    // Slow from the first request, for 5 s (paused clock: the sleep passes at once).
+    let slow = measured_mean_ttft(&w, &http, &[ids(40, 1000)]).await;
+    let still = measured_mean_ttft(&w, &http, &[ids(41, 1000)]).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let back = measured_mean_ttft(&w, &http, &[ids(42, 1000)]).await;
+    assert!(close(slow, 3.0 * p[0], 1), "{slow:.2} vs {:.2}", 3.0 * p[0]);
+    assert!(
+        close(still, 3.0 * p[0], 1),
+        "{still:.2} vs {:.2}",
+        3.0 * p[0]
+    );
+    assert!(close(back, p[0], 1), "{back:.2} vs {:.2}", p[0]);
+    w.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn slowdown_multiplies_step_times_from_the_nth_request() {
     let mut c = cfg();
     c.faults.slowdown = Some(kvgate_sim::Slowdown {
         factor: 2.0,
         after_requests: 2,
         worker: None,
+        lasts: None,
     });
     let w = SimWorker::spawn(c.clone(), "127.0.0.1:0".parse().unwrap(), None)
         .await

@@ -52,6 +52,7 @@ async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
         factor: 4.0,
         after_requests: 0,
         worker: Some(0),
+        lasts: None,
     });
     let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
     let urls = fleet.urls();
@@ -204,6 +205,107 @@ async fn engine_slots_are_learned_from_the_workers_metrics() {
         assert_eq!(w["latency"]["slot_limit"], 1, "{w}");
         assert!(w["latency"]["request_ms"].as_f64().unwrap() > 0.0, "{w}");
     }
+    gw.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// Sends `rounds` rounds of `conc` concurrent streamed completions of unique 512-token prompts
+/// (numbered from `*next`); every one must succeed.
+async fn rounds(addr: std::net::SocketAddr, next: &mut u32, rounds: u32, conc: u32) {
+    for _ in 0..rounds {
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..conc {
+            let i = *next;
+            *next += 1;
+            let prompt: Vec<u32> = (0..512)
+                .map(|t| 1000 + (i * 7919 + t * 31) % 20_000)
+                .collect();
+            let body = serde_json::json!({
+                "model": "sim-model", "prompt": prompt, "max_tokens": 4,
+                "stream": true, "ignore_eos": true,
+            })
+            .to_string();
+            set.spawn(async move { http(addr, "POST", "/v1/completions", &body).await });
+        }
+        while let Some(r) = set.join_next().await {
+            let (status, text) = r.expect("request task");
+            assert_eq!(status, 200, "{text}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it_recovered() {
+    let mut sim = SimConfig::default()
+        .model("sim-model")
+        .speedup(2.0)
+        .kv_events(false)
+        .num_gpu_blocks(2048usize);
+    // Worker 0 runs 4x slower for 2 s from its first request, then at full speed again.
+    sim.faults.slowdown = Some(Slowdown {
+        factor: 4.0,
+        after_requests: 0,
+        worker: Some(0),
+        lasts: Some(Duration::from_secs(2)),
+    });
+    let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
+    let urls = fleet.urls();
+    let mut cfg = Config::default();
+    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.server.request_log = false;
+    cfg.upstream.monitor = false;
+    cfg.routing.policy = "latency".into();
+    for u in &urls {
+        let mut w = WorkerConfig::from_url(u);
+        w.models = vec!["sim-model".into()];
+        cfg.workers.push(w);
+    }
+    let gw = Gateway::start(cfg).await.expect("gateway starts");
+    let names: Vec<String> = urls
+        .iter()
+        .map(|u| u.trim_start_matches("http://").to_string())
+        .collect();
+    let served = |fleet: &SimFleet| -> Vec<u64> {
+        fleet
+            .workers()
+            .iter()
+            .map(|w| w.metrics().ttft.count())
+            .collect()
+    };
+    let tps = |scrape: &str| -> Vec<f64> {
+        names
+            .iter()
+            .map(|n| gauge(scrape, "kvgate_worker_prefill_tokens_per_second", n).unwrap())
+            .collect()
+    };
+
+    // Two at a time: a 4x slower worker is never worth it against one request queued on the
+    // other (about 2x), so once learned slow it gets nothing.
+    let started = std::time::Instant::now();
+    let mut next = 0;
+    rounds(gw.addr, &mut next, 15, 2).await;
+    let scrape = http(gw.addr, "GET", "/metrics", "").await.1;
+    let slow = tps(&scrape);
+    assert!(slow[0] * 2.0 < slow[1], "learned slow first: {slow:?}");
+
+    // The slowdown is over. Without relaxation the gateway would never look again.
+    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(started.elapsed())).await;
+    rounds(gw.addr, &mut next, 20, 2).await;
+    let before = served(&fleet);
+    rounds(gw.addr, &mut next, 20, 2).await;
+    let after = served(&fleet);
+    let share0 = after[0] - before[0];
+    assert!(
+        share0 >= 10,
+        "the recovered worker served {share0} of the last 40 requests ({before:?} -> {after:?})"
+    );
+    let scrape = http(gw.addr, "GET", "/metrics", "").await.1;
+    let back = tps(&scrape);
+    assert!(
+        (back[0] / back[1] - 1.0).abs() < 0.3,
+        "fitted throughput after recovery {back:?}"
+    );
+
     gw.shutdown().await;
     fleet.shutdown().await;
 }

@@ -140,7 +140,11 @@ fn outliers_do_not_swing_it() {
 #[test]
 fn workers_learn_separately_and_are_seeded_by_kind() {
     let mut rng = fastrand::Rng::with_seed(14);
-    let mut m = LatencyModel::new(LearnConfig::default());
+    // (Without relaxation: worker 3, never observed, would drift to the fleet's consensus.)
+    let mut m = LatencyModel::new(LearnConfig {
+        relax_after: 0,
+        ..LearnConfig::default()
+    });
     m.add_worker(WorkerId(0), Speed::default());
     m.add_worker(WorkerId(3), Speed::uniform(10.0));
     let near = |a: Speed, b: Speed| {
@@ -264,4 +268,112 @@ fn a_predicted_slot_wait_is_not_learned_as_slow_prefill() {
     }
     let s = m.speed(w);
     assert!((s.prefill - 1.0).abs() < 0.05, "{s:?}");
+}
+
+/// Feeds `n` observations to each of `workers`, worker `i` at speed `truth(i)`.
+fn feed_fleet(
+    m: &mut LatencyModel,
+    rng: &mut fastrand::Rng,
+    workers: &[u32],
+    truth: impl Fn(u32) -> Speed,
+    n: usize,
+) {
+    for _ in 0..n {
+        for &w in workers {
+            let (e, ttft, itl) = situation(rng, truth(w));
+            m.observe_ttft(WorkerId(w), &e, ttft);
+            m.observe_itl(WorkerId(w), &e, itl);
+        }
+    }
+}
+
+#[test]
+fn a_run_of_same_sign_outliers_is_a_change_of_speed_and_is_followed_at_once() {
+    let mut rng = fastrand::Rng::with_seed(21);
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    // Three requests at a 2x slowdown: the factor is there after the third, not 28 clipped
+    // steps later (each alone moves it by at most 0.1 x the clip).
+    feed(&mut m, &mut rng, Speed::uniform(2.0), 3);
+    let s = m.speed(WorkerId(0));
+    assert!(s.prefill > 1.6 && s.decode > 1.6, "{s:?}");
+    // Without the shift rule three observations move it by a few percent only.
+    let mut m = LatencyModel::new(LearnConfig {
+        shift_run: 0,
+        ..LearnConfig::default()
+    });
+    m.add_worker(WorkerId(0), Speed::default());
+    let mut rng = fastrand::Rng::with_seed(21);
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    feed(&mut m, &mut rng, Speed::uniform(2.0), 3);
+    assert!(
+        m.speed(WorkerId(0)).prefill < 1.3,
+        "{:?}",
+        m.speed(WorkerId(0))
+    );
+    // Outliers of alternating sign never make a run. (Prefill-bound situations, so that every
+    // TTFT teaches the prefill factor and the signs alternate for each factor.)
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    let mut rng = fastrand::Rng::with_seed(22);
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    for i in 0..20 {
+        let (e, ttft, itl) = loop {
+            let s = situation(&mut rng, Speed::default());
+            if s.0.prefill_ms > 4.0 * s.0.step_ms {
+                break s;
+            }
+        };
+        let f = if i % 2 == 0 { 5.0 } else { 0.2 };
+        m.observe_ttft(WorkerId(0), &e, f * ttft);
+        m.observe_itl(WorkerId(0), &e, f * itl);
+    }
+    let s = m.speed(WorkerId(0));
+    assert!((0.8..1.25).contains(&s.prefill), "{s:?}");
+    assert!((0.8..1.25).contains(&s.decode), "{s:?}");
+}
+
+#[test]
+fn an_avoided_worker_relaxes_to_the_fleet_and_is_seen_again() {
+    let mut rng = fastrand::Rng::with_seed(23);
+    let mut m = LatencyModel::new(LearnConfig::default());
+    for w in 0..4 {
+        m.add_worker(WorkerId(w), Speed::default());
+    }
+    // The fleet runs at half the curve's times; worker 0 was seen slow (4x the others) ...
+    let fast = Speed::uniform(0.5);
+    feed_fleet(&mut m, &mut rng, &[0, 1, 2, 3], |_| fast, 100);
+    feed_fleet(&mut m, &mut rng, &[0], |_| Speed::uniform(2.0), 10);
+    let slow = m.speed(WorkerId(0)).prefill;
+    assert!(slow > 1.6, "{slow}");
+    // ... and then got no traffic. Within 2 x relax_after x 4 = 64 of the others' requests it is
+    // still known slow (stale only after 32, then half the distance per 32) ...
+    feed_fleet(&mut m, &mut rng, &[1, 2, 3], |_| fast, 12);
+    let s = m.speed(WorkerId(0)).prefill;
+    assert!(s > 1.2, "{s}");
+    // ... and after a few more half-lives it is back near the fleet's speed, not the seed's.
+    feed_fleet(&mut m, &mut rng, &[1, 2, 3], |_| fast, 100);
+    let s = m.speed(WorkerId(0));
+    assert!((0.4..0.65).contains(&s.prefill), "{s:?}");
+    assert!((0.4..0.65).contains(&s.decode), "{s:?}");
+    // The others never relax: they are observed.
+    assert!((m.speed(WorkerId(1)).prefill / 0.5 - 1.0).abs() < 0.2);
+    // A worker added now starts at the fleet's speed.
+    m.add_worker(WorkerId(9), Speed::default());
+    let s = m.speed(WorkerId(9));
+    assert!((0.4..0.65).contains(&s.prefill), "{s:?}");
+    // Without relaxation it would stay slow for ever.
+    let mut m = LatencyModel::new(LearnConfig {
+        relax_after: 0,
+        ..LearnConfig::default()
+    });
+    let mut rng = fastrand::Rng::with_seed(23);
+    for w in 0..4 {
+        m.add_worker(WorkerId(w), Speed::default());
+    }
+    feed_fleet(&mut m, &mut rng, &[0, 1, 2, 3], |_| fast, 100);
+    feed_fleet(&mut m, &mut rng, &[0], |_| Speed::uniform(2.0), 10);
+    feed_fleet(&mut m, &mut rng, &[1, 2, 3], |_| fast, 112);
+    assert!(m.speed(WorkerId(0)).prefill > 1.6);
 }
