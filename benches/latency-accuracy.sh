@@ -11,11 +11,14 @@
 #     request counts) and how many requests later its fitted prefill throughput
 #     (`kvgate_worker_prefill_tokens_per_second`) fell below 2/3 of its value at the onset, and
 #     how many until it got at most 1 of 20 requests (an even split gives it 5);
-#   - worker 0's share of the traffic in the window before the onset and after it was noticed.
+#   - worker 0's share of the traffic in the window before the onset and after it was noticed;
+#   - with SLOW_FOR (seconds): the slowdown ends that long after it began (`--slowdown-for`), and
+#     the script reports how many requests after the recovery worker 0 got traffic again and its
+#     share from then on (the model re-tries a worker it avoided: `routing.latency_relax_after`).
 #
 # Usage: benches/latency-accuracy.sh
 # Env: KVGATE (binary, default target/release/kvgate), N (400), CONC (4), STEP (10),
-#      SLOW_AFTER (50), BASE (HTTP port of sim 0, 18700; the gateway takes BASE+90).
+#      SLOW_AFTER (50), SLOW_FOR (unset: the slowdown never ends), BASE (HTTP port of sim 0, 18700; the gateway takes BASE+90).
 # Every process this script starts is stopped by its pid on exit.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +27,9 @@ N=${N:-400}
 CONC=${CONC:-4}
 STEP=${STEP:-10}
 SLOW_AFTER=${SLOW_AFTER:-50}
+SLOW_FOR=${SLOW_FOR:-}
+SLOW_FOR_ARGS=()
+[ -n "$SLOW_FOR" ] && SLOW_FOR_ARGS=(--slowdown-for "$SLOW_FOR")
 BASE=${BASE:-18700}
 GW=$((BASE + 90))
 PIDS=()
@@ -36,7 +42,7 @@ wait_http() {
 
 "$KVGATE" sim --workers 4 --base-port "$BASE" --model sim-model --speedup 2 --no-kv-events \
   --num-gpu-blocks 4096 --slowdown 2 --slowdown-after "$SLOW_AFTER" --slowdown-worker 0 \
-  > /dev/null 2>&1 & PIDS+=($!)
+  "${SLOW_FOR_ARGS[@]}" > /dev/null 2>&1 & PIDS+=($!)
 workers=()
 for i in 0 1 2 3; do
   wait_http "http://127.0.0.1:$((BASE + i))/health"
@@ -46,10 +52,11 @@ done
   --no-request-log --log warn > /dev/null 2>&1 & PIDS+=($!)
 wait_http "http://127.0.0.1:$GW/health"
 
-python3 - "$GW" "$BASE" "$N" "$CONC" "$STEP" "$SLOW_AFTER" <<'PY'
-import http.client, json, random, re, sys, threading
+python3 - "$GW" "$BASE" "$N" "$CONC" "$STEP" "$SLOW_AFTER" "${SLOW_FOR:-0}" <<'PY'
+import http.client, json, random, re, sys, threading, time
 
-gw, base, n, conc, step, slow_after = (int(a) for a in sys.argv[1:])
+gw, base, n, conc, step, slow_after = (int(a) for a in sys.argv[1:7])
+slow_for = float(sys.argv[7])
 w0 = f"127.0.0.1:{base}"
 names = [f"127.0.0.1:{base + i}" for i in range(4)]
 rng = random.Random(7)
@@ -90,6 +97,7 @@ def scrape():
     return dict(err=err, count=count, per_worker=per_worker, tps=tps)
 
 snaps = [(0, scrape())]
+times = {0: time.monotonic()}
 done = 0
 lock = threading.Lock()
 next_i = 0
@@ -106,11 +114,13 @@ def worker():
             done += 1
             if done % step == 0:
                 snaps.append((done, scrape()))
+                times[done] = time.monotonic()
 threads = [threading.Thread(target=worker) for _ in range(conc)]
 for t in threads: t.start()
 for t in threads: t.join()
 if snaps[-1][0] != n:
     snaps.append((n, scrape()))
+    times[n] = time.monotonic()
 snaps.sort(key=lambda s: s[0])
 
 def window_error(a, b):
@@ -173,4 +183,34 @@ after_from = noticed if noticed else onset
 after = share(after_from, snaps[-1])
 print(f"worker 0's share of traffic: {before[0]:.2f} of {before[1]:.0f} requests before the onset, "
       f"{after[0]:.2f} of {after[1]:.0f} after it was noticed (even split: 0.25)")
+
+if slow_for > 0:
+    # The sim's slowdown began when worker 0 received its slow_after-th request: between the
+    # onset snapshot and the one before it; take the onset snapshot's time (late by < STEP).
+    end = times[onset[0]] + slow_for
+    rec = next((s_ for s_ in snaps if times[s_[0]] >= end), None)
+    if rec is None:
+        print(f"the run ended before the slowdown did ({slow_for} s after the onset): raise N")
+        sys.exit(0)
+    slow = share(after_from, rec)
+    print(f"worker 0's share while slow, from when it was noticed: {slow[0]:.2f} of {slow[1]:.0f} "
+          "requests (re-tries of a worker the model relaxed towards the fleet's speed)")
+    print(f"slowdown over ~{slow_for} s after the onset, by request {rec[0]}; per scrape from there: "
+          "requests, worker 0's requests since the previous scrape, its fitted prefill tok/s")
+    prev = rec
+    back = None
+    for s_ in snaps:
+        if s_[0] > rec[0]:
+            got = s_[1]["per_worker"][w0] - prev[1]["per_worker"][w0]
+            print(f"  {s_[0]}: {got:.0f} of {s_[0] - prev[0]}, {s_[1]['tps'][w0] or 0:.0f}")
+            if back is None and got >= 2:
+                back = s_
+            prev = s_
+    if back is None:
+        print("worker 0 never got its traffic back")
+    else:
+        r = share(back, snaps[-1])
+        print(f"traffic back (>= 2 of {step}) by request {back[0]}, {back[0] - rec[0]} requests after "
+              f"the recovery; worker 0's share from there {r[0]:.2f} of {r[1]:.0f} (even split: 0.25); "
+              f"fitted prefill {tps0:.0f} tok/s at the onset, {snaps[-1][1]['tps'][w0] or 0:.0f} at the end")
 PY
