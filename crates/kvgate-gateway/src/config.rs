@@ -424,8 +424,9 @@ impl TryFrom<String> for RoleSetting {
 pub enum PdProtocol {
     /// This handoff everywhere.
     Fixed(Handoff),
-    /// Per pool, from its prefill workers' `kind`: `sglang` → SGLang, `trtllm` → TensorRT-LLM,
-    /// anything else → vLLM.
+    /// Per pool, from its prefill workers: SGLang when one announced its `disaggregation_mode`
+    /// in `/server_info` (`role = "auto"`), else by `kind`: `sglang` → SGLang, `trtllm` →
+    /// TensorRT-LLM, anything else → vLLM.
     Auto,
 }
 
@@ -468,7 +469,7 @@ impl TryFrom<String> for PdProtocol {
 #[serde(deny_unknown_fields, default)]
 pub struct PdConfig {
     /// Handoff protocol of every pool with prefill workers: `vllm` (default), `sglang`, `trtllm`,
-    /// or `auto` (per pool, from its prefill workers' `kind`).
+    /// or `auto` (per pool, from its prefill workers' announced mode or `kind`).
     pub protocol: PdProtocol,
     /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
     /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a
