@@ -147,7 +147,7 @@ impl Monitors {
         // A fresh monitor checks the block size again; until it finds a mismatch, score KV.
         w.state.kv_scoring.store(true, Ordering::Relaxed);
         // One breaker per worker: the monitor's probes and the request path feed the same one.
-        let mc_detect_role = mc.detect_role;
+        let detect_role = mc.detect_role;
         let handle =
             kvgate_fleet::WorkerMonitor::spawn_with_breaker(mc, sink, w.state.breaker.clone());
         self.running.lock().insert(
@@ -156,7 +156,7 @@ impl Monitors {
                 handle,
                 signals,
                 block_size,
-                detect_role: mc_detect_role,
+                detect_role,
             },
         );
     }
