@@ -403,8 +403,13 @@ fn sglang_gateway(
             "\n[[workers]]\nurl = \"http://{a}\"\nrole = \"decode\"\nmodels = [\"{MODEL}\"]\n"
         );
     }
+    serve(&config)
+}
+
+/// `kvgate serve --config` with `config` (TOML, kept on disk while the gateway runs); its address.
+fn serve(config: &str) -> ((Proc, tempfile::NamedTempFile), SocketAddr) {
     let file = tempfile::NamedTempFile::new().expect("temp config");
-    std::fs::write(file.path(), &config).expect("config");
+    std::fs::write(file.path(), config).expect("config");
     let path = file.path().to_string_lossy().into_owned();
     let mut p = Proc::kvgate(
         "kvgate serve",
@@ -590,6 +595,179 @@ fn sglang_client_disconnect_cancels_both_legs() {
     eventually("the gateway recorded the cancel", || {
         metric(ga, "kvgate_requests_total", &[]) >= 1.0
     });
+}
+
+// ---- Roles detected from `/server_info` (`role = "auto"`) ----
+
+/// `[[workers]]` entries with `role = "auto"` and no `bootstrap_port`, one per address.
+fn auto_workers(addrs: &[SocketAddr]) -> String {
+    addrs
+        .iter()
+        .map(|a| {
+            format!(
+                "\n[[workers]]\nurl = \"http://{a}\"\nrole = \"auto\"\nmodels = [\"{MODEL}\"]\n"
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn sglang_roles_protocol_and_bootstrap_port_are_detected_from_server_info() {
+    let (_p, pa) = sglang_sim("prefill", &[]);
+    let (_d1, d1) = sglang_sim("decode", &[]);
+    let (_d2, d2) = sglang_sim("decode", &[]);
+    // Nothing says which worker is which, which handoff to run, or where the prefill worker's
+    // bootstrap server is (the default 8998 would be wrong: the sim serves it on its HTTP port).
+    let config = "[pd]\nprotocol = \"auto\"\nmin_uncached_tokens = 0\n".to_string()
+        + &auto_workers(&[d1, pa, d2]);
+    let (_g, ga) = serve(&config);
+    eventually("every role detected", || {
+        metric(ga, "kvgate_worker_role", &["role=\"prefill\""]) == 1.0
+            && metric(ga, "kvgate_worker_role", &["role=\"decode\""]) == 1.0
+            && !metric_text(ga).contains("role=\"unknown\"")
+    });
+    for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+        let (st, body) = http(
+            ga,
+            "POST",
+            "/v1/chat/completions",
+            &chat(&prompt(&format!("r{i}x"), 300), stream, 3),
+        );
+        assert_eq!(st, 200, "{body}");
+        assert!(!body.contains("\"error\""), "{body}");
+    }
+    assert_eq!(
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &["path=\"disaggregated\"", "reason=\"bootstrap\""]
+        ),
+        4.0
+    );
+    // The prefill sim computed every prompt; the decode sims took them over and nothing else.
+    assert!(metric(pa, "vllm:prompt_tokens_total", &[]) >= 4.0 * 300.0);
+    let pulled = |d| metric(d, "vllm:nixl_xfer_time_seconds_count", &[]);
+    assert_eq!(pulled(d1) + pulled(d2), 4.0);
+    assert_eq!(metric(pa, "vllm:nixl_xfer_time_seconds_count", &[]), 0.0);
+    eventually("no room left", || no_rooms(pa, d1) && no_rooms(pa, d2));
+}
+
+/// The whole `/metrics` text of `addr`.
+fn metric_text(addr: SocketAddr) -> String {
+    http(addr, "GET", "/metrics", "").1
+}
+
+/// A worker whose `/health` answers but whose `/server_info` never does (the connection is held
+/// open): its role stays unknown. Every other path is a 404; completions are counted. Stops on
+/// drop.
+struct SilentWorker {
+    addr: SocketAddr,
+    completions: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SilentWorker {
+    fn start() -> SilentWorker {
+        use std::io::{BufRead, BufReader};
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let completions = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (o, st) = (completions.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if st.load(Ordering::Relaxed) {
+                    return;
+                }
+                let Ok(mut conn) = conn else { continue };
+                let (o, st) = (o.clone(), st.clone());
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().expect("clone"));
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).is_err() {
+                        return;
+                    }
+                    let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                    if path.contains("server_info") {
+                        // Never answer; hold the connection until the test ends.
+                        while !st.load(Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                        return;
+                    }
+                    if path.starts_with("/v1/chat") || path.starts_with("/v1/completions") {
+                        o.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let status = if path == "/health" {
+                        "200 OK"
+                    } else {
+                        "404 Not Found"
+                    };
+                    let _ = write!(
+                        conn,
+                        "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    );
+                });
+            }
+        });
+        SilentWorker {
+            addr,
+            completions,
+            stop,
+        }
+    }
+
+    /// Completion requests it got.
+    fn completions(&self) -> usize {
+        self.completions.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for SilentWorker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = TcpStream::connect(self.addr); // wakes the accept loop
+    }
+}
+
+#[test]
+fn a_worker_without_server_info_is_both_and_one_that_never_answers_gets_no_traffic() {
+    // A vLLM-protocol sim: 404 on /server_info and /get_server_info → no mode announced → both.
+    let (_v, va) = sim(&[]);
+    let silent = SilentWorker::start();
+    // Round robin would send every other request to the silent worker if it were routable.
+    let config = "[routing]\npolicy = \"round_robin\"\n[retry]\nmax_attempts = 1\n".to_string()
+        + &auto_workers(&[va, silent.addr]);
+    let (_g, ga) = serve(&config);
+    eventually("the vLLM sim's role detected as both", || {
+        metric(ga, "kvgate_worker_role", &["role=\"both\""]) == 1.0
+    });
+    for i in 0..6 {
+        let (st, body) = http(
+            ga,
+            "POST",
+            "/v1/chat/completions",
+            &chat(&prompt(&format!("n{i}x"), 20), false, 2),
+        );
+        assert_eq!(st, 200, "{body}");
+    }
+    assert_eq!(
+        silent.completions(),
+        0,
+        "a worker of unknown role got traffic"
+    );
+    assert_eq!(
+        metric(ga, "kvgate_worker_role", &["role=\"unknown\""]),
+        1.0,
+        "the silent worker's role stays unknown"
+    );
+    let routable = format!("kvgate_worker_routable{{worker=\"{}\"}} 0", silent.addr);
+    assert!(
+        metric_text(ga).contains(&routable),
+        "reported not routable: {routable}"
+    );
 }
 
 // ---- TensorRT-LLM context-first (`[pd] protocol = "trtllm"`, `kvgate sim --pd-protocol trtllm`) ----

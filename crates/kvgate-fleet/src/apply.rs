@@ -128,6 +128,7 @@ pub struct WorkerView {
     pub stored_total: usize,
     pub removed_total: usize,
     pub kind: Option<crate::WorkerKind>,
+    pub role: Option<crate::DetectedRole>,
 }
 
 impl IndexSink {
@@ -189,6 +190,9 @@ impl FleetSink for IndexSink {
     }
     fn on_kind(&self, worker: WorkerId, kind: crate::WorkerKind) {
         self.with(worker, |v| v.kind = Some(kind));
+    }
+    fn on_role(&self, worker: WorkerId, role: &crate::DetectedRole) {
+        self.with(worker, |v| v.role = Some(*role));
     }
 }
 

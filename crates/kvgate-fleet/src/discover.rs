@@ -1,11 +1,18 @@
-//! Finding out what a worker is (`kind = auto`) and where its KV events are published.
+//! Finding out what a worker is (`kind = auto`), what it does in a prefill/decode split
+//! (`role = auto`) and where its KV events are published.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use http::StatusCode;
+use kvgate_core::WorkerId;
+use kvgate_protocol::pd::Role;
 use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::http::{host_of, HttpClient, ACCEPT_PROM};
-use crate::scrape::sglang::parse_server_info;
+use crate::scrape::sglang::{parse_disaggregation, parse_server_info};
+use crate::sink::FleetSink;
 use crate::WorkerKind;
 
 /// One KV-event publisher (a DP rank of a worker).
@@ -168,6 +175,99 @@ pub async fn probe_kind(client: &HttpClient, base: &str, timeout: Duration) -> O
         }
     }
     answered.then_some(WorkerKind::Openai)
+}
+
+/// A worker's part in a prefill/decode split, as its `/server_info` tells it (`role = auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DetectedRole {
+    pub role: Role,
+    /// The engine announced its `disaggregation_mode` (an SGLang server): its handoff is SGLang's.
+    pub announced: bool,
+    /// `disaggregation_bootstrap_port`: where a prefill worker's bootstrap server listens.
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Asks the worker its disaggregation mode: `GET /server_info`, on 404 (or 405) the legacy
+/// `/get_server_info`. Neither there: the engine announces no mode (vLLM, llama.cpp, ...), so it
+/// serves whole requests. `Err` when it did not answer, or answered something else than a JSON
+/// object or a 404 (try again later).
+pub async fn probe_role(
+    client: &HttpClient,
+    base: &str,
+    timeout: Duration,
+) -> Result<DetectedRole, String> {
+    for path in ["/server_info", "/get_server_info"] {
+        let r = client
+            .get(base, path, "application/json", timeout)
+            .await
+            .map_err(|e| format!("{path}: {e}"))?;
+        if matches!(
+            r.status,
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+        ) {
+            continue;
+        }
+        if !r.status.is_success() {
+            return Err(format!("{path} answered HTTP {}", r.status));
+        }
+        let d = parse_disaggregation(&r.body).map_err(|e| format!("{path}: {e}"))?;
+        return Ok(DetectedRole {
+            role: d.role(),
+            announced: d.mode.is_some(),
+            bootstrap_port: d.bootstrap_port,
+        });
+    }
+    Ok(DetectedRole {
+        role: Role::Both,
+        announced: false,
+        bootstrap_port: None,
+    })
+}
+
+/// Where and how often the `role = auto` task asks.
+pub(crate) struct RoleProbe {
+    pub base: String,
+    pub timeout: Duration,
+    /// First retry delay (doubles up to 10 s).
+    pub retry: Duration,
+}
+
+/// The `role = auto` task: probes until the worker answers, reports the role through `on_role`
+/// and ends. Until then the gateway routes nothing to the worker.
+pub(crate) async fn detect_role(
+    worker: WorkerId,
+    name: Arc<str>,
+    client: HttpClient,
+    probe: RoleProbe,
+    sink: Arc<dyn FleetSink>,
+    cancel: CancellationToken,
+) {
+    let mut backoff = probe.retry.max(Duration::from_millis(50));
+    let mut failures = 0u32;
+    loop {
+        match probe_role(&client, &probe.base, probe.timeout).await {
+            Ok(d) => {
+                tracing::info!(worker = %name, role = d.role.as_str(), announced = d.announced,
+                    bootstrap_port = d.bootstrap_port, "detected worker role");
+                sink.on_role(worker, &d);
+                return;
+            }
+            Err(e) => {
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(worker = %name, error = %e,
+                        "worker role unknown (role = auto): not routed until its /server_info answers");
+                } else {
+                    tracing::debug!(worker = %name, error = %e, failures, "worker role still unknown");
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! drop. The tasks report through the sink: scraped load (`on_load`, `on_load_stale`), block-size
 //! mismatches, decoded KV-event batches in order (`on_kv_events`, applied to the exact index with
 //! [`apply_batch`]), index resets (sequence regression, `AllBlocksCleared`, restart, lost gap) and
-//! health transitions. Each worker has a [`Breaker`] the gateway also feeds with request outcomes.
+//! health transitions, and for `role = auto` the worker's prefill/decode role (`on_role`). Each worker has a [`Breaker`] the gateway also feeds with request outcomes.
 //!
 //! Layout:
 //! - `kind.rs`: [`WorkerKind`] and its config names.
@@ -19,7 +19,8 @@
 //!   `reset.rs`: the one path that clears a worker's entries (every subscriber hears of it);
 //!   `trtllm_poll.rs`: TRT-LLM `POST /kv_cache_events`.
 //! - `health.rs`: health probes; `breaker.rs`: the circuit breaker.
-//! - `discover.rs`: `kind = auto` probing and KV-event endpoint discovery.
+//! - `discover.rs`: `kind = auto` probing, `role = auto` detection (`/server_info`) and KV-event
+//!   endpoint discovery.
 //! - `http.rs`: whole-body requests with per-call deadlines over kvgate-http's pooled client; `stats.rs`: [`FleetStats`].
 //! - `dcgm.rs`: GPU figures from a worker's dcgm-exporter (`dcgm_url`), parsed per worker.
 //! - `dns.rs`: DNS-based pool discovery (re-resolved `host:port` → address diffs).
@@ -45,7 +46,7 @@ mod trtllm_poll;
 
 pub use apply::{apply_batch, ApplyOutcome, IndexSink, WorkerView};
 pub use breaker::{Breaker, BreakerConfig, BreakerState};
-pub use discover::KvSource;
+pub use discover::{DetectedRole, KvSource};
 pub use kind::{UnknownKind, WorkerKind};
 pub use monitor::{KvEventsSource, MonitorConfig, MonitorHandle, WorkerMonitor};
 pub use seq::{SeqTracker, SeqVerdict};

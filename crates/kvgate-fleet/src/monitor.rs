@@ -1,6 +1,7 @@
 //! [`WorkerMonitor`]: every background task for one worker, owned by one [`MonitorHandle`].
 //!
-//! `spawn` starts a supervisor task that resolves the kind (`auto` probes), then runs the scraper,
+//! `spawn` starts a supervisor task that resolves the kind (`auto` probes) and, with `detect_role`,
+//! the prefill/decode role (`role = auto`), then runs the scraper,
 //! the health checker and the KV-event feed (ZMQ subscribers per DP rank, or the TRT-LLM poller) as
 //! children. Cancelling the handle's token (drop, or `shutdown().await`) stops all of them; the
 //! children live in a `JoinSet`, so even a panicking child cannot outlive the handle.
@@ -13,7 +14,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use crate::breaker::{Breaker, BreakerConfig};
-use crate::discover::{probe_kind, KvSource};
+use crate::discover::{detect_role, probe_kind, KvSource, RoleProbe};
 use crate::health::{self, HealthSettings};
 use crate::http::HttpClient;
 use crate::kv_feed::{Feed, FeedSettings};
@@ -75,6 +76,9 @@ pub struct MonitorConfig {
     pub replay_timeout: Duration,
     /// The worker's dcgm-exporter `/metrics` URL (GPU figures), scraped every `scrape_interval`.
     pub dcgm_url: Option<String>,
+    /// `role = auto`: ask the worker's `/server_info` (whatever its kind) for its prefill/decode
+    /// role until it answers, and report it through `on_role`.
+    pub detect_role: bool,
 }
 
 impl MonitorConfig {
@@ -115,6 +119,7 @@ impl MonitorConfig {
             tls: None,
             auth: None,
             dcgm_url: None,
+            detect_role: false,
         }
     }
 }
@@ -226,6 +231,22 @@ async fn supervise(
         stats.clone(),
         cancel.child_token(),
     ));
+
+    // Beside the kind probe, not after it: a worker of unknown role gets no traffic.
+    if cfg.detect_role {
+        tasks.spawn(detect_role(
+            cfg.worker,
+            name.clone(),
+            client.clone(),
+            RoleProbe {
+                base: cfg.base_url.clone(),
+                timeout: cfg.scrape_timeout.max(Duration::from_secs(1)),
+                retry: cfg.scrape_interval,
+            },
+            sink.clone(),
+            cancel.child_token(),
+        ));
+    }
 
     let mut backoff = cfg.scrape_interval;
     while kind == WorkerKind::Auto {

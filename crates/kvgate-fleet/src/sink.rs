@@ -141,4 +141,7 @@ pub trait FleetSink: Send + Sync + 'static {
     fn on_recovered(&self, _worker: WorkerId, _down_for: std::time::Duration) {}
     /// Auto-detected kind (only for `kind = auto`).
     fn on_kind(&self, _worker: WorkerId, _kind: crate::WorkerKind) {}
+    /// The worker's prefill/decode role from its `/server_info` (only with
+    /// [`MonitorConfig::detect_role`](crate::MonitorConfig::detect_role)); called once per monitor.
+    fn on_role(&self, _worker: WorkerId, _role: &crate::DetectedRole) {}
 }

@@ -372,3 +372,82 @@ async fn publisher_reconnect_after_a_blip_resumes_without_clearing() {
     relay_task.abort();
     a.shutdown().await;
 }
+
+/// `role = auto`: the role comes from `/server_info` whatever the configured kind; a worker that
+/// announces no mode (a vLLM server: 404 on both paths) serves whole requests; one that does not
+/// answer yet is asked again until it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn role_is_detected_from_server_info_and_retried_until_the_worker_answers() {
+    use kvgate_protocol::pd::Role;
+    let sink = Arc::new(IndexSink::new(
+        Arc::new(RwLock::new(KvIndex::new())),
+        BS as u32,
+    ));
+    let sglang = |role| {
+        SimConfig::default().speedup(0.0).pd(kvgate_sim::PdConfig {
+            role,
+            protocol: kvgate_sim::PdProtocol::Sglang,
+            ..kvgate_sim::PdConfig::default()
+        })
+    };
+    let prefill = SimWorker::spawn(sglang(Role::Prefill), any_port(), None)
+        .await
+        .unwrap();
+    let vllm = SimWorker::spawn(SimConfig::default().speedup(0.0), any_port(), None)
+        .await
+        .unwrap();
+    // Nothing listens there yet.
+    let late_addr = std::net::TcpListener::bind(any_port())
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let start = |w: WorkerId, base: String| {
+        let mut c = MonitorConfig::new(w, base, WorkerKind::Vllm);
+        c.kv_events = KvEventsSource::Off;
+        c.scrape_interval = Duration::from_millis(50);
+        c.health_interval = Duration::from_millis(50);
+        c.detect_role = true;
+        WorkerMonitor::spawn(c, sink.clone())
+    };
+    let handles = [
+        start(WorkerId(0), prefill.base_url()),
+        start(WorkerId(1), vllm.base_url()),
+        start(WorkerId(2), format!("http://{late_addr}")),
+    ];
+    let until_known = |w: WorkerId| {
+        let sink = sink.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Some(r) = sink.view(w).role {
+                    return r;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "role of {w} never detected"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    let p = until_known(WorkerId(0)).await;
+    assert_eq!((p.role, p.announced), (Role::Prefill, true));
+    assert_eq!(p.bootstrap_port, Some(prefill.http_addr().port()));
+    let v = until_known(WorkerId(1)).await;
+    assert_eq!(
+        (v.role, v.announced, v.bootstrap_port),
+        (Role::Both, false, None)
+    );
+    assert_eq!(sink.view(WorkerId(2)).role, None, "nobody answered yet");
+    let late = SimWorker::spawn(sglang(Role::Decode), late_addr, None)
+        .await
+        .unwrap();
+    let d = until_known(WorkerId(2)).await;
+    assert_eq!((d.role, d.announced), (Role::Decode, true));
+    for h in handles {
+        h.shutdown().await;
+    }
+    for s in [prefill, vllm, late] {
+        s.shutdown().await;
+    }
+}

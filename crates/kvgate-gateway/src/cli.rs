@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::config::{ApiKeyConfig, Config, WorkerConfig, WorkerRole};
+use crate::config::{ApiKeyConfig, Config, RoleSetting, WorkerConfig, WorkerRole};
 use crate::{Gateway, StartOptions};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// Decode worker base URL (repeatable; role = "decode"), added to the --worker list.
     #[arg(long = "decode-worker", value_delimiter = ',')]
     pub decode_workers: Vec<String>,
+    /// Worker base URL whose prefill/decode role its /server_info tells (repeatable;
+    /// role = "auto": no traffic until it answers), added to the --worker list.
+    #[arg(long = "auto-role-worker", value_delimiter = ',')]
+    pub auto_role_workers: Vec<String>,
     /// Conditional disaggregation threshold (`pd.min_uncached_tokens`; 0 = always disaggregate).
     #[arg(long)]
     pub pd_min_uncached_tokens: Option<u64>,
@@ -76,11 +80,13 @@ impl ServeArgs {
         if !self.workers.is_empty()
             || !self.prefill_workers.is_empty()
             || !self.decode_workers.is_empty()
+            || !self.auto_role_workers.is_empty()
         {
             let roles = [
-                (&self.workers, WorkerRole::Both),
-                (&self.prefill_workers, WorkerRole::Prefill),
-                (&self.decode_workers, WorkerRole::Decode),
+                (&self.workers, RoleSetting::Fixed(WorkerRole::Both)),
+                (&self.prefill_workers, WorkerRole::Prefill.into()),
+                (&self.decode_workers, WorkerRole::Decode.into()),
+                (&self.auto_role_workers, RoleSetting::Auto),
             ];
             cfg.workers = roles
                 .iter()

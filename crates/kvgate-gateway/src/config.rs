@@ -373,14 +373,66 @@ impl Default for CacheConfig {
 /// What a worker does in a prefill/decode split (docs/routing.md, "Prefill/decode disaggregation").
 pub use kvgate_protocol::pd::Role as WorkerRole;
 
+/// `workers[].role` (and `worker_pools[].role`): a role given in config, or `auto`, the one the
+/// worker's `/server_info` announces (SGLang's `disaggregation_mode`; no such endpoint → `both`).
+/// An `auto` worker gets no traffic until it has answered.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(try_from = "String")]
+pub enum RoleSetting {
+    Fixed(WorkerRole),
+    Auto,
+}
+
+impl Default for RoleSetting {
+    fn default() -> Self {
+        RoleSetting::Fixed(WorkerRole::Both)
+    }
+}
+
+impl From<WorkerRole> for RoleSetting {
+    fn from(r: WorkerRole) -> Self {
+        RoleSetting::Fixed(r)
+    }
+}
+
+impl RoleSetting {
+    /// The name in configs and flags.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoleSetting::Fixed(r) => r.as_str(),
+            RoleSetting::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for RoleSetting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(RoleSetting::Auto),
+            s => s.parse().map(RoleSetting::Fixed).map_err(|_| {
+                format!("unknown worker role {s:?} (expected prefill|decode|both|auto)")
+            }),
+        }
+    }
+}
+
+impl TryFrom<String> for RoleSetting {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
 /// `[pd] protocol`: one handoff for every pool with prefill workers, or `auto` (docs/routing.md §9).
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(try_from = "String")]
 pub enum PdProtocol {
     /// This handoff everywhere.
     Fixed(Handoff),
-    /// Per pool, from its prefill workers' `kind`: `sglang` → SGLang, `trtllm` → TensorRT-LLM,
-    /// anything else → vLLM.
+    /// Per pool, from its prefill workers: SGLang when one announced its `disaggregation_mode`
+    /// in `/server_info` (`role = "auto"`), else by `kind`: `sglang` → SGLang, `trtllm` →
+    /// TensorRT-LLM, anything else → vLLM.
     Auto,
 }
 
@@ -423,7 +475,7 @@ impl TryFrom<String> for PdProtocol {
 #[serde(deny_unknown_fields, default)]
 pub struct PdConfig {
     /// Handoff protocol of every pool with prefill workers: `vllm` (default), `sglang`, `trtllm`,
-    /// or `auto` (per pool, from its prefill workers' `kind`).
+    /// or `auto` (per pool, from its prefill workers' announced mode or `kind`).
     pub protocol: PdProtocol,
     /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
     /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a
@@ -518,9 +570,10 @@ pub struct WorkerConfig {
     /// re-exported as `kvgate_worker_gpu_*`.
     #[serde(default)]
     pub dcgm_url: Option<String>,
-    /// `prefill`, `decode` or `both` (default): see `[pd]`.
+    /// `prefill`, `decode`, `both` (default), or `auto` (from the worker's `/server_info`; no
+    /// traffic until it answers): see `[pd]`.
     #[serde(default)]
-    pub role: WorkerRole,
+    pub role: RoleSetting,
     /// The engine's token budget per step (vLLM `--max-num-batched-tokens`), for the batch fill
     /// ratio (`kvgate_worker_max_num_batched_tokens`); engines that report it (TRT-LLM) need none.
     #[serde(default)]
@@ -537,10 +590,11 @@ pub struct WorkerConfig {
     #[serde(default)]
     pub model_version: Option<String>,
     /// SGLang prefill workers: the port of their bootstrap server
-    /// (`--disaggregation-bootstrap-port`, default 8998), sent as `bootstrap_port`; 0 sends null
-    /// (the engine then uses its own).
-    #[serde(default = "default_bootstrap_port")]
-    pub bootstrap_port: u16,
+    /// (`--disaggregation-bootstrap-port`), sent as `bootstrap_port`; 0 sends null (the engine then
+    /// uses its own). Unset: the port the worker's `/server_info` announced (`role = "auto"`),
+    /// else 8998 ([`DEFAULT_BOOTSTRAP_PORT`]).
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
@@ -581,9 +635,9 @@ pub struct WorkerPoolConfig {
     /// Port of each address's dcgm-exporter (`http://addr-ip:port/metrics`); absent = no GPU figures.
     #[serde(default)]
     pub dcgm_port: Option<u16>,
-    /// Role of every address of the pool (as `workers[].role`).
+    /// Role of every address of the pool (as `workers[].role`, `auto` included).
     #[serde(default)]
-    pub role: WorkerRole,
+    pub role: RoleSetting,
     /// As `workers[].max_num_batched_tokens`, for every address.
     #[serde(default)]
     pub max_num_batched_tokens: Option<u64>,
@@ -597,13 +651,13 @@ pub struct WorkerPoolConfig {
     #[serde(default)]
     pub model_version: Option<String>,
     /// Bootstrap port of every address of the pool (as `workers[].bootstrap_port`).
-    #[serde(default = "default_bootstrap_port")]
-    pub bootstrap_port: u16,
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
 }
 
-fn default_bootstrap_port() -> u16 {
-    8998
-}
+/// SGLang's `--disaggregation-bootstrap-port` default: a prefill worker's bootstrap port when
+/// neither the config nor the worker's `/server_info` names one.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 fn default_gpus() -> u32 {
     1
@@ -711,12 +765,12 @@ impl WorkerConfig {
             kv_replay: None,
             metrics_url: None,
             dcgm_url: None,
-            role: WorkerRole::Both,
+            role: RoleSetting::default(),
             max_num_batched_tokens: None,
             max_num_seqs: None,
             tensor_parallelism: None,
             model_version: None,
-            bootstrap_port: default_bootstrap_port(),
+            bootstrap_port: None,
         }
     }
 }
@@ -822,6 +876,20 @@ impl Config {
                 bail!("duplicate worker name {:?}", worker_name(w));
             }
         }
+        // The monitor asks an `auto` worker for its role; without one it would never be routed.
+        let auto = self
+            .workers
+            .iter()
+            .find(|w| w.role == RoleSetting::Auto)
+            .map(|w| &w.url);
+        let auto = auto.or(self
+            .worker_pools
+            .iter()
+            .find(|p| p.role == RoleSetting::Auto)
+            .map(|p| &p.dns));
+        if let (Some(at), false) = (auto, self.upstream.monitor) {
+            bail!("{at:?} has role = \"auto\", which needs upstream.monitor = true (the monitor asks the worker's /server_info)");
+        }
         let mut prefixes = std::collections::HashSet::new();
         for p in &self.worker_pools {
             p.validate()?;
@@ -903,6 +971,37 @@ mod tests {
         );
         let p = pd("[pd]\ndecode_policy = \"round_robin\"\n").unwrap();
         assert_eq!(p.decode_policy.as_deref(), Some("round_robin"));
+    }
+
+    #[test]
+    fn worker_roles_parse_auto_included() {
+        let w = |extra: &str| {
+            Config::from_toml(&format!(
+                "[[workers]]\nurl = \"http://10.0.0.1:8000\"\n{extra}\n"
+            ))
+            .map(|c| c.workers[0].clone())
+        };
+        let plain = w("").unwrap();
+        assert_eq!(plain.role, RoleSetting::Fixed(WorkerRole::Both));
+        assert_eq!(plain.bootstrap_port, None, "unset: announced, else 8998");
+        for r in ["prefill", "decode", "both"] {
+            let c = w(&format!("role = \"{r}\"")).unwrap();
+            assert_eq!(c.role, RoleSetting::Fixed(r.parse().unwrap()));
+            assert_eq!(c.role.as_str(), r);
+        }
+        let auto = w("role = \"auto\"\nbootstrap_port = 9000").unwrap();
+        assert_eq!(auto.role, RoleSetting::Auto);
+        assert_eq!(auto.bootstrap_port, Some(9000));
+        let no_monitor = Config::from_toml(
+            "[upstream]\nmonitor = false\n[[workers]]\nurl = \"http://a:1\"\nrole = \"auto\"\n",
+        );
+        assert!(format!("{:#}", no_monitor.unwrap_err()).contains("upstream.monitor"));
+        let err = format!("{:#}", w("role = \"encode\"").unwrap_err());
+        assert!(err.contains("prefill|decode|both|auto"), "{err}");
+        let pool = Config::from_toml("[[worker_pools]]\ndns = \"sglang:30000\"\nrole = \"auto\"\n")
+            .unwrap();
+        let a = pool.worker_pools[0].worker_for("10.0.0.7:30000".parse().unwrap());
+        assert_eq!((a.role, a.bootstrap_port), (RoleSetting::Auto, None));
     }
 
     #[test]

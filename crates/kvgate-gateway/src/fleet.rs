@@ -85,7 +85,7 @@ impl WorkerFleet {
             }
         }
         if let (true, Some(me)) = (self.monitor_workers, &me) {
-            self.monitors.resync_block_sizes(me, &fleet, &cfg);
+            self.monitors.resync(me, &fleet, &cfg);
         }
         // New workers without a models list: ask them now, not at the next refresh tick.
         let undiscovered = r
@@ -116,7 +116,7 @@ impl WorkerFleet {
             m.worker_breaker.remove(&l);
             m.worker_recovery.remove(&l);
             crate::cost::forget(m, &l);
-            for role in ["prefill", "decode", "both"] {
+            for role in crate::metrics::ROLE_LABELS {
                 m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {
                     worker: name.clone(),
                     role,

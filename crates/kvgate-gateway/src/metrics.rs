@@ -171,12 +171,16 @@ pub struct PdDecisionLabels {
     pub reason: &'static str,
 }
 
-/// A worker's configured role (`prefill`, `decode`, `both`).
+/// A worker's role (`prefill`, `decode`, `both`: configured, or detected for `role = "auto"`;
+/// `unknown` while an `auto` worker has not told it).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerRoleLabels {
     pub worker: Lbl,
     pub role: &'static str,
 }
+
+/// Every value of [`WorkerRoleLabels::role`].
+pub const ROLE_LABELS: [&str; 4] = ["both", "prefill", "decode", "unknown"];
 
 /// Prefill/decode disaggregation (`kvgate_pd_*`).
 pub struct PdMetrics {
@@ -432,7 +436,7 @@ impl Metrics {
             predicted_ttft: reg!("kvgate_worker_predicted_ttft_seconds", "Predicted TTFT (from dispatch) of the last request routed to each worker, by the latency model.", Family::default()),
             prefill_throughput: reg!("kvgate_worker_prefill_tokens_per_second", "Each worker's fitted prefill throughput: a 1024-token prompt on the idle worker at its learned speed.", Family::default()),
             ttft_prediction_error: reg!("kvgate_ttft_prediction_error_ratio", "|predicted - observed| / observed TTFT (from dispatch) of streamed requests, per request.", error_ratio_buckets()),
-            worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining and its breaker is not open.", Family::default()),
+            worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining, its breaker is not open and its role is known (role = auto).", Family::default()),
             worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
             index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers), predicted ones included.", Gauge::default()),
             index_predicted_blocks: reg!("kvgate_index_predicted_blocks", "Index entries predicted on route for workers with KV events and not yet confirmed by their events (they lapse after routing.predicted_ttl_s).", Gauge::default()),
@@ -462,7 +466,7 @@ impl Metrics {
                 prefill_duration: reg!("kvgate_pd_prefill_duration_seconds", "Duration of successful prefill legs (sent to answer read).", latency_buckets()),
                 transfer_wait: reg!("kvgate_pd_transfer_wait_seconds", "Disaggregated streams: the decode worker's first token minus the prefill worker's answer (decode queue + KV transfer + one step).", latency_buckets()),
                 handoff_failures: reg!("kvgate_pd_handoff_failures", "Prefill/decode handoff failures by kind (prefill_error, no_params, decode_error).", Family::default()),
-                worker_role: reg!("kvgate_worker_role", "1 for each worker's configured prefill/decode role (prefill, decode, both).", Family::default()),
+                worker_role: reg!("kvgate_worker_role", "1 for each worker's prefill/decode role: prefill, decode, both (configured, or detected from the worker's /server_info with role = auto), or unknown while an auto worker has not answered (it gets no traffic).", Family::default()),
             },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),

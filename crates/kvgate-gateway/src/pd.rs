@@ -83,34 +83,44 @@ pub struct Partner {
     pub leave: tokio_util::sync::CancellationToken,
 }
 
-/// Whether requests to `pool` are split: it has a dedicated prefill worker.
+/// Whether requests to `pool` are split: it has a dedicated prefill worker (configured, or
+/// detected for `role = "auto"`).
 pub fn applies(pool: &Pool) -> bool {
     pool.workers
         .iter()
-        .any(|w| w.cfg.role == WorkerRole::Prefill)
+        .any(|w| w.role() == Some(WorkerRole::Prefill))
 }
 
-/// The handoff to run for a pool whose prefill workers are `prefill`: the configured protocol, or
-/// with `auto` the first prefill worker's `kind` (one model's pool runs one engine).
+/// The handoff to run for a pool whose prefill-capable workers are `prefill`: the configured
+/// protocol, or with `auto` from its first dedicated prefill worker (else its first worker; one
+/// model's pool runs one engine): SGLang when the worker announced its role in `/server_info`
+/// (`role = "auto"`), else by its `kind`.
 pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> Handoff {
     if let PdProtocol::Fixed(h) = configured {
         return h;
     }
-    match prefill.workers.first().map(|w| w.cfg.kind.as_str()) {
-        Some("sglang") => Handoff::Sglang,
-        Some("trtllm") => Handoff::Trtllm,
+    let first = prefill
+        .workers
+        .iter()
+        .find(|w| w.role() == Some(WorkerRole::Prefill))
+        .or(prefill.workers.first());
+    match first {
+        Some(w) if w.role_announced() => Handoff::Sglang,
+        Some(w) if w.cfg.kind == "sglang" => Handoff::Sglang,
+        Some(w) if w.cfg.kind == "trtllm" => Handoff::Trtllm,
         _ => Handoff::Vllm,
     }
 }
 
-/// The workers of `pool` that `keep` accepts, as a pool of their own.
+/// The workers of `pool` whose role `keep` accepts, as a pool of their own (an `auto` worker of
+/// unknown role is in neither).
 pub fn sub_pool(pool: &Pool, keep: impl Fn(WorkerRole) -> bool) -> Pool {
     Pool {
         model: pool.model.clone(),
         workers: pool
             .workers
             .iter()
-            .filter(|w| keep(w.cfg.role))
+            .filter(|w| w.role().is_some_and(&keep))
             .cloned()
             .collect(),
         block_size: pool.block_size,
@@ -160,7 +170,8 @@ pub fn decode_body(body: &[u8], params: &Value) -> Option<Bytes> {
 }
 
 /// Where a prefill worker's bootstrap server listens, as SGLang routers send it: the host of the
-/// worker's URL, and its configured `bootstrap_port` (0 = null: the engine uses its own).
+/// worker's URL, and its `bootstrap_port` ([`crate::registry::Worker::bootstrap_port`]; 0 = null:
+/// the engine uses its own).
 pub fn bootstrap_addr(url: &str, port: u16) -> Option<(String, Option<u16>)> {
     let uri: http::Uri = url.parse().ok()?;
     let host = uri.host()?.trim_start_matches('[').trim_end_matches(']');
@@ -275,7 +286,7 @@ mod tests {
             ] {
                 let mut w = crate::config::WorkerConfig::from_url(url);
                 w.kind = kind.into();
-                w.role = role;
+                w.role = role.into();
                 w.models = vec!["m".into()];
                 cfg.workers.push(w);
             }
@@ -298,6 +309,66 @@ mod tests {
         // A configured protocol wins over the workers' kind.
         assert_eq!(
             protocol_for(PdProtocol::Fixed(Handoff::Vllm), &pool_of("sglang")),
+            Handoff::Vllm
+        );
+    }
+
+    #[test]
+    fn auto_roles_count_once_detected_and_an_announced_mode_means_sglang() {
+        use crate::config::{RoleSetting, WorkerConfig};
+        use crate::registry::DetectedRole;
+        let mut cfg = crate::config::Config::default();
+        for (url, port) in [
+            ("http://10.0.0.1:30000", None),
+            ("http://10.0.0.2:30000", Some(7000)),
+        ] {
+            let mut w = WorkerConfig::from_url(url);
+            w.role = RoleSetting::Auto;
+            w.bootstrap_port = port;
+            w.models = vec!["m".into()];
+            cfg.workers.push(w);
+        }
+        let (reg, _) = crate::registry::Registry::new(std::sync::Arc::new(cfg)).unwrap();
+        let fleet = reg.snapshot();
+        let pool = fleet.pool("m").unwrap();
+        let (p, d) = (&pool.workers[0], &pool.workers[1]);
+        let now = std::time::Instant::now();
+        // Not told yet: in neither sub-pool, not routable, no split.
+        assert_eq!(p.role(), None);
+        assert_eq!(p.role_label(), "unknown");
+        assert!(!p.state.routable(now));
+        assert!(!applies(pool));
+        assert!(sub_pool(pool, WorkerRole::can_decode).workers.is_empty());
+        let told = |role, port| DetectedRole {
+            role,
+            announced: true,
+            bootstrap_port: port,
+        };
+        p.state
+            .set_detected_role(&told(WorkerRole::Prefill, Some(9001)));
+        d.state
+            .set_detected_role(&told(WorkerRole::Prefill, Some(9002)));
+        assert!(p.state.routable(now));
+        assert!(applies(pool));
+        // The announced port, unless the config names one.
+        assert_eq!((p.bootstrap_port(), d.bootstrap_port()), (9001, 7000));
+        let prefill = sub_pool(pool, WorkerRole::can_prefill);
+        assert_eq!(prefill.workers.len(), 2);
+        // kind is vllm (the default): the announced mode decides.
+        assert_eq!(protocol_for(PdProtocol::Auto, &prefill), Handoff::Sglang);
+        d.state.set_detected_role(&told(WorkerRole::Decode, None));
+        assert_eq!(sub_pool(pool, WorkerRole::can_decode).workers.len(), 1);
+        // A worker without /server_info (nothing announced) is `both`, its handoff by kind.
+        p.state.set_detected_role(&DetectedRole {
+            role: WorkerRole::Both,
+            announced: false,
+            bootstrap_port: None,
+        });
+        assert_eq!(p.role(), Some(WorkerRole::Both));
+        assert_eq!(p.bootstrap_port(), crate::config::DEFAULT_BOOTSTRAP_PORT);
+        assert!(!applies(pool));
+        assert_eq!(
+            protocol_for(PdProtocol::Auto, &sub_pool(pool, WorkerRole::can_prefill)),
             Handoff::Vllm
         );
     }

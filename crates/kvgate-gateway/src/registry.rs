@@ -15,7 +15,9 @@ use arc_swap::ArcSwap;
 use http::uri::{Authority, Scheme};
 use parking_lot::Mutex;
 
-use crate::config::{worker_name, Config, WorkerConfig};
+use crate::config::{
+    worker_name, Config, RoleSetting, WorkerConfig, WorkerRole, DEFAULT_BOOTSTRAP_PORT,
+};
 use crate::metrics::Lbl;
 
 /// Dense worker id, stable for the life of the process (never reused), shared with kvgate-core.
@@ -28,6 +30,9 @@ pub const SCRAPE_STALE: Duration = Duration::from_secs(10);
 /// recorded in `proxy.rs`) and the worker's monitor (health probes), so consecutive failures of
 /// either kind open it and a half-open probe closes it. Defaults: 5 failures, open for 10 s.
 pub use kvgate_fleet::{Breaker, BreakerConfig, BreakerState};
+
+/// A worker's role as its `/server_info` announced it (`role = "auto"`, kvgate-fleet's probe).
+pub use kvgate_fleet::DetectedRole;
 
 /// `kvgate_worker_breaker_state`'s value: 0 closed, 1 half-open, 2 open.
 pub fn breaker_gauge(s: BreakerState) -> i64 {
@@ -63,6 +68,11 @@ pub struct WorkerState {
     pub cost_accrued_ms: AtomicU64,
     /// Latest worker-reported load and when it was read (fed by kvgate-fleet's scraper).
     pub scraped: Mutex<Option<(Instant, kvgate_core::ScrapedLoad)>>,
+    /// The worker's config says `role = "auto"` (set by every rebuild).
+    role_auto: AtomicBool,
+    /// What its `/server_info` announced, packed by [`pack_role`]; 0 until known. Kept across
+    /// reloads and monitor restarts, like the rest of this state.
+    detected_role: AtomicU32,
 }
 
 impl WorkerState {
@@ -80,7 +90,25 @@ impl WorkerState {
             first_healthy: AtomicBool::new(false),
             cost_accrued_ms: AtomicU64::new(0),
             scraped: Mutex::new(None),
+            role_auto: AtomicBool::new(false),
+            detected_role: AtomicU32::new(0),
         }
+    }
+
+    /// Records the role the worker's `/server_info` announced (`role = "auto"`).
+    pub fn set_detected_role(&self, d: &DetectedRole) {
+        self.detected_role.store(pack_role(d), Ordering::Release);
+    }
+
+    /// The role the worker's `/server_info` announced, once it answered.
+    pub fn detected_role(&self) -> Option<DetectedRole> {
+        unpack_role(self.detected_role.load(Ordering::Acquire))
+    }
+
+    /// `role = "auto"` and the worker has not told its role yet: it gets no traffic (a SGLang
+    /// prefill server sent a whole request would wait for a bootstrap partner that never comes).
+    pub fn role_unknown(&self) -> bool {
+        self.role_auto.load(Ordering::Relaxed) && self.detected_role.load(Ordering::Acquire) == 0
     }
 
     /// The scraped load if it is recent enough to trust.
@@ -107,12 +135,39 @@ impl WorkerState {
         }
     }
 
-    /// Healthy, not draining, breaker not open (half-open lets traffic probe the worker).
+    /// Healthy, not draining, breaker not open (half-open lets traffic probe the worker), and its
+    /// role known.
     pub fn routable(&self, now: Instant) -> bool {
         self.healthy.load(Ordering::Relaxed)
             && !self.draining.load(Ordering::Relaxed)
             && self.breaker.is_available(now)
+            && !self.role_unknown()
     }
+}
+
+/// A detected role in one word, so readers never see half of an update: bits 0–1 the role
+/// (1 both, 2 prefill, 3 decode; 0 = not known), bit 2 `announced`, bits 16–31 the bootstrap port.
+fn pack_role(d: &DetectedRole) -> u32 {
+    let role = match d.role {
+        WorkerRole::Both => 1,
+        WorkerRole::Prefill => 2,
+        WorkerRole::Decode => 3,
+    };
+    role | u32::from(d.announced) << 2 | u32::from(d.bootstrap_port.unwrap_or(0)) << 16
+}
+
+fn unpack_role(v: u32) -> Option<DetectedRole> {
+    let role = match v & 3 {
+        1 => WorkerRole::Both,
+        2 => WorkerRole::Prefill,
+        3 => WorkerRole::Decode,
+        _ => return None,
+    };
+    Some(DetectedRole {
+        role,
+        announced: v & 4 != 0,
+        bootstrap_port: Some((v >> 16) as u16).filter(|p| *p != 0),
+    })
 }
 
 /// One worker in a snapshot.
@@ -129,6 +184,38 @@ pub struct Worker {
     pub auth_header: Option<http::HeaderValue>,
     pub models: Vec<Lbl>,
     pub state: Arc<WorkerState>,
+}
+
+impl Worker {
+    /// The worker's part in a prefill/decode split: its configured role, or with `role = "auto"`
+    /// the one its `/server_info` announced (`None` until then: the worker is not routable).
+    pub fn role(&self) -> Option<WorkerRole> {
+        match self.cfg.role {
+            RoleSetting::Fixed(r) => Some(r),
+            RoleSetting::Auto => self.state.detected_role().map(|d| d.role),
+        }
+    }
+
+    /// The `role` metric label: the role in use, `unknown` while an `auto` worker has not told.
+    pub fn role_label(&self) -> &'static str {
+        self.role().map_or("unknown", WorkerRole::as_str)
+    }
+
+    /// The engine announced its disaggregation mode (`role = "auto"` on an SGLang server): its
+    /// handoff is SGLang's (`[pd] protocol = "auto"`).
+    pub fn role_announced(&self) -> bool {
+        self.cfg.role == RoleSetting::Auto
+            && self.state.detected_role().is_some_and(|d| d.announced)
+    }
+
+    /// The `bootstrap_port` sent with SGLang legs naming this (prefill) worker: configured, else
+    /// announced by its `/server_info`, else 8998 (0 = send null).
+    pub fn bootstrap_port(&self) -> u16 {
+        self.cfg
+            .bootstrap_port
+            .or_else(|| self.state.detected_role().and_then(|d| d.bootstrap_port))
+            .unwrap_or(DEFAULT_BOOTSTRAP_PORT)
+    }
 }
 
 /// The workers serving one model name.
@@ -348,6 +435,9 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
             }
         };
         states.insert(w.url.clone(), state.clone());
+        state
+            .role_auto
+            .store(w.role == RoleSetting::Auto, Ordering::Relaxed);
         let models: Vec<Lbl> = if w.models.is_empty() {
             state.discovered_models.lock().clone()
         } else {

@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::ctx::Telemetry;
 use crate::fleet::WorkerFleet;
 use crate::forward::Upstream;
-use crate::metrics::{Metrics, WorkerLabel};
+use crate::metrics::{Metrics, WorkerLabel, ROLE_LABELS};
 
 /// The gateway's components, each built from its own config slice. The request path and the
 /// control plane take the component they need; only the route table and the admin API see them
@@ -170,10 +170,18 @@ impl AppState {
             m.worker_healthy
                 .get_or_create(&l)
                 .set(i64::from(w.state.routable(now)));
+            // One series per worker: an `auto` worker's `unknown` gives way to its detected role.
+            let role = w.role_label();
+            for other in ROLE_LABELS.into_iter().filter(|r| *r != role) {
+                m.pd.worker_role.remove(&crate::metrics::WorkerRoleLabels {
+                    worker: w.name.clone(),
+                    role: other,
+                });
+            }
             m.pd.worker_role
                 .get_or_create(&crate::metrics::WorkerRoleLabels {
                     worker: w.name.clone(),
-                    role: w.cfg.role.as_str(),
+                    role,
                 })
                 .set(1);
             m.worker_breaker

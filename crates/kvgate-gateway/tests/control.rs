@@ -493,3 +493,73 @@ async fn https_workers() {
     assert!(format!("{err:#}").contains("upstream.ca_file"), "{err:#}");
     front.shutdown().await;
 }
+
+/// `role = "auto"` across reloads: a detected role lives in the worker's state, so a reload keeps
+/// it (no unroutable window); a worker a reload switches to `auto` gets its monitor restarted to
+/// ask, and is not routed until it has answered.
+#[tokio::test]
+async fn auto_roles_survive_reloads_and_a_switch_to_auto_asks_the_worker() {
+    // Mock workers have no /server_info (404): they announce no mode, so they serve as `both`.
+    let a = MockWorker::builder().models(&["m"]).spawn().await.unwrap();
+    let b = MockWorker::builder().models(&["m"]).spawn().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvgate.toml");
+    let file = |policy: &str, b_role: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n[upstream]\nhealth_interval_ms = 50\n\
+             [routing]\npolicy = \"{policy}\"\n\
+             [[workers]]\nurl = \"{}\"\nrole = \"auto\"\n[[workers]]\nurl = \"{}\"\nrole = \"{b_role}\"\n",
+            a.url(),
+            b.url()
+        )
+    };
+    std::fs::write(&path, file("round_robin", "decode")).unwrap();
+    let overrides: kvgate_gateway::reload::Overrides = Arc::new(|_| {});
+    let gw = Gateway::start(StartOptions {
+        config: kvgate_gateway::Config::from_file(&path).unwrap(),
+        config_path: None,
+        overrides: overrides.clone(),
+    })
+    .await
+    .unwrap();
+    let roles = || {
+        let f = gw.app.fleet.registry.snapshot();
+        (f.workers[0].role(), f.workers[1].role())
+    };
+    use kvgate_gateway::config::WorkerRole::{Both, Decode};
+    assert!(
+        eventually(Duration::from_secs(5), || roles()
+            == (Some(Both), Some(Decode)))
+        .await
+    );
+
+    std::fs::write(&path, file("least_loaded", "decode")).unwrap();
+    kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap();
+    assert_eq!(
+        roles(),
+        (Some(Both), Some(Decode)),
+        "kept across the reload"
+    );
+
+    std::fs::write(&path, file("least_loaded", "auto")).unwrap();
+    kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || roles()
+            == (Some(Both), Some(Both)))
+        .await,
+        "b asked once switched to auto: {:?}",
+        roles()
+    );
+    let c = client();
+    for _ in 0..4 {
+        let r = post(
+            &c,
+            &format!("{}/v1/chat/completions", gw.url()),
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(a.completions() + b.completions(), 4);
+    gw.shutdown().await;
+}

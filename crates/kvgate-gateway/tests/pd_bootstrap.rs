@@ -34,8 +34,8 @@ async fn metrics_reach(gw: &kvgate_gateway::Gateway, needle: &str) {
 
 fn pd_config(p: &MockHandle, d: &MockHandle) -> kvgate_gateway::config::Config {
     let mut cfg = config_for(&[p, d], "kv");
-    cfg.workers[0].role = WorkerRole::Prefill;
-    cfg.workers[1].role = WorkerRole::Decode;
+    cfg.workers[0].role = WorkerRole::Prefill.into();
+    cfg.workers[1].role = WorkerRole::Decode.into();
     cfg.pd.protocol = PdProtocol::Fixed(Handoff::Sglang);
     cfg.pd.min_uncached_tokens = 0;
     cfg

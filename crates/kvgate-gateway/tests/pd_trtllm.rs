@@ -40,10 +40,10 @@ async fn context_worker(finish_reason: &'static str, stop: CancellationToken) ->
 
 fn config(ctx: SocketAddr, gen: &MockHandle) -> Config {
     let mut cfg = config_for(&[gen], "kv");
-    cfg.workers[0].role = WorkerRole::Decode;
+    cfg.workers[0].role = WorkerRole::Decode.into();
     cfg.workers[0].models = vec!["mock-model".into()];
     let mut c = WorkerConfig::from_url(&format!("http://{ctx}"));
-    c.role = WorkerRole::Prefill;
+    c.role = WorkerRole::Prefill.into();
     c.models = vec!["mock-model".into()];
     cfg.workers.push(c);
     cfg.pd.protocol = PdProtocol::Fixed(Handoff::Trtllm);
@@ -170,7 +170,7 @@ async fn decode_policy_chooses_the_generation_worker() {
     let mut cfg = config(ctx, &gens[0]);
     for g in &gens[1..] {
         let mut c = WorkerConfig::from_url(&g.url());
-        c.role = WorkerRole::Decode;
+        c.role = WorkerRole::Decode.into();
         c.models = vec!["mock-model".into()];
         cfg.workers.push(c);
     }

@@ -109,6 +109,12 @@ pub async fn route(
         (&Method::GET, "/metrics") => admin::metrics(&sh).await,
         (&Method::GET, "/dcgm/metrics") if sh.cfg.dcgm => admin::dcgm(&sh),
         (&Method::GET, "/kv_event_sources") => admin::kv_event_sources(&sh),
+        // SGLang's server args; a vLLM server has no such route (404 like any unknown path).
+        (&Method::GET, "/server_info" | "/get_server_info")
+            if sh.cfg.pd.protocol == crate::config::PdProtocol::Sglang =>
+        {
+            admin::server_info(&sh)
+        }
         (&Method::POST, "/reset_prefix_cache") => admin::reset_prefix_cache(&sh).await,
         (&Method::GET, "/sim/cache") => admin::cache(&sh).await,
         (&Method::POST, "/sim/kv/read") => match read_body(req).await {

@@ -273,3 +273,39 @@ async fn a_null_bootstrap_port_uses_the_configured_one() {
     p.shutdown().await;
     d.shutdown().await;
 }
+
+#[tokio::test]
+async fn server_info_announces_the_role_and_the_bootstrap_port() {
+    let p = spawn(cfg(Role::Prefill, LONG)).await;
+    let d = spawn(cfg(Role::Decode, LONG)).await;
+    let b = spawn(cfg(Role::Both, LONG)).await;
+    let info = |h: &SimHandle, path: &'static str| {
+        let url = format!("{}{path}", h.base_url());
+        async move {
+            let (st, body, _) = get_text(&client(), &url).await;
+            assert_eq!(st, 200, "{url}: {body}");
+            serde_json::from_str::<Value>(&body).unwrap()
+        }
+    };
+    let v = info(&p, "/server_info").await;
+    assert_eq!(v["disaggregation_mode"], "prefill");
+    // The sim's bootstrap server is its HTTP port.
+    assert_eq!(v["disaggregation_bootstrap_port"], p.http_addr().port());
+    assert_eq!(v["page_size"], 16);
+    assert_eq!(v["max_total_num_tokens"], 511 * 16);
+    assert_eq!(v["served_model_name"], "kvgate-sim");
+    assert_eq!(info(&p, "/get_server_info").await, v, "the legacy path");
+    let v = info(&d, "/server_info").await;
+    assert_eq!(v["disaggregation_mode"], "decode");
+    assert_eq!(v["disaggregation_bootstrap_port"], 8998);
+    assert_eq!(
+        info(&b, "/server_info").await["disaggregation_mode"],
+        "null"
+    );
+    // A vLLM-protocol sim is a vLLM server: no such route.
+    let vllm = spawn(SimConfig::default().speedup(0.0)).await;
+    for path in ["/server_info", "/get_server_info"] {
+        let (st, _, _) = get_text(&client(), &format!("{}{path}", vllm.base_url())).await;
+        assert_eq!(st, 404, "{path}");
+    }
+}

@@ -1,5 +1,7 @@
-//! SGLang `/metrics` (`--enable-metrics`) and `/server_info` (page size, KV-event publisher).
+//! SGLang `/metrics` (`--enable-metrics`) and `/server_info` (page size, KV-event publisher, the
+//! worker's part in a prefill/decode split).
 
+use kvgate_protocol::pd::Role;
 use kvgate_protocol::prom_text::Exposition;
 use serde::Deserialize;
 
@@ -94,4 +96,52 @@ pub fn parse_server_info(body: &[u8], worker_host: &str) -> Result<ServerInfo, P
         info.page_size = info.page_size.or(kv.block_size);
     }
     Ok(info)
+}
+
+/// What `/server_info` says about the worker's part in a prefill/decode split
+/// (`--disaggregation-mode`, `--disaggregation-bootstrap-port`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Disaggregation {
+    /// `disaggregation_mode`: `"prefill"`, `"decode"`, or `"null"` (whole requests, [`Role::Both`]).
+    /// `None` when the answer has no such field (JSON null counts as absent), or a mode a router
+    /// has no use for: the engine announces nothing, so it serves whole requests.
+    pub mode: Option<Role>,
+    /// `disaggregation_bootstrap_port`: where a prefill worker's bootstrap server listens.
+    pub bootstrap_port: Option<u16>,
+}
+
+impl Disaggregation {
+    /// The worker's role: the announced mode, else [`Role::Both`].
+    pub fn role(&self) -> Role {
+        self.mode.unwrap_or(Role::Both)
+    }
+}
+
+/// Only the two fields, so that another field of an unexpected shape cannot hide them.
+#[derive(Deserialize)]
+struct RawDisaggregation {
+    disaggregation_mode: Option<serde_json::Value>,
+    disaggregation_bootstrap_port: Option<serde_json::Value>,
+}
+
+/// Reads `disaggregation_mode` and `disaggregation_bootstrap_port` from a `/server_info` (or
+/// legacy `/get_server_info`) answer. An error only when the body is not a JSON object.
+pub fn parse_disaggregation(body: &[u8]) -> Result<Disaggregation, ParseError> {
+    let raw: RawDisaggregation =
+        serde_json::from_slice(body).map_err(|e| ParseError::Json(e.to_string()))?;
+    let mode = match raw.disaggregation_mode.as_ref().and_then(|v| v.as_str()) {
+        Some("null") => Some(Role::Both),
+        Some("prefill") => Some(Role::Prefill),
+        Some("decode") => Some(Role::Decode),
+        _ => None,
+    };
+    let bootstrap_port = raw
+        .disaggregation_bootstrap_port
+        .and_then(|v| v.as_u64())
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0);
+    Ok(Disaggregation {
+        mode,
+        bootstrap_port,
+    })
 }

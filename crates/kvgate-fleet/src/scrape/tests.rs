@@ -58,6 +58,39 @@ fn sglang_load_and_server_info() {
 }
 
 #[test]
+fn sglang_server_info_announces_the_disaggregation_mode() {
+    use kvgate_protocol::pd::Role;
+    let whole =
+        sglang::parse_disaggregation(fixture!("sglang_server_info.json").as_bytes()).unwrap();
+    assert_eq!(
+        whole.mode,
+        Some(Role::Both),
+        "\"null\" is SGLang's whole-request mode"
+    );
+    assert_eq!(whole.bootstrap_port, Some(8998));
+    let p = sglang::parse_disaggregation(fixture!("sglang_server_info_prefill.json").as_bytes())
+        .unwrap();
+    assert_eq!((p.mode, p.role()), (Some(Role::Prefill), Role::Prefill));
+    assert_eq!(p.bootstrap_port, Some(9001));
+    let d = sglang::parse_disaggregation(br#"{"disaggregation_mode":"decode"}"#).unwrap();
+    assert_eq!((d.mode, d.bootstrap_port), (Some(Role::Decode), None));
+    // Nothing announced (another engine's answer, JSON null, a mode unknown here): whole requests.
+    for body in [
+        &br#"{"vllm_config":"..."}"#[..],
+        br#"{"disaggregation_mode":null,"disaggregation_bootstrap_port":null}"#,
+        br#"{"disaggregation_mode":"encode","disaggregation_bootstrap_port":"x"}"#,
+        br#"{"disaggregation_mode":7,"disaggregation_bootstrap_port":70000}"#,
+    ] {
+        let n = sglang::parse_disaggregation(body).unwrap();
+        assert_eq!(
+            (n.mode, n.role(), n.bootstrap_port),
+            (None, Role::Both, None)
+        );
+    }
+    assert!(sglang::parse_disaggregation(b"<html>").is_err());
+}
+
+#[test]
 fn trtllm_prom_and_json() {
     let l = trtllm::parse_prom(&prom_text::parse(fixture!("metrics_trtllm.prom"))).unwrap();
     assert_eq!(

@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 
 use kvgate_core::{IndexMode, WorkerId};
 use kvgate_fleet::{
-    FleetSink, KvEventsSource, KvSource, MonitorConfig, MonitorHandle, ResetReason, ScrapedLoad,
-    WorkerKind,
+    DetectedRole, FleetSink, KvEventsSource, KvSource, MonitorConfig, MonitorHandle, ResetReason,
+    ScrapedLoad, WorkerKind,
 };
 use kvgate_protocol::kv_events::KvEventBatch;
 use parking_lot::Mutex;
 
 use super::WorkerFleet;
-use crate::config::Config;
+use crate::config::{Config, RoleSetting};
 use crate::metrics::{
     Lbl, Metrics, ModelWorker, WorkerLabel, WorkerPhase, WorkerReason, WorkerResult,
     RESTART_REASONS,
@@ -40,6 +40,8 @@ struct Running {
     signals: Arc<Signals>,
     /// The pool block size the monitor checks and hashes events with.
     block_size: u32,
+    /// It asks the worker's `/server_info` for its role (`role = "auto"`).
+    detect_role: bool,
 }
 
 /// Two restart detections closer than this are one restart (a vLLM restart shows as a sequence
@@ -124,6 +126,7 @@ impl Monitors {
         mc.tls = app.upstream.client.tls.clone();
         mc.auth = w.auth_header.clone();
         mc.dcgm_url = w.cfg.dcgm_url.clone();
+        mc.detect_role = w.cfg.role == RoleSetting::Auto;
         if let Some(ep) = &w.cfg.kv_events {
             mc.kv_events = KvEventsSource::Endpoints(vec![KvSource {
                 endpoint: ep.clone(),
@@ -144,6 +147,7 @@ impl Monitors {
         // A fresh monitor checks the block size again; until it finds a mismatch, score KV.
         w.state.kv_scoring.store(true, Ordering::Relaxed);
         // One breaker per worker: the monitor's probes and the request path feed the same one.
+        let detect_role = mc.detect_role;
         let handle =
             kvgate_fleet::WorkerMonitor::spawn_with_breaker(mc, sink, w.state.breaker.clone());
         self.running.lock().insert(
@@ -152,31 +156,40 @@ impl Monitors {
                 handle,
                 signals,
                 block_size,
+                detect_role,
             },
         );
     }
 
     /// Restarts the monitors whose pool block size changed (a reload changed `[models.x]
     /// block_size`, or model discovery put the worker in another pool): the mismatch check and the
-    /// router hashes rebuilt from its events must use the size requests are hashed with.
-    pub fn resync_block_sizes(&self, app: &Arc<WorkerFleet>, fleet: &Fleet, cfg: &Config) {
-        let changed: Vec<&Arc<Worker>> = {
+    /// router hashes rebuilt from its events must use the size requests are hashed with. Also
+    /// those of workers a reload switched to `role = "auto"` whose role is not known: only a
+    /// monitor started with role detection asks for it.
+    pub fn resync(&self, app: &Arc<WorkerFleet>, fleet: &Fleet, cfg: &Config) {
+        let changed: Vec<(&Arc<Worker>, bool)> = {
             let running = self.running.lock();
             fleet
                 .workers
                 .iter()
-                .filter(|w| {
-                    running
-                        .get(&w.id)
-                        .is_some_and(|r| r.block_size != pool_block_size(cfg, w))
+                .filter_map(|w| {
+                    let r = running.get(&w.id)?;
+                    let block_size = r.block_size != pool_block_size(cfg, w);
+                    let role = !r.detect_role && w.state.role_unknown();
+                    (block_size || role).then_some((w, block_size))
                 })
                 .collect()
         };
-        for w in changed {
-            tracing::info!(worker = %w.name, block_size = pool_block_size(cfg, w),
-                "pool block size changed: restarting the worker's monitor");
-            // Entries hashed with the old size can never match a request again.
-            app.router.index.write().clear_worker(w.id);
+        for (w, block_size) in changed {
+            if block_size {
+                tracing::info!(worker = %w.name, block_size = pool_block_size(cfg, w),
+                    "pool block size changed: restarting the worker's monitor");
+                // Entries hashed with the old size can never match a request again.
+                app.router.index.write().clear_worker(w.id);
+            } else {
+                tracing::info!(worker = %w.name,
+                    "role = auto: restarting the worker's monitor to ask its /server_info");
+            }
             self.start(app, w, cfg);
         }
     }
@@ -344,7 +357,7 @@ impl Monitors {
                     kind: w.cfg.kind.clone(),
                     gpu_type,
                     gpus: w.cfg.gpus,
-                    role: w.cfg.role.as_str(),
+                    role: w.role_label(),
                     tensor_parallelism: w
                         .cfg
                         .tensor_parallelism
@@ -525,6 +538,13 @@ impl FleetSink for GatewaySink {
                     .time_to_routable
                     .observe(w.state.added.elapsed().as_secs_f64());
             }
+        });
+    }
+
+    fn on_role(&self, worker: WorkerId, role: &DetectedRole) {
+        self.with(worker, |_, w| {
+            // The monitor logged the answer; routing starts with the next pick.
+            w.state.set_detected_role(role);
         });
     }
 

@@ -94,7 +94,7 @@ pub(crate) async fn dual_dispatch(
             return Ok(None);
         }
     };
-    let Some((host, port)) = bootstrap_addr(&ppick.worker.cfg.url, ppick.worker.cfg.bootstrap_port)
+    let Some((host, port)) = bootstrap_addr(&ppick.worker.cfg.url, ppick.worker.bootstrap_port())
     else {
         decision(app, ctx, "local", "no_bootstrap_host");
         return Ok(None);

@@ -1,5 +1,5 @@
 //! The small endpoints: `/v1/models`, `/health`, `/tokenize`, `/metrics`, `/kv_event_sources`,
-//! `/reset_prefix_cache` and the sim-only `/sim/cache`.
+//! `/server_info` (`--pd-protocol sglang`), `/reset_prefix_cache` and the sim-only `/sim/cache`.
 
 use std::sync::atomic::Ordering;
 
@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 use super::{error, full, json as json_resp, Body};
+use crate::config::Role;
 use crate::metrics::{render, Labels};
 use crate::server::Shared;
 use crate::tokenizer::encode_body;
@@ -119,6 +120,39 @@ pub fn kv_event_sources(sh: &Shared) -> Response<Body> {
         None => json!({"enable_kv_cache_events": false, "publisher": "null"}),
     };
     json_resp(StatusCode::OK, &json!({ c.dp_rank.to_string(): entry }))
+}
+
+/// SGLang's `GET /server_info` (and legacy `/get_server_info`): a few of the server args a router
+/// reads. `disaggregation_mode` is the role (`null` for `both`); a prefill worker's bootstrap
+/// server is its own HTTP port (`/sim/bootstrap`), so that is its `disaggregation_bootstrap_port`.
+pub fn server_info(sh: &Shared) -> Response<Body> {
+    let c = &sh.cfg;
+    let mode = match c.pd.role {
+        Role::Both => "null",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    };
+    let bootstrap_port = match c.pd.role {
+        Role::Prefill => sh.http_addr.port(),
+        _ => c.pd.bootstrap_port.unwrap_or(8998),
+    };
+    json_resp(
+        StatusCode::OK,
+        &json!({
+            "model_path": c.model, "served_model_name": c.model, "tokenizer_path": c.model,
+            "host": sh.http_addr.ip().to_string(), "port": sh.http_addr.port(),
+            "page_size": c.block_size,
+            "max_total_num_tokens": c.usable_blocks() * c.block_size,
+            "max_running_requests": c.max_num_seqs,
+            "chunked_prefill_size": c.max_num_batched_tokens,
+            "context_length": c.effective_max_model_len(),
+            "tp_size": 1, "dp_size": 1,
+            "disaggregation_mode": mode,
+            "disaggregation_bootstrap_port": bootstrap_port,
+            "disaggregation_transfer_backend": "fake",
+            "version": concat!("kvgate-sim ", env!("CARGO_PKG_VERSION")),
+        }),
+    )
 }
 
 pub async fn reset_prefix_cache(sh: &Shared) -> Response<Body> {
