@@ -247,8 +247,9 @@ pub struct LearnConfig {
     pub min_clip: f64,
     /// Speed factors stay within `[1/max_factor, max_factor]` of the seed.
     pub max_factor: f64,
-    /// This many clipped residuals in a row, all of one sign, are a change of speed rather than
-    /// outliers: the factor moves to their median at once (0 = never; at most [`MAX_SHIFT_RUN`]).
+    /// This many clipped residuals in a row, all of one sign and closer to each other (max − min,
+    /// in log) than their median is to the factor, are a change of speed rather than outliers:
+    /// the factor moves to their median at once (0 = never; at most [`MAX_SHIFT_RUN`]).
     pub shift_run: usize,
     /// A factor the fleet's last `relax_after × workers` observations of its kind did not touch
     /// (the worker gets no traffic, or none of that kind) is stale: it relaxes towards the fleet's
@@ -336,13 +337,22 @@ impl LogFactor {
             self.run[self.run_len] = t;
             self.run_len += 1;
             if self.run_len >= run {
-                // Not outliers: the worker changed speed. Jump to where the run says it is.
-                let v = &mut self.run[..self.run_len];
+                let mut v = [0.0; MAX_SHIFT_RUN];
+                v[..run].copy_from_slice(&self.run[..run]);
+                let v = &mut v[..run];
                 v.sort_by(f64::total_cmp);
-                self.log = v[v.len() / 2];
-                self.run_len = 0;
-                self.bound(cfg);
-                return;
+                let median = v[run / 2];
+                // Not outliers when they agree with each other more than with the factor: the
+                // worker changed speed. Jump to where the run says it is. (Scattered ones, such
+                // as a burst queueing behind something the model does not see, are not a level.)
+                if v[run - 1] - v[0] < (median - self.log).abs() {
+                    self.log = median;
+                    self.run_len = 0;
+                    self.bound(cfg);
+                    return;
+                }
+                self.run.copy_within(1..run, 0);
+                self.run_len = run - 1;
             }
         } else {
             self.run_len = 0;

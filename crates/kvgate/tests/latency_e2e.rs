@@ -62,6 +62,9 @@ async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
     cfg.server.request_log = false;
     cfg.upstream.monitor = false;
     cfg.routing.policy = "latency".into();
+    // The fitted speed of a worker the gateway stops sending to relaxes towards the fleet's (it is
+    // re-tried; the next test): off here, so the exported figure is what was learned.
+    cfg.routing.latency_relax_after = 0;
     for u in &urls {
         let mut w = WorkerConfig::from_url(u);
         w.models = vec!["sim-model".into()];
@@ -241,12 +244,13 @@ async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it
         .speedup(2.0)
         .kv_events(false)
         .num_gpu_blocks(2048usize);
-    // Worker 0 runs 4x slower for 2 s from its first request, then at full speed again.
+    // Worker 0 runs 4x slower for 4 s from its first request, then at full speed again.
+    let lasts = Duration::from_secs(4);
     sim.faults.slowdown = Some(Slowdown {
         factor: 4.0,
         after_requests: 0,
         worker: Some(0),
-        lasts: Some(Duration::from_secs(2)),
+        lasts: Some(lasts),
     });
     let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
     let urls = fleet.urls();
@@ -272,24 +276,27 @@ async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it
             .map(|w| w.metrics().ttft.count())
             .collect()
     };
-    let tps = |scrape: &str| -> Vec<f64> {
-        names
-            .iter()
-            .map(|n| gauge(scrape, "kvgate_worker_prefill_tokens_per_second", n).unwrap())
-            .collect()
-    };
 
-    // Two at a time: a 4x slower worker is never worth it against one request queued on the
-    // other (about 2x), so once learned slow it gets nothing.
+    // Two at a time: a 4x slower worker is not worth it against one request queued on the other
+    // (about 2x), so once learned slow it gets only the model's re-tries.
     let started = std::time::Instant::now();
     let mut next = 0;
+    rounds(gw.addr, &mut next, 5, 2).await;
+    let early = served(&fleet);
     rounds(gw.addr, &mut next, 15, 2).await;
-    let scrape = http(gw.addr, "GET", "/metrics", "").await.1;
-    let slow = tps(&scrape);
-    assert!(slow[0] * 2.0 < slow[1], "learned slow first: {slow:?}");
+    let slow = served(&fleet);
+    // (Only while the slowdown lasted: a very slow machine may already be past it.)
+    if started.elapsed() < lasts {
+        assert!(
+            (slow[0] - early[0]) * 4 <= slow[1] - early[1],
+            "the slowed worker served {} of 30 while slow ({early:?} -> {slow:?})",
+            slow[0] - early[0]
+        );
+    }
 
     // The slowdown is over. Without relaxation the gateway would never look again.
-    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(started.elapsed())).await;
+    tokio::time::sleep((lasts + Duration::from_millis(500)).saturating_sub(started.elapsed()))
+        .await;
     rounds(gw.addr, &mut next, 20, 2).await;
     let before = served(&fleet);
     rounds(gw.addr, &mut next, 20, 2).await;
@@ -300,9 +307,12 @@ async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it
         "the recovered worker served {share0} of the last 40 requests ({before:?} -> {after:?})"
     );
     let scrape = http(gw.addr, "GET", "/metrics", "").await.1;
-    let back = tps(&scrape);
+    let back: Vec<f64> = names
+        .iter()
+        .map(|n| gauge(&scrape, "kvgate_worker_prefill_tokens_per_second", n).unwrap())
+        .collect();
     assert!(
-        (back[0] / back[1] - 1.0).abs() < 0.3,
+        (back[0] / back[1] - 1.0).abs() < 0.35,
         "fitted throughput after recovery {back:?}"
     );
 

@@ -312,6 +312,24 @@ fn a_run_of_same_sign_outliers_is_a_change_of_speed_and_is_followed_at_once() {
         "{:?}",
         m.speed(WorkerId(0))
     );
+    // A run of one sign that scatters (1.5x, 4x, 1.4x: max - min beyond the median's distance)
+    // is not a level: clipped steps only.
+    let mut m = LatencyModel::new(LearnConfig::default());
+    m.add_worker(WorkerId(0), Speed::default());
+    let mut rng = fastrand::Rng::with_seed(24);
+    feed(&mut m, &mut rng, Speed::default(), 200);
+    let before = m.speed(WorkerId(0)).prefill;
+    for f in [1.5, 4.0, 1.4] {
+        let (e, ttft, _) = loop {
+            let s = situation(&mut rng, Speed::default());
+            if s.0.prefill_ms > 4.0 * s.0.step_ms {
+                break s;
+            }
+        };
+        m.observe_ttft(WorkerId(0), &e, f * ttft);
+    }
+    let after = m.speed(WorkerId(0)).prefill;
+    assert!(after / before < 1.15, "{before} -> {after}");
     // Outliers of alternating sign never make a run. (Prefill-bound situations, so that every
     // TTFT teaches the prefill factor and the signs alternate for each factor.)
     let mut m = LatencyModel::new(LearnConfig::default());
