@@ -155,6 +155,50 @@ pub struct Fleet {
     child: Option<ChildGuard>,
 }
 
+/// The `kvgate sim` command line of a fleet this command starts (base port 0: every worker binds
+/// ephemeral ports and the sim prints them).
+fn sim_args(f: &FleetArgs, model: &str) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "sim".into(),
+        "--workers".into(),
+        f.workers.to_string(),
+        "--base-port".into(),
+        "0".into(),
+        "--block-size".into(),
+        f.block_size.to_string(),
+        "--num-gpu-blocks".into(),
+        f.num_gpu_blocks.to_string(),
+        "--speedup".into(),
+        f.speedup.to_string(),
+        "--model".into(),
+        model.to_owned(),
+    ];
+    if let Some(p) = f.prefill_workers {
+        args.push("--prefill-workers".into());
+        args.push(p.to_string());
+    }
+    args.extend(f.sim_args.iter().cloned());
+    args
+}
+
+/// The configuration the sims of a started, unified fleet run with, read by the sim's own argument
+/// parser from the command line they get; `None` for given workers or a PD fleet (their timing
+/// is not the bench's to know, or not one prefill per request).
+fn started_sim_config(f: &FleetArgs, model: &str) -> Option<kvgate_sim::SimConfig> {
+    #[derive(clap::Parser)]
+    struct Sim {
+        #[command(flatten)]
+        args: kvgate_sim::cli::SimArgs,
+    }
+    if !f.worker_urls.is_empty() || f.prefill_workers.is_some() {
+        return None;
+    }
+    let args = sim_args(f, model);
+    <Sim as clap::Parser>::try_parse_from(&args)
+        .ok()
+        .map(|s| s.args.config())
+}
+
 impl Fleet {
     pub async fn start(
         f: &FleetArgs,
@@ -191,27 +235,7 @@ impl Fleet {
             "--block-size and --num-gpu-blocks must be > 0"
         );
         let exe = kvgate_exe(f)?;
-        // Base port 0: every worker binds ephemeral ports and the sim prints them.
-        let mut args: Vec<String> = vec![
-            "sim".into(),
-            "--workers".into(),
-            f.workers.to_string(),
-            "--base-port".into(),
-            "0".into(),
-            "--block-size".into(),
-            f.block_size.to_string(),
-            "--num-gpu-blocks".into(),
-            f.num_gpu_blocks.to_string(),
-            "--speedup".into(),
-            f.speedup.to_string(),
-            "--model".into(),
-            model.to_owned(),
-        ];
-        if let Some(p) = f.prefill_workers {
-            args.push("--prefill-workers".into());
-            args.push(p.to_string());
-        }
-        args.extend(f.sim_args.iter().cloned());
+        let args = sim_args(f, model);
         let mut child = ChildGuard::spawn(&exe, &args, "sim", log_dir)?;
         let (urls, kv_events, roles) = sim_urls(&mut child, f.workers).await?;
         for u in &urls {
@@ -388,7 +412,16 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     let bs = a.fleet.block_size as u64;
     let worker_capacity = capacity::read(&fleet.urls, a.fleet.num_gpu_blocks as u64, bs).await;
     let pooled = capacity::pooled_blocks(&worker_capacity, bs);
-    let oracle = crate::oracle::compute(&sent, a.fleet.block_size, Some(pooled));
+    let mut oracle = crate::oracle::compute(&sent, a.fleet.block_size, Some(pooled));
+    oracle.ttft_floor = started_sim_config(&a.fleet, &a.traffic.model).map(|c| {
+        crate::oracle::ttft_floor(
+            &sent,
+            a.fleet.block_size,
+            &c.timing,
+            c.speedup,
+            c.max_num_batched_tokens,
+        )
+    });
     // Every exit from here on, error or not, stops (and reaps) the fleet and the NATS server
     // before returning; dropping them would only send the kill.
     let nats = if need_nats {

@@ -3,6 +3,9 @@
 //! blocks pooled). Both use the router's own block hashes at the fleet's block size, and vLLM's
 //! rule that the last prompt token is always computed (at most `(len-1)/bs` blocks can hit), so
 //! they compare directly with the `cached_tokens` the workers report.
+//!
+//! On a fleet of `kvgate sim` workers the bench started, also the TTFT floor: each request's
+//! prompt beyond the infinite cache's hit, prefilled alone on an idle worker at the sims' timing.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -19,6 +22,17 @@ pub struct Oracle {
     /// Present when a fleet capacity was given.
     pub capacity_blocks: Option<usize>,
     pub capacity_hit_rate: Option<f64>,
+    /// Present when the fleet's timing is known (sims started by the bench, unified).
+    pub ttft_floor: Option<TtftFloor>,
+}
+
+/// TTFT no router can beat on a workload, in ms: every request hits the infinite cache's prefix
+/// and finds its worker idle (no queue, no decode batch), so its TTFT is the prefill of the rest
+/// of its prompt (in steps of at most `max_num_batched_tokens`, each at least a decode step).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TtftFloor {
+    pub p50_ms: f64,
+    pub p99_ms: f64,
 }
 
 /// The router's chained block hashes of a prompt (full blocks only).
@@ -26,19 +40,74 @@ pub fn block_hashes(tokens: &[u32], block_size: usize) -> Vec<u64> {
     crate::hashing::block_hashes(tokens, block_size)
 }
 
+/// Each request's tokens a cache holding every block seen before would serve, in request order.
+fn infinite_hits(wl: &Workload, block_size: usize) -> Vec<usize> {
+    let mut seen: HashSet<u64> = HashSet::new();
+    wl.requests
+        .iter()
+        .map(|r| {
+            let hashes = block_hashes(&r.prompt, block_size);
+            let max_hit = r.prompt.len().saturating_sub(1) / block_size;
+            let run = hashes.iter().take_while(|h| seen.contains(h)).count();
+            seen.extend(hashes.iter().copied());
+            run.min(max_hit) * block_size
+        })
+        .collect()
+}
+
+/// The TTFT floor ([`TtftFloor`]) of `wl` on sims with this timing and speed-up.
+pub fn ttft_floor(
+    wl: &Workload,
+    block_size: usize,
+    timing: &kvgate_sim::TimingModel,
+    speedup: f64,
+    max_num_batched_tokens: usize,
+) -> TtftFloor {
+    let chunk = max_num_batched_tokens.max(1);
+    let mut ms: Vec<f64> = wl
+        .requests
+        .iter()
+        .zip(infinite_hits(wl, block_size))
+        .map(|(r, hit)| {
+            let mut left = r.prompt.len().saturating_sub(hit).max(1);
+            let mut t = 0.0;
+            while left > 0 {
+                let n = left.min(chunk);
+                t += timing.step_ms(n, 0, 0.0);
+                left -= n;
+            }
+            if speedup > 0.0 {
+                t / speedup
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        ms.get(((ms.len() as f64 * q).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    TtftFloor {
+        p50_ms: at(0.5),
+        p99_ms: at(0.99),
+    }
+}
+
 /// Computes both oracles in one pass over the workload in request order.
 pub fn compute(wl: &Workload, block_size: usize, capacity_blocks: Option<usize>) -> Oracle {
     assert!(block_size > 0, "block size must be > 0");
-    let mut seen: HashSet<u64> = HashSet::new();
     let mut lru = capacity_blocks.map(Lru::new);
-    let (mut total, mut inf_hit, mut lru_hit) = (0u64, 0u64, 0u64);
+    let (mut total, mut lru_hit) = (0u64, 0u64);
+    let inf_hit: u64 = infinite_hits(wl, block_size)
+        .iter()
+        .map(|&h| h as u64)
+        .sum();
     for r in &wl.requests {
         let hashes = block_hashes(&r.prompt, block_size);
         let max_hit = r.prompt.len().saturating_sub(1) / block_size;
         total += r.prompt.len() as u64;
-        let run = hashes.iter().take_while(|h| seen.contains(h)).count();
-        inf_hit += (run.min(max_hit) * block_size) as u64;
-        seen.extend(hashes.iter().copied());
         if let Some(lru) = lru.as_mut() {
             let run = hashes.iter().take_while(|h| lru.contains(**h)).count();
             lru_hit += (run.min(max_hit) * block_size) as u64;
@@ -60,6 +129,7 @@ pub fn compute(wl: &Workload, block_size: usize, capacity_blocks: Option<usize>)
         infinite_hit_rate: rate(inf_hit),
         capacity_blocks,
         capacity_hit_rate: lru.map(|_| rate(lru_hit)),
+        ttft_floor: None,
     }
 }
 
@@ -162,5 +232,25 @@ mod tests {
         assert!((o.infinite_hit_rate - expect).abs() < 1e-12, "{o:?}");
         // A pooled cache too small for one group's prefix never hits.
         assert_eq!(compute(&w, 16, Some(0)).capacity_hit_rate, Some(0.0));
+    }
+
+    #[test]
+    fn ttft_floor_prefills_what_the_infinite_cache_misses_alone_at_the_sims_speed() {
+        let timing = kvgate_sim::TimingModel::default();
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b.extend(100..132);
+        // Request 1 misses all 64 tokens; request 2 hits 4 blocks (64 tokens) and prefills 32.
+        let f = ttft_floor(&wl(&[&a, &b]), 16, &timing, 2.0, 8192);
+        assert_eq!(f.p50_ms, timing.step_ms(32, 0, 0.0) / 2.0);
+        assert_eq!(f.p99_ms, timing.step_ms(64, 0, 0.0) / 2.0);
+        // Chunked prefill: 64 tokens in steps of 16 cost four steps.
+        let f = ttft_floor(&wl(&[&a]), 16, &timing, 1.0, 16);
+        assert_eq!(f.p50_ms, 4.0 * timing.step_ms(16, 0, 0.0));
+        // A fully repeated prompt still computes its last token (one block recomputed, as vLLM).
+        let f = ttft_floor(&wl(&[&a, &a]), 16, &timing, 1.0, 8192);
+        assert_eq!(f.p50_ms, timing.step_ms(16, 0, 0.0));
+        // Speed-up 0: no delays at all.
+        assert_eq!(ttft_floor(&wl(&[&a]), 16, &timing, 0.0, 8192).p99_ms, 0.0);
     }
 }

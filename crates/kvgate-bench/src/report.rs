@@ -132,6 +132,13 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
         oracle.capacity_blocks.map_or("–".into(), |c| c.to_string()),
         opt(oracle.capacity_hit_rate, 3),
     );
+    if let Some(f) = &oracle.ttft_floor {
+        let _ = writeln!(
+            t,
+            "TTFT floor (every request at the infinite cache's hit, alone on an idle sim): p50 {:.1} ms, p99 {:.1} ms",
+            f.p50_ms, f.p99_ms
+        );
+    }
     for r in rows.iter().filter(|r| r.replicas > 1) {
         let list = |f: &dyn Fn(&ReplicaTraffic) -> String| {
             r.replica_traffic
@@ -204,6 +211,10 @@ mod tests {
             infinite_hit_rate: 0.8,
             capacity_blocks: Some(100),
             capacity_hit_rate: Some(0.7),
+            ttft_floor: Some(crate::oracle::TtftFloor {
+                p50_ms: 21.25,
+                p99_ms: 40.0,
+            }),
         };
         let rows = vec![PolicyRow {
             policy: "kv".into(),
@@ -220,6 +231,7 @@ mod tests {
         assert!(t.contains("| kv | 0.500 | 0.62 | 12.0 |"), "{t}");
         assert!(t.contains("| 1.50 | 0 |\n"), "{t}");
         assert!(t.contains("infinite cache 0.800"), "{t}");
+        assert!(t.contains("p50 21.2 ms, p99 40.0 ms"), "{t}");
         assert!(!t.contains("replicas"), "{t}");
         assert_eq!(max_over_mean(&[0.0, 0.0]), None);
 
