@@ -24,7 +24,7 @@
 //! [`LearnConfig::min_clip`]): a single observation 10× off moves a factor by at most
 //! `rate · clip`, a Huber-like bound, so outliers do not swing it. A run of
 //! [`LearnConfig::shift_run`] clipped residuals of one sign is a change of speed, followed at once;
-//! a factor the fleet's recent observations did not touch relaxes towards the fleet's consensus
+//! a worker the fleet's recent requests did not reach relaxes towards the fleet's consensus
 //! ([`LearnConfig::relax_after`]), so a worker avoided for being slow is tried again.
 //!
 //! Everything here is plain data and `&mut self` updates: the gateway keeps a [`LatencyModel`]
@@ -251,11 +251,11 @@ pub struct LearnConfig {
     /// in log) than their median is to the factor, are a change of speed rather than outliers:
     /// the factor moves to their median at once (0 = never; at most [`MAX_SHIFT_RUN`]).
     pub shift_run: usize,
-    /// A factor the fleet's last `relax_after × workers` observations of its kind did not touch
-    /// (the worker gets no traffic, or none of that kind) is stale: it relaxes towards the fleet's
-    /// consensus (the median of the fresh factors' ratio to their seeds, times its own seed), half
-    /// the distance per further `relax_after × workers` observations. Without it a worker that
-    /// was slow once is avoided for ever and never seen recovering. 0 = never relax.
+    /// A worker none of the fleet's last `relax_after × workers` first tokens came from (it gets
+    /// no traffic: avoided) is stale: its factors relax towards the fleet's consensus (the median,
+    /// over the other workers, of their factors' ratio to their seeds, times its own seed), half
+    /// the distance per further `relax_after × workers`. Without it a worker that was slow once is
+    /// avoided for ever and never seen recovering. 0 = never relax.
     pub relax_after: u64,
 }
 
@@ -282,9 +282,6 @@ struct LogFactor {
     seed_log: f64,
     mad: f64,
     n: u64,
-    /// The model's count of observations of this kind when this factor last learned (or was
-    /// added): how long it has been without news.
-    last_tick: u64,
     /// Logs of the targets of the current run of clipped residuals of one sign.
     run: [f64; MAX_SHIFT_RUN],
     run_len: usize,
@@ -293,14 +290,13 @@ struct LogFactor {
 }
 
 impl LogFactor {
-    fn new(seed: f64, tick: u64) -> Self {
+    fn new(seed: f64) -> Self {
         let l = seed.max(f64::MIN_POSITIVE).ln();
         Self {
             log: l,
             seed_log: l,
             mad: 0.2,
             n: 0,
-            last_tick: tick,
             run: [0.0; MAX_SHIFT_RUN],
             run_len: 0,
             run_up: false,
@@ -318,7 +314,7 @@ impl LogFactor {
     }
 
     /// Moves towards `ln(target)` (the factor this one observation implies).
-    fn update(&mut self, target: f64, cfg: &LearnConfig, tick: u64) {
+    fn update(&mut self, target: f64, cfg: &LearnConfig) {
         if !(target.is_finite() && target > 0.0) {
             return;
         }
@@ -326,7 +322,6 @@ impl LogFactor {
         let r = t - self.log;
         let lim = (cfg.clip * self.mad).max(cfg.min_clip);
         self.n += 1;
-        self.last_tick = tick;
         let run = cfg.shift_run.min(MAX_SHIFT_RUN);
         if run > 0 && r.abs() > lim {
             // A run of one sign continues; the other sign starts a new one.
@@ -376,18 +371,21 @@ pub struct WorkerFit {
     slots: EngineSlots,
     /// Running count of the previous scrape if requests were waiting then (0 otherwise).
     queued_running: u32,
+    /// The model's clock when this worker last taught it anything (or was added).
+    last_seen: u64,
 }
 
 impl WorkerFit {
     /// Seeded at `seed` (1 = the curve).
     pub fn new(seed: Speed) -> Self {
-        Self::at(seed, [0, 0])
+        Self::at(seed, 0)
     }
 
-    fn at(seed: Speed, ticks: [u64; 2]) -> Self {
+    fn at(seed: Speed, clock: u64) -> Self {
         Self {
-            prefill: LogFactor::new(seed.prefill, ticks[PREFILL]),
-            decode: LogFactor::new(seed.decode, ticks[DECODE]),
+            prefill: LogFactor::new(seed.prefill),
+            decode: LogFactor::new(seed.decode),
+            last_seen: clock,
             last_predicted_ms: 0.0,
             slots: EngineSlots::UNKNOWN,
             queued_running: 0,
@@ -432,7 +430,7 @@ impl WorkerFit {
 const PREFILL: usize = 0;
 const DECODE: usize = 1;
 
-/// Observations of a kind between two relaxation passes.
+/// Clock ticks (TTFT observations) between two relaxation passes.
 const RELAX_EVERY: u64 = 16;
 
 /// Learned speed of every worker (dense by worker id).
@@ -440,8 +438,9 @@ const RELAX_EVERY: u64 = 16;
 pub struct LatencyModel {
     learn: LearnConfig,
     workers: Vec<Option<WorkerFit>>,
-    /// Observations learned from so far, per kind (prefill, decode): the model's clock.
-    ticks: [u64; 2],
+    /// TTFT observations learned from so far, fleet-wide (about one per streamed request): the
+    /// clock staleness is counted in.
+    clock: u64,
 }
 
 impl LatencyModel {
@@ -450,7 +449,7 @@ impl LatencyModel {
         Self {
             learn,
             workers: Vec::new(),
-            ticks: [0; 2],
+            clock: 0,
         }
     }
 
@@ -468,7 +467,7 @@ impl LatencyModel {
             self.workers.resize(i + 1, None);
         }
         let consensus = [PREFILL, DECODE].map(|k| self.consensus(k));
-        let mut fit = WorkerFit::at(seed, self.ticks);
+        let mut fit = WorkerFit::at(seed, self.clock);
         for (k, c) in consensus.into_iter().enumerate() {
             if let Some(c) = c {
                 let f = fit.factor_mut(k);
@@ -479,22 +478,27 @@ impl LatencyModel {
         self.workers[i] = Some(fit);
     }
 
-    /// Observations of kind `k` after which an untouched factor is stale (0 = never).
+    /// Clock ticks without news after which a worker is stale (0 = never).
     fn stale_after(&self) -> u64 {
         let live = self.workers.iter().flatten().count() as u64;
         self.learn.relax_after.saturating_mul(live.max(1))
     }
 
-    /// Median of the fresh factors' log ratio to their seeds, for kind `k`; `None` without any.
-    fn consensus(&self, k: usize) -> Option<f64> {
+    fn is_stale(&self, f: &WorkerFit) -> bool {
         let stale = self.stale_after();
-        let now = self.ticks[k];
+        stale > 0 && self.clock.saturating_sub(f.last_seen) >= stale
+    }
+
+    /// Median, over the workers that are not stale, of factor `k`'s log ratio to its seed
+    /// (factors that learned something only); `None` without any.
+    fn consensus(&self, k: usize) -> Option<f64> {
         let mut v: Vec<f64> = self
             .workers
             .iter()
             .flatten()
+            .filter(|f| !self.is_stale(f))
             .map(|f| f.factor(k))
-            .filter(|f| f.n > 0 && (stale == 0 || now.saturating_sub(f.last_tick) < stale))
+            .filter(|f| f.n > 0)
             .map(|f| f.log - f.seed_log)
             .collect();
         if v.is_empty() {
@@ -509,25 +513,29 @@ impl LatencyModel {
         })
     }
 
-    /// Counts one observation of kind `k`; every [`RELAX_EVERY`] of them, moves the stale factors
-    /// of that kind towards the consensus.
-    fn tick(&mut self, k: usize) {
-        self.ticks[k] += 1;
-        let stale = self.stale_after();
-        if self.learn.relax_after == 0 || self.ticks[k] % RELAX_EVERY != 0 {
+    /// Advances the clock by one TTFT observation; every [`RELAX_EVERY`] ticks, moves both factors
+    /// of every stale worker (one the fleet's recent requests did not reach: avoided) towards the
+    /// consensus. A worker that gets traffic is never relaxed, whatever its requests teach.
+    fn tick(&mut self) {
+        self.clock += 1;
+        if self.learn.relax_after == 0 || self.clock % RELAX_EVERY != 0 {
             return;
         }
-        let Some(c) = self.consensus(k) else {
-            return;
-        };
-        let now = self.ticks[k];
-        // Half the distance per `stale` observations.
+        let stale = self.stale_after();
+        let consensus = [PREFILL, DECODE].map(|k| self.consensus(k));
+        // Half the distance per `stale` ticks.
         let alpha = 1.0 - 0.5f64.powf(RELAX_EVERY as f64 / stale as f64);
+        let clock = self.clock;
         for fit in self.workers.iter_mut().flatten() {
-            let f = fit.factor_mut(k);
-            if now.saturating_sub(f.last_tick) >= stale {
-                f.log += alpha * (f.seed_log + c - f.log);
-                f.run_len = 0;
+            if clock.saturating_sub(fit.last_seen) < stale {
+                continue;
+            }
+            for (k, c) in consensus.iter().enumerate() {
+                if let Some(c) = c {
+                    let f = fit.factor_mut(k);
+                    f.log += alpha * (f.seed_log + c - f.log);
+                    f.run_len = 0;
+                }
             }
         }
     }
@@ -549,8 +557,8 @@ impl LatencyModel {
         if i >= self.workers.len() {
             self.workers.resize(i + 1, None);
         }
-        let ticks = self.ticks;
-        self.workers[i].get_or_insert_with(|| WorkerFit::at(Speed::default(), ticks))
+        let clock = self.clock;
+        self.workers[i].get_or_insert_with(|| WorkerFit::at(Speed::default(), clock))
     }
 
     /// The worker's speed (1 for unknown workers).
@@ -622,8 +630,9 @@ impl LatencyModel {
             return;
         }
         let learn = self.learn;
-        let ticks = self.ticks;
+        let clock = self.clock + 1;
         let fit = self.fit_mut(w);
+        fit.last_seen = clock;
         // The slot wait predicted at dispatch is not the worker's speed: learn from the rest.
         let ttft_ms = (ttft_ms - e.slot_wait_ms).max(0.1 * ttft_ms);
         let s = fit.speed();
@@ -632,15 +641,12 @@ impl LatencyModel {
         if prefill >= step && e.prefill_ms > 0.0 {
             // TTFT = ½·step + prefill_scale·prefill: what is left after the wait is prefill.
             let rest = (ttft_ms - 0.5 * step).max(0.1 * ttft_ms);
-            fit.prefill
-                .update(rest / e.prefill_ms, &learn, ticks[PREFILL] + 1);
-            self.tick(PREFILL);
+            fit.prefill.update(rest / e.prefill_ms, &learn);
         } else if e.step_ms > 0.0 {
             // TTFT = 1.5·decode_scale·step.
-            fit.decode
-                .update(ttft_ms / (1.5 * e.step_ms), &learn, ticks[DECODE] + 1);
-            self.tick(DECODE);
+            fit.decode.update(ttft_ms / (1.5 * e.step_ms), &learn);
         }
+        self.tick();
     }
 
     /// A request estimated at `e` on `w` streamed with mean inter-token gap `itl_ms`.
@@ -649,11 +655,10 @@ impl LatencyModel {
             return;
         }
         let learn = self.learn;
-        let tick = self.ticks[DECODE] + 1;
-        self.fit_mut(w)
-            .decode
-            .update(itl_ms / e.itl_ref_ms, &learn, tick);
-        self.tick(DECODE);
+        let clock = self.clock;
+        let fit = self.fit_mut(w);
+        fit.last_seen = clock;
+        fit.decode.update(itl_ms / e.itl_ref_ms, &learn);
     }
 
     /// Prefill throughput of `w` in tokens/s for a `tokens`-token prompt on an idle worker.

@@ -225,10 +225,10 @@ pub struct RoutingConfig {
     /// `latency` policy: predict the wait for an engine slot on a worker running as many
     /// requests as it was seen running while others waited (its `max_num_seqs`).
     pub latency_slot_wait: bool,
-    /// Latency model: a worker's learned speed that none of the fleet's last `N × workers`
-    /// observations touched (it gets no traffic) relaxes towards the fleet's, half the distance per
-    /// further `N × workers`, so a worker avoided for being slow is tried again and seen recovering;
-    /// 0 = never.
+    /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
+    /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
+    /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
+    /// recovering; 0 = never.
     pub latency_relax_after: u64,
     /// `latency` policy: among workers predicted to meet `[slo] ttft_ms` / `itl_ms`, prefer the
     /// longest cached prefix (otherwise the fastest).

@@ -381,6 +381,17 @@ fn an_avoided_worker_relaxes_to_the_fleet_and_is_seen_again() {
     m.add_worker(WorkerId(9), Speed::default());
     let s = m.speed(WorkerId(9));
     assert!((0.4..0.65).contains(&s.prefill), "{s:?}");
+    // A worker that gets traffic is not relaxed, even if its requests teach only its decode
+    // factor (cached prompts: decode-bound first tokens).
+    let mut rng = fastrand::Rng::with_seed(25);
+    feed_fleet(&mut m, &mut rng, &[0], |_| Speed::uniform(2.0), 10);
+    let learned = m.speed(WorkerId(0)).prefill;
+    for _ in 0..100 {
+        feed_fleet(&mut m, &mut rng, &[1, 2, 3], |_| fast, 1);
+        let (e, _, itl) = situation(&mut rng, fast);
+        m.observe_itl(WorkerId(0), &e, itl);
+    }
+    assert_eq!(m.speed(WorkerId(0)).prefill, learned);
     // Without relaxation it would stay slow for ever.
     let mut m = LatencyModel::new(LearnConfig {
         relax_after: 0,
