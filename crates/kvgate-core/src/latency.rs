@@ -484,19 +484,16 @@ impl LatencyModel {
         self.learn.relax_after.saturating_mul(live.max(1))
     }
 
-    fn is_stale(&self, f: &WorkerFit) -> bool {
-        let stale = self.stale_after();
-        stale > 0 && self.clock.saturating_sub(f.last_seen) >= stale
-    }
-
     /// Median, over the workers that are not stale, of factor `k`'s log ratio to its seed
     /// (factors that learned something only); `None` without any.
     fn consensus(&self, k: usize) -> Option<f64> {
+        let stale = self.stale_after();
+        let clock = self.clock;
         let mut v: Vec<f64> = self
             .workers
             .iter()
             .flatten()
-            .filter(|f| !self.is_stale(f))
+            .filter(|f| stale == 0 || clock.saturating_sub(f.last_seen) < stale)
             .map(|f| f.factor(k))
             .filter(|f| f.n > 0)
             .map(|f| f.log - f.seed_log)
