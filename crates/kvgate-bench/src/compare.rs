@@ -603,4 +603,34 @@ mod tests {
         let line = "worker 1 http=127.0.0.1:9 kv_events=tcp://127.0.0.1:10 replay=tcp://127.0.0.1:11 role=decode";
         assert_eq!(parse_worker_line(line), Some((1, "127.0.0.1:9".into())));
     }
+
+    #[test]
+    fn the_floor_reads_the_sims_own_settings_from_their_command_line() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            f: FleetArgs,
+        }
+        let fleet = |args: &[&str]| {
+            <P as clap::Parser>::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+                .expect("fleet args")
+                .f
+        };
+        let c = started_sim_config(
+            &fleet(&[
+                "--speedup",
+                "2.5",
+                "--sim-arg=--prefill-coeffs=1,2,3",
+                "--sim-arg=--max-num-batched-tokens=512",
+            ]),
+            "m",
+        )
+        .expect("a started unified fleet has a known timing");
+        assert_eq!(c.speedup, 2.5);
+        assert_eq!(c.timing.prefill, [1.0, 2.0, 3.0]);
+        assert_eq!(c.max_num_batched_tokens, 512);
+        // Given workers, or a PD fleet: not known.
+        assert!(started_sim_config(&fleet(&["--worker", "http://127.0.0.1:9"]), "m").is_none());
+        assert!(started_sim_config(&fleet(&["--prefill-workers", "2"]), "m").is_none());
+    }
 }
