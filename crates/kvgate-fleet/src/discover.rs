@@ -230,10 +230,15 @@ pub(crate) struct RoleProbe {
     pub timeout: Duration,
     /// First retry delay (doubles up to 10 s).
     pub retry: Duration,
+    /// Once known, the role is asked again this often (0 = never).
+    pub recheck: Duration,
 }
 
-/// The `role = auto` task: probes until the worker answers, reports the role through `on_role`
-/// and ends. Until then the gateway routes nothing to the worker.
+/// The `role = auto` task: probes until the worker answers and reports the role through
+/// `on_role` (until then the gateway routes nothing to the worker); then asks again every
+/// `recheck` and reports a changed answer (a worker restarted into another mode at the same
+/// address). A failed re-check keeps the role: whether the worker is up is the health check's
+/// business.
 pub(crate) async fn detect_role(
     worker: WorkerId,
     name: Arc<str>,
@@ -250,7 +255,7 @@ pub(crate) async fn detect_role(
                 tracing::info!(worker = %name, role = d.role.as_str(), announced = d.announced,
                     bootstrap_port = d.bootstrap_port, "detected worker role");
                 sink.on_role(worker, &d);
-                return;
+                return recheck_role(worker, name, client, probe, sink, cancel, d).await;
             }
             Err(e) => {
                 failures += 1;
@@ -267,6 +272,38 @@ pub(crate) async fn detect_role(
             _ = tokio::time::sleep(backoff) => {}
         }
         backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// Asks a worker whose role is `last` again every `probe.recheck`, reporting changes.
+async fn recheck_role(
+    worker: WorkerId,
+    name: Arc<str>,
+    client: HttpClient,
+    probe: RoleProbe,
+    sink: Arc<dyn FleetSink>,
+    cancel: CancellationToken,
+    mut last: DetectedRole,
+) {
+    if probe.recheck.is_zero() {
+        return;
+    }
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(probe.recheck) => {}
+        }
+        match probe_role(&client, &probe.base, probe.timeout).await {
+            Ok(d) if d != last => {
+                tracing::warn!(worker = %name, was = last.role.as_str(), role = d.role.as_str(),
+                    announced = d.announced, bootstrap_port = d.bootstrap_port,
+                    "worker role changed");
+                sink.on_role(worker, &d);
+                last = d;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(worker = %name, error = %e, "worker role re-check failed"),
+        }
     }
 }
 

@@ -77,8 +77,11 @@ pub struct MonitorConfig {
     /// The worker's dcgm-exporter `/metrics` URL (GPU figures), scraped every `scrape_interval`.
     pub dcgm_url: Option<String>,
     /// `role = auto`: ask the worker's `/server_info` (whatever its kind) for its prefill/decode
-    /// role until it answers, and report it through `on_role`.
+    /// role until it answers, and report it through `on_role`; then every `role_recheck`.
     pub detect_role: bool,
+    /// With `detect_role`: how often a worker whose role is known is asked again (a worker
+    /// restarted into another mode keeps its address).
+    pub role_recheck: Duration,
 }
 
 impl MonitorConfig {
@@ -120,6 +123,7 @@ impl MonitorConfig {
             auth: None,
             dcgm_url: None,
             detect_role: false,
+            role_recheck: Duration::from_secs(30),
         }
     }
 }
@@ -242,6 +246,7 @@ async fn supervise(
                 base: cfg.base_url.clone(),
                 timeout: cfg.scrape_timeout.max(Duration::from_secs(1)),
                 retry: cfg.scrape_interval,
+                recheck: cfg.role_recheck,
             },
             sink.clone(),
             cancel.child_token(),

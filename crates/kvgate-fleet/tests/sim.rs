@@ -407,6 +407,7 @@ async fn role_is_detected_from_server_info_and_retried_until_the_worker_answers(
         c.scrape_interval = Duration::from_millis(50);
         c.health_interval = Duration::from_millis(50);
         c.detect_role = true;
+        c.role_recheck = Duration::from_millis(100);
         WorkerMonitor::spawn(c, sink.clone())
     };
     let handles = [
@@ -444,10 +445,25 @@ async fn role_is_detected_from_server_info_and_retried_until_the_worker_answers(
         .unwrap();
     let d = until_known(WorkerId(2)).await;
     assert_eq!((d.role, d.announced), (Role::Decode, true));
+    // The prefill worker restarts as a decode worker at the same address: the re-check sees it.
+    let addr = prefill.http_addr();
+    prefill.shutdown().await;
+    let restarted = SimWorker::spawn(sglang(Role::Decode), addr, None)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sink.view(WorkerId(0)).role.map(|r| r.role) != Some(Role::Decode) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "role change never seen: {:?}",
+            sink.view(WorkerId(0)).role
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     for h in handles {
         h.shutdown().await;
     }
-    for s in [prefill, vllm, late] {
+    for s in [restarted, vllm, late] {
         s.shutdown().await;
     }
 }
