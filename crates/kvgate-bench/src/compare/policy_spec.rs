@@ -8,6 +8,8 @@
 //! and `cluster=false` runs them without `[cluster]` (each routes on what it alone sees), so one
 //! comparison holds "1 replica", "N replicas" and "N replicas sharing state over NATS".
 //! `cluster_KEY=VALUE` becomes a `[cluster]` key of those replicas (`kv:cluster_provisional_window_ms=0`).
+//! `server_KEY=VALUE` and `upstream_KEY=VALUE` become `[server]` and `[upstream]` keys of that
+//! gateway (`kv:server_io_threads=1`, `kv:upstream_monitor=false`).
 
 /// One gateway to compare.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,6 +22,10 @@ pub struct PolicySpec {
     pub routing: Vec<(String, String)>,
     /// `[pd]` keys (given as `pd_KEY`) and their TOML values.
     pub pd: Vec<(String, String)>,
+    /// `[server]` keys (given as `server_KEY`) and their TOML values.
+    pub server: Vec<(String, String)>,
+    /// `[upstream]` keys (given as `upstream_KEY`) and their TOML values.
+    pub upstream: Vec<(String, String)>,
     /// Route a prefill/decode fleet as one unified fleet (no worker roles).
     pub unified: bool,
     /// Gateway replicas for this entry (`None`: `--replicas`).
@@ -54,6 +60,8 @@ impl PolicySpec {
         }
         let mut routing = Vec::new();
         let mut pd = Vec::new();
+        let mut server = Vec::new();
+        let mut upstream = Vec::new();
         let mut unified = false;
         let mut replicas = None;
         let mut cluster = true;
@@ -88,6 +96,10 @@ impl PolicySpec {
                 cluster_keys.push((ck.to_owned(), toml_value(v)));
             } else if let Some(pk) = k.strip_prefix("pd_") {
                 pd.push((pk.to_owned(), toml_value(v)));
+            } else if let Some(sk) = k.strip_prefix("server_") {
+                server.push((sk.to_owned(), toml_value(v)));
+            } else if let Some(uk) = k.strip_prefix("upstream_") {
+                upstream.push((uk.to_owned(), toml_value(v)));
             } else {
                 routing.push((k.to_owned(), toml_value(v)));
             }
@@ -97,6 +109,8 @@ impl PolicySpec {
             policy: policy.to_owned(),
             routing,
             pd,
+            server,
+            upstream,
             unified,
             replicas,
             cluster,
@@ -118,10 +132,16 @@ impl PolicySpec {
             .collect()
     }
 
-    /// The `[routing]` table for the generated config, empty when there are no keys.
+    /// The `[routing]` (and `[pd]`, `[server]`, `[upstream]`) tables for the generated config, empty when there
+    /// are no keys.
     pub fn routing_toml(&self) -> String {
         let mut t = String::new();
-        for (table, keys) in [("routing", &self.routing), ("pd", &self.pd)] {
+        for (table, keys) in [
+            ("routing", &self.routing),
+            ("pd", &self.pd),
+            ("server", &self.server),
+            ("upstream", &self.upstream),
+        ] {
             if keys.is_empty() {
                 continue;
             }
@@ -209,6 +229,13 @@ mod tests {
         );
         let p = PolicySpec::parse("one=kv:unified=true").unwrap();
         assert!(p.unified && p.routing_toml().is_empty());
+        let p =
+            PolicySpec::parse("t1=kv:server_io_threads=1:prefill_weight=2:upstream_monitor=false")
+                .unwrap();
+        assert_eq!(
+            p.routing_toml(),
+            "\n[routing]\nprefill_weight = 2\n\n[server]\nio_threads = 1\n\n[upstream]\nmonitor = false\n"
+        );
     }
 
     #[test]
