@@ -249,15 +249,26 @@ pub(crate) async fn detect_role(
 ) {
     let mut backoff = probe.retry.max(Duration::from_millis(50));
     let mut failures = 0u32;
+    let mut known: Option<DetectedRole> = None;
     loop {
-        match probe_role(&client, &probe.base, probe.timeout).await {
-            Ok(d) => {
-                tracing::info!(worker = %name, role = d.role.as_str(), announced = d.announced,
-                    bootstrap_port = d.bootstrap_port, "detected worker role");
+        match (probe_role(&client, &probe.base, probe.timeout).await, known) {
+            (Ok(d), Some(was)) if d == was => {}
+            (Ok(d), was) => {
+                match was {
+                    None => tracing::info!(worker = %name, role = d.role.as_str(),
+                        announced = d.announced, bootstrap_port = d.bootstrap_port,
+                        "detected worker role"),
+                    Some(was) => tracing::warn!(worker = %name, was = was.role.as_str(),
+                        role = d.role.as_str(), announced = d.announced,
+                        bootstrap_port = d.bootstrap_port, "worker role changed"),
+                }
                 sink.on_role(worker, &d);
-                return recheck_role(worker, name, client, probe, sink, cancel, d).await;
+                known = Some(d);
             }
-            Err(e) => {
+            (Err(e), Some(_)) => {
+                tracing::debug!(worker = %name, error = %e, "worker role re-check failed");
+            }
+            (Err(e), None) => {
                 failures += 1;
                 if failures == 1 {
                     tracing::warn!(worker = %name, error = %e,
@@ -267,42 +278,18 @@ pub(crate) async fn detect_role(
                 }
             }
         }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(10));
-    }
-}
-
-/// Asks a worker whose role is `last` again every `probe.recheck`, reporting changes.
-async fn recheck_role(
-    worker: WorkerId,
-    name: Arc<str>,
-    client: HttpClient,
-    probe: RoleProbe,
-    sink: Arc<dyn FleetSink>,
-    cancel: CancellationToken,
-    mut last: DetectedRole,
-) {
-    if probe.recheck.is_zero() {
-        return;
-    }
-    loop {
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(probe.recheck) => {}
-        }
-        match probe_role(&client, &probe.base, probe.timeout).await {
-            Ok(d) if d != last => {
-                tracing::warn!(worker = %name, was = last.role.as_str(), role = d.role.as_str(),
-                    announced = d.announced, bootstrap_port = d.bootstrap_port,
-                    "worker role changed");
-                sink.on_role(worker, &d);
-                last = d;
+        let wait = match known {
+            Some(_) if probe.recheck.is_zero() => return,
+            Some(_) => probe.recheck,
+            None => {
+                let b = backoff;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                b
             }
-            Ok(_) => {}
-            Err(e) => tracing::debug!(worker = %name, error = %e, "worker role re-check failed"),
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
         }
     }
 }

@@ -41,72 +41,74 @@ fn gauge(scrape: &str, name: &str, worker: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
+/// Two sims of 2048 blocks at speed-up 2 without KV events, `tune`d, behind a gateway routing by
+/// `latency` (`tune_cfg` adjusts its config); the workers' names as the metrics label them.
+async fn start(
+    tune: impl FnOnce(&mut SimConfig),
+    tune_cfg: impl FnOnce(&mut Config),
+) -> (SimFleet, Gateway, Vec<String>) {
     let mut sim = SimConfig::default()
         .model("sim-model")
         .speedup(2.0)
         .kv_events(false)
         .num_gpu_blocks(2048usize);
-    sim.faults.slowdown = Some(Slowdown {
-        factor: 4.0,
-        after_requests: 0,
-        worker: Some(0),
-        lasts: None,
-    });
+    tune(&mut sim);
     let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
     let urls = fleet.urls();
-
     let mut cfg = Config::default();
     cfg.server.listen = "127.0.0.1:0".parse().unwrap();
     cfg.server.request_log = false;
-    cfg.upstream.monitor = false;
     cfg.routing.policy = "latency".into();
-    // The fitted speed of a worker the gateway stops sending to relaxes towards the fleet's (it is
-    // re-tried; the next test): off here, so the exported figure is what was learned.
-    cfg.routing.latency_relax_after = 0;
     for u in &urls {
         let mut w = WorkerConfig::from_url(u);
         w.models = vec!["sim-model".into()];
         cfg.workers.push(w);
     }
+    tune_cfg(&mut cfg);
     let gw = Gateway::start(cfg).await.expect("gateway starts");
-    let names: Vec<String> = urls
+    let names = urls
         .iter()
         .map(|u| u.trim_start_matches("http://").to_string())
         .collect();
+    (fleet, gw, names)
+}
 
-    // Unique 512-token prompts (no cache reuse), a few at a time.
-    let mut sent = 0u32;
-    // Enough rounds that the early, still-learning picks do not decide the traffic share.
-    for round in 0..40u32 {
-        let mut set = tokio::task::JoinSet::new();
-        for k in 0..3u32 {
-            let i = round * 3 + k;
-            let prompt: Vec<u32> = (0..512)
-                .map(|t| 1000 + (i * 7919 + t * 31) % 20_000)
-                .collect();
-            let body = serde_json::json!({
-                "model": "sim-model", "prompt": prompt, "max_tokens": 4,
-                "stream": true, "ignore_eos": true,
-            })
-            .to_string();
-            let addr = gw.addr;
-            set.spawn(async move { http(addr, "POST", "/v1/completions", &body).await });
-        }
-        while let Some(r) = set.join_next().await {
-            let (status, text) = r.expect("request task");
-            assert_eq!(status, 200, "{text}");
-            assert!(text.contains("[DONE]"), "{text}");
-            sent += 1;
-        }
-    }
-
-    let served: Vec<u64> = fleet
+/// Completion requests each sim has answered (its TTFT count).
+fn served(fleet: &SimFleet) -> Vec<u64> {
+    fleet
         .workers()
         .iter()
         .map(|w| w.metrics().ttft.count())
-        .collect();
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
+    let (fleet, gw, names) = start(
+        |sim| {
+            sim.faults.slowdown = Some(Slowdown {
+                factor: 4.0,
+                after_requests: 0,
+                worker: Some(0),
+                lasts: None,
+            })
+        },
+        |cfg| {
+            cfg.upstream.monitor = false;
+            // The fitted speed of a worker the gateway stops sending to relaxes towards the
+            // fleet's (it is re-tried; the last test): off here, so the exported figure is what
+            // was learned.
+            cfg.routing.latency_relax_after = 0;
+        },
+    )
+    .await;
+
+    // Unique 512-token prompts (no cache reuse), a few at a time. Enough rounds that the early,
+    // still-learning picks do not decide the traffic share.
+    let mut sent = 0u32;
+    rounds(gw.addr, &mut sent, 40, 3).await;
+
+    let served = served(&fleet);
     assert_eq!(served.iter().sum::<u64>(), u64::from(sent));
     assert!(
         served[0] * 3 < served[1],
@@ -147,24 +149,7 @@ async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_slots_are_learned_from_the_workers_metrics() {
-    let mut sim = SimConfig::default()
-        .model("sim-model")
-        .speedup(2.0)
-        .kv_events(false)
-        .num_gpu_blocks(2048usize);
-    sim.max_num_seqs = 1;
-    let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
-    let urls = fleet.urls();
-    let mut cfg = Config::default();
-    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.server.request_log = false;
-    cfg.routing.policy = "latency".into();
-    for u in &urls {
-        let mut w = WorkerConfig::from_url(u);
-        w.models = vec!["sim-model".into()];
-        cfg.workers.push(w);
-    }
-    let gw = Gateway::start(cfg).await.expect("gateway starts");
+    let (fleet, gw, _) = start(|sim| sim.max_num_seqs = 1, |_| {}).await;
     let learned = |gw: &Gateway| {
         let fleet = gw.app.fleet.registry.snapshot();
         let model = gw.app.fleet.router.latency.lock();
@@ -213,7 +198,7 @@ async fn engine_slots_are_learned_from_the_workers_metrics() {
 }
 
 /// Sends `rounds` rounds of `conc` concurrent streamed completions of unique 512-token prompts
-/// (numbered from `*next`); every one must succeed.
+/// (numbered from `*next`, which ends one past the last); every one must stream to `[DONE]`.
 async fn rounds(addr: std::net::SocketAddr, next: &mut u32, rounds: u32, conc: u32) {
     for _ in 0..rounds {
         let mut set = tokio::task::JoinSet::new();
@@ -233,49 +218,27 @@ async fn rounds(addr: std::net::SocketAddr, next: &mut u32, rounds: u32, conc: u
         while let Some(r) = set.join_next().await {
             let (status, text) = r.expect("request task");
             assert_eq!(status, 200, "{text}");
+            assert!(text.contains("[DONE]"), "{text}");
         }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it_recovered() {
-    let mut sim = SimConfig::default()
-        .model("sim-model")
-        .speedup(2.0)
-        .kv_events(false)
-        .num_gpu_blocks(2048usize);
     // Worker 0 runs 4x slower for 4 s from its first request, then at full speed again.
     let lasts = Duration::from_secs(4);
-    sim.faults.slowdown = Some(Slowdown {
-        factor: 4.0,
-        after_requests: 0,
-        worker: Some(0),
-        lasts: Some(lasts),
-    });
-    let fleet = SimFleet::spawn_local(2, sim).await.expect("sim fleet");
-    let urls = fleet.urls();
-    let mut cfg = Config::default();
-    cfg.server.listen = "127.0.0.1:0".parse().unwrap();
-    cfg.server.request_log = false;
-    cfg.upstream.monitor = false;
-    cfg.routing.policy = "latency".into();
-    for u in &urls {
-        let mut w = WorkerConfig::from_url(u);
-        w.models = vec!["sim-model".into()];
-        cfg.workers.push(w);
-    }
-    let gw = Gateway::start(cfg).await.expect("gateway starts");
-    let names: Vec<String> = urls
-        .iter()
-        .map(|u| u.trim_start_matches("http://").to_string())
-        .collect();
-    let served = |fleet: &SimFleet| -> Vec<u64> {
-        fleet
-            .workers()
-            .iter()
-            .map(|w| w.metrics().ttft.count())
-            .collect()
-    };
+    let (fleet, gw, names) = start(
+        |sim| {
+            sim.faults.slowdown = Some(Slowdown {
+                factor: 4.0,
+                after_requests: 0,
+                worker: Some(0),
+                lasts: Some(lasts),
+            })
+        },
+        |cfg| cfg.upstream.monitor = false,
+    )
+    .await;
 
     // Two at a time: a 4x slower worker is not worth it against one request queued on the other
     // (about 2x), so once learned slow it gets only the model's re-tries.
