@@ -567,6 +567,15 @@ impl KvIndex {
         self.blocks.get(h).is_some_and(|s| s.contains(worker))
     }
 
+    /// How many leading blocks of `hashes` the worker holds, predicted ones included (ignoring
+    /// TTL: for accounting, not for routing).
+    pub fn held_prefix(&self, worker: WorkerId, hashes: &[BlockHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|&&h| self.contains(worker, h))
+            .count()
+    }
+
     /// The engine hashes the worker holds (exact mode), sorted. For tests and debugging.
     pub fn engine_hashes(&self, worker: WorkerId) -> Vec<u64> {
         let mut v: Vec<u64> = match self.slot(worker) {

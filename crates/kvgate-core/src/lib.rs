@@ -68,8 +68,9 @@ pub use policy::{
     PolicyConfig, UnknownPolicy, POLICY_NAMES,
 };
 pub use select::{
-    all_busy, is_busy, pick_by_cost, pick_with, pick_with_share, score_candidates, BusyThresholds,
-    Candidate, Decision, Eligibility, KvCostConfig, RouteRequest, ScrapedLoad,
+    all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,
+    score_candidates, BusyThresholds, Candidate, Decision, Eligibility, KvCostConfig, RouteRequest,
+    ScrapedLoad,
 };
 
 /// A chained KV block hash as computed by the router (see [`hash`]). Also used for the engine's

@@ -8,8 +8,11 @@
 //! decode_blocks  = active_blocks + new_blocks          (potential decode blocks)
 //! cost           = prefill_weight · prefill_blocks + decode_blocks + request_weight · inflight
 //! ```
-//! Temperature 0 picks the minimum cost, exact ties uniformly at random. Temperature T > 0 picks
-//! worker i with probability ∝ exp(−(c_i − min) / ((max − min) · T)), uniform when all are equal.
+//! Temperature 0 picks the minimum cost; exact ties go to the tied worker ranked highest by
+//! rendezvous hashing on the request's first block none of them holds (uniformly at random when the
+//! prompt has no such block), so every replica, and every request that opens the same new prefix,
+//! breaks the tie the same way ([`pick_for_request`]). Temperature T > 0 picks worker i with
+//! probability ∝ exp(−(c_i − min) / ((max − min) · T)), uniform when all are equal.
 
 use crate::index::{KvIndex, OverlapScores};
 use crate::load::ActiveSequences;
@@ -51,6 +54,10 @@ pub struct Candidate {
     /// The engine's learned concurrency limit and request service time (see
     /// [`crate::latency::EngineSlots`]); unknown until the worker was seen saturated.
     pub slots: crate::latency::EngineSlots,
+    /// The worker's identity as every replica knows it (the gateway: a hash of its name; default
+    /// the worker id). Ranks workers in rendezvous hashing: `consistent_hash` and the cost
+    /// policies' tie-break ([`pick_for_request`]).
+    pub stable_id: u64,
 }
 
 impl Candidate {
@@ -70,6 +77,7 @@ impl Candidate {
                 decode: 1.0,
             },
             slots: crate::latency::EngineSlots::UNKNOWN,
+            stable_id: u64::from(worker.0),
         }
     }
 
@@ -319,6 +327,71 @@ pub fn pick_with_share(
         }
     }
     best.map(|i| (i, 1.0 / f64::from(ties.max(1))))
+}
+
+/// SplitMix64 finaliser: a bijective, well-mixed 64-bit hash.
+#[inline]
+pub(crate) fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Rank of the worker with [`Candidate::stable_id`] `stable` for `key` (higher wins).
+#[inline]
+pub(crate) fn rendezvous(key: u64, stable: u64) -> u64 {
+    mix(key ^ mix(stable))
+}
+
+/// A cost policy's pick for `req` among `candidates` ([`pick_with_share`] over `cost`), with exact
+/// ties at temperature 0 broken by the request instead of at random: among the tied workers, the
+/// one ranked highest by rendezvous hashing on the prompt's first block that none of them holds
+/// (the block after their longest overlap). Replicas that see the same fleet then send the first
+/// requests of a new prefix to the same worker without talking to each other (a burst spread over
+/// four replicas opens one worker, not four). Requests that differ after a prefix every tied worker
+/// holds (a shared system prompt) still spread, since the key is their own first unshared block;
+/// so the share stays 1 / ties: a peer's request with another prompt lands on any tied worker,
+/// and one with ours lands on ours but adds only its own suffix there. No such block (the prompt
+/// is held whole, or shorter than a block): uniformly at random.
+pub fn pick_for_request(
+    req: &RouteRequest<'_>,
+    candidates: &[Candidate],
+    cost: impl Fn(usize) -> Option<f64>,
+    temperature: f64,
+    rng: &mut fastrand::Rng,
+) -> Option<(usize, f64)> {
+    if temperature > 0.0 {
+        return pick_with_share(candidates.len(), cost, temperature, rng);
+    }
+    let cost = |i: usize| cost(i).map(|c| if c.is_nan() { f64::INFINITY } else { c });
+    let (mut first, mut min) = (None, f64::INFINITY);
+    for i in 0..candidates.len() {
+        if let Some(c) = cost(i) {
+            if first.is_none() || c < min {
+                first = Some(i);
+                min = c;
+            }
+        }
+    }
+    let first = first?;
+    let (mut ties, mut deepest) = (0u32, 0u32);
+    for (i, c) in candidates.iter().enumerate() {
+        if cost(i) == Some(min) {
+            ties += 1;
+            deepest = deepest.max(c.effective_overlap());
+        }
+    }
+    if ties <= 1 {
+        return Some((first, 1.0));
+    }
+    match req.hashes.get(deepest as usize) {
+        Some(&key) => (0..candidates.len())
+            .filter(|&i| cost(i) == Some(min))
+            .max_by_key(|&i| rendezvous(key, candidates[i].stable_id))
+            .map(|i| (i, 1.0 / f64::from(ties))),
+        None => pick_with_share(candidates.len(), cost, 0.0, rng),
+    }
 }
 
 /// Fills overlap (from the index) and router-side load (from `active`) for every candidate, whose

@@ -26,13 +26,16 @@ pub struct GatewayPeers {
 }
 
 impl GatewayPeers {
-    fn worker_id(&self, name: &str) -> Option<WorkerId> {
+    /// The worker called `name` here, with its pool's block size (16 when it serves no model).
+    fn worker(&self, name: &str) -> Option<(WorkerId, u32)> {
         let fleet = self.fleet.registry.snapshot();
-        fleet
-            .workers
-            .iter()
-            .find(|w| &*w.name == name)
-            .map(|w| w.id)
+        let w = fleet.workers.iter().find(|w| &*w.name == name)?;
+        let block_size = w
+            .models
+            .first()
+            .and_then(|m| fleet.pool(m))
+            .map_or(16, |p| p.block_size);
+        Some((w.id, block_size))
     }
 }
 
@@ -48,9 +51,27 @@ impl Sink for GatewayPeers {
                 hashes,
                 ..
             } => {
-                let id = self.worker_id(worker).ok_or(DropReason::UnknownWorker)?;
-                if !hashes.is_empty() {
+                let (id, block_size) = self.worker(worker).ok_or(DropReason::UnknownWorker)?;
+                if hashes.is_empty() {
+                    router.remote.lock().dispatch(
+                        from,
+                        *request,
+                        id,
+                        *prefill_tokens,
+                        *blocks,
+                        now,
+                    );
+                    return Ok(());
+                }
+                let prefill = {
                     let mut index = router.index.write();
+                    // The peer counted the prompt tokens beyond the prefix it thought the worker
+                    // held. We may know more of it (our own or another peer's decision of the
+                    // same instant put it there): then the request's prefill is what one replica
+                    // routing both would have counted for it.
+                    let held = index.held_prefix(id, hashes) as u32;
+                    let assumed = (hashes.len() as u32).saturating_sub(*blocks);
+                    let extra = held.saturating_sub(assumed);
                     match index.mode(id) {
                         Some(IndexMode::Approximate(_)) => {
                             index.record_routed(id, hashes, now);
@@ -60,11 +81,16 @@ impl Sink for GatewayPeers {
                         }
                         None => {}
                     }
-                }
+                    prefill_tokens.saturating_sub(u64::from(extra) * u64::from(block_size))
+                };
+                // Its blocks join the active set of that worker with ours and every other
+                // peer's, so a prefix several replicas sent there at the same instant counts
+                // once (`RemoteLoads`, module docs).
+                let guard = router.active.add_at(id, *request, hashes, prefill, 0, now);
                 router
                     .remote
                     .lock()
-                    .dispatch(from, *request, id, *prefill_tokens, *blocks, now);
+                    .dispatch_tracked(from, *request, guard, now);
             }
             Message::PrefillDone { request } => {
                 router.remote.lock().prefill_done(from, *request, now)

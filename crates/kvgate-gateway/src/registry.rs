@@ -175,6 +175,11 @@ fn unpack_role(v: u32) -> Option<DetectedRole> {
 pub struct Worker {
     pub id: WorkerId,
     pub name: Lbl,
+    /// A hash of `name`: the worker's identity in rendezvous hashing ([`Candidate::stable_id`]),
+    /// the same on every replica with the same config whatever ids they assigned.
+    ///
+    /// [`Candidate::stable_id`]: kvgate_core::Candidate::stable_id
+    pub stable_id: u64,
     pub scheme: Scheme,
     pub authority: Authority,
     /// Path prefix of the base URL without trailing slash (usually empty).
@@ -452,6 +457,7 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
             };
         workers.push(Arc::new(Worker {
             id: state.id,
+            stable_id: xxhash_rust::xxh3::xxh3_64(name.as_bytes()),
             name,
             scheme,
             authority,

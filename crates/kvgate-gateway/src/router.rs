@@ -183,6 +183,29 @@ struct Scratch {
     rng: Option<fastrand::Rng>,
 }
 
+/// Each candidate's overlap and load as the policy saw them, for the `kvgate::route` debug log
+/// (formatted only when that log is on).
+struct CandidateLoads<'a>(&'a [Candidate]);
+
+impl std::fmt::Debug for CandidateLoads<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, c) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            write!(
+                f,
+                "{sep}{}:overlap={},active={},new={},pending={},inflight={}",
+                c.worker,
+                c.overlap_blocks,
+                c.active_blocks,
+                c.new_blocks,
+                c.pending_prefill_tokens,
+                c.inflight
+            )?;
+        }
+        Ok(())
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -278,6 +301,7 @@ impl Router {
                     continue;
                 }
                 let mut c = Candidate::new(w.id);
+                c.stable_id = w.stable_id;
                 c.scraped = w.state.fresh_scraped(now);
                 c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
                 candidates.push(c);
@@ -324,6 +348,15 @@ impl Router {
                 .find(|w| w.id == decision.worker)
                 .cloned()
                 .ok_or(NoPick::NoWorker)?;
+            tracing::debug!(
+                target: "kvgate::route",
+                worker = %worker.name,
+                cost = decision.cost,
+                overlap = decision.overlap_blocks,
+                share = decision.share,
+                candidates = ?CandidateLoads(candidates),
+                "routed"
+            );
             let estimate = candidates
                 .iter()
                 .find(|c| c.worker == decision.worker)

@@ -3,24 +3,30 @@
 //! candidate as a separate term. Keyed by replica: each replica's in-flight requests, so when its
 //! heartbeats stop ([`RemoteLoads::expire`]) its whole share goes instead of leaking.
 //!
-//! Remote active blocks are summed per request, not deduplicated against our own or other
-//! replicas' blocks (peers send counts, not block sets). The gateway therefore sends each
-//! request's blocks beyond the prefix its worker is predicted to hold, so a prefix shared by many
-//! in-flight requests on one worker is not counted once per request.
+//! A peer's request that came with its block hashes (every `route` message) is *tracked*: it is
+//! registered in our [`super::ActiveSequences`] under a [`LoadGuard`] held here, so its blocks
+//! are counted as a set together with ours and every other peer's (a prefix four replicas sent to
+//! one worker at the same instant is active there once, as through one replica), and freed when
+//! the peer frees it or its share expires. Requests known only as counts (a snapshot's list) are
+//! summed per request, not deduplicated; the gateway sends each request's blocks beyond the prefix
+//! its worker is predicted to hold, so a shared prefix is not counted once per request there.
 //!
 //! Provisional load: peers' decisions reach us a few milliseconds late (the sync lag), and in a
 //! burst behind a load balancer every replica takes its share of the decisions in that same
 //! instant, from the same picture of the fleet. Each of our own decisions therefore also counts as
 //! if each live peer had just made it ([`RemoteLoads::routed_here`]: once per peer we hold a share
-//! of) until it is older than the provisional window, by when the peers' real decisions have
-//! arrived and replace the guess. The window is the configured floor or the recent sync lag
+//! of), until that peer's next real decision arrives and replaces the guess (each decision of a
+//! peer retires its oldest outstanding guess, whichever worker either names) or the guess is older
+//! than the provisional window (a peer that routed nothing meanwhile). Without the retirement a
+//! peer's decision counted twice for the whole window, once as itself and once as our guess of it,
+//! and a burst spread over more workers (opening more prefixes) than through one replica. The window is the configured floor or the recent sync lag
 //! ([`RemoteLoads::observe_lag`]: its peak, halving every second), whichever is longer: a busy
 //! host's lag outlasts a fixed window. Without it four replicas each sent their share of a burst to the
 //! worker that looked cheapest, and the burst piled onto fewer workers than through one replica
 //! (docs/cluster.md, Measured).
 
 use crate::select::Candidate;
-use crate::{WorkerId, WorkerLoad};
+use crate::{LoadGuard, WorkerId, WorkerLoad};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -31,10 +37,21 @@ struct Request {
     blocks: u32,
 }
 
+/// A peer's in-flight request.
+#[derive(Debug)]
+enum Remote {
+    /// Known by its counts: summed in `RemoteLoads::sums`.
+    Counted(Request),
+    /// Registered in the router's active sequences (its blocks deduplicated with everyone's).
+    Tracked(LoadGuard),
+}
+
 #[derive(Debug)]
 struct Replica {
     last_heard: Instant,
-    requests: HashMap<u64, Request>,
+    requests: HashMap<u64, Remote>,
+    /// Sequence number of our oldest provisional decision this replica's next real one retires.
+    retire_from: u64,
 }
 
 /// One of our own decisions, still young enough to stand for the peers' concurrent ones.
@@ -44,6 +61,11 @@ struct Provisional {
     req: Request,
     /// The decision's [`crate::Decision::share`]: how likely a peer with our view made it too.
     share: f64,
+    /// Our decisions are numbered in order (see `Replica::retire_from`).
+    seq: u64,
+    /// Live peers it still stands for: those at the decision, less those whose real decision has
+    /// retired it since.
+    peers: f64,
 }
 
 /// The recent sync lag stretches the provisional window at most to this (a skewed clock between
@@ -62,9 +84,12 @@ pub struct RemoteLoads {
     sums: Vec<WorkerLoad>,
     /// Our own decisions younger than `window`, oldest first.
     provisional: VecDeque<Provisional>,
-    /// `provisional` summed per worker (indexed by `WorkerId`): share-weighted requests, blocks
-    /// and prefill tokens, kept as entries come and go so a decision reads one entry per candidate.
+    /// `provisional` summed per worker (indexed by `WorkerId`): requests, blocks and prefill
+    /// tokens weighted by share × peers, kept as entries come and go so a decision reads one entry
+    /// per candidate.
     provisional_sums: Vec<[f64; 3]>,
+    /// Sequence number of our next decision.
+    next_seq: u64,
     /// Shortest time one of our decisions also stands for the peers' (zero: off).
     window: Duration,
     /// Peak sync lag of peers' decisions and when it was seen (decays: see `recent_lag`).
@@ -84,6 +109,7 @@ impl RemoteLoads {
             .or_insert_with(|| Replica {
                 last_heard: now,
                 requests: HashMap::new(),
+                retire_from: 0,
             });
         if now > r.last_heard {
             r.last_heard = now;
@@ -96,6 +122,13 @@ impl RemoteLoads {
             self.sums.resize(w.index() + 1, WorkerLoad::default());
         }
         &mut self.sums[w.index()]
+    }
+
+    /// Takes a request that left out of the sums (a tracked one frees itself when dropped).
+    fn forget(&mut self, r: Remote) {
+        if let Remote::Counted(r) = r {
+            self.add_sum(r, false);
+        }
     }
 
     fn add_sum(&mut self, r: Request, sign: bool) {
@@ -121,21 +154,23 @@ impl RemoteLoads {
         }
     }
 
-    /// Adds (`sign` 1) or removes (-1) one provisional entry from the per-worker sums.
-    fn count_provisional(&mut self, p: &Provisional, sign: f64) {
+    /// Adds `peers` (negative: removes) times the share-weighted load of one provisional entry to
+    /// the per-worker sums.
+    fn count_provisional(&mut self, p: &Provisional, peers: f64) {
         let i = p.req.worker.index();
         if self.provisional_sums.len() <= i {
             self.provisional_sums.resize(i + 1, [0.0; 3]);
         }
         let s = &mut self.provisional_sums[i];
-        s[0] += sign * p.share;
-        s[1] += sign * p.share * f64::from(p.req.blocks);
-        s[2] += sign * p.share * p.req.prefill as f64;
+        let w = peers * p.share;
+        s[0] += w;
+        s[1] += w * f64::from(p.req.blocks);
+        s[2] += w * p.req.prefill as f64;
     }
 
     fn pop_provisional(&mut self) {
         if let Some(p) = self.provisional.pop_front() {
-            self.count_provisional(&p, -1.0);
+            self.count_provisional(&p, -p.peers);
         }
         if self.provisional.is_empty() {
             // No rounding residue survives an empty window.
@@ -146,8 +181,10 @@ impl RemoteLoads {
     /// We dispatched a request to `worker` at `now`, with the load a `route` message of ours
     /// carries (`prefill_tokens` pending, `blocks` added) and the decision's `share` (the
     /// probability a router with our view picks that worker: 1 for a clear winner, 1/k among k
-    /// equally cheap workers, which peers spread over). Until it is older than the provisional
-    /// window it counts `share` more times per live peer in [`RemoteLoads::add_into_at`].
+    /// equally cheap workers, which peers spread over). It counts `share` more times for each peer
+    /// live now in [`RemoteLoads::add_into_at`], until that peer's next real decision retires it
+    /// ([`RemoteLoads::dispatch`]) or it is older than the provisional window. No live peer:
+    /// nothing to stand for.
     pub fn routed_here(
         &mut self,
         worker: WorkerId,
@@ -156,7 +193,7 @@ impl RemoteLoads {
         share: f64,
         now: Instant,
     ) {
-        if self.window.is_zero() || share.is_nan() || share <= 0.0 {
+        if self.window.is_zero() || share.is_nan() || share <= 0.0 || self.replicas.is_empty() {
             return;
         }
         self.prune(now);
@@ -171,9 +208,35 @@ impl RemoteLoads {
                 blocks,
             },
             share: share.min(1.0),
+            seq: self.next_seq,
+            peers: self.replicas.len() as f64,
         };
-        self.count_provisional(&p, 1.0);
+        self.next_seq += 1;
+        self.count_provisional(&p, p.peers);
         self.provisional.push_back(p);
+    }
+
+    /// `replica` made a real decision: it retires the oldest of our provisional decisions that
+    /// still stands for one of its own (none outstanding: nothing to retire).
+    fn retire_guess(&mut self, replica: &str, now: Instant) {
+        let Some(front) = self.provisional.front().map(|p| p.seq) else {
+            return;
+        };
+        let next = self.next_seq;
+        let r = self.replica(replica, now);
+        let seq = r.retire_from.max(front);
+        if seq >= next {
+            return;
+        }
+        r.retire_from = seq + 1;
+        let i = (seq - front) as usize;
+        let Some(&p) = self.provisional.get(i) else {
+            return;
+        };
+        if p.peers >= 1.0 {
+            self.provisional[i].peers -= 1.0;
+            self.count_provisional(&p, -1.0);
+        }
     }
 
     /// A peer's routing decision reached us `lag` after it was sent, at `now`.
@@ -217,7 +280,8 @@ impl RemoteLoads {
         self.replica(replica, now);
     }
 
-    /// `replica` dispatched `request` to `worker`. A repeated id replaces the old entry.
+    /// `replica` dispatched `request` to `worker`. A repeated id replaces the old entry. Its
+    /// oldest outstanding provisional stand-in (our decision guessed for it) is retired.
     pub fn dispatch(
         &mut self,
         replica: &str,
@@ -232,11 +296,29 @@ impl RemoteLoads {
             prefill: prefill_tokens,
             blocks,
         };
-        let old = self.replica(replica, now).requests.insert(request, r);
-        if let Some(old) = old {
-            self.add_sum(old, false);
-        }
         self.add_sum(r, true);
+        self.insert(replica, request, Remote::Counted(r), now);
+        self.retire_guess(replica, now);
+    }
+
+    /// [`RemoteLoads::dispatch`] of a request the caller registered in the router's active
+    /// sequences (`guard`: its blocks, pending prefill and one in-flight request on its worker).
+    /// Held until the peer frees it, its snapshot replaces it or the peer expires.
+    pub fn dispatch_tracked(
+        &mut self,
+        replica: &str,
+        request: u64,
+        guard: LoadGuard,
+        now: Instant,
+    ) {
+        self.insert(replica, request, Remote::Tracked(guard), now);
+        self.retire_guess(replica, now);
+    }
+
+    fn insert(&mut self, replica: &str, request: u64, r: Remote, now: Instant) {
+        if let Some(old) = self.replica(replica, now).requests.insert(request, r) {
+            self.forget(old);
+        }
     }
 
     /// `request` of `replica` got its first token: its prefill is no longer pending.
@@ -244,16 +326,21 @@ impl RemoteLoads {
         let Some(r) = self.replica(replica, now).requests.get_mut(&request) else {
             return;
         };
-        let (w, p) = (r.worker, r.prefill);
-        r.prefill = 0;
-        let s = self.sum(w);
-        s.pending_prefill_tokens = s.pending_prefill_tokens.saturating_sub(p);
+        match r {
+            Remote::Tracked(g) => g.mark_prefill_done(),
+            Remote::Counted(r) => {
+                let (w, p) = (r.worker, r.prefill);
+                r.prefill = 0;
+                let s = self.sum(w);
+                s.pending_prefill_tokens = s.pending_prefill_tokens.saturating_sub(p);
+            }
+        }
     }
 
     /// `request` of `replica` ended.
     pub fn free(&mut self, replica: &str, request: u64, now: Instant) {
         if let Some(r) = self.replica(replica, now).requests.remove(&request) {
-            self.add_sum(r, false);
+            self.forget(r);
         }
     }
 
@@ -265,11 +352,18 @@ impl RemoteLoads {
         entries: impl IntoIterator<Item = (u64, WorkerId, u64, u32)>,
         now: Instant,
     ) {
+        let retire_from = self.replicas.get(replica).map_or(0, |r| r.retire_from);
         self.drop_replica(replica);
         for (request, worker, prefill, blocks) in entries {
-            self.dispatch(replica, request, worker, prefill, blocks, now);
+            let r = Request {
+                worker,
+                prefill,
+                blocks,
+            };
+            self.add_sum(r, true);
+            self.insert(replica, request, Remote::Counted(r), now);
         }
-        self.heard(replica, now);
+        self.replica(replica, now).retire_from = retire_from;
     }
 
     fn drop_replica(&mut self, replica: &str) -> bool {
@@ -277,7 +371,7 @@ impl RemoteLoads {
             return false;
         };
         for req in r.requests.into_values() {
-            self.add_sum(req, false);
+            self.forget(req);
         }
         true
     }
@@ -298,15 +392,19 @@ impl RemoteLoads {
 
     /// Forget a worker removed from the fleet.
     pub fn remove_worker(&mut self, worker: WorkerId) {
+        // Tracked requests there are dropped from the active sequences with the worker.
         for r in self.replicas.values_mut() {
-            r.requests.retain(|_, q| q.worker != worker);
+            r.requests.retain(|_, q| match q {
+                Remote::Counted(q) => q.worker != worker,
+                Remote::Tracked(g) => g.worker() != worker,
+            });
         }
         if let Some(s) = self.sums.get_mut(worker.index()) {
             *s = WorkerLoad::default();
         }
     }
 
-    /// Peers' load on `worker`.
+    /// Peers' counted load on `worker` (tracked requests are in the active sequences).
     pub fn load(&self, worker: WorkerId) -> WorkerLoad {
         self.sums.get(worker.index()).copied().unwrap_or_default()
     }
@@ -325,20 +423,19 @@ impl RemoteLoads {
     }
 
     /// [`RemoteLoads::add_into`] plus the provisional load at `now`: each of our decisions younger
-    /// than the window counted `share` times per live peer on its worker (the expected number of
-    /// peers that made it too), summed per worker and then rounded.
+    /// than the window counted `share` times per peer it still stands for on its worker (the
+    /// expected number of peers that made it too and whose decision has not arrived), summed per
+    /// worker and then rounded.
     pub fn add_into_at(&mut self, candidates: &mut [Candidate], now: Instant) {
         self.add_into(candidates);
         self.prune(now);
-        let peers = self.replicas.len() as f64;
-        if peers == 0.0 || self.provisional.is_empty() {
+        if self.provisional.is_empty() {
             return;
         }
         for c in candidates {
             let Some(&[n, blocks, prefill]) = self.provisional_sums.get(c.worker.index()) else {
                 continue;
             };
-            let (n, blocks, prefill) = (n * peers, blocks * peers, prefill * peers);
             // `as` saturates: a sum past the integer's range counts as its maximum.
             c.active_blocks = c.active_blocks.saturating_add(blocks.round() as u32);
             c.pending_prefill_tokens = c
@@ -431,16 +528,18 @@ mod tests {
         let ms = Duration::from_millis;
         let mut r = RemoteLoads::new();
         r.set_provisional_window(ms(10));
-        // Alone (no peer heard from): our decisions are only our own load.
+        // Alone (no peer heard from): our decisions are only our own load, then and later.
         r.routed_here(W0, 128, 8, 1.0, t);
         let mut c = [Candidate::new(W0), Candidate::new(W1)];
         r.add_into_at(&mut c, t);
         assert_eq!((c[0].inflight, c[0].active_blocks), (0, 0));
+        assert_eq!(r.provisional_len(), 0);
         // Three live peers: each of them is taken to have made the same decision just now.
         for p in ["a", "b", "c"] {
             r.heard(p, t);
         }
         r.dispatch("a", 1, W1, 50, 2, t);
+        r.routed_here(W0, 128, 8, 1.0, t);
         r.routed_here(W0, 128, 8, 1.0, t + ms(4));
         let mut c = [Candidate::new(W0), Candidate::new(W1)];
         r.add_into_at(&mut c, t + ms(5));
@@ -508,6 +607,88 @@ mod tests {
         let mut c = [Candidate::new(W0)];
         r.add_into_at(&mut c, t + ms(15));
         assert_eq!(c[0].inflight, 0);
+    }
+
+    #[test]
+    fn a_peers_real_decision_retires_our_guess_of_it() {
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        let mut r = RemoteLoads::new();
+        r.set_provisional_window(ms(100));
+        r.heard("a", t);
+        r.heard("b", t);
+        // Two of our decisions: each stands for one decision of a and one of b.
+        r.routed_here(W0, 100, 4, 1.0, t);
+        r.routed_here(W0, 100, 4, 1.0, t);
+        let load = |r: &mut RemoteLoads| {
+            let mut c = [Candidate::new(W0), Candidate::new(W1)];
+            r.add_into_at(&mut c, t + ms(1));
+            (c[0].inflight, c[0].active_blocks, c[1].inflight)
+        };
+        assert_eq!(load(&mut r), (4, 16, 0));
+        // a's real decision (to another worker) arrives: it replaces a's share of our oldest
+        // guess, it does not add to it.
+        r.dispatch("a", 1, W1, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (3, 12, 1));
+        r.dispatch("a", 2, W0, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (2 + 1, 8 + 4, 1));
+        // a has replaced both guesses: its third decision retires nothing of b's.
+        r.dispatch("a", 3, W1, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (2 + 1, 8 + 4, 2));
+        r.dispatch("b", 1, W0, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (1 + 2, 4 + 8, 2));
+        // A snapshot of b neither retires a guess nor forgets which ones b has replaced.
+        r.replace("b", [(1, W0, 100, 4)], t + ms(1));
+        assert_eq!(load(&mut r), (1 + 2, 4 + 8, 2));
+        r.dispatch("b", 2, W1, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (2, 8, 3));
+        // A newer decision of ours is retired before an older guess could be twice.
+        r.routed_here(W1, 100, 4, 1.0, t + ms(2));
+        r.dispatch("b", 3, W0, 100, 4, t + ms(2));
+        let mut c = [Candidate::new(W0), Candidate::new(W1)];
+        r.add_into_at(&mut c, t + ms(3));
+        assert_eq!((c[0].inflight, c[1].inflight), (3, 3 + 1));
+    }
+
+    #[test]
+    fn tracked_requests_share_blocks_with_ours_and_leave_with_their_replica() {
+        let t = Instant::now();
+        let active = crate::ActiveSequences::new();
+        let mut r = RemoteLoads::new();
+        // A new 4-block prefix, sent to W0 at the same instant by us and by two peers (each with
+        // its own 1-block suffix): active there once, plus the three suffixes.
+        let ours = active.add_at(W0, 1, &[1, 2, 3, 4, 10], 80, 0, t);
+        r.dispatch_tracked("a", 7, active.add_at(W0, 7, &[1, 2, 3, 4, 11], 80, 0, t), t);
+        r.dispatch_tracked("b", 7, active.add_at(W0, 7, &[1, 2, 3, 4, 12], 16, 0, t), t);
+        let mut c = [Candidate::new(W0)];
+        active.fill_loads(&[1, 2, 3, 4, 13], &mut c);
+        r.add_into(&mut c);
+        assert_eq!(
+            (c[0].active_blocks, c[0].inflight, c[0].new_blocks),
+            (7, 3, 1)
+        );
+        assert_eq!(c[0].pending_prefill_tokens, 176);
+        assert_eq!(r.total_inflight(), 2);
+        r.prefill_done("a", 7, t);
+        assert_eq!(active.snapshot(W0).pending_prefill_tokens, 96);
+        // a frees its request; b goes silent and expires with its whole share.
+        r.free("a", 7, t);
+        assert_eq!(active.snapshot(W0).active_blocks, 6);
+        r.heard("c", t + Duration::from_secs(10));
+        assert_eq!(
+            r.expire(t + Duration::from_secs(10), Duration::from_secs(5))
+                .len(),
+            2
+        );
+        assert_eq!(
+            (
+                active.snapshot(W0).active_blocks,
+                active.snapshot(W0).inflight
+            ),
+            (5, 1)
+        );
+        drop(ours);
+        assert_eq!(active.snapshot(W0), WorkerLoad::default());
     }
 
     #[test]

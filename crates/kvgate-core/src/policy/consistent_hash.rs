@@ -9,7 +9,7 @@
 //! `ceil(load_factor · (total in-flight + 1) / n)`; the highest-ranked worker under the bound wins.
 
 use super::Policy;
-use crate::select::{BusyThresholds, Candidate, Decision, Eligibility, RouteRequest};
+use crate::select::{rendezvous, BusyThresholds, Candidate, Decision, Eligibility, RouteRequest};
 
 /// Settings of `consistent_hash`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,21 +36,6 @@ impl ConsistentHash {
     pub fn new(cfg: ConsistentHashConfig, busy: BusyThresholds) -> Self {
         Self { cfg, busy }
     }
-}
-
-/// SplitMix64 finaliser: a bijective, well-mixed 64-bit hash.
-#[inline]
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// Rank of `worker` for `key` (higher wins).
-#[inline]
-pub(crate) fn rendezvous(key: u64, worker: u32) -> u64 {
-    mix(key ^ mix(u64::from(worker)))
 }
 
 impl Policy for ConsistentHash {
@@ -86,7 +71,7 @@ impl Policy for ConsistentHash {
             candidates
                 .iter()
                 .filter(|c| el.ok(c) && (!bounded || u64::from(c.inflight) < cap))
-                .max_by_key(|c| rendezvous(key, c.worker.0))
+                .max_by_key(|c| rendezvous(key, c.stable_id))
         };
         let c = best(true).or_else(|| best(false))?;
         Some(Decision::for_candidate(req, c, f64::from(c.inflight)))

@@ -3,7 +3,7 @@
 
 use super::Policy;
 use crate::select::{
-    pick_with_share, BusyThresholds, Candidate, Decision, Eligibility, KvCostConfig, RouteRequest,
+    pick_for_request, BusyThresholds, Candidate, Decision, Eligibility, KvCostConfig, RouteRequest,
 };
 
 /// Cost-based KV-aware routing.
@@ -45,7 +45,7 @@ impl Policy for KvPolicy {
             let c = &candidates[i];
             el.ok(c).then(|| self.cfg.cost(req, c))
         };
-        let (i, share) = pick_with_share(candidates.len(), cost, self.cfg.temperature, rng)?;
+        let (i, share) = pick_for_request(req, candidates, cost, self.cfg.temperature, rng)?;
         let c = &candidates[i];
         Some(Decision::for_candidate(req, c, self.cfg.cost(req, c)).with_share(share))
     }

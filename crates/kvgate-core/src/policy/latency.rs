@@ -12,7 +12,7 @@
 use super::Policy;
 use crate::latency::LatencyConfig;
 use crate::select::{
-    pick_with_share, BusyThresholds, Candidate, Decision, Eligibility, RouteRequest,
+    pick_for_request, BusyThresholds, Candidate, Decision, Eligibility, RouteRequest,
 };
 
 /// Settings of the `latency` policy.
@@ -127,7 +127,7 @@ impl Policy for LatencyPolicy {
             let c = &candidates[i];
             el.ok(c).then(|| self.cfg.cost(req, c).0)
         };
-        let (i, share) = pick_with_share(candidates.len(), cost, self.cfg.temperature, rng)?;
+        let (i, share) = pick_for_request(req, candidates, cost, self.cfg.temperature, rng)?;
         let c = &candidates[i];
         Some(Decision::for_candidate(req, c, self.cfg.cost(req, c).0).with_share(share))
     }

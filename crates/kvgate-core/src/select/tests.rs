@@ -258,3 +258,86 @@ fn pending_weight_keeps_a_long_prefix_through_a_burst() {
     };
     assert_eq!(pick(cfg), Some(0));
 }
+
+/// Four idle workers: every one equally cheap for a new prompt.
+fn idle_fleet(stable: [u64; 4]) -> Vec<Candidate> {
+    (0..4)
+        .map(|i| {
+            let mut c = Candidate::new(WorkerId(i));
+            c.stable_id = stable[i as usize];
+            c
+        })
+        .collect()
+}
+
+fn kv_pick(r: &RouteRequest<'_>, cands: &[Candidate], rng: &mut fastrand::Rng) -> (u64, f64) {
+    let cfg = KvCostConfig::default();
+    let (i, share) =
+        pick_for_request(r, cands, |i| Some(cfg.cost(r, &cands[i])), 0.0, rng).unwrap();
+    (cands[i].stable_id, share)
+}
+
+#[test]
+fn replicas_break_a_tie_on_a_new_prefix_the_same_way() {
+    let stable = [11, 22, 33, 44];
+    let hashes = [7u64, 8, 9];
+    let r = req(&hashes, 48);
+    // Replicas with their own random state and their own worker ids (another order) agree. The
+    // share stays 1/4: a peer's request with another prompt would land on any of the four.
+    let a = kv_pick(&r, &idle_fleet(stable), &mut fastrand::Rng::with_seed(1));
+    let mut other = idle_fleet(stable);
+    other.reverse();
+    for (i, c) in other.iter_mut().enumerate() {
+        c.worker = WorkerId(i as u32);
+    }
+    for seed in 2..20 {
+        assert_eq!(kv_pick(&r, &other, &mut fastrand::Rng::with_seed(seed)), a);
+    }
+    assert_eq!(a.1, 0.25);
+    // The next request of the same new prefix (another suffix) opens the same worker.
+    let next = [7u64, 8, 10];
+    let b = kv_pick(
+        &req(&next, 48),
+        &idle_fleet(stable),
+        &mut fastrand::Rng::with_seed(5),
+    );
+    assert_eq!(b, a);
+}
+
+#[test]
+fn ties_key_on_the_first_block_no_tied_worker_holds() {
+    // Every worker holds a 2-block system prompt: requests that differ after it spread over the
+    // workers (their keys differ); without the overlap they would all share hashes[0]'s pick.
+    let mut cands = idle_fleet([1, 2, 3, 4]);
+    for c in &mut cands {
+        c.overlap_blocks = 2;
+    }
+    let mut seen = std::collections::HashSet::new();
+    for k in 0..64u64 {
+        let hashes = [100, 200, mix(k), mix(k + 1000)];
+        let (w, share) = kv_pick(&req(&hashes, 64), &cands, &mut fastrand::Rng::with_seed(k));
+        assert_eq!(share, 0.25);
+        seen.insert(w);
+    }
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    // A prompt every tied worker holds whole (or shorter than a block) has no key: at random.
+    let hashes = [100u64, 200];
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..64 {
+        let (w, share) = kv_pick(
+            &req(&hashes, 32),
+            &cands,
+            &mut fastrand::Rng::with_seed(seed),
+        );
+        assert_eq!(share, 0.25);
+        seen.insert(w);
+    }
+    assert_eq!(seen.len(), 4);
+    // A clear winner is not a tie.
+    cands[2].overlap_blocks = 4;
+    let hashes = [100u64, 200, 300, 400, 500];
+    assert_eq!(
+        kv_pick(&req(&hashes, 80), &cands, &mut fastrand::Rng::with_seed(0)),
+        (3, 1.0)
+    );
+}
