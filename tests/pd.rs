@@ -248,6 +248,58 @@ fn short_prompts_run_on_the_decode_worker_alone() {
 }
 
 #[test]
+fn short_prompts_do_not_pile_onto_a_crowded_decode_worker() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    // Slow decode workers, so streams stay in flight while the test looks.
+    let (_d0, d0) = sim(&["--role", "decode", "--slowdown", "500"]);
+    let (_d1, d1) = sim(&["--role", "decode", "--slowdown", "500"]);
+    let (_g, ga) = gateway("", &[pa], &[d0, d1]);
+    let decisions = |path: &str, reason: &str| {
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &[&format!("path=\"{path}\""), &format!("reason=\"{reason}\"")],
+        )
+    };
+    let p = prompt("c", 700);
+    // Nothing cached on a decode worker yet: disaggregated; its decode worker keeps the prompt.
+    let (st, body) = http(ga, "POST", "/v1/chat/completions", &chat(&p, false, 1));
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(decisions("disaggregated", "prefilled"), 1.0);
+    // The same prompt again, three times at once with long streams: each runs on that worker
+    // alone (0, 1, 2 requests in flight there against an average of 0, 0.5, 1).
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            let body = chat(&p, true, 40);
+            std::thread::spawn(move || http(ga, "POST", "/v1/chat/completions", &body))
+        })
+        .collect();
+    eventually("three local streams in flight", || {
+        decisions("local", "short_prompt") == 3.0 && total_inflight(ga) == 3.0
+    });
+    // A fourth would make it 4 there against an average of 1.5: disaggregated instead.
+    let (st, body) = http(ga, "POST", "/v1/chat/completions", &chat(&p, false, 1));
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(metric(ga, "kvgate_pd_local_declined_total", &[]), 1.0);
+    assert_eq!(decisions("local", "short_prompt"), 3.0);
+    assert_eq!(decisions("disaggregated", "prefilled"), 2.0);
+    for s in streams {
+        let (st, body) = s.join().expect("stream thread");
+        assert_eq!(st, 200);
+        assert!(body.contains("[DONE]"), "{body}");
+    }
+}
+
+/// Requests in flight through the gateway, over every worker.
+fn total_inflight(addr: SocketAddr) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", "");
+    text.lines()
+        .filter(|l| l.starts_with("kvgate_inflight_requests{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
 fn prefill_failure_falls_back_to_decode_only() {
     let (_p, pa) = sim(&["--role", "prefill", "--pd-prefill-fail-rate", "1"]);
     let (_d, da) = sim(&["--role", "decode"]);
@@ -374,7 +426,7 @@ fn the_helm_pd_values_config_loads() {
         .map(|l| format!("{}\n", l.strip_prefix("  ").unwrap_or(l)))
         .collect();
     let cfg = kvgate_gateway::config::Config::from_toml(&toml).expect("pd-values config loads");
-    assert_eq!(cfg.pd.min_uncached_tokens, 256);
+    assert_eq!(cfg.pd.min_uncached_tokens, 512);
     let roles: Vec<_> = cfg.worker_pools.iter().map(|p| p.role.as_str()).collect();
     assert_eq!(roles, ["prefill", "decode"]);
     // Every address a pool resolves to becomes a worker with the pool's role.

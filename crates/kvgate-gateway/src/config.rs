@@ -478,8 +478,9 @@ pub struct PdConfig {
     /// or `auto` (per pool, from its prefill workers' announced mode or `kind`).
     pub protocol: PdProtocol,
     /// Conditional disaggregation: a request whose uncached prompt on the chosen decode worker is
-    /// below this many tokens runs on the decode worker alone. 0 = always disaggregate (whenever a
-    /// prefill worker can take the request).
+    /// below this many tokens runs on the decode worker alone, unless that worker has more
+    /// requests in flight than the decode pool's average plus one. 0 = always disaggregate
+    /// (whenever a prefill worker can take the request).
     pub min_uncached_tokens: u64,
     /// A prefill leg's whole answer must arrive within this many seconds (it is one token).
     pub prefill_timeout_s: u64,
@@ -496,7 +497,7 @@ impl Default for PdConfig {
     fn default() -> Self {
         PdConfig {
             protocol: PdProtocol::default(),
-            min_uncached_tokens: 256,
+            min_uncached_tokens: 512,
             prefill_timeout_s: 60,
             decode_policy: None,
         }

@@ -188,6 +188,7 @@ pub struct PdMetrics {
     pub prefill_duration: Histogram,
     pub transfer_wait: Histogram,
     pub handoff_failures: Family<KindLabel, Counter>,
+    pub local_declined: Counter,
     pub worker_role: Family<WorkerRoleLabels, Gauge>,
 }
 
@@ -466,6 +467,7 @@ impl Metrics {
                 prefill_duration: reg!("kvgate_pd_prefill_duration_seconds", "Duration of successful prefill legs (sent to answer read).", latency_buckets()),
                 transfer_wait: reg!("kvgate_pd_transfer_wait_seconds", "Disaggregated streams: the decode worker's first token minus the prefill worker's answer (decode queue + KV transfer + one step).", latency_buckets()),
                 handoff_failures: reg!("kvgate_pd_handoff_failures", "Prefill/decode handoff failures by kind (prefill_error, no_params, decode_error).", Family::default()),
+                local_declined: reg!("kvgate_pd_local_declined", "Short prompts (below pd.min_uncached_tokens) disaggregated anyway because the decode worker that would run them whole had more requests in flight than the decode pool's average plus one.", Counter::default()),
                 worker_role: reg!("kvgate_worker_role", "1 for each worker's prefill/decode role: prefill, decode, both (configured, or detected from the worker's /server_info with role = auto), or unknown while an auto worker has not answered (it gets no traffic).", Family::default()),
             },
             worker: WorkerSignals {

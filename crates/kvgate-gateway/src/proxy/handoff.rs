@@ -1,6 +1,7 @@
 //! The prefill/decode handoff (vLLM NixlConnector), run by the proxy before its decode-leg loop;
 //! the steps are described in `pd.rs`.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use crate::pd::{
     bootstrap_room, decode_body, prefill_body, sub_pool, trtllm_context_body,
     trtllm_context_outcome, trtllm_generation_body, ContextOutcome, Prefilled,
 };
+use crate::registry::{Pool, Worker};
 use crate::router::NoPick;
 use crate::state::AppState;
 
@@ -56,6 +58,20 @@ pub(crate) fn decode_failed(app: &AppState, ctx: &RequestCtx) {
     }
 }
 
+/// Whether `worker` has more requests in flight than the average decode-capable worker of `decode`
+/// plus one (then a short prompt is not run locally there: see `prepare_handoff`).
+fn crowded(decode: &Pool, worker: &Worker) -> bool {
+    let n = decode.workers.len().max(1) as u64;
+    let total: u64 = decode
+        .workers
+        .iter()
+        .map(|w| u64::from(w.state.inflight.load(Ordering::Relaxed)))
+        .sum();
+    let mine = u64::from(worker.state.inflight.load(Ordering::Relaxed));
+    // mine > mean + 1, in integers.
+    mine * n > total + n
+}
+
 /// What one prefill leg came back with.
 enum LegResult {
     Params(Value, Option<Usage>),
@@ -88,18 +104,28 @@ pub(crate) async fn prepare_handoff(
     let router = &app.fleet.router;
     let now = Instant::now();
     let bs = u64::from(p.pool.block_size);
-    let uncached = match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
+    let local = match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
         Ok(pick) => {
-            p.ri.isl
-                .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs)
+            let uncached =
+                p.ri.isl
+                    .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
+            Some((uncached, crowded(&decode, &pick.worker)))
         }
-        Err(_) => p.ri.isl,
+        Err(_) => None,
     };
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
     p.pool = Arc::new(decode);
-    if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
-        decision(app, ctx, "local", "short_prompt");
-        return Ok(None);
+    if let Some((uncached, crowded)) = local {
+        if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
+            if !crowded {
+                decision(app, ctx, "local", "short_prompt");
+                return Ok(None);
+            }
+            // The worker holding the prompt already has more than its share of the decode pool's
+            // requests: local runs of one shared prompt would pile there, while a disaggregated
+            // request's decode leg goes where decode load is least.
+            app.metrics.pd.local_declined.inc();
+        }
     }
     let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
     if protocol == Handoff::Sglang {
