@@ -301,6 +301,59 @@ fn demo_with_small_knobs() {
     );
 }
 
+/// `--prefill-workers 1 --decode-workers 1`: the demo's PD fleet and its four PD rows.
+#[test]
+fn demo_with_a_prefill_decode_fleet() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("demo-pd");
+    let out_s = out.to_string_lossy().into_owned();
+    let (ok, stdout, stderr) = run_kvgate(
+        &[
+            "demo",
+            "--prefill-workers",
+            "1",
+            "--decode-workers",
+            "1",
+            "--requests",
+            "20",
+            "--rate",
+            "40",
+            "--speedup",
+            "20",
+            "--out-dir",
+            &out_s,
+        ],
+        dir.path(),
+        Duration::from_secs(90),
+    );
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let names = ["kv_pd", "kv_pd_always", "rr_pairs", "unified_kv"];
+    check_outputs(&out, &stdout, &names, 20);
+    assert!(
+        stderr.contains("kvgate demo: 2 simulated workers (1 prefill, 1 decode)"),
+        "{stderr}"
+    );
+    // The PD rows' gateways know the roles and the always row never runs locally; the unified
+    // row routes the same sims without roles.
+    let cfg = |row: &str| {
+        std::fs::read_to_string(out.join("logs").join(format!("serve-{row}.toml"))).unwrap()
+    };
+    let always = cfg("kv_pd_always");
+    assert!(always.contains("role = \"prefill\"") && always.contains("role = \"decode\""));
+    assert!(always.contains("min_uncached_tokens = 0"), "{always}");
+    assert!(!cfg("unified_kv").contains("role = "));
+    assert_children_gone(
+        &stderr,
+        &[
+            "sim",
+            "serve-kv_pd",
+            "serve-kv_pd_always",
+            "serve-rr_pairs",
+            "serve-unified_kv",
+        ],
+    );
+}
+
 #[test]
 fn demo_rejects_bad_knobs() {
     let dir = tempfile::tempdir().unwrap();
@@ -308,6 +361,10 @@ fn demo_rejects_bad_knobs() {
         (&["demo", "--workers", "0"][..], "--workers must be > 0"),
         (&["demo", "--rate", "0"][..], "--rate must be a number > 0"),
         (&["demo", "--requests", "0"][..], "--requests must be > 0"),
+        (
+            &["demo", "--prefill-workers", "0"][..],
+            "--prefill-workers must be > 0",
+        ),
     ] {
         let (ok, _, stderr) = run_kvgate(args, dir.path(), Duration::from_secs(30));
         assert!(!ok, "{args:?}");

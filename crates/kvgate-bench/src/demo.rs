@@ -1,5 +1,6 @@
 //! `kvgate demo`: a simulated fleet, a shared-prefix workload, three policies, one table
-//! (`--replicas N`: plus `kv` as N replicas without and with cluster mode).
+//! (`--replicas N`: plus `kv` as N replicas without and with cluster mode; `--prefill-workers N
+//! --decode-workers M`: a prefill/decode fleet and the PD rows instead).
 
 use std::path::PathBuf;
 
@@ -33,6 +34,14 @@ pub struct DemoArgs {
     /// NATS for the replicas' cluster (default: start nats-server from PATH).
     #[arg(long)]
     pub nats_url: Option<String>,
+    /// A prefill/decode fleet: this many prefill sims (plus `--decode-workers`, which replaces
+    /// `--workers`), compared as kvgate PD (conditional, the default), kvgate PD always
+    /// disaggregating, round-robin pairs and the same sims as one unified fleet.
+    #[arg(long)]
+    pub prefill_workers: Option<usize>,
+    /// Decode sims of the prefill/decode fleet (default with `--prefill-workers`: 4).
+    #[arg(long, requires = "prefill_workers")]
+    pub decode_workers: Option<usize>,
 }
 
 impl Default for DemoArgs {
@@ -55,21 +64,30 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
         c: CompareArgs,
     }
     let out = out_dir.to_string_lossy().into_owned();
+    let pd = d
+        .prefill_workers
+        .map(|p| (p, d.decode_workers.unwrap_or(DEFAULT_DECODE_WORKERS)));
     let (workers, rate, speedup) = (
-        d.workers.to_string(),
+        pd.map_or(d.workers, |(p, m)| p + m).to_string(),
         d.rate.to_string(),
         d.speedup.to_string(),
     );
     let requests = d.requests.map(|n| n.to_string());
     let n = d.replicas;
-    let policies = if n > 1 {
-        format!(
-            "round_robin,least_loaded,kv,kv_x{n}_no_cluster=kv:replicas={n}:cluster=false,\
-             kv_x{n}_cluster=kv:replicas={n}"
-        )
+    let mut policies = if pd.is_some() {
+        "kv_pd=kv,kv_pd_always=kv:pd_min_uncached_tokens=0,\
+         rr_pairs=round_robin:pd_min_uncached_tokens=0,unified_kv=kv:unified=true"
+            .to_owned()
     } else {
         "round_robin,least_loaded,kv".to_owned()
     };
+    if n > 1 {
+        let base = if pd.is_some() { "kv_pd" } else { "kv" };
+        policies.push_str(&format!(
+            ",{base}_x{n}_no_cluster=kv:replicas={n}:cluster=false,{base}_x{n}_cluster=kv:replicas={n}"
+        ));
+    }
+    let prefill = pd.map(|(p, _)| p.to_string());
     let mut argv = vec![
         "demo",
         "--workload",
@@ -89,7 +107,9 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
         "--block-size",
         "16",
         "--num-gpu-blocks",
-        "400",
+        // A PD fleet has a third of its sims prefilling: enough cache there for the groups'
+        // prompts (a unified worker holds about four groups, the demo's point).
+        if pd.is_some() { "2048" } else { "400" },
         "--speedup",
         &speedup,
         "--rate",
@@ -106,13 +126,24 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
     if let Some(u) = &d.nats_url {
         argv.extend(["--nats-url", u]);
     }
+    if let Some(p) = &prefill {
+        argv.extend(["--prefill-workers", p]);
+    }
     P::parse_from(argv).c
 }
+
+/// Decode sims when `--prefill-workers` is given without `--decode-workers`.
+const DEFAULT_DECODE_WORKERS: usize = 4;
 
 pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!(d.workers > 0, "--workers must be > 0");
     anyhow::ensure!(d.requests != Some(0), "--requests must be > 0");
     anyhow::ensure!(d.replicas > 0, "--replicas must be > 0");
+    anyhow::ensure!(
+        d.prefill_workers != Some(0),
+        "--prefill-workers must be > 0 (leave it out for a unified fleet)"
+    );
+    anyhow::ensure!(d.decode_workers != Some(0), "--decode-workers must be > 0");
     anyhow::ensure!(
         d.rate.is_finite() && d.rate > 0.0,
         "--rate must be a number > 0"
@@ -126,9 +157,16 @@ pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("kvgate-demo"));
     let args = demo_args(&d, out.clone());
+    let fleet = match args.fleet.prefill_workers {
+        Some(p) => format!(
+            "{} simulated workers ({p} prefill, {} decode)",
+            args.fleet.workers,
+            args.fleet.workers - p
+        ),
+        None => format!("{} simulated workers", args.fleet.workers),
+    };
     eprintln!(
-        "kvgate demo: {} simulated workers, shared-prefix workload ({} groups x {} prompts), policies {}",
-        args.fleet.workers,
+        "kvgate demo: {fleet}, shared-prefix workload ({} groups x {} prompts), policies {}",
         args.workload.groups,
         args.workload.prompts_per_group,
         args.policies.join(", ")
@@ -165,6 +203,8 @@ mod tests {
             out_dir: None,
             replicas: 1,
             nats_url: None,
+            prefill_workers: None,
+            decode_workers: None,
         };
         let a = demo_args(&d, "/tmp/y".into());
         assert_eq!(a.fleet.workers, 2);
@@ -191,5 +231,31 @@ mod tests {
         );
         assert_eq!(a.replicas, 1);
         assert_eq!(a.nats_url.as_deref(), Some("nats://127.0.0.1:4222"));
+        // A PD fleet: prefill + decode sims (decode 4 unless given), the PD rows.
+        let d = DemoArgs {
+            replicas: 1,
+            prefill_workers: Some(2),
+            ..d
+        };
+        let a = demo_args(&d, "/tmp/pd".into());
+        assert_eq!((a.fleet.workers, a.fleet.prefill_workers), (6, Some(2)));
+        assert_eq!(
+            a.policies,
+            vec![
+                "kv_pd=kv",
+                "kv_pd_always=kv:pd_min_uncached_tokens=0",
+                "rr_pairs=round_robin:pd_min_uncached_tokens=0",
+                "unified_kv=kv:unified=true"
+            ]
+        );
+        let d = DemoArgs {
+            decode_workers: Some(1),
+            replicas: 2,
+            ..d
+        };
+        let a = demo_args(&d, "/tmp/pd".into());
+        assert_eq!((a.fleet.workers, a.fleet.prefill_workers), (3, Some(2)));
+        assert_eq!(a.policies.len(), 6);
+        assert_eq!(a.policies[5], "kv_pd_x2_cluster=kv:replicas=2");
     }
 }
