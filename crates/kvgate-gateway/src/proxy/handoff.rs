@@ -104,28 +104,29 @@ pub(crate) async fn prepare_handoff(
     let router = &app.fleet.router;
     let now = Instant::now();
     let bs = u64::from(p.pool.block_size);
-    let local = match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
-        Ok(pick) => {
-            let uncached =
-                p.ri.isl
-                    .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
-            Some((uncached, crowded(&decode, &pick.worker)))
-        }
-        Err(_) => None,
-    };
+    let (uncached, crowded) =
+        match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
+            Ok(pick) => {
+                let uncached =
+                    p.ri.isl
+                        .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
+                (uncached, crowded(&decode, &pick.worker))
+            }
+            // Every decode worker busy: a short prompt still skips the handoff (it waits for a
+            // decode worker either way).
+            Err(_) => (p.ri.isl, false),
+        };
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
     p.pool = Arc::new(decode);
-    if let Some((uncached, crowded)) = local {
-        if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
-            if !crowded {
-                decision(app, ctx, "local", "short_prompt");
-                return Ok(None);
-            }
-            // The worker holding the prompt already has more than its share of the decode pool's
-            // requests: local runs of one shared prompt would pile there, while a disaggregated
-            // request's decode leg goes where decode load is least.
-            app.metrics.pd.local_declined.inc();
+    if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
+        if !crowded {
+            decision(app, ctx, "local", "short_prompt");
+            return Ok(None);
         }
+        // The worker holding the prompt already has more than its share of the decode pool's
+        // requests: local runs of one shared prompt would pile there, while a disaggregated
+        // request's decode leg goes where decode load is least.
+        app.metrics.pd.local_declined.inc();
     }
     let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
     if protocol == Handoff::Sglang {
