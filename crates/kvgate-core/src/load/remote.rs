@@ -103,13 +103,15 @@ impl RemoteLoads {
     }
 
     fn replica(&mut self, replica: &str, now: Instant) -> &mut Replica {
+        // Our decisions before a replica was heard from do not stand for it.
+        let next = self.next_seq;
         let r = self
             .replicas
             .entry(replica.to_owned())
             .or_insert_with(|| Replica {
                 last_heard: now,
                 requests: HashMap::new(),
-                retire_from: 0,
+                retire_from: next,
             });
         if now > r.last_heard {
             r.last_heard = now;
@@ -642,12 +644,15 @@ mod tests {
         assert_eq!(load(&mut r), (1 + 2, 4 + 8, 2));
         r.dispatch("b", 2, W1, 100, 4, t + ms(1));
         assert_eq!(load(&mut r), (2, 8, 3));
-        // A newer decision of ours is retired before an older guess could be twice.
+        // A replica first heard after our decisions retires none of them.
+        r.dispatch("late", 1, W1, 100, 4, t + ms(1));
+        assert_eq!(load(&mut r), (2, 8, 4));
+        // A newer decision of ours stands for all three peers now; b's next one retires b's part.
         r.routed_here(W1, 100, 4, 1.0, t + ms(2));
         r.dispatch("b", 3, W0, 100, 4, t + ms(2));
         let mut c = [Candidate::new(W0), Candidate::new(W1)];
         r.add_into_at(&mut c, t + ms(3));
-        assert_eq!((c[0].inflight, c[1].inflight), (3, 3 + 1));
+        assert_eq!((c[0].inflight, c[1].inflight), (3, 4 + 2));
     }
 
     #[test]
