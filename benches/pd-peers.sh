@@ -26,7 +26,8 @@
 #      SKIP_A=1 / SKIP_B=1 (skip a run), SKIP_BUILD=1,
 #      POLICIES_A (run A's `--policies`; default below: kv PD always (decode legs by
 #      least_loaded, the default), conditional, always with kv decode legs, round-robin pairs,
-#      unified).
+#      unified), POLICIES_B (run B's: kv PD always and conditional, round-robin pairs; all with
+#      the SGLang handoff).
 set -euo pipefail
 OUT=${1:-pd-peers-out}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,6 +42,7 @@ SPEEDUP=${SPEEDUP:-2}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:---workload shared-prefix --groups 16 --prompts-per-group 10 --system-tokens 1024 --question-tokens 128 --output-len 32}
 N=$((P + D))
 POLICIES_A=${POLICIES_A:-kv_pd=kv:pd_min_uncached_tokens=0,kv_pd_cond=kv,kv_pd_kv_decode=kv:pd_min_uncached_tokens=0:pd_decode_policy=kv,rr_pairs=round_robin:pd_min_uncached_tokens=0,unified_kv=kv:unified=true}
+POLICIES_B=${POLICIES_B:-kv_pd_sglang=kv:pd_min_uncached_tokens=0:pd_protocol=sglang,kv_pd_cond_sglang=kv:pd_protocol=sglang,rr_pairs_sglang=round_robin:pd_min_uncached_tokens=0:pd_protocol=sglang}
 MODEL=sim-model
 BASE_A=${BASE_A:-18300}   # HTTP base+i, KV events base+1000+i, replay base+1100+i
 BASE_B=${BASE_B:-18500}
@@ -156,7 +158,7 @@ if [ -z "${SKIP_B:-}" ]; then
   sample_prefill "$BASE_B" "$OUT/B-sglang.prefill-samples" & PIDS+=($!); SAMPLER=$!
   # shellcheck disable=SC2046
   "$KVGATE" "${COMMON[@]}" "${WL[@]}" $(worker_args "$BASE_B") --bootstrap-on-http-port \
-    --policies "kv_pd_sglang=kv:pd_min_uncached_tokens=0:pd_protocol=sglang,rr_pairs_sglang=round_robin:pd_min_uncached_tokens=0:pd_protocol=sglang" \
+    --policies "$POLICIES_B" \
     --external "smg_pd=http://127.0.0.1:$SMG_PORT" \
     --out-dir "$OUT/B-sglang" 2> >(stamp > "$OUT/B-sglang.stderr")
   echo "$(date +%s.%N) END" >> "$OUT/B-sglang.stderr"
@@ -193,7 +195,10 @@ for run in ("A-vllm", "B-sglang"):
     for k, (t0, m) in enumerate(marks):
         if m.startswith("running ") and k + 1 < len(marks):
             name = m.split()[1]
-            a, b = at(t0), at(marks[k + 1][0])
+            # The sampler's first scrape can land just after the first row started: a first
+            # sample that has seen no prompt tokens yet is that row's baseline.
+            first = samples[0] if samples and samples[0][2] == 0 else None
+            a, b = at(t0) or first, at(marks[k + 1][0])
             if a and b and b[2] > a[2]:
                 phit[name] = ((b[1] - a[1]) / (b[2] - a[2]), b[2] - a[2])
     for r in j["rows"]:
