@@ -66,6 +66,10 @@ impl SseScanner {
 
     /// Scans `chunk`, calling `on_event` for every event it completes.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent<'_>)) {
+        if chunk.is_empty() {
+            // Nothing arrived: a `\r` that ended the previous chunk still waits for its `\n`.
+            return;
+        }
         let mut pos = 0;
         if std::mem::take(&mut self.after_cr) && chunk.first() == Some(&b'\n') {
             pos = 1;
