@@ -263,32 +263,35 @@ fn compare_args<'a>(out_s: &'a str, policies: &'a str) -> Vec<&'a str> {
     ]
 }
 
-#[test]
-fn demo_with_small_knobs() {
+/// `kvgate demo FLEET --requests 20 --rate 40 --speedup 20` into a fresh directory, asserted to
+/// succeed: (the directory, the output directory, stdout, stderr).
+fn small_demo(fleet: &[&str]) -> (tempfile::TempDir, std::path::PathBuf, String, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("demo");
     let out_s = out.to_string_lossy().into_owned();
-    let (ok, stdout, stderr) = run_kvgate(
-        &[
-            "demo",
-            "--workers",
-            "2",
-            "--requests",
-            "20",
-            "--rate",
-            "40",
-            "--speedup",
-            "20",
-            "--out-dir",
-            &out_s,
-        ],
-        dir.path(),
-        Duration::from_secs(90),
-    );
+    let mut args = vec!["demo"];
+    args.extend_from_slice(fleet);
+    args.extend([
+        "--requests",
+        "20",
+        "--rate",
+        "40",
+        "--speedup",
+        "20",
+        "--out-dir",
+        &out_s,
+    ]);
+    let (ok, stdout, stderr) = run_kvgate(&args, dir.path(), Duration::from_secs(90));
     assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    (dir, out, stdout, stderr)
+}
+
+#[test]
+fn demo_with_small_knobs() {
+    let (_dir, out, stdout, stderr) = small_demo(&["--workers", "2"]);
     check_outputs(&out, &stdout, &["round_robin", "least_loaded", "kv"], 20);
     assert!(
-        stdout.contains(&format!("plots: {out_s}/ttft_cdf.svg")),
+        stdout.contains(&format!("plots: {}/ttft_cdf.svg", out.display())),
         "{stdout}"
     );
     assert!(
@@ -304,29 +307,8 @@ fn demo_with_small_knobs() {
 /// `--prefill-workers 1 --decode-workers 1`: the demo's PD fleet and its four PD rows.
 #[test]
 fn demo_with_a_prefill_decode_fleet() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("demo-pd");
-    let out_s = out.to_string_lossy().into_owned();
-    let (ok, stdout, stderr) = run_kvgate(
-        &[
-            "demo",
-            "--prefill-workers",
-            "1",
-            "--decode-workers",
-            "1",
-            "--requests",
-            "20",
-            "--rate",
-            "40",
-            "--speedup",
-            "20",
-            "--out-dir",
-            &out_s,
-        ],
-        dir.path(),
-        Duration::from_secs(90),
-    );
-    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let (_dir, out, stdout, stderr) =
+        small_demo(&["--prefill-workers", "1", "--decode-workers", "1"]);
     let names = ["kv_pd", "kv_pd_always", "rr_pairs", "unified_kv"];
     check_outputs(&out, &stdout, &names, 20);
     assert!(
