@@ -90,6 +90,22 @@ pub struct Scheduler {
     slow_since: Option<Instant>,
     /// Lease deadline of every pinned prefill leg.
     leases: HashMap<RequestId, Instant>,
+    /// When the last step was due to end, on the timing model's own timeline (see `step_deadline`).
+    step_end: Option<Instant>,
+}
+
+/// A step that starts within this of the previous one's scheduled end continues the timeline.
+const TIMELINE_SLACK: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// When a step of duration `d` starting `now` ends, given the previous step's scheduled end: back
+/// to back steps run on the model's timeline (each from the previous one's *scheduled* end), so
+/// the timer's rounding up to its tick (~1 ms per sleep) does not add up over a stream's steps;
+/// after an idle gap the timeline restarts at `now`.
+fn step_deadline(prev_end: Option<Instant>, now: Instant, d: std::time::Duration) -> Instant {
+    match prev_end {
+        Some(end) if end + TIMELINE_SLACK >= now => end + d,
+        _ => now + d,
+    }
 }
 
 impl Scheduler {
@@ -116,6 +132,7 @@ impl Scheduler {
             received: 0,
             slow_since: None,
             leases: HashMap::new(),
+            step_end: None,
         }
     }
 
@@ -300,10 +317,14 @@ impl Scheduler {
                 }
             }
             match self.cfg.scaled(ms) {
-                Some(d) => tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(d) => {}
-                },
+                Some(d) => {
+                    let end = step_deadline(self.step_end, started_at, d);
+                    self.step_end = Some(end);
+                    tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        _ = tokio::time::sleep_until(end) => {}
+                    }
+                }
                 None => tokio::task::yield_now().await,
             }
             let outputs = self.engine.complete(&step);
@@ -385,5 +406,27 @@ async fn sleep_until_opt(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod timeline_tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn back_to_back_steps_keep_the_models_timeline_and_idle_restarts_it() {
+        let t = Instant::now();
+        let ms = Duration::from_millis;
+        // The first step starts now.
+        let e1 = step_deadline(None, t, ms(17));
+        assert_eq!(e1, t + ms(17));
+        // The timer woke 0.9 ms late: the next step still ends 17 ms after the first's due end,
+        // so 100 steps take 1.7 s, not 1.79 s.
+        let e2 = step_deadline(Some(e1), e1 + Duration::from_micros(900), ms(17));
+        assert_eq!(e2, t + ms(34));
+        // After an idle gap the timeline starts again from now (no burst of catch-up steps).
+        let later = e2 + ms(500);
+        assert_eq!(step_deadline(Some(e2), later, ms(17)), later + ms(17));
     }
 }
