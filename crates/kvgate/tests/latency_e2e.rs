@@ -82,17 +82,20 @@ fn served(fleet: &SimFleet) -> Vec<u64> {
         .collect()
 }
 
+/// Worker 0 runs 4× slower from its first request (for `lasts`, or to the end).
+fn slow_first_worker(sim: &mut SimConfig, lasts: Option<Duration>) {
+    sim.faults.slowdown = Some(Slowdown {
+        factor: 4.0,
+        after_requests: 0,
+        worker: Some(0),
+        lasts,
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slowed_worker_is_learned_exported_and_gets_less_traffic() {
     let (fleet, gw, names) = start(
-        |sim| {
-            sim.faults.slowdown = Some(Slowdown {
-                factor: 4.0,
-                after_requests: 0,
-                worker: Some(0),
-                lasts: None,
-            })
-        },
+        |sim| slow_first_worker(sim, None),
         |cfg| {
             cfg.upstream.monitor = false;
             // The fitted speed of a worker the gateway stops sending to relaxes towards the
@@ -228,14 +231,7 @@ async fn a_worker_avoided_for_being_slow_is_tried_again_and_gets_traffic_once_it
     // Worker 0 runs 4x slower for 4 s from its first request, then at full speed again.
     let lasts = Duration::from_secs(4);
     let (fleet, gw, names) = start(
-        |sim| {
-            sim.faults.slowdown = Some(Slowdown {
-                factor: 4.0,
-                after_requests: 0,
-                worker: Some(0),
-                lasts: Some(lasts),
-            })
-        },
+        |sim| slow_first_worker(sim, Some(lasts)),
         |cfg| cfg.upstream.monitor = false,
     )
     .await;
