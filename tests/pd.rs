@@ -212,7 +212,12 @@ fn handoff_streamed_and_not_records_prefill_usage_and_frees_blocks() {
 fn short_prompts_run_on_the_decode_worker_alone() {
     let (_p, pa) = sim(&["--role", "prefill"]);
     let (_d, da) = sim(&["--role", "decode"]);
-    let (_g, ga) = gateway("[pd]\nmin_uncached_tokens = 256\n", &[pa], &[da]);
+    // (The idle decode worker would run the long one whole too: that rule has its own test.)
+    let (_g, ga) = gateway(
+        "[pd]\nmin_uncached_tokens = 256\nlocal_on_idle_decode = false\n",
+        &[pa],
+        &[da],
+    );
     let (st, body) = http(
         ga,
         "POST",
@@ -253,7 +258,7 @@ fn short_prompts_do_not_pile_onto_a_crowded_decode_worker() {
     // Slow decode workers, so streams stay in flight while the test looks.
     let (_d0, d0) = sim(&["--role", "decode", "--slowdown", "500"]);
     let (_d1, d1) = sim(&["--role", "decode", "--slowdown", "500"]);
-    let (_g, ga) = gateway("", &[pa], &[d0, d1]);
+    let (_g, ga) = gateway("[pd]\nlocal_on_idle_decode = false\n", &[pa], &[d0, d1]);
     let decisions = |path: &str, reason: &str| {
         metric(
             ga,
@@ -288,6 +293,85 @@ fn short_prompts_do_not_pile_onto_a_crowded_decode_worker() {
         assert_eq!(st, 200);
         assert!(body.contains("[DONE]"), "{body}");
     }
+}
+
+#[test]
+fn long_prompts_run_whole_on_an_idle_decode_worker_only() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    // A slow decode worker, so a stream stays in flight while the test looks.
+    let (_d, da) = sim(&["--role", "decode", "--slowdown", "500"]);
+    let (_g, ga) = gateway("", &[pa], &[da]);
+    let decisions = |path: &str, reason: &str| {
+        metric(
+            ga,
+            "kvgate_pd_decisions_total",
+            &[&format!("path=\"{path}\""), &format!("reason=\"{reason}\"")],
+        )
+    };
+    // 700 uncached tokens (above the default 512) on an idle decode worker: run there whole.
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("a", 700), false, 1),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(decisions("local", "decode_idle"), 1.0);
+    assert_eq!(metric(pa, "vllm:prompt_tokens_total", &[]), 0.0);
+    // A long stream keeps the decode worker busy: the next long prompt is disaggregated, so no
+    // prefill holds up that stream.
+    let stream = {
+        let body = chat(&prompt("b", 700), true, 40);
+        std::thread::spawn(move || http(ga, "POST", "/v1/chat/completions", &body))
+    };
+    eventually("the stream in flight", || total_inflight(ga) == 1.0);
+    assert_eq!(decisions("local", "decode_idle"), 2.0);
+    let (st, body) = http(
+        ga,
+        "POST",
+        "/v1/chat/completions",
+        &chat(&prompt("c", 700), false, 1),
+    );
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(decisions("disaggregated", "prefilled"), 1.0);
+    assert!(metric(pa, "vllm:prompt_tokens_total", &[]) >= 700.0);
+    let (st, body) = stream.join().expect("stream thread");
+    assert_eq!(st, 200);
+    assert!(body.contains("[DONE]"), "{body}");
+    assert_eq!(decisions("local", "decode_idle"), 2.0);
+}
+
+#[test]
+fn the_prefill_leg_teaches_the_prefill_worker_and_the_decode_leg_does_not() {
+    let (_p, pa) = sim(&["--role", "prefill"]);
+    let (_d, da) = sim(&["--role", "decode"]);
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    let fitted = |a: SocketAddr| {
+        metric(
+            ga,
+            "kvgate_worker_prefill_tokens_per_second",
+            &[&format!("worker=\"{a}\"")],
+        )
+    };
+    for i in 0..6 {
+        let (st, body) = http(
+            ga,
+            "POST",
+            "/v1/chat/completions",
+            &chat(&prompt(&format!("t{i}x"), 600), true, 4),
+        );
+        assert_eq!(st, 200, "{body}");
+        assert!(body.contains("[DONE]"), "{body}");
+    }
+    // The sims run 100x faster than the reference curve the model is seeded with: the prefill
+    // worker's answers teach it that; the decode worker's first tokens (the transfer and one step,
+    // after another worker's prefill) must not teach its prefill speed anything.
+    let (p, d) = (fitted(pa), fitted(da));
+    assert!(d > 0.0, "decode worker's fitted throughput exported");
+    assert!(
+        p > 3.0 * d,
+        "prefill worker fitted {p} tok/s, decode worker {d} (the seed)"
+    );
 }
 
 /// Requests in flight through the gateway, over every worker.

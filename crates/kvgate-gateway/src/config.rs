@@ -482,6 +482,11 @@ pub struct PdConfig {
     /// requests in flight than the decode pool's average plus one. 0 = always disaggregate
     /// (whenever a prefill worker can take the request).
     pub min_uncached_tokens: u64,
+    /// With `min_uncached_tokens` > 0: a request at or above it still runs on the decode worker
+    /// alone when that worker has nothing in flight (a prefill there holds up no stream) and the
+    /// request's predicted TTFT there is at most its predicted TTFT on the prefill worker the
+    /// handoff would use. Ignored when `min_uncached_tokens` is 0 (always disaggregate).
+    pub local_on_idle_decode: bool,
     /// A prefill leg's whole answer must arrive within this many seconds (it is one token).
     pub prefill_timeout_s: u64,
     /// The policy that chooses the decode worker of a disaggregated request (any
@@ -498,6 +503,7 @@ impl Default for PdConfig {
         PdConfig {
             protocol: PdProtocol::default(),
             min_uncached_tokens: 512,
+            local_on_idle_decode: true,
             prefill_timeout_s: 60,
             decode_policy: None,
         }

@@ -166,7 +166,10 @@ impl RequestCtx {
             if let Some(g) = &self.guard {
                 g.prefill_done();
                 // A non-streamed response's "first token" is its end: not a TTFT to learn from.
-                if self.stream {
+                // Nor is a disaggregated request's: its first token follows another worker's
+                // prefill and the KV transfer, which say nothing of this (decode) worker's
+                // prefill speed (the prefill leg teaches its own worker: proxy/handoff.rs).
+                if self.stream && self.pd.is_none() && self.pd_partner.is_none() {
                     if let Some((predicted, observed)) = g.observe_first_token(now) {
                         self.telemetry
                             .metrics

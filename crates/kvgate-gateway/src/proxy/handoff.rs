@@ -104,17 +104,25 @@ pub(crate) async fn prepare_handoff(
     let router = &app.fleet.router;
     let now = Instant::now();
     let bs = u64::from(p.pool.block_size);
-    let (uncached, crowded) =
+    let (uncached, crowded, idle_estimate) =
         match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
             Ok(pick) => {
                 let uncached =
                     p.ri.isl
                         .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
-                (uncached, crowded(&decode, &pick.worker))
+                // Nothing in flight there (as the router counts it, peers' requests included):
+                // the request's TTFT estimate if that worker ran it whole.
+                let idle = pick.estimate.step_ms == 0.0
+                    && pick.worker.state.inflight.load(Ordering::Relaxed) == 0;
+                (
+                    uncached,
+                    crowded(&decode, &pick.worker),
+                    idle.then_some(pick.estimate),
+                )
             }
             // Every decode worker busy: a short prompt still skips the handoff (it waits for a
             // decode worker either way).
-            Err(_) => (p.ri.isl, false),
+            Err(_) => (p.ri.isl, false, None),
         };
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
     p.pool = Arc::new(decode);
@@ -127,6 +135,23 @@ pub(crate) async fn prepare_handoff(
         // requests: local runs of one shared prompt would pile there, while a disaggregated
         // request's decode leg goes where decode load is least.
         app.metrics.pd.local_declined.inc();
+    } else if settings.min_uncached_tokens > 0 && settings.local_on_idle_decode {
+        // A long prompt on an idle decode worker: a prefill there holds up no stream, so it runs
+        // there whole unless the prefill worker the handoff would use is predicted to be faster
+        // (a cached prefix, a faster worker); the handoff's own cost is not counted.
+        if let Some(local) = idle_estimate {
+            if let Ok(pp) = router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now)
+            {
+                // Both at the prefill worker's learned speed: a decode worker learns its own
+                // prefill speed only from the requests it runs whole (a disaggregated request's
+                // first token there follows another worker's prefill).
+                let speed = router.latency.lock().speed(pp.worker.id);
+                if local.at_speed(speed) <= pp.estimate.predicted_ms {
+                    decision(app, ctx, "local", "decode_idle");
+                    return Ok(None);
+                }
+            }
+        }
     }
     let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
     if protocol == Handoff::Sglang {
@@ -183,6 +208,16 @@ pub(crate) async fn prepare_handoff(
             trtllm,
         )
         .await;
+        if matches!(result, LegResult::Params(..)) {
+            // The prefill worker's answer (its one token) is its time to first token: it teaches
+            // that worker's prefill speed, and its prediction error is the worker's.
+            guard.prefill_done();
+            if let Some((predicted, observed)) = guard.observe_first_token(Instant::now()) {
+                app.metrics
+                    .ttft_prediction_error
+                    .observe((predicted - observed).abs() / observed.max(1e-3));
+            }
+        }
         drop(guard);
         app.admission.wake_one();
         match result {
