@@ -436,7 +436,7 @@ impl Metrics {
             pending_prefill: reg!("kvgate_worker_pending_prefill_tokens", "Prompt tokens sent to each worker whose first token has not arrived yet (in cluster mode including the peers' requests it knows with their blocks).", Family::default()),
             predicted_ttft: reg!("kvgate_worker_predicted_ttft_seconds", "Predicted TTFT (from dispatch) of the last request routed to each worker, by the latency model.", Family::default()),
             prefill_throughput: reg!("kvgate_worker_prefill_tokens_per_second", "Each worker's fitted prefill throughput: a 1024-token prompt on the idle worker at its learned speed.", Family::default()),
-            ttft_prediction_error: reg!("kvgate_ttft_prediction_error_ratio", "|predicted - observed| / observed TTFT (from dispatch) of streamed requests, per request.", error_ratio_buckets()),
+            ttft_prediction_error: reg!("kvgate_ttft_prediction_error_ratio", "|predicted - observed| / observed TTFT (from dispatch) of streamed requests, per request; in PD pools per prefill leg (a disaggregated request's decode leg is not counted).", error_ratio_buckets()),
             worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining, its breaker is not open and its role is known (role = auto).", Family::default()),
             worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
             index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers), predicted ones included.", Gauge::default()),
