@@ -110,6 +110,8 @@ pub struct EngineSlots {
     pub limit: u32,
     /// Mean ms from dispatch to the end of a request there; 0 = not known.
     pub service_ms: f64,
+    /// Mean tokens a request there generated; 0 = not known.
+    pub output_tokens: f64,
 }
 
 impl EngineSlots {
@@ -117,6 +119,7 @@ impl EngineSlots {
     pub const UNKNOWN: EngineSlots = EngineSlots {
         limit: 0,
         service_ms: 0.0,
+        output_tokens: 0.0,
     };
 
     /// Expected ms before a request sent now gets a slot, with `inflight` requests already there:
@@ -128,6 +131,49 @@ impl EngineSlots {
             return 0.0;
         }
         f64::from(inflight - self.limit + 1) * self.service_ms / f64::from(self.limit + 1)
+    }
+
+    /// Blocks a request grows by while it runs, beyond its prompt's full blocks: the prompt's
+    /// partial last block and its output (the mean learned there), at `block_size`.
+    #[inline]
+    pub fn growth_blocks(&self, block_size: u32) -> u64 {
+        1 + (self.output_tokens.max(0.0) / f64::from(block_size.max(1))).ceil() as u64
+    }
+
+    /// Expected ms before a request gets KV memory on a worker whose `inflight` requests hold
+    /// `active` blocks of its `capacity`, when it needs `new` more (its prompt blocks not already
+    /// held by those requests: cached ones too, since a running request pins every block of its
+    /// prompt) and every request, this one included, grows by `growth` blocks
+    /// ([`EngineSlots::growth_blocks`]). Past the capacity it waits for enough running requests to
+    /// end, each freeing `active / inflight` blocks on average, the `k`-th end coming after
+    /// `k · service / (inflight + 1)` (see [`EngineSlots::wait_ms`]). 0 when it fits, or when the
+    /// capacity or the service time is not known.
+    #[inline]
+    pub fn kv_wait_ms(
+        &self,
+        inflight: u32,
+        active: u32,
+        new: u32,
+        capacity: u32,
+        growth: u64,
+    ) -> f64 {
+        if capacity == 0 || inflight == 0 || self.service_ms <= 0.0 {
+            return 0.0;
+        }
+        let need = u64::from(active) + u64::from(new) + (u64::from(inflight) + 1) * growth;
+        if need <= u64::from(capacity) {
+            return 0.0;
+        }
+        let excess = (need - u64::from(capacity)) as f64;
+        let per_request = (f64::from(active) / f64::from(inflight)).max(1.0);
+        let ends = (excess / per_request)
+            .ceil()
+            .clamp(1.0, f64::from(inflight));
+        // The first end is taken as a whole request time away (the requests there may all have
+        // just started: a burst, or a session's turns arriving together), the further ones
+        // spread as in `wait_ms`. Waiting out a full cache costs far more than the recompute
+        // elsewhere that too long a guess would cost.
+        self.service_ms + (ends - 1.0) * self.service_ms / f64::from(inflight + 1)
     }
 }
 
@@ -154,7 +200,8 @@ pub struct TtftEstimate {
     pub predicted_ms: f64,
     /// The predicted mean ITL there.
     pub predicted_itl_ms: f64,
-    /// Predicted wait for an engine slot before the prefill starts (see [`EngineSlots`]).
+    /// Predicted wait for an engine slot or KV memory before the prefill starts (see
+    /// [`EngineSlots`]).
     pub slot_wait_ms: f64,
 }
 
@@ -176,6 +223,9 @@ pub struct LatencyConfig {
     pub pending_weight: f64,
     /// Predict the wait for an engine slot on a worker whose learned limit is reached.
     pub slot_wait: bool,
+    /// Predict the wait for KV memory on a worker whose in-flight requests' blocks plus this
+    /// request's exceed its capacity ([`EngineSlots::kv_wait_ms`]).
+    pub kv_wait: bool,
 }
 
 impl Default for LatencyConfig {
@@ -184,6 +234,7 @@ impl Default for LatencyConfig {
             curve: TimingCurve::default(),
             pending_weight: 1.0,
             slot_wait: true,
+            kv_wait: true,
         }
     }
 }
@@ -213,14 +264,33 @@ impl LatencyConfig {
             uncached_tokens: uncached,
             predicted_ms: 0.0,
             predicted_itl_ms: c.speed.decode * itl_ref_ms,
-            slot_wait_ms: if self.slot_wait {
-                c.slots.wait_ms(c.inflight)
-            } else {
-                0.0
-            },
+            slot_wait_ms: self.slot_wait_ms(req, c),
         };
         e.predicted_ms = e.at_speed(c.speed);
         e
+    }
+
+    /// Predicted wait before `c`'s engine starts the request: for a sequence slot and for KV
+    /// memory, whichever is longer (both are waits for running requests to end).
+    #[inline]
+    fn slot_wait_ms(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
+        let slot = if self.slot_wait {
+            c.slots.wait_ms(c.inflight)
+        } else {
+            0.0
+        };
+        let kv = if self.kv_wait {
+            c.slots.kv_wait_ms(
+                c.inflight,
+                c.active_blocks,
+                c.new_blocks,
+                c.kv_capacity_blocks,
+                c.slots.growth_blocks(req.block_size),
+            )
+        } else {
+            0.0
+        };
+        slot.max(kv)
     }
 
     /// The decode slowdown sending `req` to `c` inflicts on the requests already there, in
@@ -644,6 +714,19 @@ impl LatencyModel {
             fit.decode.update(ttft_ms / (1.5 * e.step_ms), &learn);
         }
         self.tick();
+    }
+
+    /// A request on `w` generated `tokens` tokens (it completed): the mean output that
+    /// [`EngineSlots::growth_blocks`] counts.
+    pub fn observe_output(&mut self, w: WorkerId, tokens: u64) {
+        let rate = self.learn.rate;
+        let slots = &mut self.fit_mut(w).slots;
+        let t = tokens as f64;
+        slots.output_tokens = if slots.output_tokens > 0.0 {
+            (1.0 - rate) * slots.output_tokens + rate * t
+        } else {
+            t
+        };
     }
 
     /// A request estimated at `e` on `w` streamed with mean inter-token gap `itl_ms`.

@@ -54,6 +54,8 @@ pub struct Candidate {
     /// The engine's learned concurrency limit and request service time (see
     /// [`crate::latency::EngineSlots`]); unknown until the worker was seen saturated.
     pub slots: crate::latency::EngineSlots,
+    /// The worker's KV-cache capacity in the pool's blocks, as it reports it; 0 = not known.
+    pub kv_capacity_blocks: u32,
     /// The worker's identity as every replica knows it (the gateway: a hash of its name; default
     /// the worker id). Ranks workers in rendezvous hashing: `consistent_hash` and the cost
     /// policies' tie-break ([`pick_for_request`]).
@@ -77,6 +79,7 @@ impl Candidate {
                 decode: 1.0,
             },
             slots: crate::latency::EngineSlots::UNKNOWN,
+            kv_capacity_blocks: 0,
             stable_id: u64::from(worker.0),
         }
     }

@@ -225,6 +225,9 @@ pub struct RoutingConfig {
     /// `latency` policy: predict the wait for an engine slot on a worker running as many
     /// requests as it was seen running while others waited (its `max_num_seqs`).
     pub latency_slot_wait: bool,
+    /// `latency` policy: predict the wait for KV memory on a worker whose in-flight requests'
+    /// blocks plus this request's exceed its reported capacity.
+    pub latency_kv_wait: bool,
     /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
     /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
     /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
@@ -257,6 +260,7 @@ impl Default for RoutingConfig {
             latency_decode_weight: 0.25,
             latency_prefill_coeffs: None,
             latency_slot_wait: true,
+            latency_kv_wait: true,
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,

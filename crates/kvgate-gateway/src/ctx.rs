@@ -216,6 +216,17 @@ impl RequestCtx {
         if let (Some(g), true, Outcome::Complete) = (&self.guard, self.itl_n > 0, outcome) {
             g.observe_itl(self.itl_sum / f64::from(self.itl_n) * 1000.0);
         }
+        if let (Some(g), Outcome::Complete) = (&self.guard, outcome) {
+            // Generated tokens: the usage's, else (a stream without usage) its token events.
+            let generated = match self.usage {
+                Some(u) => Some(u.completion_tokens),
+                None if self.stream => Some(u64::from(self.token_events)),
+                None => None,
+            };
+            if let Some(n) = generated {
+                g.observe_output(n);
+            }
+        }
         // Release the worker's load first: a queued request may be waiting for it.
         drop(self.guard.take());
         let h = self.handles();

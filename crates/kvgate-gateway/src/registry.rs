@@ -68,6 +68,8 @@ pub struct WorkerState {
     pub cost_accrued_ms: AtomicU64,
     /// Latest worker-reported load and when it was read (fed by kvgate-fleet's scraper).
     pub scraped: Mutex<Option<(Instant, kvgate_core::ScrapedLoad)>>,
+    /// KV-cache capacity in the pool's blocks, from the last scrape that reported it; 0 = unknown.
+    pub kv_capacity_blocks: AtomicU32,
     /// The worker's config says `role = "auto"` (set by every rebuild).
     role_auto: AtomicBool,
     /// What its `/server_info` announced, packed by [`pack_role`]; 0 until known. Kept across
@@ -90,6 +92,7 @@ impl WorkerState {
             first_healthy: AtomicBool::new(false),
             cost_accrued_ms: AtomicU64::new(0),
             scraped: Mutex::new(None),
+            kv_capacity_blocks: AtomicU32::new(0),
             role_auto: AtomicBool::new(false),
             detected_role: AtomicU32::new(0),
         }

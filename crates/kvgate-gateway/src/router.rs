@@ -87,6 +87,7 @@ impl RoutePolicy {
             curve,
             pending_weight: 1.0,
             slot_wait: cfg.latency_slot_wait,
+            kv_wait: cfg.latency_kv_wait,
         };
         pc.latency.model = latency;
         pc.latency.decode_weight = cfg.latency_decode_weight;
@@ -193,13 +194,14 @@ impl std::fmt::Debug for CandidateLoads<'_> {
             let sep = if i == 0 { "" } else { " " };
             write!(
                 f,
-                "{sep}{}:overlap={},active={},new={},pending={},inflight={}",
+                "{sep}{}:overlap={},active={},new={},pending={},inflight={},capacity={}",
                 c.worker,
                 c.overlap_blocks,
                 c.active_blocks,
                 c.new_blocks,
                 c.pending_prefill_tokens,
-                c.inflight
+                c.inflight,
+                c.kv_capacity_blocks
             )?;
         }
         Ok(())
@@ -303,6 +305,7 @@ impl Router {
                 let mut c = Candidate::new(w.id);
                 c.stable_id = w.stable_id;
                 c.scraped = w.state.fresh_scraped(now);
+                c.kv_capacity_blocks = w.state.kv_capacity_blocks.load(Ordering::Relaxed);
                 c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
                 candidates.push(c);
             }
@@ -491,6 +494,15 @@ impl DispatchGuard {
             .lock()
             .observe_ttft(self.worker.id, &f.estimate, observed);
         Some((f.estimate.predicted_ms, observed))
+    }
+
+    /// The request completed with `tokens` generated: teaches the worker's mean output (how much
+    /// a running request's KV grows).
+    pub fn observe_output(&self, tokens: u64) {
+        self.latency
+            .model
+            .lock()
+            .observe_output(self.worker.id, tokens);
     }
 
     /// The request streamed with mean inter-token gap `itl_ms`: teaches the worker's decode speed.

@@ -253,6 +253,85 @@ fn engine_slots_are_learned_from_saturated_scrapes_and_request_ends() {
 }
 
 #[test]
+fn kv_wait_counts_the_ends_that_free_enough_blocks() {
+    let s = EngineSlots {
+        limit: 0,
+        service_ms: 1000.0,
+        output_tokens: 0.0,
+    };
+    // Fits, or nothing known: no wait.
+    assert_eq!(s.kv_wait_ms(4, 900, 124, 1024, 0), 0.0);
+    assert_eq!(s.kv_wait_ms(4, 1000, 100, 0, 0), 0.0);
+    assert_eq!(s.kv_wait_ms(0, 0, 2000, 1024, 0), 0.0);
+    assert_eq!(EngineSlots::UNKNOWN.kv_wait_ms(4, 1000, 100, 1024, 0), 0.0);
+    // 4 requests hold 1000 blocks (250 each): 76 blocks short is one end away, 376 two, and
+    // never more than every request in flight.
+    assert!((s.kv_wait_ms(4, 1000, 100, 1024, 0) - 1000.0 / 5.0).abs() < 1e-9);
+    assert!((s.kv_wait_ms(4, 1000, 400, 1024, 0) - 2000.0 / 5.0).abs() < 1e-9);
+    assert!((s.kv_wait_ms(4, 1000, 9000, 1024, 0) - 4000.0 / 5.0).abs() < 1e-9);
+    // What fits exactly does not once the five requests grow (output, partial blocks).
+    assert_eq!(s.kv_wait_ms(4, 900, 114, 1024, 2), 0.0);
+    assert!(s.kv_wait_ms(4, 900, 124, 1024, 1) > 0.0);
+    // Growth: the partial prompt block plus the mean output (32 tokens = 2 blocks of 16).
+    assert_eq!(s.growth_blocks(16), 1);
+    let s32 = EngineSlots {
+        output_tokens: 32.0,
+        ..s
+    };
+    assert_eq!(s32.growth_blocks(16), 3);
+    assert_eq!(
+        EngineSlots {
+            output_tokens: 33.0,
+            ..s
+        }
+        .growth_blocks(16),
+        4
+    );
+    // The estimate takes the longer of the slot and KV waits, and only when asked to.
+    let mut c = Candidate::new(WorkerId(0));
+    (
+        c.inflight,
+        c.active_blocks,
+        c.new_blocks,
+        c.kv_capacity_blocks,
+    ) = (4, 995, 100, 1024);
+    c.slots = EngineSlots {
+        limit: 4,
+        service_ms: 1000.0,
+        output_tokens: 0.0,
+    };
+    let hashes = [0u64; 0];
+    let req = RouteRequest {
+        hashes: &hashes,
+        isl_tokens: 1600,
+        block_size: 16,
+        affinity_key: None,
+    };
+    let on = LatencyConfig::default();
+    assert!((on.estimate(&req, &c).slot_wait_ms - 1000.0 / 5.0).abs() < 1e-9);
+    c.new_blocks = 400;
+    assert!((on.estimate(&req, &c).slot_wait_ms - 2000.0 / 5.0).abs() < 1e-9);
+    let off = LatencyConfig {
+        kv_wait: false,
+        ..on
+    };
+    assert!((off.estimate(&req, &c).slot_wait_ms - 1000.0 / 5.0).abs() < 1e-9);
+}
+
+#[test]
+fn mean_output_is_learned_per_worker() {
+    let mut m = LatencyModel::new(LearnConfig::default());
+    let w = WorkerId(1);
+    m.add_worker(w, Speed::default());
+    assert_eq!(m.fit(w).unwrap().slots().output_tokens, 0.0);
+    m.observe_output(w, 100);
+    assert_eq!(m.fit(w).unwrap().slots().output_tokens, 100.0);
+    m.observe_output(w, 200);
+    assert!((m.fit(w).unwrap().slots().output_tokens - 110.0).abs() < 1e-9);
+    assert_eq!(m.fit(WorkerId(0)).map(|f| f.slots().output_tokens), None);
+}
+
+#[test]
 fn a_predicted_slot_wait_is_not_learned_as_slow_prefill() {
     let mut m = LatencyModel::new(LearnConfig::default());
     let w = WorkerId(0);

@@ -345,12 +345,44 @@ mod latency_policy {
         c[0].slots = crate::latency::EngineSlots {
             limit: 2,
             service_ms: 3000.0,
+            output_tokens: 0.0,
         };
         let (full, _) = cfg.cost(&big_req(&h), &c[0]);
         assert!(full > cold, "{full} {cold}");
         assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 1);
         // A slot free again: back to the hit.
         c[0].inflight = 1;
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
+    }
+
+    #[test]
+    fn a_worker_whose_kv_memory_is_full_is_not_where_a_cached_prompt_goes() {
+        let mut rng = fastrand::Rng::with_seed(25);
+        let h = [0u64; 256];
+        // Worker 0 caches the prompt but its two requests in flight pin 900 of its 1024 blocks;
+        // running this one there needs all 256 of its blocks (cached ones pinned too).
+        let mut c = cands(2);
+        c[0].overlap_blocks = 250;
+        (c[0].inflight, c[0].active_blocks, c[0].new_blocks) = (2, 900, 256);
+        c[1].new_blocks = 256;
+        for x in &mut c {
+            x.kv_capacity_blocks = 1024;
+            x.slots.service_ms = 3000.0;
+        }
+        assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 1);
+        // Without the KV wait, or with room there, the hit wins.
+        let no_kv = LatencyPolicy::new(
+            LatencyPolicyConfig {
+                model: crate::latency::LatencyConfig {
+                    kv_wait: false,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            BusyThresholds::default(),
+        );
+        assert_eq!(pick(&no_kv, &big_req(&h), &c, &mut rng), 0);
+        c[0].active_blocks = 700;
         assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
     }
 }

@@ -456,6 +456,9 @@ impl FleetSink for GatewaySink {
                 .map(|t| t / u64::from(self.block_size.max(1)))
                 .or(load.num_gpu_blocks);
             if let Some(n) = blocks {
+                w.state
+                    .kv_capacity_blocks
+                    .store(u32::try_from(n).unwrap_or(u32::MAX), Ordering::Relaxed);
                 let n = usize::try_from(n).unwrap_or(usize::MAX);
                 let mut index = app.router.index.write();
                 if matches!(index.mode(worker), Some(IndexMode::Approximate(c)) if c.capacity_blocks != n)
