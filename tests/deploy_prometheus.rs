@@ -331,7 +331,11 @@ fn every_dashboard_query_and_kpi_row_returns_data() {
     std::fs::write(
         &cfg_path,
         format!(
+            // One request at a time finds the decode worker idle, which would run it whole
+            // (`pd.local_on_idle_decode`): off, so the long prompts are disaggregated as on a
+            // busy fleet and the PD panels get handoffs.
             "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
+             [pd]\nlocal_on_idle_decode = false\n\
              [[workers]]\nurl = \"http://{worker}\"\nname = \"w1\"\nmodels = [\"kvgate-sim\"]\n\
              cost_per_hour = 3.0\ngpus = 2\ndcgm_url = \"http://{worker}/dcgm/metrics\"\n\
              max_num_batched_tokens = 8192\n\

@@ -264,11 +264,12 @@ fn kv_wait_counts_the_ends_that_free_enough_blocks() {
     assert_eq!(s.kv_wait_ms(4, 1000, 100, 0, 0), 0.0);
     assert_eq!(s.kv_wait_ms(0, 0, 2000, 1024, 0), 0.0);
     assert_eq!(EngineSlots::UNKNOWN.kv_wait_ms(4, 1000, 100, 1024, 0), 0.0);
-    // 4 requests hold 1000 blocks (250 each): 76 blocks short is one end away, 376 two, and
-    // never more than every request in flight.
-    assert!((s.kv_wait_ms(4, 1000, 100, 1024, 0) - 1000.0 / 5.0).abs() < 1e-9);
-    assert!((s.kv_wait_ms(4, 1000, 400, 1024, 0) - 2000.0 / 5.0).abs() < 1e-9);
-    assert!((s.kv_wait_ms(4, 1000, 9000, 1024, 0) - 4000.0 / 5.0).abs() < 1e-9);
+    // 4 requests hold 1000 blocks (250 each): 76 blocks short is one end away (a whole request
+    // time: they may all have just started), 376 two (the next a fifth of it later), and never
+    // more than every request in flight.
+    assert!((s.kv_wait_ms(4, 1000, 100, 1024, 0) - 1000.0).abs() < 1e-9);
+    assert!((s.kv_wait_ms(4, 1000, 400, 1024, 0) - 1200.0).abs() < 1e-9);
+    assert!((s.kv_wait_ms(4, 1000, 9000, 1024, 0) - 1600.0).abs() < 1e-9);
     // What fits exactly does not once the five requests grow (output, partial blocks).
     assert_eq!(s.kv_wait_ms(4, 900, 114, 1024, 2), 0.0);
     assert!(s.kv_wait_ms(4, 900, 124, 1024, 1) > 0.0);
@@ -308,9 +309,9 @@ fn kv_wait_counts_the_ends_that_free_enough_blocks() {
         affinity_key: None,
     };
     let on = LatencyConfig::default();
-    assert!((on.estimate(&req, &c).slot_wait_ms - 1000.0 / 5.0).abs() < 1e-9);
+    assert!((on.estimate(&req, &c).slot_wait_ms - 1000.0).abs() < 1e-9);
     c.new_blocks = 400;
-    assert!((on.estimate(&req, &c).slot_wait_ms - 2000.0 / 5.0).abs() < 1e-9);
+    assert!((on.estimate(&req, &c).slot_wait_ms - 1200.0).abs() < 1e-9);
     let off = LatencyConfig {
         kv_wait: false,
         ..on
