@@ -137,8 +137,9 @@ pub(crate) async fn prepare_handoff(
         app.metrics.pd.local_declined.inc();
     } else if settings.min_uncached_tokens > 0 && settings.local_on_idle_decode {
         // A long prompt on an idle decode worker: a prefill there holds up no stream, so it runs
-        // there whole unless the prefill worker the handoff would use is predicted to be faster
-        // (a cached prefix, a faster worker); the handoff's own cost is not counted.
+        // there whole unless the prefill worker the handoff would use is predicted to give the
+        // first token sooner (a longer cached prefix there, net of its queue); the handoff's own
+        // cost is not counted.
         if let Some(local) = idle_estimate {
             if let Ok(pp) = router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now)
             {
