@@ -191,12 +191,14 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
                 },
                 "scraped": scraped.map(|l| json!({"kv_usage": l.kv_usage, "waiting": l.waiting, "running": l.running})),
                 "cost_per_hour": w.cfg.cost_per_hour,
-                // The latency model's view: speed factors (1 = the timing curve) and the learned
-                // engine slots (limit 0 = never seen saturated).
+                // The latency model's view: speed factors (1 = the timing curve), the learned
+                // engine slots (limit 0 = never seen saturated) and mean output tokens (how much a
+                // running request's KV grows; 0 = not known).
                 "latency": latency.fit(w.id).map(|f| {
                     let (speed, slots) = (f.speed(), f.slots());
                     json!({"prefill_factor": speed.prefill, "decode_factor": speed.decode,
-                           "slot_limit": slots.limit, "request_ms": slots.service_ms})
+                           "slot_limit": slots.limit, "request_ms": slots.service_ms,
+                           "output_tokens": slots.output_tokens})
                 }),
             })
         })
