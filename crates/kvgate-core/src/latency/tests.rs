@@ -15,19 +15,24 @@ fn situation(rng: &mut fastrand::Rng, truth: Speed) -> (TtftEstimate, f64, f64) 
         waiting: 0,
         running: c.inflight,
     });
-    let hashes = [0u64; 0];
-    let req = RouteRequest {
-        hashes: &hashes,
-        isl_tokens: u64::from(c.overlap_blocks) * 16 + rng.u64(16..4000),
-        block_size: 16,
-        affinity_key: None,
-    };
+    let req = plain_req(u64::from(c.overlap_blocks) * 16 + rng.u64(16..4000));
     let e = cfg.estimate(&req, &c);
     let noise = |rng: &mut fastrand::Rng| (0.2 * (rng.f64() - 0.5)).exp();
     let step = truth.decode * e.step_ms;
     let ttft = (rng.f64() * step + (truth.prefill * e.prefill_ms).max(step)) * noise(rng);
     let itl = truth.decode * e.itl_ref_ms * noise(rng);
     (e, ttft, itl)
+}
+
+/// A request of `isl` tokens in blocks of 16, without block hashes (the estimate reads only its
+/// length and the candidate's overlap).
+fn plain_req(isl: u64) -> RouteRequest<'static> {
+    RouteRequest {
+        hashes: &[],
+        isl_tokens: isl,
+        block_size: 16,
+        affinity_key: None,
+    }
 }
 
 fn predicted(m: &LatencyModel, w: WorkerId, e: &TtftEstimate) -> f64 {
@@ -171,13 +176,7 @@ fn workers_learn_separately_and_are_seeded_by_kind() {
 fn estimate_counts_the_queue_the_cache_and_the_decode_step() {
     let cfg = LatencyConfig::default();
     let curve = cfg.curve;
-    let hashes = [0u64; 0];
-    let req = RouteRequest {
-        hashes: &hashes,
-        isl_tokens: 1000,
-        block_size: 16,
-        affinity_key: None,
-    };
+    let req = plain_req(1000);
     // Idle, nothing cached: the prefill of the whole prompt.
     let idle = Candidate::new(WorkerId(0));
     let e = cfg.estimate(&req, &idle);
@@ -301,13 +300,7 @@ fn kv_wait_counts_the_ends_that_free_enough_blocks() {
         service_ms: 1000.0,
         output_tokens: 0.0,
     };
-    let hashes = [0u64; 0];
-    let req = RouteRequest {
-        hashes: &hashes,
-        isl_tokens: 1600,
-        block_size: 16,
-        affinity_key: None,
-    };
+    let req = plain_req(1600);
     let on = LatencyConfig::default();
     assert!((on.estimate(&req, &c).slot_wait_ms - 1000.0).abs() < 1e-9);
     c.new_blocks = 400;
