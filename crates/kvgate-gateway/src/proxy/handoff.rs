@@ -126,6 +126,8 @@ pub(crate) async fn prepare_handoff(
         };
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
     p.pool = Arc::new(decode);
+    // The prefill pick the idle-decode comparison made, reused as the first attempt's.
+    let mut first_prefill = None;
     if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
         if !crowded {
             decision(app, ctx, "local", "short_prompt");
@@ -151,6 +153,7 @@ pub(crate) async fn prepare_handoff(
                     decision(app, ctx, "local", "decode_idle");
                     return Ok(None);
                 }
+                first_prefill = Some(pp);
             }
         }
     }
@@ -185,8 +188,11 @@ pub(crate) async fn prepare_handoff(
     let mut failed = false;
     while tried.len() < MAX_PREFILL_ATTEMPTS {
         let now = Instant::now();
-        let pick = match router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &tried, now)
-        {
+        let picked = match first_prefill.take() {
+            Some(pick) => Ok(pick),
+            None => router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &tried, now),
+        };
+        let pick = match picked {
             Ok(pick) => pick,
             Err(NoPick::AllBusy) => {
                 decision(app, ctx, "local", "prefill_busy");
