@@ -152,9 +152,20 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
 pub fn state_json(app: &AppState) -> serde_json::Value {
     let now = Instant::now();
     let fleet = app.fleet.registry.snapshot();
-    let index = app.fleet.router.index.read();
-    let loads = app.fleet.router.active.all();
-    let latency = app.fleet.router.latency.lock().clone();
+    let router = &app.fleet.router;
+    let loads = router.active().all();
+    let latency = router.latency_snapshot();
+    router.with_index(|index| state_with_index(app, &fleet, index, &loads, &latency, now))
+}
+
+fn state_with_index(
+    app: &AppState,
+    fleet: &crate::registry::Fleet,
+    index: &kvgate_core::KvIndex,
+    loads: &[(kvgate_core::WorkerId, kvgate_core::WorkerLoad)],
+    latency: &kvgate_core::LatencyModel,
+    now: Instant,
+) -> serde_json::Value {
     let workers: Vec<_> = fleet
         .workers
         .iter()
@@ -205,7 +216,7 @@ pub fn state_json(app: &AppState) -> serde_json::Value {
         .collect();
     json!({
         "generation": fleet.generation,
-        "policy": app.fleet.router.policy.load().policy.name(),
+        "policy": app.fleet.router.policy().policy.name(),
         "queue_depth": app.admission.len(),
         "index_entries": index.total_entries(),
         "index_predicted_entries": index.predicted_entries(),

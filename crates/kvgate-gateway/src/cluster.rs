@@ -17,6 +17,7 @@ use kvgate_fleet::BreakerState;
 use crate::auth::Auth;
 use crate::config::ClusterSection;
 use crate::fleet::WorkerFleet;
+use crate::route::router::note_routed;
 
 /// The gateway's [`Sink`]: what peers' messages change here.
 pub struct GatewayPeers {
@@ -53,18 +54,17 @@ impl Sink for GatewayPeers {
             } => {
                 let (id, block_size) = self.worker(worker).ok_or(DropReason::UnknownWorker)?;
                 if hashes.is_empty() {
-                    router.remote.lock().dispatch(
+                    router.with_remote(|r| r.dispatch(
                         from,
                         *request,
                         id,
                         *prefill_tokens,
                         *blocks,
                         now,
-                    );
+                    ));
                     return Ok(());
                 }
-                let prefill = {
-                    let mut index = router.index.write();
+                let prefill = router.with_index_mut(|index| {
                     // The peer counted the prompt tokens beyond the prefix it thought the worker
                     // held. We may know more of it (our own or another peer's decision of the
                     // same instant put it there): then the request's prefill is what one replica
@@ -72,30 +72,19 @@ impl Sink for GatewayPeers {
                     let held = index.held_prefix(id, hashes) as u32;
                     let assumed = (hashes.len() as u32).saturating_sub(*blocks);
                     let extra = held.saturating_sub(assumed);
-                    match index.mode(id) {
-                        Some(IndexMode::Approximate(_)) => {
-                            index.record_routed(id, hashes, now);
-                        }
-                        Some(IndexMode::Exact) => {
-                            index.record_predicted(id, hashes, now);
-                        }
-                        None => {}
-                    }
+                    note_routed(index, id, hashes, now);
                     prefill_tokens.saturating_sub(u64::from(extra) * u64::from(block_size))
-                };
+                });
                 // Its blocks join the active set of that worker with ours and every other
                 // peer's, so a prefix several replicas sent there at the same instant counts
                 // once (`RemoteLoads`, module docs).
-                let guard = router.active.add_at(id, *request, hashes, prefill, 0, now);
-                router
-                    .remote
-                    .lock()
-                    .dispatch_tracked(from, *request, guard, now);
+                let guard = router.active().add_at(id, *request, hashes, prefill, 0, now);
+                router.with_remote(|r| r.dispatch_tracked(from, *request, guard, now));
             }
             Message::PrefillDone { request } => {
-                router.remote.lock().prefill_done(from, *request, now)
+                router.with_remote(|r| r.prefill_done(from, *request, now))
             }
-            Message::Free { request } => router.remote.lock().free(from, *request, now),
+            Message::Free { request } => router.with_remote(|r| r.free(from, *request, now)),
             Message::Health { worker, open } => {
                 let fleet = self.fleet.registry.snapshot();
                 let w = fleet
@@ -110,15 +99,15 @@ impl Sink for GatewayPeers {
                 } else if w.state.breaker.close_by_peer() {
                     tracing::info!(worker = %w.name, peer = from, "breaker closed by a peer's verdict");
                 }
-                router.remote.lock().heard(from, now);
+                router.with_remote(|r| r.heard(from, now));
             }
-            Message::Heartbeat { .. } => router.remote.lock().heard(from, now),
+            Message::Heartbeat { .. } => router.with_remote(|r| r.heard(from, now)),
             Message::RateUsage { keys } => {
                 let auth = self.auth.load();
                 for (key, n) in keys {
                     auth.charge_peer(*key, *n, now);
                 }
-                router.remote.lock().heard(from, now);
+                router.with_remote(|r| r.heard(from, now));
             }
             Message::Snapshot(s) => {
                 let fleet = self.fleet.registry.snapshot();
@@ -129,8 +118,7 @@ impl Sink for GatewayPeers {
                         .find(|w| &*w.name == name)
                         .map(|w| w.id)
                 };
-                {
-                    let mut index = router.index.write();
+                router.with_index_mut(|index| {
                     for (worker, hashes) in &s.approx {
                         if let Some(id) = id_of(worker) {
                             if matches!(index.mode(id), Some(IndexMode::Approximate(_))) {
@@ -138,7 +126,7 @@ impl Sink for GatewayPeers {
                             }
                         }
                     }
-                }
+                });
                 let entries: Vec<_> = s
                     .inflight
                     .iter()
@@ -146,7 +134,7 @@ impl Sink for GatewayPeers {
                         id_of(&e.worker).map(|id| (e.request, id, e.prefill_tokens, e.blocks))
                     })
                     .collect();
-                router.remote.lock().replace(from, entries, now);
+                router.with_remote(|r| r.replace(from, entries, now));
             }
         }
         Ok(())
@@ -154,21 +142,23 @@ impl Sink for GatewayPeers {
 
     fn approx_entries(&self) -> Vec<(String, Vec<u64>)> {
         let fleet = self.fleet.registry.snapshot();
-        let index = self.fleet.router.index.read();
-        fleet
-            .workers
-            .iter()
-            .filter(|w| matches!(index.mode(w.id), Some(IndexMode::Approximate(_))))
-            .map(|w| (w.name.to_string(), index.router_hashes(w.id)))
-            .filter(|(_, h)| !h.is_empty())
-            .collect()
+        self.fleet.router.with_index(|index| {
+            fleet
+                .workers
+                .iter()
+                .filter(|w| matches!(index.mode(w.id), Some(IndexMode::Approximate(_))))
+                .map(|w| (w.name.to_string(), index.router_hashes(w.id)))
+                .filter(|(_, h)| !h.is_empty())
+                .collect()
+        })
     }
 
     fn expire(&self, now: Instant, timeout: Duration) {
         let (gone, inflight) = {
-            let mut remote = self.fleet.router.remote.lock();
-            let gone = remote.expire(now, timeout);
-            (gone, remote.total_inflight())
+            self.fleet.router.with_remote(|remote| {
+                let gone = remote.expire(now, timeout);
+                (gone, remote.total_inflight())
+            })
         };
         self.metrics.remote_inflight.set(inflight as i64);
         for r in gone {
@@ -181,7 +171,7 @@ impl Sink for GatewayPeers {
     }
 
     fn route_lag(&self, lag: Duration, now: Instant) {
-        self.fleet.router.remote.lock().observe_lag(lag, now);
+        self.fleet.router.with_remote(|r| r.observe_lag(lag, now));
     }
 }
 
@@ -246,10 +236,8 @@ pub fn start(
     let cluster = Cluster::start(cfg, sink, metrics).map_err(|e| anyhow::anyhow!(e))?;
     fleet
         .router
-        .remote
-        .lock()
-        .set_provisional_window(provisional_window);
-    let _ = fleet.router.cluster.set(cluster.clone());
+        .with_remote(|r| r.set_provisional_window(provisional_window));
+    fleet.router.set_cluster(cluster.clone());
     tracing::info!(replica = cluster.replica_id(), "cluster mode on");
     let c = cluster.clone();
     let shutdown = fleet.shutdown.clone();

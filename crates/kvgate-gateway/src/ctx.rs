@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use crate::config::SloConfig;
 use crate::metrics::{Lbl, Metrics, RequestHandles};
 use crate::registry::Worker;
-use crate::router::DispatchGuard;
+use crate::route::router::DispatchGuard;
 
 /// What a finished request is recorded into: the metrics, the SLO it is judged by (`[slo]`,
 /// reloadable), the request log switch (`server.request_log`) and the fleet's token count (tokens

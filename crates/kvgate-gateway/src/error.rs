@@ -61,6 +61,27 @@ pub enum ErrorKind {
     TooManyConnections,
 }
 
+impl From<crate::route::Refusal> for GatewayError {
+    fn from(r: crate::route::Refusal) -> Self {
+        use crate::route::Refusal;
+        match r {
+            Refusal::NoWorker(msg) => GatewayError::new(ErrorKind::NoWorker, msg),
+            Refusal::QueueFull => GatewayError::new(
+                ErrorKind::QueueFull,
+                "all workers are busy and the queue is full; retry later",
+            ),
+            Refusal::QueueTimeout => GatewayError::new(
+                ErrorKind::QueueTimeout,
+                "all workers stayed busy; retry later",
+            ),
+            Refusal::ShuttingDown => GatewayError::new(
+                ErrorKind::ShuttingDown,
+                "the gateway is shutting down; retry on another replica",
+            ),
+        }
+    }
+}
+
 /// A request-path failure.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GatewayError {

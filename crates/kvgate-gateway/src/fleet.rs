@@ -18,11 +18,12 @@ use crate::config::Config;
 use crate::forward::Upstream;
 use crate::metrics::{Metrics, WorkerLabel};
 use crate::registry::{Rebuilt, Registry};
-use crate::router::{RoutePolicy, Router};
+use crate::route::admission::Admission;
+use crate::route::router::{RoutePolicy, Router};
 
 pub struct WorkerFleet {
     pub registry: Registry,
-    pub router: Router,
+    pub router: Arc<Router>,
     /// kvgate-fleet monitors (scrape, KV events, health) per worker; off with `upstream.monitor = false`.
     pub monitors: Monitors,
     /// The client to workers (model discovery, the monitors' TLS).
@@ -41,11 +42,14 @@ impl WorkerFleet {
         metrics: Arc<Metrics>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<Arc<WorkerFleet>> {
-        let router = Router::new(RoutePolicy::from_config(
-            &config.routing,
-            &config.slo,
-            &config.pd,
-        )?);
+        let admission = Arc::new(Admission::new(
+            config.admission.queue_size,
+            Duration::from_millis(config.admission.queue_timeout_ms),
+        ));
+        let router = Arc::new(Router::new(
+            RoutePolicy::from_config(&config.routing, &config.slo, &config.pd)?,
+            admission,
+        ));
         let (registry, rebuilt) = Registry::new(config.clone())?;
         let fleet = Arc::new_cyclic(|me| WorkerFleet {
             registry,
@@ -66,8 +70,7 @@ impl WorkerFleet {
         let policy = RoutePolicy::from_config(&config.routing, &config.slo, &config.pd)?;
         let rebuilt = self.registry.set_config(config)?;
         self.apply_rebuild(&rebuilt);
-        self.router.latency.lock().set_learn(policy.learn);
-        self.router.policy.store(Arc::new(policy));
+        self.router.set_policy(policy);
         Ok(())
     }
 

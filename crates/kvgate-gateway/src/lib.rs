@@ -29,7 +29,6 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
-pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod body;
@@ -52,7 +51,7 @@ pub mod prompt;
 pub mod proxy;
 pub mod registry;
 pub mod reload;
-pub mod router;
+pub mod route;
 pub mod server;
 pub mod state;
 pub mod tls;
@@ -244,9 +243,7 @@ async fn housekeeping(app: Arc<AppState>) {
             _ = app.shutdown.cancelled() => return,
             _ = tick.tick() => {
                 let now = std::time::Instant::now();
-                app.fleet.router.index.write().expire(now);
-                // A request's load normally ends with its guard; this only catches leaks.
-                app.fleet.router.active.expire_stale(now, Duration::from_secs(3600));
+                app.fleet.router.housekeep(now);
                 // Cost accrues with time, whether or not anyone reads /metrics.
                 crate::cost::accrue(&app.fleet.registry.snapshot(), &app.metrics, now);
             }

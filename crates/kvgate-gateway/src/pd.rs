@@ -38,7 +38,22 @@ use serde_json::{Map, Value};
 
 use crate::config::{Handoff, PdProtocol, WorkerRole};
 use crate::metrics::Metrics;
-use crate::registry::Pool;
+use crate::registry::{Pool, Worker};
+use std::sync::atomic::Ordering;
+
+/// Whether `worker` has more requests in flight than the average decode-capable worker of `decode`
+/// plus one (then a short prompt is not run locally there: `route::Decider::plan_pd`).
+pub fn crowded(decode: &Pool, worker: &Worker) -> bool {
+    let n = decode.workers.len().max(1) as u64;
+    let total: u64 = decode
+        .workers
+        .iter()
+        .map(|w| u64::from(w.state.inflight.load(Ordering::Relaxed)))
+        .sum();
+    let mine = u64::from(worker.state.inflight.load(Ordering::Relaxed));
+    // mine > mean + 1, in integers.
+    mine * n > total + n
+}
 
 /// What the prefill leg left for the rest of the request.
 #[derive(Debug, Clone)]

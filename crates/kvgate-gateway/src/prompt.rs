@@ -21,13 +21,7 @@ use kvgate_tokenize::{ModelTokenizer, Scratch, TokenizeError};
 
 use crate::ctx::Endpoint;
 
-/// Routing input of one request.
-#[derive(Debug, Default)]
-pub struct RouteInput {
-    pub hashes: Vec<u64>,
-    pub isl: u64,
-    pub affinity: Option<u64>,
-}
+pub use crate::route::RouteInput;
 
 /// Request bodies larger than this are tokenized off the io threads.
 pub const OFFLOAD_BODY_BYTES: usize = 16 << 10;

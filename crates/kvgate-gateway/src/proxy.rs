@@ -16,14 +16,13 @@ use http_body_util::{BodyExt, Limited};
 use kvgate_core::WorkerId;
 use kvgate_protocol::openai::splice_include_usage;
 
-use crate::admission::WaitError;
 use crate::body::{GwBody, ReqBody};
 use crate::ctx::{Endpoint, Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::ObservedBody;
-use crate::prompt::{route_input_offloaded, RouteInput};
-use crate::registry::Pool;
-use crate::router::{Leg, NoPick, Pick};
+use crate::prompt::route_input_offloaded;
+use crate::route::router::Leg;
+use crate::route::Reservation;
 use crate::state::AppState;
 use kvgate_http::client;
 
@@ -125,8 +124,10 @@ pub(crate) async fn route_and_forward(
         } else {
             Leg::Whole
         };
-        let pick = pick(app, ctx, &p.pool, &p.ri, &tried[..n_tried], at, leg).await?;
-        let now = Instant::now();
+        let Reservation { pick, guard, at: now } = app
+            .decider
+            .reserve(&p.pool, &p.ri, &tried[..n_tried], at, leg, &mut ctx.queue_wait)
+            .await?;
         if n_tried == 0 {
             ctx.decision_time = now
                 .saturating_duration_since(p.t_decide)
@@ -144,11 +145,6 @@ pub(crate) async fn route_and_forward(
                 ctx.overlap_blocks = pick.decision.overlap_blocks;
             }
         }
-        let mut guard =
-            app.fleet
-                .router
-                .dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
-        guard.on_release = Some(app.admission.clone());
         tried[n_tried] = pick.worker.id;
         n_tried += 1;
         ctx.attempts += 1;
@@ -396,78 +392,6 @@ fn status_reason(s: StatusCode) -> &'static str {
         429 => "status_429",
         503 => "status_503",
         _ => "status_5xx",
-    }
-}
-
-/// Choose a worker, waiting in the admission queue while every candidate is busy.
-async fn pick(
-    app: &Arc<AppState>,
-    ctx: &mut RequestCtx,
-    pool: &Pool,
-    ri: &RouteInput,
-    tried: &[WorkerId],
-    mut now: Instant,
-    leg: Leg,
-) -> Result<Pick, GatewayError> {
-    let mut queued_at: Option<Instant> = None;
-    let mut woken = false;
-    loop {
-        match app
-            .fleet
-            .router
-            .select_leg(pool, &ri.hashes, ri.isl, ri.affinity, tried, now, leg)
-        {
-            Ok(p) => {
-                if let Some(q) = queued_at {
-                    ctx.queue_wait += q.elapsed();
-                }
-                return Ok(p);
-            }
-            Err(NoPick::NoWorker) => {
-                return Err(GatewayError::new(
-                    ErrorKind::NoWorker,
-                    format!("no routable worker for model `{}`", pool.model),
-                ))
-            }
-            Err(NoPick::AllBusy) => {}
-        }
-        if woken {
-            // The capacity we were woken for went elsewhere: pass the wake-up on.
-            app.admission.wake_one();
-        }
-        let q0 = *queued_at.get_or_insert_with(Instant::now);
-        let deadline = tokio::time::Instant::from_std(q0 + app.admission.timeout());
-        // A gateway shutting down sends its queue away at once (503 `shutting_down`, retryable
-        // elsewhere) rather than holding it into the end of the grace period.
-        let waited = tokio::select! {
-            w = app.admission.wait(woken, deadline) => w,
-            _ = app.shutdown.cancelled() => {
-                ctx.queue_wait += q0.elapsed();
-                return Err(GatewayError::new(
-                    ErrorKind::ShuttingDown,
-                    "the gateway is shutting down; retry on another replica",
-                ));
-            }
-        };
-        match waited {
-            Ok(()) => {
-                woken = true;
-                now = Instant::now();
-            }
-            Err(WaitError::Full) => {
-                return Err(GatewayError::new(
-                    ErrorKind::QueueFull,
-                    "all workers are busy and the queue is full; retry later",
-                ))
-            }
-            Err(WaitError::Timeout) => {
-                ctx.queue_wait += q0.elapsed();
-                return Err(GatewayError::new(
-                    ErrorKind::QueueTimeout,
-                    "all workers stayed busy; retry later",
-                ));
-            }
-        }
     }
 }
 

@@ -8,7 +8,8 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::Admission;
+use crate::route::admission::Admission;
+use crate::route::Decider;
 use crate::auth::Auth;
 use crate::config::Config;
 use crate::ctx::Telemetry;
@@ -39,8 +40,8 @@ pub struct AppState {
     /// served (`server.drain_delay_s`).
     pub draining: AtomicBool,
     pub shutdown: CancellationToken,
-    /// Prefill/decode handoff settings (`[pd]`), swapped on reload.
-    pub pd: ArcSwap<crate::config::PdConfig>,
+    /// The decision component (router, admission, `[pd]` plans) every front end asks.
+    pub decider: Arc<Decider>,
 }
 
 /// Certificates for `https://` workers: `upstream.ca_file` (must load), else the system bundle
@@ -93,8 +94,12 @@ impl AppState {
             )?),
             None => None,
         };
+        let fleet_router = fleet.router.clone();
+        let metrics_for_decider = metrics.clone();
+        let shutdown_for_decider = shutdown.clone();
         Ok(Arc::new(AppState {
             cluster,
+            admission: fleet.router.admission().clone(),
             fleet,
             upstream,
             telemetry: Arc::new(Telemetry::new(
@@ -102,16 +107,17 @@ impl AppState {
                 &config.slo,
                 config.server.request_log,
             )),
-            admission: Arc::new(Admission::new(
-                config.admission.queue_size,
-                std::time::Duration::from_millis(config.admission.queue_timeout_ms),
-            )),
             auth,
             max_body: config.server.max_body_bytes,
             draining: AtomicBool::new(false),
             shutdown,
             metrics,
-            pd: ArcSwap::from_pointee(config.pd.clone()),
+            decider: Arc::new(Decider::new(
+                fleet_router,
+                &config.pd,
+                metrics_for_decider,
+                shutdown_for_decider,
+            )),
         }))
     }
 
@@ -119,15 +125,13 @@ impl AppState {
     /// limits and the admin listener need a restart.
     pub fn apply_config(&self, config: Arc<Config>) -> anyhow::Result<()> {
         self.fleet.apply_config(config.clone())?;
-        self.admission
-            .max_len
-            .store(config.admission.queue_size, Ordering::Relaxed);
-        self.admission
-            .timeout_ms
-            .store(config.admission.queue_timeout_ms, Ordering::Relaxed);
+        self.admission.configure(
+            config.admission.queue_size,
+            std::time::Duration::from_millis(config.admission.queue_timeout_ms),
+        );
         self.upstream.apply_retry(&config.retry);
         self.telemetry.slo.store(Arc::new(config.slo.clone()));
-        self.pd.store(Arc::new(config.pd.clone()));
+        self.decider.set_pd(&config.pd);
         self.auth.store(Arc::new(Auth::from_config(&config.auth)));
         Ok(())
     }
@@ -138,9 +142,9 @@ impl AppState {
         let now = Instant::now();
         let router = &self.fleet.router;
         let fleet = self.fleet.registry.snapshot();
-        let loads = router.active.all();
-        let latency = router.latency.lock().clone();
-        let curve = router.policy.load().latency.curve;
+        let loads = router.active().all();
+        let latency = router.latency_snapshot();
+        let curve = router.policy().latency.curve;
         for w in &fleet.workers {
             let l = WorkerLabel {
                 worker: w.name.clone(),
@@ -195,13 +199,12 @@ impl AppState {
         } else {
             0.0
         });
-        let index_entries = {
-            let index = router.index.read();
+        let index_entries = router.with_index(|index| {
             m.index_blocks.set(index.total_entries() as i64);
             m.index_predicted_blocks
                 .set(index.predicted_entries() as i64);
             index.total_entries()
-        };
+        });
         // Pools that share a tokenizer spec share one tokenizer (and its caches): count it once.
         let mut seen: Vec<*const kvgate_tokenize::ModelTokenizer> = Vec::new();
         let mut caches = kvgate_tokenize::CacheStats::default();

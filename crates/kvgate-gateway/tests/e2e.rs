@@ -354,7 +354,7 @@ async fn worker_dying_mid_stream_yields_an_sse_error_event() {
         .app
         .fleet
         .router
-        .active
+        .active()
         .all()
         .iter()
         .all(|(_, l)| l.inflight == 0));
@@ -390,7 +390,7 @@ async fn client_disconnect_frees_load_at_once_and_cancels_upstream() {
     let busy = |app: &kvgate_gateway::AppState| {
         app.fleet
             .router
-            .active
+            .active()
             .all()
             .iter()
             .any(|(_, l)| l.inflight > 0 || l.active_blocks > 0)
@@ -862,7 +862,7 @@ async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
     while !app
         .fleet
         .router
-        .active
+        .active()
         .all()
         .iter()
         .all(|(_, l)| l.inflight == 0)

@@ -155,7 +155,7 @@ async fn engine_slots_are_learned_from_the_workers_metrics() {
     let (fleet, gw, _) = start(|sim| sim.max_num_seqs = 1, |_| {}).await;
     let learned = |gw: &Gateway| {
         let fleet = gw.app.fleet.registry.snapshot();
-        let model = gw.app.fleet.router.latency.lock();
+        let model = gw.app.fleet.router.latency_snapshot();
         fleet
             .workers
             .iter()

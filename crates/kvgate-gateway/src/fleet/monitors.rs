@@ -185,7 +185,7 @@ impl Monitors {
                 tracing::info!(worker = %w.name, block_size = pool_block_size(cfg, w),
                     "pool block size changed: restarting the worker's monitor");
                 // Entries hashed with the old size can never match a request again.
-                app.router.index.write().clear_worker(w.id);
+                app.router.with_index_mut(|i| i.clear_worker(w.id));
             } else {
                 tracing::info!(worker = %w.name,
                     "role = auto: restarting the worker's monitor to ask its /server_info");
@@ -443,10 +443,7 @@ impl FleetSink for GatewaySink {
                 .map(|l| (load.scraped_at.unwrap_or_else(Instant::now), l));
             // Running while others wait: the engine's concurrency limit, for the latency model.
             if let (Some(running), Some(waiting)) = (load.running, load.waiting) {
-                app.router
-                    .latency
-                    .lock()
-                    .observe_engine(worker, running, waiting);
+                app.router.observe_engine(worker, running, waiting);
             }
             // Size the approximate index like the worker's real cache, in the pool's blocks
             // (llama.cpp: Σ slot n_ctx, one cached prompt per slot; vLLM/SGLang/TRT-LLM: blocks ×
@@ -460,11 +457,12 @@ impl FleetSink for GatewaySink {
                     .kv_capacity_blocks
                     .store(u32::try_from(n).unwrap_or(u32::MAX), Ordering::Relaxed);
                 let n = usize::try_from(n).unwrap_or(usize::MAX);
-                let mut index = app.router.index.write();
-                if matches!(index.mode(worker), Some(IndexMode::Approximate(c)) if c.capacity_blocks != n)
-                {
-                    index.set_capacity(worker, n);
-                }
+                app.router.with_index_mut(|index| {
+                    if matches!(index.mode(worker), Some(IndexMode::Approximate(c)) if c.capacity_blocks != n)
+                    {
+                        index.set_capacity(worker, n);
+                    }
+                });
             }
         });
     }
@@ -496,12 +494,14 @@ impl FleetSink for GatewaySink {
 
     fn on_kv_events(&self, worker: WorkerId, batch: &KvEventBatch) {
         self.with(worker, |app, _| {
-            let mut index = app.router.index.write();
-            // Events prove the worker publishes: switch it from the approximate to the exact index.
-            if !matches!(index.mode(worker), Some(IndexMode::Exact)) {
-                index.set_mode(worker, IndexMode::Exact);
-            }
-            let out = kvgate_fleet::apply_batch(&mut index, worker, batch, self.block_size);
+            let out = app.router.with_index_mut(|index| {
+                // Events prove the worker publishes: switch it from the approximate to the exact
+                // index.
+                if !matches!(index.mode(worker), Some(IndexMode::Exact)) {
+                    index.set_mode(worker, IndexMode::Exact);
+                }
+                kvgate_fleet::apply_batch(index, worker, batch, self.block_size)
+            });
             let s = &self.signals;
             s.kv_blocks_stored
                 .fetch_add(out.stored_blocks as u64, Ordering::Relaxed);
@@ -527,7 +527,7 @@ impl FleetSink for GatewaySink {
         }
         self.with(worker, |app, w| {
             tracing::warn!(worker = %w.name, reason = reason.as_str(), "KV index entries of worker dropped");
-            app.router.index.write().clear_worker(worker);
+            app.router.with_index_mut(|i| i.clear_worker(worker));
         });
     }
 

@@ -16,7 +16,8 @@ use crate::ctx::RequestCtx;
 use crate::error::{ErrorKind, GatewayError};
 use crate::pd::{bootstrap_addr, bootstrap_room, sglang_body, Partner};
 use crate::registry::{Pool, Worker};
-use crate::router::{Leg, NoPick};
+use crate::route::router::{Leg, NoPick};
+use crate::route::Reservation;
 use crate::state::AppState;
 use kvgate_http::client;
 
@@ -81,9 +82,8 @@ pub(crate) async fn dual_dispatch(
     body: &bytes::Bytes,
     auth_enabled: bool,
 ) -> Result<Option<Forwarded>, GatewayError> {
-    let router = &app.fleet.router;
     let now = Instant::now();
-    let ppick = match router.select(prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
+    let ppick = match app.decider.select(prefill, &p.ri, &[], now) {
         Ok(pick) => pick,
         Err(NoPick::AllBusy) => {
             decision(app, ctx, "local", "prefill_busy");
@@ -104,8 +104,14 @@ pub(crate) async fn dual_dispatch(
         return Ok(None);
     };
     // The decode worker: queued like any request when every one is busy.
-    let dpick = super::pick(app, ctx, &p.pool, &p.ri, &[], p.t_decide, Leg::Decode).await?;
-    let now = Instant::now();
+    let Reservation {
+        pick: dpick,
+        guard: dguard,
+        at: now,
+    } = app
+        .decider
+        .reserve(&p.pool, &p.ri, &[], p.t_decide, Leg::Decode, &mut ctx.queue_wait)
+        .await?;
     ctx.decision_time = now
         .saturating_duration_since(p.t_decide)
         .saturating_sub(ctx.queue_wait);
@@ -118,13 +124,10 @@ pub(crate) async fn dual_dispatch(
         .observe(ppick.decision.predicted_hit_ratio);
     ctx.overlap_blocks = ppick.decision.overlap_blocks;
     ctx.attempts += 1;
-    let bs = p.pool.block_size;
     // The prefill worker's load lasts until its answer is drained; the decode worker's until the
     // end of the client's stream.
-    let pguard = router.dispatch(&ppick, &p.ri.hashes, p.ri.isl, bs, now);
-    let mut dguard = router.dispatch(&dpick, &p.ri.hashes, p.ri.isl, bs, now);
-    dguard.on_release = Some(app.admission.clone());
-    let (pw, dw) = (ppick.worker, dpick.worker);
+    let pguard = app.decider.place(ppick, prefill, &p.ri, now).guard;
+    let (pw, dw) = (pguard.worker.clone(), dpick.worker);
     let pout = outgoing(&p.parts, &pw, &both, auth_enabled);
     let dout = outgoing(&p.parts, &dw, &both, auth_enabled);
     let started = Instant::now();
@@ -136,7 +139,6 @@ pub(crate) async fn dual_dispatch(
         Ok(h) => h,
         Err(e) => {
             drop(pguard);
-            app.admission.wake_one();
             let kind = if e.message.starts_with("prefill") {
                 "prefill_error"
             } else {
@@ -182,8 +184,8 @@ pub(crate) async fn dual_dispatch(
             _ = leave.cancelled() => None,
             _ = shutdown.cancelled() => None,
         };
+        // Releasing the prefill worker's load wakes the queue.
         drop(pguard);
-        app2.admission.wake_one();
         match result {
             Some(Ok(())) => app2
                 .metrics

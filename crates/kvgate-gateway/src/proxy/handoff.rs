@@ -1,7 +1,6 @@
 //! The prefill/decode handoff (vLLM NixlConnector), run by the proxy before its decode-leg loop;
 //! the steps are described in `pd.rs`.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,16 +12,16 @@ use kvgate_protocol::usage::Usage;
 use serde_json::Value;
 
 use super::{attempt, Prepared};
-use crate::config::{Handoff, WorkerRole};
+use crate::config::Handoff;
 use crate::ctx::RequestCtx;
 use crate::error::GatewayError;
 use crate::metrics::{KindLabel, PdDecisionLabels};
 use crate::pd::{
-    bootstrap_room, decode_body, prefill_body, sub_pool, trtllm_context_body,
+    bootstrap_room, decode_body, prefill_body, trtllm_context_body,
     trtllm_context_outcome, trtllm_generation_body, ContextOutcome, Prefilled,
 };
-use crate::registry::{Pool, Worker};
-use crate::router::NoPick;
+use crate::route::router::NoPick;
+use crate::route::{PdPlan, PdRoute, Reservation};
 use crate::state::AppState;
 
 /// Largest prefill-leg answer read (it is one token and the params).
@@ -58,20 +57,6 @@ pub(crate) fn decode_failed(app: &AppState, ctx: &RequestCtx) {
     }
 }
 
-/// Whether `worker` has more requests in flight than the average decode-capable worker of `decode`
-/// plus one (then a short prompt is not run locally there: see `prepare_handoff`).
-fn crowded(decode: &Pool, worker: &Worker) -> bool {
-    let n = decode.workers.len().max(1) as u64;
-    let total: u64 = decode
-        .workers
-        .iter()
-        .map(|w| u64::from(w.state.inflight.load(Ordering::Relaxed)))
-        .sum();
-    let mine = u64::from(worker.state.inflight.load(Ordering::Relaxed));
-    // mine > mean + 1, in integers.
-    mine * n > total + n
-}
-
 /// What one prefill leg came back with.
 enum LegResult {
     Params(Value, Option<Usage>),
@@ -92,72 +77,21 @@ pub(crate) async fn prepare_handoff(
     p: &mut Prepared,
     auth_enabled: bool,
 ) -> Result<Option<super::Routed>, GatewayError> {
-    let settings = app.pd.load_full();
-    let decode = sub_pool(&p.pool, WorkerRole::can_decode);
-    if decode.workers.is_empty() {
-        return Err(GatewayError::new(
-            crate::error::ErrorKind::NoWorker,
-            format!("no decode worker for model `{}`", p.pool.model),
-        ));
-    }
-    let prefill = sub_pool(&p.pool, WorkerRole::can_prefill);
-    let router = &app.fleet.router;
-    let now = Instant::now();
-    let bs = u64::from(p.pool.block_size);
-    let (uncached, crowded, idle_estimate) =
-        match router.select(&decode, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now) {
-            Ok(pick) => {
-                let uncached =
-                    p.ri.isl
-                        .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
-                // Nothing in flight there (as the router counts it, peers' requests included):
-                // the request's TTFT estimate if that worker ran it whole.
-                let idle = pick.estimate.step_ms == 0.0
-                    && pick.worker.state.inflight.load(Ordering::Relaxed) == 0;
-                (
-                    uncached,
-                    crowded(&decode, &pick.worker),
-                    idle.then_some(pick.estimate),
-                )
-            }
-            // Every decode worker busy: a short prompt still skips the handoff (it waits for a
-            // decode worker either way).
-            Err(_) => (p.ri.isl, false, None),
-        };
+    let settings = app.decider.pd();
+    let PdRoute { decode, plan } = app.decider.plan_pd(&p.pool, &p.ri, Instant::now())?;
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
-    p.pool = Arc::new(decode);
-    // The prefill pick the idle-decode comparison made, reused as the first attempt's.
-    let mut first_prefill = None;
-    if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
-        if !crowded {
-            decision(app, ctx, "local", "short_prompt");
+    p.pool = decode;
+    let (prefill, protocol, mut first_prefill) = match plan {
+        PdPlan::Local(reason) => {
+            decision(app, ctx, "local", reason);
             return Ok(None);
         }
-        // The worker holding the prompt already has more than its share of the decode pool's
-        // requests: local runs of one shared prompt would pile there, while a disaggregated
-        // request's decode leg goes where decode load is least.
-        app.metrics.pd.local_declined.inc();
-    } else if settings.min_uncached_tokens > 0 && settings.local_on_idle_decode {
-        // A long prompt on an idle decode worker: a prefill there holds up no stream, so it runs
-        // there whole unless the prefill worker the handoff would use is predicted to give the
-        // first token sooner (a longer cached prefix there, net of its queue); the handoff's own
-        // cost is not counted.
-        if let Some(local) = idle_estimate {
-            if let Ok(pp) = router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &[], now)
-            {
-                // Both at the prefill worker's learned speed: a decode worker learns its own
-                // prefill speed only from the requests it runs whole (a disaggregated request's
-                // first token there follows another worker's prefill).
-                let speed = router.latency.lock().speed(pp.worker.id);
-                if local.at_speed(speed) <= pp.estimate.predicted_ms {
-                    decision(app, ctx, "local", "decode_idle");
-                    return Ok(None);
-                }
-                first_prefill = Some(pp);
-            }
-        }
-    }
-    let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
+        PdPlan::Split {
+            prefill,
+            protocol,
+            first_prefill,
+        } => (prefill, protocol, first_prefill),
+    };
     if protocol == Handoff::Sglang {
         return super::bootstrap::dual_dispatch(
             app,
@@ -188,12 +122,13 @@ pub(crate) async fn prepare_handoff(
     let mut failed = false;
     while tried.len() < MAX_PREFILL_ATTEMPTS {
         let now = Instant::now();
-        let picked = match first_prefill.take() {
-            Some(pick) => Ok(pick),
-            None => router.select(&prefill, &p.ri.hashes, p.ri.isl, p.ri.affinity, &tried, now),
+        // The prefill worker's load lasts until it answers (the handoff).
+        let reserved = match first_prefill.take() {
+            Some(pick) => Ok(app.decider.place(pick, &prefill, &p.ri, now)),
+            None => app.decider.try_reserve(&prefill, &p.ri, &tried, now),
         };
-        let pick = match picked {
-            Ok(pick) => pick,
+        let Reservation { pick, guard, .. } = match reserved {
+            Ok(r) => r,
             Err(NoPick::AllBusy) => {
                 decision(app, ctx, "local", "prefill_busy");
                 return Ok(None);
@@ -202,8 +137,6 @@ pub(crate) async fn prepare_handoff(
         };
         tried.push(pick.worker.id);
         let started = Instant::now();
-        // The prefill worker's load lasts until it answers (the handoff).
-        let guard = router.dispatch(&pick, &p.ri.hashes, p.ri.isl, p.pool.block_size, now);
         let result = prefill_leg(
             app,
             conns,
@@ -225,8 +158,8 @@ pub(crate) async fn prepare_handoff(
                     .observe((predicted - observed).abs() / observed.max(1e-3));
             }
         }
+        // Releasing the prefill worker's load wakes the queue.
         drop(guard);
-        app.admission.wake_one();
         match result {
             LegResult::Params(params, usage) => {
                 let d = if trtllm {

@@ -26,6 +26,7 @@ use kvgate_core::{
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{PdConfig, RoutingConfig, SloConfig};
+use crate::route::admission::Admission;
 use crate::registry::{Pool, Worker};
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
@@ -139,17 +140,21 @@ impl RoutePolicy {
     }
 }
 
+/// The routing state and its locks, owned here: other modules go through the methods (the index
+/// and the peers' loads through short closures that cannot keep a lock past their call).
 pub struct Router {
-    pub policy: ArcSwap<RoutePolicy>,
-    pub index: RwLock<KvIndex>,
-    pub active: ActiveSequences,
+    policy: ArcSwap<RoutePolicy>,
+    index: RwLock<KvIndex>,
+    active: ActiveSequences,
     /// Each worker's learned speed; shared with the dispatch guards that feed it.
-    pub latency: Arc<Mutex<LatencyModel>>,
+    latency: Arc<Mutex<LatencyModel>>,
     next_request: AtomicU64,
     /// Cluster mode: peers' in-flight load per replica, added to our own as a separate term.
-    pub remote: Mutex<RemoteLoads>,
+    remote: Mutex<RemoteLoads>,
     /// Cluster mode: where our decisions and load deltas are published (unset = off).
-    pub cluster: OnceLock<Arc<Cluster>>,
+    cluster: OnceLock<Arc<Cluster>>,
+    /// The busy-fleet queue every released load wakes.
+    admission: Arc<Admission>,
 }
 
 /// Which part of a request a worker is chosen for.
@@ -213,9 +218,10 @@ thread_local! {
 }
 
 impl Router {
-    pub fn new(policy: RoutePolicy) -> Self {
+    pub fn new(policy: RoutePolicy, admission: Arc<Admission>) -> Self {
         let learn = policy.learn;
         Router {
+            admission,
             policy: ArcSwap::from_pointee(policy),
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
@@ -250,6 +256,71 @@ impl Router {
         self.active.remove_worker(id);
         self.remote.lock().remove_worker(id);
         self.latency.lock().remove_worker(id);
+    }
+
+    /// The busy-fleet queue this router's released loads wake.
+    pub fn admission(&self) -> &Arc<Admission> {
+        &self.admission
+    }
+
+    /// The current policy (and its busy bound and latency settings).
+    pub fn policy(&self) -> arc_swap::Guard<Arc<RoutePolicy>> {
+        self.policy.load()
+    }
+
+    /// A reloaded policy; the latency model keeps what it learned, with the new learning settings.
+    pub fn set_policy(&self, policy: RoutePolicy) {
+        self.latency.lock().set_learn(policy.learn);
+        self.policy.store(Arc::new(policy));
+    }
+
+    /// Cluster mode on: our decisions and load deltas are published there from now on.
+    pub fn set_cluster(&self, cluster: Arc<Cluster>) {
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// Read the KV index (the lock is held for the call only).
+    pub fn with_index<R>(&self, f: impl FnOnce(&KvIndex) -> R) -> R {
+        f(&self.index.read())
+    }
+
+    /// Change the KV index (workers' events, peers' snapshots; the lock is held for the call only).
+    pub fn with_index_mut<R>(&self, f: impl FnOnce(&mut KvIndex) -> R) -> R {
+        f(&mut self.index.write())
+    }
+
+    /// Cluster mode: the peers' loads (the lock is held for the call only).
+    pub fn with_remote<R>(&self, f: impl FnOnce(&mut RemoteLoads) -> R) -> R {
+        f(&mut self.remote.lock())
+    }
+
+    /// Our own in-flight load set (peers' requests join it: `cluster.rs`).
+    pub fn active(&self) -> &ActiveSequences {
+        &self.active
+    }
+
+    /// A copy of the latency model (gauges, admin state).
+    pub fn latency_snapshot(&self) -> LatencyModel {
+        self.latency.lock().clone()
+    }
+
+    /// A worker's learned speed.
+    pub fn speed(&self, worker: WorkerId) -> Speed {
+        self.latency.lock().speed(worker)
+    }
+
+    /// A scrape saw `running` requests in the engine while `waiting` waited (its concurrency
+    /// limit, for the latency model).
+    pub fn observe_engine(&self, worker: WorkerId, running: u32, waiting: u32) {
+        self.latency.lock().observe_engine(worker, running, waiting);
+    }
+
+    /// Periodic upkeep: expire approximate-index entries, and load entries whose guard leaked
+    /// (a request's load normally ends with its guard).
+    pub fn housekeep(&self, now: Instant) {
+        self.index.write().expire(now);
+        self.active
+            .expire_stale(now, std::time::Duration::from_secs(3600));
     }
 
     /// Choose a worker of `pool` for a request with block `hashes` and `isl` prompt tokens,
@@ -392,16 +463,7 @@ impl Router {
         if !hashes.is_empty() {
             // Approximate workers learn only from routing; exact workers get a short-lived
             // prediction so requests arriving before the worker's BlockStored events see the prefix.
-            let mut index = self.index.write();
-            match index.mode(pick.worker.id) {
-                Some(IndexMode::Approximate(_)) => {
-                    index.record_routed(pick.worker.id, hashes, now);
-                }
-                Some(IndexMode::Exact) => {
-                    index.record_predicted(pick.worker.id, hashes, now);
-                }
-                None => {}
-            }
+            note_routed(&mut self.index.write(), pick.worker.id, hashes, now);
         }
         let cluster = self.cluster.get().map(|c| {
             // The blocks this request adds on its worker: its prompt beyond the prefix the worker
@@ -436,7 +498,7 @@ impl Router {
         DispatchGuard {
             core: Some(core),
             worker: pick.worker.clone(),
-            on_release: None,
+            admission: self.admission.clone(),
             cluster,
             latency: LatencyFeed {
                 model: self.latency.clone(),
@@ -449,12 +511,28 @@ impl Router {
     }
 }
 
+/// A request with block `hashes` was routed to `worker` (by us or a peer): approximate workers
+/// learn only from routing; exact workers get a short-lived prediction, so requests arriving
+/// before the worker's BlockStored events see the prefix. The one place that rule is written.
+pub fn note_routed(index: &mut KvIndex, worker: WorkerId, hashes: &[u64], now: Instant) {
+    match index.mode(worker) {
+        Some(IndexMode::Approximate(_)) => {
+            index.record_routed(worker, hashes, now);
+        }
+        Some(IndexMode::Exact) => {
+            index.record_predicted(worker, hashes, now);
+        }
+        None => {}
+    }
+}
+
 /// Load of one dispatched request: in-flight count, active blocks and pending prefill on its
 /// worker. Dropping it (completion, error, cancel) releases all of it and wakes a queued request.
 pub struct DispatchGuard {
     core: Option<LoadGuard>,
     pub worker: Arc<Worker>,
-    pub on_release: Option<Arc<crate::admission::Admission>>,
+    /// Woken when this load is released (always: a queued request may be waiting for it).
+    admission: Arc<Admission>,
     latency: LatencyFeed,
     /// Cluster mode: the request's id in our published load deltas.
     cluster: Option<(Arc<Cluster>, u64)>,
@@ -531,8 +609,6 @@ impl Drop for DispatchGuard {
                 f.dispatched.elapsed().as_secs_f64() * 1000.0,
             );
         }
-        if let Some(a) = &self.on_release {
-            a.wake_one();
-        }
+        self.admission.release();
     }
 }

@@ -1,0 +1,451 @@
+//! The decision component: which worker serves a request, and (prefill/decode pools) how its
+//! handoff is planned. No HTTP here (`tests/layout.rs` checks it): a front end (the proxy's route
+//! table today; an Envoy ext_proc endpoint picker next) parses its request into a pool and a
+//! [`RouteInput`], asks for a [`Reservation`], and carries it out; execution (the proxy hop, the PD
+//! legs) lives in `proxy/`.
+//!
+//! - [`Decider::reserve`]: pick (the core policy over the pool's candidates) → dispatch (the load
+//!   guard), waiting in the admission queue while every candidate is busy. A reservation holds the
+//!   pick and its load; dropping it releases the load and wakes the queue, whatever the path.
+//! - [`Decider::try_reserve`]: the same without queueing (prefill legs: a busy prefill pool means
+//!   "run it locally", not "wait").
+//! - [`Decider::plan_pd`]: for a pool with prefill workers, whether this request runs whole on a
+//!   decode worker (and why) or is split, and on which prefill pool ([`PdPlan`]).
+//! - `router.rs`: the selection and the dispatch guard; `admission.rs`: the busy-fleet queue.
+
+pub mod admission;
+pub mod router;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use kvgate_core::WorkerId;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Handoff, PdConfig, WorkerRole};
+use crate::metrics::Metrics;
+use crate::registry::Pool;
+use admission::{Generation, WaitError};
+use router::{DispatchGuard, Leg, NoPick, Pick, Router};
+
+/// What routing needs of one request: its prompt's chained block hashes, its length in tokens
+/// and its affinity key (consistent hashing). Built by each client API from its own request shape.
+#[derive(Debug, Default)]
+pub struct RouteInput {
+    pub hashes: Vec<u64>,
+    pub isl: u64,
+    pub affinity: Option<u64>,
+}
+
+/// Why no worker was reserved; each front end renders it in its own error shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// No routable worker for the pool (all unhealthy, draining, open breakers, or all tried).
+    NoWorker(String),
+    /// Every worker busy and the queue at `admission.queue_size`: shed at once.
+    QueueFull,
+    /// Waited past `admission.queue_timeout_ms`.
+    QueueTimeout,
+    /// The gateway is shutting down: queued requests leave at once.
+    ShuttingDown,
+}
+
+/// A worker chosen for a request, with the request's load held on it. Dropping it (request
+/// finished, failed, cancelled, or a retry elsewhere) releases the load and wakes the queue.
+pub struct Reservation {
+    pub pick: Pick,
+    pub guard: DispatchGuard,
+    /// When the load was placed (the decision's end).
+    pub at: Instant,
+}
+
+/// How a request to a prefill/decode pool runs.
+pub enum PdPlan {
+    /// Whole on a decode worker, for `reason` (the `kvgate_pd_decisions_total` label).
+    Local(&'static str),
+    /// Split: a prefill leg on `prefill` with `protocol`, then the decode leg.
+    Split {
+        prefill: Pool,
+        protocol: Handoff,
+        /// The prefill pick the idle-decode comparison already made: the first prefill
+        /// attempt's pick, not selected a second time.
+        first_prefill: Option<Pick>,
+    },
+}
+
+/// A prefill/decode pool's plan: the decode workers (the request's pool from now on) and how it
+/// runs.
+pub struct PdRoute {
+    pub decode: Arc<Pool>,
+    pub plan: PdPlan,
+}
+
+/// The decision component, built from the router (fleet state), the `[pd]` settings, the metrics
+/// and the shutdown signal; shared by every front end.
+pub struct Decider {
+    router: Arc<Router>,
+    pd: ArcSwap<PdConfig>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+}
+
+impl Decider {
+    pub fn new(
+        router: Arc<Router>,
+        pd: &PdConfig,
+        metrics: Arc<Metrics>,
+        shutdown: CancellationToken,
+    ) -> Decider {
+        Decider {
+            router,
+            pd: ArcSwap::from_pointee(pd.clone()),
+            metrics,
+            shutdown,
+        }
+    }
+
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    /// The `[pd]` settings now in force.
+    pub fn pd(&self) -> Arc<PdConfig> {
+        self.pd.load_full()
+    }
+
+    /// A reloaded `[pd]` section.
+    pub fn set_pd(&self, pd: &PdConfig) {
+        self.pd.store(Arc::new(pd.clone()));
+    }
+
+    /// Choose a worker of `pool` (not in `exclude`) and place the request's load on it, waiting in
+    /// the admission queue while every candidate is busy. `at` is when the decision started (the
+    /// first selection is made as of then; selections after a wait read the clock again); the
+    /// time spent queued is added to `queue_wait`.
+    pub async fn reserve(
+        &self,
+        pool: &Pool,
+        input: &RouteInput,
+        exclude: &[WorkerId],
+        at: Instant,
+        leg: Leg,
+        queue_wait: &mut Duration,
+    ) -> Result<Reservation, Refusal> {
+        let router = &self.router;
+        let pick = wait_for_pick(
+            router.admission(),
+            &self.shutdown,
+            at,
+            |now| {
+                router.select_leg(
+                    pool,
+                    &input.hashes,
+                    input.isl,
+                    input.affinity,
+                    exclude,
+                    now,
+                    leg,
+                )
+            },
+            queue_wait,
+        )
+        .await
+        .map_err(|e| match e {
+            Refusal::NoWorker(_) => {
+                Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
+            }
+            other => other,
+        })?;
+        let now = Instant::now();
+        let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
+        Ok(Reservation {
+            pick,
+            guard,
+            at: now,
+        })
+    }
+
+    /// [`Decider::reserve`] without queueing: `Err` at once when no worker is free.
+    pub fn try_reserve(
+        &self,
+        pool: &Pool,
+        input: &RouteInput,
+        exclude: &[WorkerId],
+        now: Instant,
+    ) -> Result<Reservation, NoPick> {
+        let pick = self.select(pool, input, exclude, now)?;
+        Ok(self.place(pick, pool, input, now))
+    }
+
+    /// A pick made earlier (see [`PdPlan::Split`]'s `first_prefill`), its load placed now.
+    pub fn place(&self, pick: Pick, pool: &Pool, input: &RouteInput, now: Instant) -> Reservation {
+        let guard = self
+            .router
+            .dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
+        Reservation {
+            pick,
+            guard,
+            at: now,
+        }
+    }
+
+    /// Choose a worker without placing load (a plan's comparison; [`Decider::place`] makes it a
+    /// reservation).
+    pub fn select(
+        &self,
+        pool: &Pool,
+        input: &RouteInput,
+        exclude: &[WorkerId],
+        now: Instant,
+    ) -> Result<Pick, NoPick> {
+        self.router
+            .select(pool, &input.hashes, input.isl, input.affinity, exclude, now)
+    }
+
+    /// Plan a request to a prefill/decode pool (docs/routing.md §9; the steps are in `pd.rs`).
+    /// `Err` when the pool has no decode-capable worker.
+    pub fn plan_pd(
+        &self,
+        pool: &Pool,
+        input: &RouteInput,
+        now: Instant,
+    ) -> Result<PdRoute, Refusal> {
+        let settings = self.pd.load();
+        let decode = crate::pd::sub_pool(pool, WorkerRole::can_decode);
+        if decode.workers.is_empty() {
+            return Err(Refusal::NoWorker(format!(
+                "no decode worker for model `{}`",
+                pool.model
+            )));
+        }
+        let prefill = crate::pd::sub_pool(pool, WorkerRole::can_prefill);
+        let bs = u64::from(pool.block_size);
+        let (uncached, crowded, idle_estimate) = match self.select(&decode, input, &[], now) {
+            Ok(pick) => {
+                let uncached = input
+                    .isl
+                    .saturating_sub(u64::from(pick.decision.overlap_blocks) * bs);
+                // Nothing in flight there (as the router counts it, peers' requests included):
+                // the request's TTFT estimate if that worker ran it whole.
+                let idle = pick.estimate.step_ms == 0.0
+                    && pick
+                        .worker
+                        .state
+                        .inflight
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                        == 0;
+                (
+                    uncached,
+                    crate::pd::crowded(&decode, &pick.worker),
+                    idle.then_some(pick.estimate),
+                )
+            }
+            // Every decode worker busy: a short prompt still skips the handoff (it waits for a
+            // decode worker either way).
+            Err(_) => (input.isl, false, None),
+        };
+        let decode = Arc::new(decode);
+        let local = |reason| PdRoute {
+            decode: decode.clone(),
+            plan: PdPlan::Local(reason),
+        };
+        let mut first_prefill = None;
+        if settings.min_uncached_tokens > 0 && uncached < settings.min_uncached_tokens {
+            if !crowded {
+                return Ok(local("short_prompt"));
+            }
+            // The worker holding the prompt already has more than its share of the decode
+            // pool's requests: local runs of one shared prompt would pile there, while a
+            // disaggregated request's decode leg goes where decode load is least.
+            self.metrics.pd.local_declined.inc();
+        } else if settings.min_uncached_tokens > 0 && settings.local_on_idle_decode {
+            // A long prompt on an idle decode worker: a prefill there holds up no stream, so it
+            // runs there whole unless the prefill worker the handoff would use is predicted to
+            // give the first token sooner (a longer cached prefix there, net of its queue); the
+            // handoff's own cost is not counted.
+            if let Some(local_estimate) = idle_estimate {
+                if let Ok(pp) = self.select(&prefill, input, &[], now) {
+                    // Both at the prefill worker's learned speed: a decode worker learns its own
+                    // prefill speed only from the requests it runs whole (a disaggregated
+                    // request's first token there follows another worker's prefill).
+                    let speed = self.router.speed(pp.worker.id);
+                    if local_estimate.at_speed(speed) <= pp.estimate.predicted_ms {
+                        return Ok(local("decode_idle"));
+                    }
+                    first_prefill = Some(pp);
+                }
+            }
+        }
+        let protocol = crate::pd::protocol_for(settings.protocol, &prefill);
+        Ok(PdRoute {
+            decode,
+            plan: PdPlan::Split {
+                prefill,
+                protocol,
+                first_prefill,
+            },
+        })
+    }
+}
+
+/// The admission loop: `select` until it picks, waiting in the queue while it answers `AllBusy`.
+/// The first selection is made as of `at`; after a wake-up, as of then. A waiter woken for a
+/// release it cannot use passes the wake-up on to the next waiter that has not tried it and
+/// returns to the head of the queue (`admission.rs`). Generic over the pick so the loop is tested
+/// on its own.
+async fn wait_for_pick<T>(
+    admission: &admission::Admission,
+    shutdown: &CancellationToken,
+    at: Instant,
+    mut select: impl FnMut(Instant) -> Result<T, NoPick>,
+    queue_wait: &mut Duration,
+) -> Result<T, Refusal> {
+    let mut now = at;
+    let mut queued_at: Option<Instant> = None;
+    let mut woken: Option<Generation> = None;
+    loop {
+        match select(now) {
+            Ok(p) => {
+                if let Some(q) = queued_at {
+                    *queue_wait += q.elapsed();
+                }
+                return Ok(p);
+            }
+            Err(NoPick::NoWorker) => {
+                if let Some(q) = queued_at {
+                    *queue_wait += q.elapsed();
+                }
+                return Err(Refusal::NoWorker(String::new()));
+            }
+            Err(NoPick::AllBusy) => {}
+        }
+        if let Some(g) = woken {
+            // The capacity we were woken for went elsewhere: pass the wake-up on.
+            admission.pass_on(g);
+        }
+        let q0 = *queued_at.get_or_insert_with(Instant::now);
+        let deadline = tokio::time::Instant::from_std(q0 + admission.timeout());
+        // A gateway shutting down sends its queue away at once (503 `shutting_down`, retryable
+        // elsewhere) rather than holding it into the end of the grace period.
+        let waited = tokio::select! {
+            w = admission.wait(woken, deadline) => w,
+            _ = shutdown.cancelled() => {
+                *queue_wait += q0.elapsed();
+                return Err(Refusal::ShuttingDown);
+            }
+        };
+        match waited {
+            Ok(g) => {
+                woken = Some(g);
+                now = Instant::now();
+            }
+            Err(WaitError::Full) => return Err(Refusal::QueueFull),
+            Err(WaitError::Timeout) => {
+                *queue_wait += q0.elapsed();
+                return Err(Refusal::QueueTimeout);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// Issue 29's question: two waiters, a release neither can use (the capacity was in another
+    /// pool), and capacity that never frees. Before the fix, each woken waiter woke the next and
+    /// re-queued at the head, so the two woke each other in a loop until the queue timeout. Now
+    /// the release is tried once by each waiter and ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_release_nobody_can_use_wakes_each_waiter_once() {
+        let adm = Arc::new(admission::Admission::new(8, Duration::from_secs(30)));
+        let shutdown = CancellationToken::new();
+        let selections = Arc::new(AtomicUsize::new(0));
+        let free = Arc::new(AtomicBool::new(false));
+        let mut waiters = Vec::new();
+        for _ in 0..2 {
+            let (adm, shutdown, selections, free) =
+                (adm.clone(), shutdown.clone(), selections.clone(), free.clone());
+            waiters.push(tokio::spawn(async move {
+                let mut waited = Duration::ZERO;
+                wait_for_pick(
+                    &adm,
+                    &shutdown,
+                    Instant::now(),
+                    |_| {
+                        selections.fetch_add(1, Ordering::SeqCst);
+                        if free.load(Ordering::SeqCst) {
+                            Ok(())
+                        } else {
+                            Err(NoPick::AllBusy)
+                        }
+                    },
+                    &mut waited,
+                )
+                .await
+            }));
+        }
+        while adm.len() < 2 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(selections.load(Ordering::SeqCst), 2);
+        adm.release();
+        // Let every woken task run as long as it wants (paused clock: no timer fires).
+        for _ in 0..1000 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            selections.load(Ordering::SeqCst),
+            4,
+            "one release: one more selection per waiter, then quiet"
+        );
+        assert_eq!(adm.wakeups(), 2);
+        assert_eq!(adm.len(), 2, "both still waiting, in the queue");
+        // A release that frees capacity serves them.
+        free.store(true, Ordering::SeqCst);
+        adm.release();
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        adm.release();
+        for w in waiters {
+            assert_eq!(w.await.unwrap(), Ok(()));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_request_times_out_and_counts_its_wait() {
+        let adm = admission::Admission::new(8, Duration::from_secs(2));
+        let mut waited = Duration::ZERO;
+        let r = wait_for_pick::<()>(
+            &adm,
+            &CancellationToken::new(),
+            Instant::now(),
+            |_| Err(NoPick::AllBusy),
+            &mut waited,
+        )
+        .await;
+        assert_eq!(r, Err(Refusal::QueueTimeout));
+        assert!(adm.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_sends_the_queue_away() {
+        let adm = Arc::new(admission::Admission::new(8, Duration::from_secs(60)));
+        let shutdown = CancellationToken::new();
+        let (a, s) = (adm.clone(), shutdown.clone());
+        let t = tokio::spawn(async move {
+            let mut waited = Duration::ZERO;
+            wait_for_pick::<()>(&a, &s, Instant::now(), |_| Err(NoPick::AllBusy), &mut waited)
+                .await
+        });
+        while adm.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        shutdown.cancel();
+        assert_eq!(t.await.unwrap(), Err(Refusal::ShuttingDown));
+        assert!(adm.is_empty());
+    }
+}
