@@ -54,14 +54,9 @@ impl Sink for GatewayPeers {
             } => {
                 let (id, block_size) = self.worker(worker).ok_or(DropReason::UnknownWorker)?;
                 if hashes.is_empty() {
-                    router.with_remote(|r| r.dispatch(
-                        from,
-                        *request,
-                        id,
-                        *prefill_tokens,
-                        *blocks,
-                        now,
-                    ));
+                    router.with_remote(|r| {
+                        r.dispatch(from, *request, id, *prefill_tokens, *blocks, now)
+                    });
                     return Ok(());
                 }
                 let prefill = router.with_index_mut(|index| {
@@ -78,7 +73,9 @@ impl Sink for GatewayPeers {
                 // Its blocks join the active set of that worker with ours and every other
                 // peer's, so a prefix several replicas sent there at the same instant counts
                 // once (`RemoteLoads`, module docs).
-                let guard = router.active().add_at(id, *request, hashes, prefill, 0, now);
+                let guard = router
+                    .active()
+                    .add_at(id, *request, hashes, prefill, 0, now);
                 router.with_remote(|r| r.dispatch_tracked(from, *request, guard, now));
             }
             Message::PrefillDone { request } => {

@@ -23,11 +23,24 @@ use crate::observer::ObservedBody;
 use crate::prompt::route_input_offloaded;
 use crate::route::router::Leg;
 use crate::route::Reservation;
-use crate::state::AppState;
 use kvgate_http::client;
 
 mod bootstrap;
 mod handoff;
+
+/// What the proxy hop and the PD legs see of the gateway: the decision component, the hop's
+/// settings, the fleet's pools, the keys, the metrics. Built once with `AppState`, which holds
+/// it; the proxy never sees the rest.
+pub struct Proxy {
+    pub decider: Arc<crate::route::Decider>,
+    pub fleet: Arc<crate::fleet::WorkerFleet>,
+    pub upstream: Arc<crate::forward::Upstream>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+    pub auth: Arc<arc_swap::ArcSwap<crate::auth::Auth>>,
+    /// `server.max_body_bytes`.
+    pub max_body: usize,
+    pub shutdown: tokio_util::sync::CancellationToken,
+}
 
 /// Most attempts per request whatever the config says (bounds the tried-workers list).
 const MAX_ATTEMPTS: usize = 8;
@@ -87,7 +100,7 @@ pub(crate) struct Prepared {
 /// The retry loop: pick a worker (queueing if all are busy), dispatch, one [`attempt`], and on a
 /// retry-safe failure another worker, within `retry.max_attempts` and the retry budget.
 pub(crate) async fn route_and_forward(
-    app: &Arc<AppState>,
+    app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
@@ -124,9 +137,20 @@ pub(crate) async fn route_and_forward(
         } else {
             Leg::Whole
         };
-        let Reservation { pick, guard, at: now } = app
+        let Reservation {
+            pick,
+            guard,
+            at: now,
+        } = app
             .decider
-            .reserve(&p.pool, &p.ri, &tried[..n_tried], at, leg, &mut ctx.queue_wait)
+            .reserve(
+                &p.pool,
+                &p.ri,
+                &tried[..n_tried],
+                at,
+                leg,
+                &mut ctx.queue_wait,
+            )
             .await?;
         if n_tried == 0 {
             ctx.decision_time = now
@@ -208,7 +232,7 @@ pub(crate) async fn route_and_forward(
 /// Read the body (client credentials dropped when auth is on), parse the routing fields, find
 /// the model's pool, tokenize and hash the prompt.
 async fn prepare(
-    app: &Arc<AppState>,
+    app: &Arc<Proxy>,
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
     auth_enabled: bool,
@@ -304,7 +328,7 @@ pub(crate) fn outgoing<'a>(
 /// bytes) within the timeouts. Streams: head and first byte within `first_byte_timeout`; others:
 /// the whole response within `request_timeout`; either way the head within `response_timeout`.
 pub(crate) async fn attempt(
-    app: &AppState,
+    app: &Proxy,
     conns: &client::Pool,
     stream: bool,
     worker: &str,
@@ -438,7 +462,7 @@ async fn read_body(
 }
 
 /// The client's response: a worker's through the observer, or a whole answer already read.
-pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, routed: Routed) -> Response<GwBody> {
+pub(crate) fn respond(app: &Proxy, mut ctx: RequestCtx, routed: Routed) -> Response<GwBody> {
     let fwd = match routed {
         Routed::Worker(f) => f,
         Routed::Whole(body) => {
@@ -458,7 +482,7 @@ pub(crate) fn respond(app: &AppState, mut ctx: RequestCtx, routed: Routed) -> Re
 }
 
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-fn respond_forwarded(app: &AppState, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
+fn respond_forwarded(app: &Proxy, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
     let Forwarded {
         resp,
         first,

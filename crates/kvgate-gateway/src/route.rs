@@ -366,8 +366,12 @@ mod tests {
         let free = Arc::new(AtomicBool::new(false));
         let mut waiters = Vec::new();
         for _ in 0..2 {
-            let (adm, shutdown, selections, free) =
-                (adm.clone(), shutdown.clone(), selections.clone(), free.clone());
+            let (adm, shutdown, selections, free) = (
+                adm.clone(),
+                shutdown.clone(),
+                selections.clone(),
+                free.clone(),
+            );
             waiters.push(tokio::spawn(async move {
                 let mut waited = Duration::ZERO;
                 wait_for_pick(
@@ -438,8 +442,14 @@ mod tests {
         let (a, s) = (adm.clone(), shutdown.clone());
         let t = tokio::spawn(async move {
             let mut waited = Duration::ZERO;
-            wait_for_pick::<()>(&a, &s, Instant::now(), |_| Err(NoPick::AllBusy), &mut waited)
-                .await
+            wait_for_pick::<()>(
+                &a,
+                &s,
+                Instant::now(),
+                |_| Err(NoPick::AllBusy),
+                &mut waited,
+            )
+            .await
         });
         while adm.is_empty() {
             tokio::task::yield_now().await;

@@ -46,8 +46,8 @@ pub async fn route(
             return method_not_allowed(&app, "POST");
         }
         let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);
-        return match proxy::route_and_forward(&app, &conns, &mut ctx, req).await {
-            Ok(fwd) => proxy::respond(&app, ctx, fwd),
+        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, req).await {
+            Ok(fwd) => proxy::respond(&app.proxy, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),
         };
     }

@@ -8,14 +8,14 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
-use crate::route::admission::Admission;
-use crate::route::Decider;
 use crate::auth::Auth;
 use crate::config::Config;
 use crate::ctx::Telemetry;
 use crate::fleet::WorkerFleet;
 use crate::forward::Upstream;
 use crate::metrics::{Metrics, WorkerLabel, ROLE_LABELS};
+use crate::route::admission::Admission;
+use crate::route::Decider;
 
 /// The gateway's components, each built from its own config slice. The request path and the
 /// control plane take the component they need; only the route table and the admin API see them
@@ -42,6 +42,8 @@ pub struct AppState {
     pub shutdown: CancellationToken,
     /// The decision component (router, admission, `[pd]` plans) every front end asks.
     pub decider: Arc<Decider>,
+    /// The proxy front end's slice of the above (the OpenAI endpoints' request path).
+    pub proxy: Arc<crate::proxy::Proxy>,
 }
 
 /// Certificates for `https://` workers: `upstream.ca_file` (must load), else the system bundle
@@ -94,10 +96,23 @@ impl AppState {
             )?),
             None => None,
         };
-        let fleet_router = fleet.router.clone();
-        let metrics_for_decider = metrics.clone();
-        let shutdown_for_decider = shutdown.clone();
+        let decider = Arc::new(Decider::new(
+            fleet.router.clone(),
+            &config.pd,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+        let proxy = Arc::new(crate::proxy::Proxy {
+            decider: decider.clone(),
+            fleet: fleet.clone(),
+            upstream: upstream.clone(),
+            metrics: metrics.clone(),
+            auth: auth.clone(),
+            max_body: config.server.max_body_bytes,
+            shutdown: shutdown.clone(),
+        });
         Ok(Arc::new(AppState {
+            proxy,
             cluster,
             admission: fleet.router.admission().clone(),
             fleet,
@@ -112,12 +127,7 @@ impl AppState {
             draining: AtomicBool::new(false),
             shutdown,
             metrics,
-            decider: Arc::new(Decider::new(
-                fleet_router,
-                &config.pd,
-                metrics_for_decider,
-                shutdown_for_decider,
-            )),
+            decider,
         }))
     }
 

@@ -85,8 +85,8 @@ fn gateway_modules_have_no_dependency_cycle() {
         .iter()
         .map(|(m, text)| (m.as_str(), deps(text, &mods, m)))
         .collect();
-    // The proxy reaches the state: the parser found real edges.
-    assert!(graph["proxy"].contains("state"), "{graph:?}");
+    // The proxy reaches the decision component: the parser found real edges.
+    assert!(graph["proxy"].contains("route"), "{graph:?}");
     // Depth-first search for a back edge; report the cycle found.
     fn visit<'a>(
         m: &'a str,
@@ -119,4 +119,95 @@ fn gateway_modules_have_no_dependency_cycle() {
             panic!("module cycle: {}", cycle.join(" -> "));
         }
     }
+}
+
+/// The text of `src/NAME.rs` and everything under `src/NAME/`, or of one file, without unit tests
+/// and comments (a doc may name what the code must not use).
+fn code_of(paths: &[std::path::PathBuf]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut stack: Vec<std::path::PathBuf> = paths.to_vec();
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            for e in std::fs::read_dir(&p).expect("dir") {
+                stack.push(e.expect("entry").path());
+            }
+            continue;
+        }
+        if p.extension().is_none_or(|x| x != "rs") {
+            continue;
+        }
+        let s = std::fs::read_to_string(&p).expect("read");
+        let s = s.split("#[cfg(test)]").next().unwrap_or("");
+        let code: String = s
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        out.push((p.display().to_string(), code));
+    }
+    out
+}
+
+#[test]
+fn the_decision_component_uses_no_http_types() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let files = code_of(&[src.join("route.rs"), src.join("route")]);
+    assert!(files.len() >= 3, "found {files:?}");
+    let forbidden = [
+        "http::",
+        "hyper",
+        "kvgate_http",
+        "Request<",
+        "Response<",
+        "HeaderMap",
+        "HeaderValue",
+        "StatusCode",
+        "AppState",
+        "crate::proxy",
+        "crate::server",
+        "crate::body",
+        "crate::error",
+    ];
+    for (path, code) in &files {
+        for f in forbidden {
+            assert!(
+                !code.contains(f),
+                "{path} uses `{f}`: the decision component must not depend on HTTP or the proxy"
+            );
+        }
+    }
+}
+
+#[test]
+fn only_the_route_table_and_the_admin_api_see_app_state() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    // The route table (server.rs and the endpoints it answers itself, api/), the admin API, the
+    // config reload that applies a new config to every component, and the state's own files.
+    let allowed = [
+        "state.rs",
+        "lib.rs",
+        "server.rs",
+        "admin.rs",
+        "reload.rs",
+        "api.rs",
+        "api/",
+    ];
+    let files = code_of(&[src.clone()]);
+    let mut seen = 0;
+    for (path, code) in &files {
+        let rel = path
+            .strip_prefix(&format!("{}/", src.display()))
+            .unwrap_or(path);
+        if !code.contains("AppState") {
+            continue;
+        }
+        seen += 1;
+        assert!(
+            allowed
+                .iter()
+                .any(|a| rel == *a || (a.ends_with('/') && rel.starts_with(a))),
+            "{rel} sees AppState: pass it the component it needs instead"
+        );
+    }
+    assert!(seen >= 4, "the scan found AppState's users ({seen})");
 }

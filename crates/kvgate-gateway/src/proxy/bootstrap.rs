@@ -11,21 +11,20 @@ use std::time::Instant;
 use http_body_util::BodyExt;
 use tokio_util::sync::CancellationToken;
 
-use super::{attempt, outgoing, Forwarded, Prepared};
+use super::{attempt, outgoing, Forwarded, Prepared, Proxy};
 use crate::ctx::RequestCtx;
 use crate::error::{ErrorKind, GatewayError};
 use crate::pd::{bootstrap_addr, bootstrap_room, sglang_body, Partner};
 use crate::registry::{Pool, Worker};
 use crate::route::router::{Leg, NoPick};
 use crate::route::Reservation;
-use crate::state::AppState;
 use kvgate_http::client;
 
 use super::handoff::{decision, failure};
 
 /// One leg's response head, or why the leg failed (as the client's 502).
 async fn leg(
-    app: &AppState,
+    app: &Proxy,
     conns: &client::Pool,
     stream: bool,
     which: &str,
@@ -74,7 +73,7 @@ async fn leg(
 /// Runs both legs on `prefill` and the decode pool in `p.pool`. `Ok(None)`: not split after all
 /// (no prefill worker free: the decode worker runs it all through the proxy's loop).
 pub(crate) async fn dual_dispatch(
-    app: &Arc<AppState>,
+    app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     p: &Prepared,
@@ -110,7 +109,14 @@ pub(crate) async fn dual_dispatch(
         at: now,
     } = app
         .decider
-        .reserve(&p.pool, &p.ri, &[], p.t_decide, Leg::Decode, &mut ctx.queue_wait)
+        .reserve(
+            &p.pool,
+            &p.ri,
+            &[],
+            p.t_decide,
+            Leg::Decode,
+            &mut ctx.queue_wait,
+        )
         .await?;
     ctx.decision_time = now
         .saturating_duration_since(p.t_decide)

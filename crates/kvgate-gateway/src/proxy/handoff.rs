@@ -11,25 +11,24 @@ use kvgate_http::client;
 use kvgate_protocol::usage::Usage;
 use serde_json::Value;
 
-use super::{attempt, Prepared};
+use super::{attempt, Prepared, Proxy};
 use crate::config::Handoff;
 use crate::ctx::RequestCtx;
 use crate::error::GatewayError;
 use crate::metrics::{KindLabel, PdDecisionLabels};
 use crate::pd::{
-    bootstrap_room, decode_body, prefill_body, trtllm_context_body,
-    trtllm_context_outcome, trtllm_generation_body, ContextOutcome, Prefilled,
+    bootstrap_room, decode_body, prefill_body, trtllm_context_body, trtllm_context_outcome,
+    trtllm_generation_body, ContextOutcome, Prefilled,
 };
 use crate::route::router::NoPick;
 use crate::route::{PdPlan, PdRoute, Reservation};
-use crate::state::AppState;
 
 /// Largest prefill-leg answer read (it is one token and the params).
 const MAX_PREFILL_ANSWER: usize = 4 << 20;
 /// Prefill workers tried per request before falling back to the decode worker.
 const MAX_PREFILL_ATTEMPTS: usize = 2;
 
-pub(super) fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
+pub(super) fn decision(app: &Proxy, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
     app.metrics
         .pd
         .decisions
@@ -41,7 +40,7 @@ pub(super) fn decision(app: &AppState, ctx: &RequestCtx, path: &'static str, rea
         .inc();
 }
 
-pub(super) fn failure(app: &AppState, kind: &'static str) {
+pub(super) fn failure(app: &Proxy, kind: &'static str) {
     app.metrics
         .pd
         .handoff_failures
@@ -51,7 +50,7 @@ pub(super) fn failure(app: &AppState, kind: &'static str) {
 
 /// A decode leg failed before its first byte (the proxy then tries another decode worker or
 /// answers with the error).
-pub(crate) fn decode_failed(app: &AppState, ctx: &RequestCtx) {
+pub(crate) fn decode_failed(app: &Proxy, ctx: &RequestCtx) {
     if ctx.pd.is_some() {
         failure(app, "decode_error");
     }
@@ -71,7 +70,7 @@ enum LegResult {
 /// worker's answer (`Some`). Errors when the pool has no decode-capable worker, or (SGLang) when
 /// a leg failed.
 pub(crate) async fn prepare_handoff(
-    app: &Arc<AppState>,
+    app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
     p: &mut Prepared,
@@ -246,7 +245,7 @@ fn strip_disaggregated_params(answer: Bytes) -> Bytes {
 /// (TensorRT-LLM: its `choices[0].disaggregated_params`).
 #[allow(clippy::too_many_arguments)]
 async fn prefill_leg(
-    app: &AppState,
+    app: &Proxy,
     conns: &client::Pool,
     p: &Prepared,
     worker: &crate::registry::Worker,

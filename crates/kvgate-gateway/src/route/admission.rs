@@ -208,7 +208,11 @@ mod tests {
         let fresh = tokio::spawn(async move { a2.wait(None, deadline).await });
         tokio::task::yield_now().await;
         a.pass_on(1);
-        assert_eq!(fresh.await.unwrap(), Ok(1), "the waiter behind gets the pass");
+        assert_eq!(
+            fresh.await.unwrap(),
+            Ok(1),
+            "the waiter behind gets the pass"
+        );
         a.pass_on(1);
         tokio::task::yield_now().await;
         assert!(!tried.is_finished(), "nobody left to try release 1");

@@ -26,8 +26,8 @@ use kvgate_core::{
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{PdConfig, RoutingConfig, SloConfig};
-use crate::route::admission::Admission;
 use crate::registry::{Pool, Worker};
+use crate::route::admission::Admission;
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
 pub struct RoutePolicy {
