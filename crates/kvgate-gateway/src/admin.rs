@@ -177,7 +177,7 @@ fn state_with_index(
                 "id": w.id.0,
                 "name": &*w.name,
                 "url": w.cfg.url,
-                "kind": w.cfg.kind,
+                "kind": w.kind.as_str(),
                 "models": w.models.iter().map(|m| &**m).collect::<Vec<_>>(),
                 "healthy": s.healthy.load(Ordering::Relaxed),
                 "draining": s.draining.load(Ordering::Relaxed),

@@ -731,6 +731,9 @@ impl WorkerPoolConfig {
         if host.is_empty() || port.parse::<u16>().is_err() {
             bail!("worker_pools.dns {:?} must be host:port", self.dns);
         }
+        self.kind
+            .parse::<kvgate_fleet::WorkerKind>()
+            .map_err(|e| anyhow::anyhow!("worker_pools.kind (pool {:?}): {e}", self.dns))?;
         if self.scheme != "http" {
             bail!(
                 "worker_pools.scheme {:?} (pool {:?}): only http is supported (list https workers in [[workers]])",
@@ -845,6 +848,9 @@ impl Config {
                 .url
                 .parse()
                 .with_context(|| format!("worker url {:?}", w.url))?;
+            w.kind
+                .parse::<kvgate_fleet::WorkerKind>()
+                .map_err(|e| anyhow::anyhow!("worker {:?}: kind: {e}", w.url))?;
             match uri.scheme_str() {
                 Some("http" | "https") => {}
                 _ => bail!("worker url {:?}: scheme must be http:// or https://", w.url),
@@ -938,6 +944,24 @@ pub fn worker_name(w: &WorkerConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unknown_worker_kind_is_refused_with_the_known_ones() {
+        let err = Config::from_toml("[[workers]]\nurl = \"http://a:1\"\nkind = \"vlm\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"vlm\"") && err.contains("sglang"), "{err}");
+        let err = Config::from_toml(
+            "[[worker_pools]]\ndns = \"svc:80\"\nkind = \"llama\"\nmodels = [\"m\"]\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("worker_pools.kind") && err.contains("llamacpp"),
+            "{err}"
+        );
+        Config::from_toml("[[workers]]\nurl = \"http://a:1\"\nkind = \"llama.cpp\"\n").unwrap();
+    }
 
     #[test]
     fn unknown_key_is_named() {

@@ -111,7 +111,7 @@ pub struct RequestCtx {
     pub usage: Option<Usage>,
     /// The worker's `finish_reason` (a stream's last one, a JSON body's first choice).
     pub finish_reason: Option<FinishReason>,
-    pub error: Option<&'static str>,
+    pub error: Option<crate::metrics::ErrorLabel>,
     /// Load held on the worker; released in `finish`.
     pub guard: Option<DispatchGuard>,
     /// This request's (model, worker) metric series, resolved once (see `Metrics::handles`).
@@ -327,7 +327,7 @@ impl RequestCtx {
                 worker: self.worker.as_ref().map(|w| &*w.name),
                 status,
                 outcome,
-                error: self.error,
+                error: self.error.map(crate::metrics::ErrorLabel::as_str),
                 stream: self.stream,
                 attempts: self.attempts,
                 overlap_blocks: self.overlap_blocks,

@@ -12,6 +12,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use kvgate_protocol::error::{types, OpenAiError};
 
 use crate::body::GwBody;
+use crate::metrics::ErrorLabel;
 
 /// Which side of the proxy failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,26 +126,26 @@ impl GatewayError {
     }
 
     /// Bounded label for `kvgate_errors_total{kind}`.
-    pub fn label(&self) -> &'static str {
+    pub fn label(&self) -> ErrorLabel {
         use ErrorKind::*;
         match self.kind {
-            Unauthorized => "unauthorized",
-            RateLimited { .. } => "rate_limited",
-            NotFound => "not_found",
-            MethodNotAllowed => "method_not_allowed",
-            PayloadTooLarge { .. } => "payload_too_large",
-            HeadersTooLarge => "headers_too_large",
-            RequestTimeout => "request_timeout",
-            BadRequest { .. } => "bad_request",
-            ModelNotFound => "model_not_found",
-            NoWorker => "no_worker",
-            QueueFull => "queue_full",
-            QueueTimeout => "queue_timeout",
-            UpstreamConnect => "upstream_connect",
-            UpstreamIo => "upstream_io",
-            UpstreamTimeout => "upstream_timeout",
-            ShuttingDown => "shutting_down",
-            TooManyConnections => "too_many_connections",
+            Unauthorized => ErrorLabel::Unauthorized,
+            RateLimited { .. } => ErrorLabel::RateLimited,
+            NotFound => ErrorLabel::NotFound,
+            MethodNotAllowed => ErrorLabel::MethodNotAllowed,
+            PayloadTooLarge { .. } => ErrorLabel::PayloadTooLarge,
+            HeadersTooLarge => ErrorLabel::HeadersTooLarge,
+            RequestTimeout => ErrorLabel::RequestTimeout,
+            BadRequest { .. } => ErrorLabel::BadRequest,
+            ModelNotFound => ErrorLabel::ModelNotFound,
+            NoWorker => ErrorLabel::NoWorker,
+            QueueFull => ErrorLabel::QueueFull,
+            QueueTimeout => ErrorLabel::QueueTimeout,
+            UpstreamConnect => ErrorLabel::UpstreamConnect,
+            UpstreamIo => ErrorLabel::UpstreamIo,
+            UpstreamTimeout => ErrorLabel::UpstreamTimeout,
+            ShuttingDown => ErrorLabel::ShuttingDown,
+            TooManyConnections => ErrorLabel::TooManyConnections,
         }
     }
 
@@ -291,7 +292,7 @@ impl GatewayError {
 
 impl std::fmt::Display for GatewayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}: {}", self.label(), self.message)
+        write!(f, "{}: {}", self.label().as_str(), self.message)
     }
 }
 

@@ -81,7 +81,7 @@ impl WorkerFleet {
         let me = self.me.upgrade();
         for (id, _) in &r.added {
             let exact = fleet.worker(*id).is_some_and(|w| w.cfg.kv_events.is_some());
-            let kind = fleet.worker(*id).map_or("vllm", |w| w.cfg.kind.as_str());
+            let kind = fleet.worker(*id).map_or(Default::default(), |w| w.kind);
             self.router.add_worker(*id, exact, kind, &cfg.routing);
             if let (true, Some(me), Some(w)) = (self.monitor_workers, &me, fleet.worker(*id)) {
                 self.monitors.start(me, w, &cfg);
@@ -106,6 +106,7 @@ impl WorkerFleet {
         for (id, name) in &r.removed {
             self.monitors.stop(*id);
             self.router.remove_worker(*id);
+            self.registry.forgotten(*id);
             let l = WorkerLabel {
                 worker: name.clone(),
             };

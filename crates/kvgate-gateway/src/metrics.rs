@@ -31,30 +31,99 @@ pub const RETRY_REASONS: [&str; 6] = [
 ];
 /// `kvgate_config_reloads_total{reason}` values (reload.rs).
 pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
-/// `kvgate_errors_total{kind}` values: `GatewayError::label` and the observer's stream kinds.
-pub const ERROR_KINDS: [&str; 21] = [
-    "unauthorized",
-    "rate_limited",
-    "not_found",
-    "method_not_allowed",
-    "payload_too_large",
-    "headers_too_large",
-    "request_timeout",
-    "bad_request",
-    "model_not_found",
-    "no_worker",
-    "queue_full",
-    "queue_timeout",
-    "upstream_connect",
-    "upstream_status",
-    "upstream_io",
-    "upstream_timeout",
-    "upstream_stream",
-    "upstream_body",
-    "upstream_oom",
-    "shutting_down",
-    "too_many_connections",
-];
+/// `kvgate_errors_total{kind}`: every way a request can fail, the gateway's own refusals
+/// (`GatewayError::label`) and the observer's stream failures alike; the label set is this enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorLabel {
+    Unauthorized,
+    RateLimited,
+    NotFound,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    HeadersTooLarge,
+    RequestTimeout,
+    BadRequest,
+    ModelNotFound,
+    NoWorker,
+    QueueFull,
+    QueueTimeout,
+    UpstreamConnect,
+    /// Reserved: a worker's own error status (counted by `kvgate_retries_total` today).
+    UpstreamStatus,
+    UpstreamIo,
+    UpstreamTimeout,
+    /// The worker's stream ended with an error (SSE error event, or a body error mid-stream).
+    UpstreamStream,
+    /// The worker's body failed after its head (connection lost, bad framing).
+    UpstreamBody,
+    /// The worker reported running out of memory mid-stream.
+    UpstreamOom,
+    ShuttingDown,
+    TooManyConnections,
+}
+
+impl ErrorLabel {
+    pub const ALL: [ErrorLabel; 21] = [
+        ErrorLabel::Unauthorized,
+        ErrorLabel::RateLimited,
+        ErrorLabel::NotFound,
+        ErrorLabel::MethodNotAllowed,
+        ErrorLabel::PayloadTooLarge,
+        ErrorLabel::HeadersTooLarge,
+        ErrorLabel::RequestTimeout,
+        ErrorLabel::BadRequest,
+        ErrorLabel::ModelNotFound,
+        ErrorLabel::NoWorker,
+        ErrorLabel::QueueFull,
+        ErrorLabel::QueueTimeout,
+        ErrorLabel::UpstreamConnect,
+        ErrorLabel::UpstreamStatus,
+        ErrorLabel::UpstreamIo,
+        ErrorLabel::UpstreamTimeout,
+        ErrorLabel::UpstreamStream,
+        ErrorLabel::UpstreamBody,
+        ErrorLabel::UpstreamOom,
+        ErrorLabel::ShuttingDown,
+        ErrorLabel::TooManyConnections,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ErrorLabel::Unauthorized => "unauthorized",
+            ErrorLabel::RateLimited => "rate_limited",
+            ErrorLabel::NotFound => "not_found",
+            ErrorLabel::MethodNotAllowed => "method_not_allowed",
+            ErrorLabel::PayloadTooLarge => "payload_too_large",
+            ErrorLabel::HeadersTooLarge => "headers_too_large",
+            ErrorLabel::RequestTimeout => "request_timeout",
+            ErrorLabel::BadRequest => "bad_request",
+            ErrorLabel::ModelNotFound => "model_not_found",
+            ErrorLabel::NoWorker => "no_worker",
+            ErrorLabel::QueueFull => "queue_full",
+            ErrorLabel::QueueTimeout => "queue_timeout",
+            ErrorLabel::UpstreamConnect => "upstream_connect",
+            ErrorLabel::UpstreamStatus => "upstream_status",
+            ErrorLabel::UpstreamIo => "upstream_io",
+            ErrorLabel::UpstreamTimeout => "upstream_timeout",
+            ErrorLabel::UpstreamStream => "upstream_stream",
+            ErrorLabel::UpstreamBody => "upstream_body",
+            ErrorLabel::UpstreamOom => "upstream_oom",
+            ErrorLabel::ShuttingDown => "shutting_down",
+            ErrorLabel::TooManyConnections => "too_many_connections",
+        }
+    }
+}
+
+/// The `kind` label values, in [`ErrorLabel::ALL`] order.
+pub const ERROR_KINDS: [&str; ErrorLabel::ALL.len()] = {
+    let mut out = [""; ErrorLabel::ALL.len()];
+    let mut i = 0;
+    while i < out.len() {
+        out[i] = ErrorLabel::ALL[i].as_str();
+        i += 1;
+    }
+    out
+};
 
 /// `kvgate_requests_by_endpoint_total{endpoint}` values, in `ctx::Endpoint::index` order.
 pub const ENDPOINTS: [&str; 3] = ["chat", "completions", "embeddings"];
@@ -586,7 +655,8 @@ impl Metrics {
         }
     }
 
-    pub fn error(&self, kind: &'static str) {
+    pub fn error(&self, kind: ErrorLabel) {
+        let kind = kind.as_str();
         self.errors.get_or_create(&KindLabel { kind }).inc();
     }
 
@@ -823,7 +893,7 @@ mod tests {
     #[test]
     fn counters_are_renamed_for_the_classic_format() {
         let m = Metrics::new();
-        m.error("bad_request");
+        m.error(ErrorLabel::BadRequest);
         m.requests
             .get_or_create(&RequestLabels {
                 model: "m".into(),
@@ -895,7 +965,7 @@ mod tests {
             TooManyConnections,
         ] {
             let e = GatewayError::new(k, "x");
-            assert!(ERROR_KINDS.contains(&e.label()), "{}", e.label());
+            assert!(ERROR_KINDS.contains(&e.label().as_str()), "{e}");
         }
     }
 

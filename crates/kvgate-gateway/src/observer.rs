@@ -22,6 +22,8 @@ use kvgate_protocol::finish::find_finish_reason;
 use kvgate_protocol::sse::Relay;
 use kvgate_protocol::usage::{find_usage, merge_pd_usage, Usage};
 
+use crate::metrics::ErrorLabel;
+
 use crate::ctx::{Outcome, RequestCtx};
 use kvgate_http::client::ResponseBody;
 
@@ -137,7 +139,7 @@ impl ObservedBody {
                 let ctx = &mut self.ctx;
                 relay.feed(data, |ev| {
                     if ev.error {
-                        ctx.error = Some("upstream_stream");
+                        ctx.error = Some(ErrorLabel::UpstreamStream);
                     }
                     if ev.usage.is_some() {
                         ctx.usage = ev.usage;
@@ -185,7 +187,7 @@ impl ObservedBody {
             // A worker's 5xx saying it ran out of memory (vLLM/SGLang/TRT-LLM pass the CUDA or
             // allocator message on) is its own error kind: it calls for capacity, not a restart.
             if self.ctx.status >= 500 && self.ctx.error.is_none() && says_out_of_memory(tail) {
-                self.ctx.error = Some("upstream_oom");
+                self.ctx.error = Some(ErrorLabel::UpstreamOom);
             }
             // Non-stream: the whole response is the "first token" (prefill and decode done).
             self.ctx.on_token(Instant::now());
@@ -216,7 +218,7 @@ impl ObservedBody {
 
     fn fail_stream(&mut self, why: &str) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.done = true;
-        self.ctx.error = Some("upstream_stream");
+        self.ctx.error = Some(ErrorLabel::UpstreamStream);
         self.ctx.finish(Outcome::StreamError);
         let event = OpenAiError::new(502, types::SERVER, why.to_owned())
             .with_code("upstream_stream_error")
@@ -288,7 +290,7 @@ impl Body for ObservedBody {
                         this.fail_stream(&format!("worker connection failed mid-stream: {e}"))
                     } else {
                         this.done = true;
-                        this.ctx.error = Some("upstream_body");
+                        this.ctx.error = Some(ErrorLabel::UpstreamBody);
                         this.ctx.finish(Outcome::StreamError);
                         Poll::Ready(Some(Err(e)))
                     };
@@ -310,7 +312,7 @@ impl Body for ObservedBody {
                                     return this.fail_stream(&why);
                                 }
                                 this.done = true;
-                                this.ctx.error = Some("upstream_body");
+                                this.ctx.error = Some(ErrorLabel::UpstreamBody);
                                 this.ctx.finish(Outcome::StreamError);
                                 return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
                             }
@@ -324,7 +326,7 @@ impl Body for ObservedBody {
                             // Headers are out: the honest signal for a truncated JSON document
                             // is a reset connection (as for a worker failing mid-body).
                             this.done = true;
-                            this.ctx.error = Some("upstream_timeout");
+                            this.ctx.error = Some(ErrorLabel::UpstreamTimeout);
                             this.ctx.finish(Outcome::StreamError);
                             return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(
                                 "worker did not finish its response within upstream.request_timeout_s"
@@ -339,7 +341,7 @@ impl Body for ObservedBody {
                             }
                             // A JSON body whose head is out: only a cut connection says so.
                             this.done = true;
-                            this.ctx.error = Some("upstream_body");
+                            this.ctx.error = Some(ErrorLabel::UpstreamBody);
                             this.ctx.finish(Outcome::StreamError);
                             return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
                         }

@@ -121,8 +121,8 @@ pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> Handoff {
         .or(prefill.workers.first());
     match first {
         Some(w) if w.role_announced() => Handoff::Sglang,
-        Some(w) if w.cfg.kind == "sglang" => Handoff::Sglang,
-        Some(w) if w.cfg.kind == "trtllm" => Handoff::Trtllm,
+        Some(w) if w.kind == kvgate_fleet::WorkerKind::Sglang => Handoff::Sglang,
+        Some(w) if w.kind == kvgate_fleet::WorkerKind::Trtllm => Handoff::Trtllm,
         _ => Handoff::Vllm,
     }
 }

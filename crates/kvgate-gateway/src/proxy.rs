@@ -218,7 +218,9 @@ pub(crate) async fn route_and_forward(
                 if e.retry_safe() && can_retry(now) {
                     app.metrics
                         .retries
-                        .get_or_create(&crate::metrics::ReasonLabel { reason: e.label() })
+                        .get_or_create(&crate::metrics::ReasonLabel {
+                            reason: e.label().as_str(),
+                        })
                         .inc();
                     continue;
                 }

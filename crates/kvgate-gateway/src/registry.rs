@@ -20,7 +20,11 @@ use crate::config::{
 };
 use crate::metrics::Lbl;
 
-/// Dense worker id, stable for the life of the process (never reused), shared with kvgate-core.
+/// Dense worker id, shared with kvgate-core (an index into its per-worker tables; a fleet whose ids
+/// are all below 64 takes the index's one-word fast path). Ids of removed workers are reused, the
+/// lowest first, once nothing refers to the old worker any more: the fleet has forgotten it
+/// (index, load, latency model: [`Registry::forgotten`]) and no snapshot, in-flight request or
+/// monitor holds its state. So a DNS pool that churns keeps its ids as small as the pool.
 pub use kvgate_core::WorkerId;
 
 /// Worker-reported load older than this is ignored (routing falls back to router-side load).
@@ -188,6 +192,8 @@ pub struct Worker {
     /// Path prefix of the base URL without trailing slash (usually empty).
     pub path_prefix: String,
     pub cfg: WorkerConfig,
+    /// `cfg.kind`, parsed (`auto` until a monitor detects the engine).
+    pub kind: kvgate_fleet::WorkerKind,
     /// Bearer header value sent to the worker, prepared once.
     pub auth_header: Option<http::HeaderValue>,
     pub models: Vec<Lbl>,
@@ -271,6 +277,9 @@ pub struct Registry {
 struct RegistryInner {
     states: HashMap<String, Arc<WorkerState>>,
     next_id: u32,
+    /// Removed workers' states by id, and whether the fleet has forgotten the id (see
+    /// [`Registry::forgotten`]); reusable once that is so and nothing else holds the state.
+    retired: HashMap<WorkerId, (Arc<WorkerState>, bool)>,
     generation: u64,
     config: Arc<Config>,
     admin_added: Vec<WorkerConfig>,
@@ -279,6 +288,29 @@ struct RegistryInner {
     dns: HashMap<String, Vec<WorkerConfig>>,
     /// Loaded tokenizers by spec (loading an HF tokenizer takes a while; reloads reuse it).
     tokenizers: HashMap<String, Arc<kvgate_tokenize::ModelTokenizer>>,
+}
+
+impl RegistryInner {
+    /// The lowest reusable id of a removed worker, else a new one.
+    fn allocate_id(&mut self) -> WorkerId {
+        let reusable = self
+            .retired
+            .iter()
+            .filter(|(_, (state, forgotten))| *forgotten && Arc::strong_count(state) == 1)
+            .map(|(id, _)| *id)
+            .min();
+        match reusable {
+            Some(id) => {
+                self.retired.remove(&id);
+                id
+            }
+            None => {
+                let id = WorkerId(self.next_id);
+                self.next_id += 1;
+                id
+            }
+        }
+    }
 }
 
 /// What changed in a rebuild (so the caller can clear index entries of removed workers).
@@ -295,6 +327,7 @@ impl Registry {
             inner: Mutex::new(RegistryInner {
                 states: HashMap::new(),
                 next_id: 0,
+                retired: HashMap::new(),
                 generation: 0,
                 config,
                 admin_added: Vec::new(),
@@ -334,6 +367,14 @@ impl Registry {
     /// DNS discovery: the workers pool `pool` (its name prefix) resolves to now. Workers that are
     /// new get fresh state, gone ones are removed; a pool no longer in the config is ignored (a
     /// late answer from a stopped resolver must not bring its workers back).
+    /// The fleet has dropped every entry of removed worker `id` (index, load, latency model,
+    /// monitor): the id may be given to a new worker once nothing holds the old one's state.
+    pub fn forgotten(&self, id: WorkerId) {
+        if let Some((_, f)) = self.inner.lock().retired.get_mut(&id) {
+            *f = true;
+        }
+    }
+
     pub fn set_dns_pool(&self, pool: &str, workers: Vec<WorkerConfig>) -> anyhow::Result<Rebuilt> {
         self.rebuild_with(|inner| {
             let configured = inner.config.worker_pools.iter().any(|p| p.prefix() == pool);
@@ -379,6 +420,8 @@ impl Registry {
         let mut next = RegistryInner {
             states: inner.states.clone(),
             next_id: inner.next_id,
+            // Moved, not cloned: a reusable state is one only the retired list holds.
+            retired: std::mem::take(&mut inner.retired),
             generation: inner.generation,
             config: inner.config.clone(),
             admin_added: inner.admin_added.clone(),
@@ -386,9 +429,17 @@ impl Registry {
             dns: inner.dns.clone(),
             tokenizers: inner.tokenizers.clone(),
         };
-        change(&mut next)?;
-        let prev = self.fleet.load_full();
-        let (fleet, rebuilt) = build_fleet(&mut next, &prev)?;
+        let built = change(&mut next).and_then(|()| {
+            let prev = self.fleet.load_full();
+            build_fleet(&mut next, &prev)
+        });
+        let (fleet, rebuilt) = match built {
+            Ok(b) => b,
+            Err(e) => {
+                inner.retired = next.retired;
+                return Err(e);
+            }
+        };
         *inner = next;
         self.fleet.store(Arc::new(fleet));
         Ok(rebuilt)
@@ -436,8 +487,7 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
         let state = match inner.states.get(&w.url) {
             Some(s) => s.clone(),
             None => {
-                let id = WorkerId(inner.next_id);
-                inner.next_id += 1;
+                let id = inner.allocate_id();
                 rebuilt.added.push((id, name.clone()));
                 Arc::new(WorkerState::new(id))
             }
@@ -461,6 +511,10 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
         workers.push(Arc::new(Worker {
             id: state.id,
             stable_id: xxhash_rust::xxh3::xxh3_64(name.as_bytes()),
+            kind: w
+                .kind
+                .parse()
+                .map_err(|e| anyhow::anyhow!("worker {name}: kind: {e}"))?,
             name,
             scheme,
             authority,
@@ -482,6 +536,7 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
                 .map(|w| w.name.clone())
                 .unwrap_or_else(|| Lbl::from(url.as_str()));
             rebuilt.removed.push((s.id, name));
+            inner.retired.insert(s.id, (s.clone(), false));
         }
     }
     inner.states = states;
@@ -571,9 +626,93 @@ mod tests {
         let f = reg.snapshot();
         assert!(Arc::ptr_eq(&f.workers[0].state, &a));
         assert_eq!(f.pool("n").unwrap().workers.len(), 1);
-        assert_eq!(f.workers[1].id, WorkerId(2), "ids are never reused");
+        assert_eq!(
+            f.workers[1].id,
+            WorkerId(2),
+            "b's id is not reused while the fleet has not forgotten it"
+        );
         reg.remove_worker("a:1").unwrap();
         assert!(reg.snapshot().pool("m").is_none());
+    }
+
+    #[test]
+    fn a_churning_dns_pool_reuses_the_ids_of_forgotten_workers() {
+        let mut c = (*cfg(&[])).clone();
+        c.worker_pools =
+            Config::from_toml("[[worker_pools]]\ndns = \"svc:80\"\nmodels = [\"m\"]\n")
+                .unwrap()
+                .worker_pools;
+        let (reg, _) = Registry::new(Arc::new(c.clone())).unwrap();
+        let p = c.worker_pools[0].clone();
+        let at = |i: u32| p.worker_for(format!("10.0.{}.{}:80", i / 250, i % 250).parse().unwrap());
+        // 4 pods, replaced one by one 200 times (a rolling restart that never ends): 204
+        // distinct workers over time, never more than 4 at once.
+        let mut pods: Vec<u32> = (0..4).collect();
+        let mut held = Vec::new();
+        for round in 0..200u32 {
+            if round == 100 {
+                // In-flight requests still hold the workers of this moment: the one removed
+                // next keeps its id until they end.
+                held = reg.snapshot().workers.clone();
+            }
+            let r = reg
+                .set_dns_pool("svc", pods.iter().map(|&i| at(i)).collect())
+                .unwrap();
+            for (id, _) in &r.removed {
+                reg.forgotten(*id);
+            }
+            pods[(round % 4) as usize] = 4 + round;
+        }
+        let f = reg.snapshot();
+        assert_eq!(f.workers.len(), 4);
+        let ids: Vec<u32> = f.workers.iter().map(|w| w.id.0).collect();
+        // 4 live workers, the 4 still held, and one removed in the last round that the fleet had
+        // not forgotten when its successor came: 9 ids at most (without reuse: 204).
+        assert!(
+            ids.iter().all(|&i| i < 9),
+            "ids stay as small as the pool: {ids:?}"
+        );
+        let gone: Vec<&Arc<Worker>> = held
+            .iter()
+            .filter(|h| !f.workers.iter().any(|w| Arc::ptr_eq(&w.state, &h.state)))
+            .collect();
+        assert!(!gone.is_empty());
+        for h in gone {
+            assert!(
+                !ids.contains(&h.id.0),
+                "{} is still held: its id is not reused",
+                h.id
+            );
+        }
+    }
+
+    #[test]
+    fn a_removed_worker_still_in_use_keeps_its_id() {
+        let (reg, _) =
+            Registry::new(cfg(&[("http://a:1", &["m"]), ("http://b:1", &["m"])])).unwrap();
+        let b = reg.snapshot().workers[1].clone();
+        assert_eq!(b.id, WorkerId(1));
+        let r = reg.set_config(cfg(&[("http://a:1", &["m"])])).unwrap();
+        assert_eq!(r.removed[0].0, WorkerId(1));
+        reg.forgotten(WorkerId(1));
+        // `b` (an in-flight request's worker) is alive: the new worker gets a new id.
+        let r = reg
+            .set_config(cfg(&[("http://a:1", &["m"]), ("http://c:1", &["m"])]))
+            .unwrap();
+        assert_eq!(r.added[0].0, WorkerId(2));
+        drop(b);
+        let r = reg
+            .set_config(cfg(&[
+                ("http://a:1", &["m"]),
+                ("http://c:1", &["m"]),
+                ("http://d:1", &["m"]),
+            ]))
+            .unwrap();
+        assert_eq!(
+            r.added[0].0,
+            WorkerId(1),
+            "the lowest free id, once nothing holds it"
+        );
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::body::{GwBody, ReqBody};
 use crate::config::ServerConfig;
 use crate::ctx::{Endpoint, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
+use crate::metrics::ErrorLabel;
 use crate::proxy;
 use crate::state::AppState;
 use kvgate_http::client;
@@ -59,7 +60,7 @@ pub async fn route(
         "/metrics" if get => api::metrics::render(&app),
         "/v1/models" | "/health" | "/ready" | "/metrics" => method_not_allowed(&app, "GET"),
         path => {
-            app.metrics.error("not_found");
+            app.metrics.error(ErrorLabel::NotFound);
             GatewayError::new(
                 ErrorKind::NotFound,
                 format!("no route for {} {path}", req.method()),
@@ -70,7 +71,7 @@ pub async fn route(
 }
 
 fn method_not_allowed(app: &AppState, allow: &'static str) -> Response<GwBody> {
-    app.metrics.error("method_not_allowed");
+    app.metrics.error(ErrorLabel::MethodNotAllowed);
     let mut r = GatewayError::new(
         ErrorKind::MethodNotAllowed,
         format!("method not allowed; use {allow}"),

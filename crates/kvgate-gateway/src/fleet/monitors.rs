@@ -115,7 +115,7 @@ impl Monitors {
             tracing::warn!(worker = %w.name, block_size, other,
                 "the worker's models set different block sizes; using the first");
         }
-        let kind: WorkerKind = w.cfg.kind.parse().unwrap_or_default();
+        let kind: WorkerKind = w.kind;
         let base = format!("{}://{}{}", w.scheme, w.authority, w.path_prefix);
         let mut mc = MonitorConfig::new(w.id, base, kind);
         mc.name = w.name.to_string();
@@ -141,6 +141,7 @@ impl Monitors {
         });
         let sink = Arc::new(GatewaySink {
             app: Arc::downgrade(app),
+            state: Arc::downgrade(&w.state),
             block_size,
             signals: signals.clone(),
         });
@@ -354,7 +355,7 @@ impl Monitors {
                 .get_or_create(&crate::metrics::WorkerInfo {
                     worker: w.name.clone(),
                     model: primary_model(w),
-                    kind: w.cfg.kind.clone(),
+                    kind: w.kind.as_str().into(),
                     gpu_type,
                     gpus: w.cfg.gpus,
                     role: w.role_label(),
@@ -411,6 +412,9 @@ fn primary_model(w: &Worker) -> Lbl {
 /// Feeds monitor reports into the gateway. Holds the state weakly: the monitors are owned by it.
 pub struct GatewaySink {
     app: Weak<WorkerFleet>,
+    /// The worker this monitor was started for: a late event of a stopped monitor must not
+    /// reach a new worker that reuses its id.
+    state: Weak<crate::registry::WorkerState>,
     block_size: u32,
     signals: Arc<Signals>,
 }
@@ -419,7 +423,10 @@ impl GatewaySink {
     fn with(&self, id: WorkerId, f: impl FnOnce(&WorkerFleet, &Worker)) {
         if let Some(app) = self.app.upgrade() {
             let fleet = app.registry.snapshot();
-            if let Some(w) = fleet.worker(id) {
+            if let Some(w) = fleet
+                .worker(id)
+                .filter(|w| std::ptr::eq(Arc::as_ptr(&w.state), self.state.as_ptr()))
+            {
                 f(&app, w);
             }
         }
@@ -608,6 +615,7 @@ mod tests {
         let signals = Arc::new(Signals::default());
         let sink = GatewaySink {
             app: Weak::new(),
+            state: Weak::new(),
             block_size: 16,
             signals: signals.clone(),
         };

@@ -28,6 +28,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::config::{PdConfig, RoutingConfig, SloConfig};
 use crate::registry::{Pool, Worker};
 use crate::route::admission::Admission;
+use kvgate_fleet::WorkerKind;
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
 pub struct RoutePolicy {
@@ -46,9 +47,9 @@ pub struct RoutePolicy {
 /// The speed a worker kind starts from before it has been observed (1 = the Dynamo/sim curve).
 /// llama.cpp and Ollama prefill about 10× slower than the GPU engines the curve was fitted on
 /// (docs/bench.md's prefill-bound fleet) and decode somewhat slower.
-pub fn kind_seed(kind: &str) -> Speed {
+pub fn kind_seed(kind: WorkerKind) -> Speed {
     match kind {
-        "llamacpp" | "ollama" => Speed {
+        WorkerKind::Llamacpp | WorkerKind::Ollama => Speed {
             prefill: 10.0,
             decode: 2.0,
         },
@@ -236,7 +237,7 @@ impl Router {
 
     /// Register a worker with the index (exact when it publishes KV events, else approximate) and
     /// the latency model (seeded from its kind).
-    pub fn add_worker(&self, id: WorkerId, exact: bool, kind: &str, routing: &RoutingConfig) {
+    pub fn add_worker(&self, id: WorkerId, exact: bool, kind: WorkerKind, routing: &RoutingConfig) {
         self.latency.lock().add_worker(id, kind_seed(kind));
         let mode = if exact {
             IndexMode::Exact
