@@ -43,32 +43,7 @@ impl Telemetry {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Endpoint {
-    Chat,
-    Completions,
-    Embeddings,
-}
-
-impl Endpoint {
-    /// Position in `metrics::ENDPOINTS` (the `endpoint` label).
-    pub fn index(self) -> usize {
-        match self {
-            Endpoint::Chat => 0,
-            Endpoint::Completions => 1,
-            Endpoint::Embeddings => 2,
-        }
-    }
-
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Embeddings => "/v1/embeddings",
-        }
-    }
-}
+pub use crate::client_api::Endpoint;
 
 /// How a request ended, for metrics and the log line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -240,7 +215,7 @@ impl RequestCtx {
             _ => self.status,
         };
         h.request(m, status).inc();
-        m.by_endpoint(self.endpoint.index(), self.stream).inc();
+        m.by_endpoint(self.endpoint.id(), self.stream).inc();
         h.duration(m).observe(total.as_secs_f64());
         if self.worker.is_some() {
             h.worker_duration(m).observe(total.as_secs_f64());
@@ -256,7 +231,7 @@ impl RequestCtx {
         // Embeddings have no tokens to wait for: their latency is in the request duration only.
         // A non-streamed response's "first token" is its end: it goes to its own series so the
         // TTFT histograms describe streams only.
-        if let (Some(t), false) = (ttft, self.endpoint == Endpoint::Embeddings) {
+        if let (Some(t), false) = (ttft, !self.endpoint.generates()) {
             if self.stream {
                 h.ttft(m).observe(t.as_secs_f64());
                 if self.worker.is_some() {
@@ -285,12 +260,12 @@ impl RequestCtx {
         let ok = outcome == Outcome::Complete && (200..300).contains(&status);
         if self.worker.is_some() && (ok || outcome == Outcome::StreamError) {
             h.prompt_tokens(m).inc_by(prompt);
-            if self.endpoint != Endpoint::Embeddings {
+            if self.endpoint.generates() {
                 h.completion_tokens(m).inc_by(completion);
             }
             if ok {
                 h.prompt_tokens_hist(m).observe(prompt as f64);
-                if self.endpoint != Endpoint::Embeddings {
+                if self.endpoint.generates() {
                     h.completion_tokens_hist(m).observe(completion as f64);
                 }
             }
@@ -304,13 +279,10 @@ impl RequestCtx {
             tel.tokens_served
                 .fetch_add(prompt + completion, Ordering::Relaxed);
         }
-        if let (true, Some(f)) = (
-            ok && self.endpoint != Endpoint::Embeddings,
-            self.finish_reason,
-        ) {
+        if let (true, Some(f)) = (ok && self.endpoint.generates(), self.finish_reason) {
             h.finish_reason(m, f).inc();
         }
-        if ok && self.endpoint != Endpoint::Embeddings {
+        if ok && self.endpoint.generates() {
             h.slo_checked(m).inc();
             let slo = &tel.slo.load();
             let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);

@@ -33,6 +33,7 @@ pub mod api;
 pub mod auth;
 pub mod body;
 pub mod cli;
+pub mod client_api;
 pub mod cluster;
 pub mod config;
 pub mod cost;

@@ -125,8 +125,11 @@ pub const ERROR_KINDS: [&str; ErrorLabel::ALL.len()] = {
     out
 };
 
-/// `kvgate_requests_by_endpoint_total{endpoint}` values, in `ctx::Endpoint::index` order.
-pub const ENDPOINTS: [&str; 3] = ["chat", "completions", "embeddings"];
+/// `kvgate_requests_by_endpoint_total{endpoint}` values: the client APIs' labels, in
+/// `client_api::APIS` order.
+pub fn endpoints() -> impl Iterator<Item = &'static str> {
+    crate::client_api::APIS.iter().map(|a| a.label)
+}
 /// `kvgate_worker_restarts_total{reason}` values: how a worker restart was detected.
 pub const RESTART_REASONS: [&str; 4] = [
     "kv_sequence_reset",
@@ -358,8 +361,8 @@ pub struct Metrics {
     pub idle_cost_dollars: Family<WorkerLabel, FCounter>,
     pub config_reloads: Family<ReasonLabel, Counter>,
     pub requests_by_endpoint: Family<EndpointStream, Counter>,
-    /// `requests_by_endpoint`'s series, resolved once: `[endpoint index][stream as usize]`.
-    by_endpoint: [[Counter; 2]; 3],
+    /// `requests_by_endpoint`'s series, resolved once: `[api id][stream as usize]`.
+    by_endpoint: Vec<[Counter; 2]>,
     pub finish_reasons: Family<ModelFinish, Counter>,
     /// MTTR: a worker's first failed health probe of an outage → healthy again.
     pub worker_recovery: HFamily<WorkerLabel>,
@@ -598,7 +601,8 @@ impl Metrics {
             let _ = m.errors.get_or_create(&KindLabel { kind });
         }
         let mut m = m;
-        for (e, endpoint) in ENDPOINTS.into_iter().enumerate() {
+        for (e, endpoint) in endpoints().enumerate() {
+            m.by_endpoint.push(Default::default());
             for (i, stream) in ["false", "true"].into_iter().enumerate() {
                 m.by_endpoint[e][i] = m
                     .requests_by_endpoint
@@ -609,9 +613,10 @@ impl Metrics {
         m
     }
 
-    /// `kvgate_requests_by_endpoint_total` of an endpoint ([`ENDPOINTS`] index) and stream flag.
-    pub fn by_endpoint(&self, endpoint: usize, stream: bool) -> &Counter {
-        &self.by_endpoint[endpoint.min(ENDPOINTS.len() - 1)][usize::from(stream)]
+    /// `kvgate_requests_by_endpoint_total` of an API ([`crate::client_api::ClientApi::id`]) and
+    /// stream flag.
+    pub fn by_endpoint(&self, api: usize, stream: bool) -> &Counter {
+        &self.by_endpoint[api.min(self.by_endpoint.len() - 1)][usize::from(stream)]
     }
 
     /// The series a request for `model` served by `worker` records, resolved once per thread and

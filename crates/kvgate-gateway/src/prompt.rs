@@ -19,7 +19,7 @@ use kvgate_core::{block_hashes_into, hash_seed};
 use kvgate_protocol::openai::{RequestError, RequestView};
 use kvgate_tokenize::{ModelTokenizer, Scratch, TokenizeError};
 
-use crate::ctx::Endpoint;
+use crate::client_api::{Endpoint, PromptField};
 
 pub use crate::route::RouteInput;
 
@@ -36,7 +36,7 @@ pub async fn route_input_offloaded(
     block_size: u32,
     tokenizer: &Arc<ModelTokenizer>,
 ) -> Result<RouteInput, TokenizeError> {
-    if body.len() <= OFFLOAD_BODY_BYTES || endpoint == Endpoint::Embeddings {
+    if body.len() <= OFFLOAD_BODY_BYTES || endpoint.api().prompt == PromptField::None {
         return route_input(view, endpoint, block_size, tokenizer);
     }
     let (body, tokenizer) = (body.clone(), tokenizer.clone());
@@ -56,10 +56,7 @@ pub async fn route_input_offloaded(
 /// The request view of a body sent to `endpoint`: chat messages are parsed with it; completions
 /// and embeddings skip them (a stray `messages` field there means nothing).
 pub fn parse_view(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, RequestError> {
-    match endpoint {
-        Endpoint::Chat => RequestView::parse(body),
-        Endpoint::Completions | Endpoint::Embeddings => RequestView::parse_without_messages(body),
-    }
+    endpoint.parse(body)
 }
 
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
@@ -76,15 +73,15 @@ pub fn route_input(
     }
     let mut hashes = Vec::new();
     let mut isl = 0;
-    match endpoint {
-        Endpoint::Embeddings => {}
-        Endpoint::Chat if view.messages.is_none() => {
+    match endpoint.api().prompt {
+        PromptField::None => {}
+        PromptField::Messages if view.messages.is_none() => {
             return Err(RequestError::Missing("messages").into())
         }
-        Endpoint::Completions if view.prompt.is_none() => {
+        PromptField::Prompt if view.prompt.is_none() => {
             return Err(RequestError::Missing("prompt").into())
         }
-        _ => SCRATCH.with_borrow_mut(|scratch| {
+        PromptField::Messages | PromptField::Prompt => SCRATCH.with_borrow_mut(|scratch| {
             // A batch goes to one worker as a whole: route on its first prompt.
             let tokens = match tokenizer.routing_tokens(view, scratch) {
                 Ok(t) => t,
@@ -142,7 +139,7 @@ mod tests {
                 let (t, order) = (t.clone(), order.clone());
                 tasks.push(tokio::spawn(async move {
                     let view = RequestView::parse(&body).unwrap();
-                    let ri = route_input_offloaded(&body, &view, Endpoint::Chat, 16, &t)
+                    let ri = route_input_offloaded(&body, &view, Endpoint::CHAT, 16, &t)
                         .await
                         .unwrap();
                     order.lock().push(name);
@@ -168,10 +165,10 @@ mod tests {
         assert!(body.len() > OFFLOAD_BODY_BYTES);
         let t = Arc::new(ModelTokenizer::default());
         let view = RequestView::parse(&body).unwrap();
-        let a = route_input_offloaded(&body, &view, Endpoint::Chat, 16, &t)
+        let a = route_input_offloaded(&body, &view, Endpoint::CHAT, 16, &t)
             .await
             .unwrap();
-        let b = route_input(&view, Endpoint::Chat, 16, &t).unwrap();
+        let b = route_input(&view, Endpoint::CHAT, 16, &t).unwrap();
         assert_eq!((a.hashes, a.isl), (b.hashes, b.isl));
     }
 
@@ -187,14 +184,14 @@ mod tests {
         let t = ModelTokenizer::default();
         let ra = route_input(
             &RequestView::parse(a.as_bytes()).unwrap(),
-            Endpoint::Chat,
+            Endpoint::CHAT,
             16,
             &t,
         )
         .unwrap();
         let rb = route_input(
             &RequestView::parse(b.as_bytes()).unwrap(),
-            Endpoint::Chat,
+            Endpoint::CHAT,
             16,
             &t,
         )
@@ -209,7 +206,7 @@ mod tests {
         let t = ModelTokenizer::default();
         let r = route_input(
             &RequestView::parse(body).unwrap(),
-            Endpoint::Completions,
+            Endpoint::COMPLETIONS,
             4,
             &t,
         )

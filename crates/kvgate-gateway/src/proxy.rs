@@ -17,7 +17,7 @@ use kvgate_core::WorkerId;
 use kvgate_protocol::openai::splice_include_usage;
 
 use crate::body::{GwBody, ReqBody};
-use crate::ctx::{Endpoint, Outcome, RequestCtx};
+use crate::ctx::{Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::ObservedBody;
 use crate::prompt::route_input_offloaded;
@@ -108,7 +108,7 @@ pub(crate) async fn route_and_forward(
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
-    if ctx.endpoint != Endpoint::Embeddings && crate::pd::applies(&p.pool) {
+    if ctx.endpoint.api().splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
         if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
             // SGLang: both legs ran at once (the decode worker's answer); TensorRT-LLM: the
@@ -260,7 +260,7 @@ async fn prepare(
     ctx.stream = view.stream;
     // A stream whose client did not ask for usage: ask the worker anyway, so tokens and cached
     // tokens are counted, and strip the extra usage-only event from the client's stream.
-    let spliced = (view.stream && ctx.endpoint != Endpoint::Embeddings)
+    let spliced = (view.stream && ctx.endpoint.api().splices_usage)
         .then(|| splice_include_usage(&bytes, &view))
         .flatten()
         .map(Bytes::from);

@@ -36,12 +36,7 @@ pub async fn route(
     req: Request<ReqBody>,
 ) -> Response<GwBody> {
     let start = Instant::now();
-    let endpoint = match req.uri().path() {
-        "/v1/chat/completions" => Some(Endpoint::Chat),
-        "/v1/completions" => Some(Endpoint::Completions),
-        "/v1/embeddings" => Some(Endpoint::Embeddings),
-        _ => None,
-    };
+    let endpoint = Endpoint::by_path(req.uri().path());
     if let Some(ep) = endpoint {
         if req.method() != Method::POST {
             return method_not_allowed(&app, "POST");
