@@ -35,9 +35,18 @@ const TAIL_KEEP: usize = 8 << 10;
 /// An SSE event larger than this is not an OpenAI chunk: it is passed on without being examined.
 const MAX_EVENT: usize = 1 << 20;
 
+/// What the gateway learns from a worker's response, pushed to it chunk by chunk
+/// ([`Observation::observe`]) by whoever carries the body: the proxy's [`ObservedBody`], or a
+/// front end that receives the body from elsewhere (an ext_proc stream). It owns the request's
+/// context and ends it exactly once.
+pub struct Observation {
+    pub(crate) ctx: RequestCtx,
+    scan: Scan,
+}
+
 pub struct ObservedBody {
     inner: ResponseBody,
-    ctx: RequestCtx,
+    obs: Observation,
     /// Fires when the worker sends nothing for this long (`upstream.stream_idle_timeout_s`).
     idle: Option<Duration>,
     /// When the last data arrived (or the body was handed over), for `idle`.
@@ -46,7 +55,6 @@ pub struct ObservedBody {
     /// chunk (a timer reset per token costs more than the chunk's bookkeeping): when it fires, it
     /// is moved to `last_data + idle` unless that has passed.
     idle_timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    scan: Scan,
     /// SSE error event still to deliver before the end.
     pending: Option<Bytes>,
     done: bool,
@@ -71,17 +79,11 @@ enum Scan {
     JsonPd { doc: Vec<u8>, prefill: Usage },
 }
 
-impl ObservedBody {
+impl Observation {
     /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
-    /// usage-only event is removed on the way to the client.
-    pub fn new(
-        inner: ResponseBody,
-        mut ctx: RequestCtx,
-        sse: bool,
-        idle_timeout: Option<Duration>,
-    ) -> Self {
-        // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
-        // (and the worker's load) forever, since `response_timeout_s` ends at the head.
+    /// usage-only event is removed on the way to the client; a disaggregated request's usage
+    /// takes the prefill leg's prompt and cached tokens.
+    pub fn new(ctx: RequestCtx, sse: bool) -> Observation {
         let pd_usage = ctx.pd.as_ref().and_then(|p| p.usage);
         let scan = match (sse, pd_usage) {
             (true, None) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT)),
@@ -92,36 +94,16 @@ impl ObservedBody {
                 prefill,
             },
         };
-        let partner = ctx.pd_partner.take();
-        ObservedBody {
-            partner,
-            inner,
-            ctx,
-            idle: idle_timeout,
-            last_data: tokio::time::Instant::now(),
-            idle_timer: None,
-            scan,
-            pending: None,
-            done: false,
-            first: None,
-            deadline: None,
-            deadline_timer: None,
-        }
+        Observation { ctx, scan }
     }
 
-    /// Bytes already read from `inner` (delivered first, observed as arrived at their instant),
-    /// and the non-stream body's deadline.
-    pub fn prefetched(
-        &mut self,
-        first: Option<(Bytes, Instant)>,
-        deadline: Option<tokio::time::Instant>,
-    ) {
-        self.first = first;
-        self.deadline =
-            deadline.filter(|_| matches!(self.scan, Scan::Json { .. } | Scan::JsonPd { .. }));
+    /// Whether the body is an event stream (it can end with an error event of ours).
+    pub fn is_stream(&self) -> bool {
+        matches!(self.scan, Scan::Sse(_))
     }
 
-    fn observe(&mut self, data: &[u8], at: Option<Instant>) {
+    /// A chunk of the worker's body arrived at `at` (now when `None`).
+    pub fn observe(&mut self, data: &[u8], at: Option<Instant>) {
         match &mut self.scan {
             Scan::Json { tail } => {
                 if data.len() >= TAIL_KEEP {
@@ -156,7 +138,7 @@ impl ObservedBody {
     }
 
     /// Stripping: what to deliver of the chunk just observed (`None`: deliver the chunk as is).
-    fn take_out(&mut self) -> Option<Bytes> {
+    pub fn take_out(&mut self) -> Option<Bytes> {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_out().map(Bytes::from),
             Scan::Json { .. } => None,
@@ -165,7 +147,7 @@ impl ObservedBody {
     }
 
     /// Stripping: an unfinished event, held back, goes out when the stream ends.
-    fn take_held(&mut self) -> Option<Bytes> {
+    pub fn take_held(&mut self) -> Option<Bytes> {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_held().map(Bytes::from),
             Scan::Json { .. } => None,
@@ -174,7 +156,8 @@ impl ObservedBody {
         }
     }
 
-    fn finish_ok(&mut self) {
+    /// The worker's body ended normally.
+    pub fn finish_ok(&mut self) {
         if let Scan::Json { tail } | Scan::JsonPd { doc: tail, .. } = &self.scan {
             if let Some(u) = find_usage(tail) {
                 self.ctx.usage = Some(u);
@@ -193,6 +176,72 @@ impl ObservedBody {
             self.ctx.on_token(Instant::now());
         }
         self.ctx.finish(Outcome::Complete);
+    }
+
+    /// The worker failed after the first byte of a stream: the request ends as a stream error
+    /// and the client gets this error event as the stream's last.
+    pub fn fail_stream(&mut self, why: &str) -> Bytes {
+        self.ctx.error = Some(ErrorLabel::UpstreamStream);
+        self.ctx.finish(Outcome::StreamError);
+        OpenAiError::new(502, types::SERVER, why.to_owned())
+            .with_code("upstream_stream_error")
+            .to_sse_event()
+    }
+
+    /// A JSON body failed mid-way (`kind`): the request ends as a stream error (the client sees
+    /// a cut connection).
+    pub fn fail_body(&mut self, kind: ErrorLabel) {
+        self.ctx.error = Some(kind);
+        self.ctx.finish(Outcome::StreamError);
+    }
+
+    /// The body was dropped before its end (the client went away): a stream that had delivered
+    /// its `[DONE]` completed; anything else was cancelled.
+    pub fn dropped(&mut self) {
+        if matches!(&self.scan, Scan::Sse(relay) if relay.saw_done()) {
+            self.finish_ok();
+        } else {
+            self.ctx.finish(Outcome::Cancelled);
+        }
+    }
+}
+
+impl ObservedBody {
+    /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
+    /// usage-only event is removed on the way to the client.
+    pub fn new(
+        inner: ResponseBody,
+        mut ctx: RequestCtx,
+        sse: bool,
+        idle_timeout: Option<Duration>,
+    ) -> Self {
+        // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
+        // (and the worker's load) forever, since `response_timeout_s` ends at the head.
+        let partner = ctx.pd_partner.take();
+        ObservedBody {
+            partner,
+            inner,
+            obs: Observation::new(ctx, sse),
+            idle: idle_timeout,
+            last_data: tokio::time::Instant::now(),
+            idle_timer: None,
+            pending: None,
+            done: false,
+            first: None,
+            deadline: None,
+            deadline_timer: None,
+        }
+    }
+
+    /// Bytes already read from `inner` (delivered first, observed as arrived at their instant),
+    /// and the non-stream body's deadline.
+    pub fn prefetched(
+        &mut self,
+        first: Option<(Bytes, Instant)>,
+        deadline: Option<tokio::time::Instant>,
+    ) {
+        self.first = first;
+        self.deadline = deadline.filter(|_| !self.obs.is_stream());
     }
 
     /// Polls the idle timer: `Some(why)` once nothing has arrived for `idle`; otherwise the timer
@@ -218,12 +267,7 @@ impl ObservedBody {
 
     fn fail_stream(&mut self, why: &str) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         self.done = true;
-        self.ctx.error = Some(ErrorLabel::UpstreamStream);
-        self.ctx.finish(Outcome::StreamError);
-        let event = OpenAiError::new(502, types::SERVER, why.to_owned())
-            .with_code("upstream_stream_error")
-            .to_sse_event();
-        Poll::Ready(Some(Ok(Frame::data(event))))
+        Poll::Ready(Some(Ok(Frame::data(self.obs.fail_stream(why)))))
     }
 }
 
@@ -260,8 +304,8 @@ impl Body for ObservedBody {
             match polled {
                 Poll::Ready(Some(Ok(mut frame))) => {
                     if let Some(data) = frame.data_ref() {
-                        this.observe(data, at);
-                        if let Some(out) = this.take_out() {
+                        this.obs.observe(data, at);
+                        if let Some(out) = this.obs.take_out() {
                             frame = Frame::data(out);
                         }
                     }
@@ -273,8 +317,8 @@ impl Body for ObservedBody {
                     // complete response as cancelled when the body is dropped.
                     if this.inner.is_end_stream() {
                         this.done = true;
-                        this.pending = this.take_held();
-                        this.finish_ok();
+                        this.pending = this.obs.take_held();
+                        this.obs.finish_ok();
                     }
                     if frame.data_ref().is_some_and(|d| d.is_empty()) {
                         // Everything in this chunk was held back or stripped.
@@ -286,19 +330,18 @@ impl Body for ObservedBody {
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    return if matches!(this.scan, Scan::Sse(_)) {
+                    return if this.obs.is_stream() {
                         this.fail_stream(&format!("worker connection failed mid-stream: {e}"))
                     } else {
                         this.done = true;
-                        this.ctx.error = Some(ErrorLabel::UpstreamBody);
-                        this.ctx.finish(Outcome::StreamError);
+                        this.obs.fail_body(ErrorLabel::UpstreamBody);
                         Poll::Ready(Some(Err(e)))
                     };
                 }
                 Poll::Ready(None) => {
                     this.done = true;
-                    this.finish_ok();
-                    return Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))));
+                    this.obs.finish_ok();
+                    return Poll::Ready(this.obs.take_held().map(|b| Ok(Frame::data(b))));
                 }
                 Poll::Pending => {
                     if let Some(p) = &mut this.partner {
@@ -308,12 +351,11 @@ impl Body for ObservedBody {
                             Poll::Ready(Err(_)) => this.partner = None,
                             Poll::Ready(Ok(why)) => {
                                 this.partner = None;
-                                if matches!(this.scan, Scan::Sse(_)) {
+                                if this.obs.is_stream() {
                                     return this.fail_stream(&why);
                                 }
                                 this.done = true;
-                                this.ctx.error = Some(ErrorLabel::UpstreamBody);
-                                this.ctx.finish(Outcome::StreamError);
+                                this.obs.fail_body(ErrorLabel::UpstreamBody);
                                 return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
                             }
                         }
@@ -326,8 +368,7 @@ impl Body for ObservedBody {
                             // Headers are out: the honest signal for a truncated JSON document
                             // is a reset connection (as for a worker failing mid-body).
                             this.done = true;
-                            this.ctx.error = Some(ErrorLabel::UpstreamTimeout);
-                            this.ctx.finish(Outcome::StreamError);
+                            this.obs.fail_body(ErrorLabel::UpstreamTimeout);
                             return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(
                                 "worker did not finish its response within upstream.request_timeout_s"
                                     .into(),
@@ -336,13 +377,12 @@ impl Body for ObservedBody {
                     }
                     if let Some(d) = this.idle {
                         if let Some(why) = this.idle_expired(d, cx) {
-                            if matches!(this.scan, Scan::Sse { .. }) {
+                            if this.obs.is_stream() {
                                 return this.fail_stream(&why);
                             }
                             // A JSON body whose head is out: only a cut connection says so.
                             this.done = true;
-                            this.ctx.error = Some(ErrorLabel::UpstreamBody);
-                            this.ctx.finish(Outcome::StreamError);
+                            this.obs.fail_body(ErrorLabel::UpstreamBody);
                             return Poll::Ready(Some(Err(kvgate_http::client::Error::Io(why))));
                         }
                     }
@@ -358,11 +398,11 @@ impl Body for ObservedBody {
 
     fn size_hint(&self) -> SizeHint {
         // A stream that may end with an appended error event has no known length.
-        if matches!(self.scan, Scan::Sse(_)) && self.idle.is_some() {
+        if self.obs.is_stream() && self.idle.is_some() {
             return SizeHint::default();
         }
         // The merged document's length is known only at its end.
-        if matches!(self.scan, Scan::JsonPd { .. }) {
+        if matches!(self.obs.scan, Scan::JsonPd { .. }) {
             return SizeHint::default();
         }
         let inner = self.inner.size_hint();
@@ -385,12 +425,8 @@ impl Drop for ObservedBody {
             }
             // A client that hangs up right after `data: [DONE]` (before the chunked terminator)
             // received the whole answer: that is a completed request, not a cancel.
-            if matches!(&self.scan, Scan::Sse(relay) if relay.saw_done()) {
-                self.done = true;
-                self.finish_ok();
-            } else {
-                self.ctx.finish(Outcome::Cancelled);
-            }
+            self.done = true;
+            self.obs.dropped();
         }
     }
 }
@@ -398,6 +434,71 @@ impl Drop for ObservedBody {
 #[cfg(test)]
 mod tests {
     use super::says_out_of_memory;
+    use super::Observation;
+    use crate::ctx::{Endpoint, RequestCtx, Telemetry};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    fn ctx() -> RequestCtx {
+        let tel = Arc::new(Telemetry::new(
+            Arc::new(crate::metrics::Metrics::new()),
+            &crate::config::SloConfig::default(),
+            false,
+        ));
+        let mut c = RequestCtx::new(tel, Endpoint::CHAT, Instant::now());
+        c.stream = true;
+        c.status = 200;
+        c
+    }
+
+    /// Chunks pushed from elsewhere (split anywhere, as an ext_proc stream delivers them) give
+    /// the same facts as the proxy's own body: first token, gaps, usage, finish reason.
+    #[test]
+    fn an_observation_fed_chunk_by_chunk_reads_the_stream() {
+        let mut o = Observation::new(ctx(), true);
+        let t0 = Instant::now();
+        let stream = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"b\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2,\"total_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        for (i, piece) in stream.as_bytes().chunks(13).enumerate() {
+            o.observe(piece, Some(t0 + Duration::from_millis(i as u64)));
+        }
+        assert!(
+            o.ctx.first_token.is_some(),
+            "a content delta is the first token"
+        );
+        assert_eq!(o.ctx.token_events, 2);
+        let u = o.ctx.usage.expect("usage read");
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            (7, 2, Some(4))
+        );
+        assert!(o.ctx.finish_reason.is_some());
+        o.finish_ok();
+    }
+
+    #[test]
+    fn a_failed_stream_ends_with_an_error_event() {
+        let mut o = Observation::new(ctx(), true);
+        o.observe(
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",
+            None,
+        );
+        let ev = o.fail_stream("worker went away");
+        let text = String::from_utf8(ev.to_vec()).unwrap();
+        assert!(
+            text.starts_with("data: ") && text.contains("worker went away"),
+            "{text}"
+        );
+        assert_eq!(
+            o.ctx.error,
+            Some(crate::metrics::ErrorLabel::UpstreamStream)
+        );
+    }
 
     #[test]
     fn out_of_memory_messages_are_recognised() {
