@@ -2,8 +2,10 @@
 //!
 //! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
 //! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
-//! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`, `[auth]`, `[models]`, `[cache]`.
-//! Restart needed: `[server]` (listen address, TLS, limits) and `[admin]`.
+//! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`,
+//! `[auth]`, `[models]`, `[cache]`, `[pd]`.
+//! Restart needed: `[server]` (listen address, TLS, limits), `[admin]`, `[upstream]` and
+//! `[cluster]`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

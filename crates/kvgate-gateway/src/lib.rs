@@ -1,29 +1,40 @@
-//! kvgate-gateway: the `kvgate serve` gateway — an OpenAI-compatible reverse proxy that routes each
-//! request to the worker holding most of its KV cache without overloading it, and measures it all.
+//! kvgate-gateway: the `kvgate serve` gateway — a reverse proxy for OpenAI-compatible clients that
+//! routes each request to the worker holding most of its KV cache without overloading it, and
+//! measures it all.
 //!
-//! Layout, in request order:
-//! - `server.rs`: listeners (HTTP/1.1 + h2, TLS via `tls.rs`), io threads (one single-threaded
-//!   runtime and worker connection pool per core), route table, graceful shutdown.
-//! - `proxy.rs`: **the request path**, top to bottom (auth → body → parse → pool → tokens → select
-//!   → admission → dispatch → forward → retry → observe).
-//! - `auth.rs` (API keys, rate limits), `prompt.rs` (tokens + block hashes), `router.rs` (the
-//!   decision via kvgate-core, the dispatch guard), `admission.rs` (busy-fleet queue),
-//!   kvgate-http's client (the HTTP/1.1 client to workers — keep-alive pool per io thread, header
-//!   hygiene, TLS for https workers), `forward.rs` (the proxy hop's settings: client, time limits,
-//!   retry budget), `observer.rs` (the response body observer: times TTFT and ITL, records usage
-//!   and mid-stream errors as kvgate-protocol's `sse::Relay` reads them), `ctx.rs` (per-request
-//!   state; `Telemetry`, what a finished request is recorded into), `error.rs` (the one error type
-//!   and its one mapping to HTTP).
-//! - `fleet.rs` (the worker fleet component: registry + router + monitors, the one place worker
-//!   changes are applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the
-//!   KV index), `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker),
-//!   `discovery.rs` (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from DNS).
-//! - `state.rs`: `AppState`, the components side by side (fleet, upstream, telemetry, admission,
-//!   auth), each built from its config slice; only the route table and the admin API see them all.
-//!   Module dependencies point one way (`tests/layout.rs` checks there is no cycle).
-//! - `api/` (`/v1/models`, `/health`, `/ready`, `/metrics`), `admin.rs` (admin listener).
-//! - `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `metrics.rs`,
+//! Layout, front ends → decision → execution → observation (`tests/layout.rs` checks that module
+//! dependencies point one way, that the decision component uses no HTTP types, and that only the
+//! route table, the admin API and the reload see `AppState`):
+//! - **Front ends.** `server.rs`: listeners (HTTP/1.1 + h2, TLS via `tls.rs`), io threads (one
+//!   single-threaded runtime and worker connection pool per core), the route table, graceful
+//!   shutdown. `client_api/`: the client APIs served (each a `ClientApi` value: route, label,
+//!   parser, prompt field, response and error shapes). `api/`: what the gateway answers itself
+//!   (`/v1/models`, `/health`, `/ready`, `/metrics`). `admin.rs`: the admin listener. `auth.rs`:
+//!   API keys and rate limits. `prompt.rs`: a parsed request → tokens → block hashes
+//!   (`route::RouteInput`).
+//! - **Decision.** `route/`: `Decider` (reserve a worker: pick + load, queueing while the fleet is
+//!   busy; plan a prefill/decode request), `route/router.rs` (selection through kvgate-core's
+//!   policies, the dispatch guard that holds a request's load), `route/admission.rs` (the busy-fleet
+//!   queue).
+//! - **Execution.** `proxy/`: the request path of the OpenAI endpoints, top to bottom (auth → body
+//!   → parse → pool → tokens → PD plan and prefill leg → reserve → forward → retry → respond);
+//!   `proxy/handoff.rs` and `proxy/bootstrap.rs`: the legs of each PD handoff protocol; `pd.rs`:
+//!   the PD bodies and usage merge; `forward.rs`: the hop's settings (client, time limits, retry
+//!   budget); kvgate-http's client does the HTTP/1.1 hop (keep-alive pool per io thread, header
+//!   hygiene, TLS for https workers). `error.rs`: the one error type and its one mapping to HTTP.
+//! - **Observation.** `observer.rs`: the response observer (push-style `Observation`, fed by the
+//!   proxy's `ObservedBody`: TTFT, ITL, usage, finish reason, mid-stream errors); `ctx.rs`:
+//!   per-request state and `Telemetry`, what a finished request is recorded into; `metrics.rs`,
 //!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second).
+//! - **Fleet.** `fleet.rs` (registry + router + monitors, the one place worker changes are
+//!   applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the KV index),
+//!   `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker, worker ids),
+//!   `discovery.rs` (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from
+//!   DNS), `cluster.rs` (cluster mode: peers' decisions, loads and snapshots over NATS).
+//! - **State and control.** `state.rs`: `AppState`, the components side by side (fleet, decider,
+//!   proxy slice, upstream, telemetry, admission, auth), each built from its config slice;
+//!   `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `body.rs`
+//!   (request and response body types).
 //! - `mock.rs` (feature `mock`, test support only): a mock OpenAI worker for this crate's tests and
 //!   the overhead benchmark's `mock_worker` example.
 #![forbid(unsafe_code)]
@@ -56,7 +67,7 @@ pub mod route;
 pub mod server;
 pub mod state;
 pub mod tls;
-/// The HTTP/1.1 client of the proxy hop (shared with kvgate-fleet's probes and scrapes).
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,9 +1,11 @@
-//! The request path of the OpenAI endpoints, top to bottom in one place:
+//! The request path of the proxy front end, top to bottom in one place:
 //!
-//! auth → body (bounded, 413) → `RequestView` parse (400) → model pool (404) → tokens + block hashes
-//! → select (core policy) → admission (queue / 429 / 503) → dispatch (load guard) → forward the
-//! original body bytes → retry another worker on connect error / 429 / 5xx / timeout before the
-//! first byte → stream the response back through the observer body.
+//! auth → body (bounded, 413) → the client API's parse (400) → model pool (404) → tokens + block
+//! hashes → (prefill/decode pools: the decision's PD plan, and the prefill leg in
+//! `handoff.rs` / both legs in `bootstrap.rs`) → reserve a worker (`route::Decider`: pick, queue /
+//! 429 / 503, load guard) → forward the original body bytes → retry another worker on connect
+//! error / 429 / 5xx / timeout before the first byte → stream the response back through the
+//! observer body.
 //!
 //! Every failure is a `GatewayError`, turned into a response in `GatewayError::into_response`.
 

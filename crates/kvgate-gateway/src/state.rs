@@ -18,8 +18,9 @@ use crate::route::admission::Admission;
 use crate::route::Decider;
 
 /// The gateway's components, each built from its own config slice. The request path and the
-/// control plane take the component they need; only the route table and the admin API see them
-/// all.
+/// control plane take the component they need (the proxy its `proxy::Proxy` slice, the decision
+/// component its router); only the route table (`server.rs`, `api/`), the admin API and the
+/// config reload see them all.
 pub struct AppState {
     /// Workers, router, monitors (`[[workers]]`, `[[worker_pools]]`, `[models]`, `[routing]`).
     pub fleet: Arc<WorkerFleet>,
