@@ -150,7 +150,7 @@ pub async fn route(ctx: Arc<AdminCtx>, req: Request<ReqBody>) -> Response<GwBody
 }
 
 pub fn state_json(app: &AppState) -> serde_json::Value {
-    let now = Instant::now();
+    let now = crate::clock::now();
     let fleet = app.fleet.registry.snapshot();
     let router = &app.fleet.router;
     let loads = router.active().all();

@@ -64,7 +64,7 @@ fn key_id(secret: &[u8]) -> u64 {
 
 impl Auth {
     pub fn from_config(cfg: &AuthConfig) -> Self {
-        let now = Instant::now();
+        let now = crate::clock::now();
         Auth {
             keys: cfg
                 .keys
@@ -195,7 +195,7 @@ mod tests {
                 },
             ],
         });
-        let t = Instant::now();
+        let t = crate::clock::now();
         assert!(auth.check(&HeaderMap::new(), t).is_err());
         assert!(auth.check(&hdr("Bearer nope"), t).is_err());
         assert!(auth.check(&hdr("Bearer sk-a"), t).is_ok());
@@ -222,7 +222,7 @@ mod tests {
             }],
         };
         let auth = Auth::from_config(&cfg);
-        let t = Instant::now();
+        let t = crate::clock::now();
         assert!(auth.check(&hdr("Bearer sk-c"), t).is_ok());
         assert!(auth.check(&hdr("Bearer sk-c"), t).is_ok());
         let id = key_id(b"sk-c");

@@ -207,7 +207,7 @@ impl RequestCtx {
         let h = self.handles();
         let tel = &*self.telemetry;
         let m = &tel.metrics;
-        let now = Instant::now();
+        let now = crate::clock::now();
         let total = now.duration_since(self.start);
         let status = match outcome {
             // 499 (nginx convention) so cancelled requests are visible in the status breakdown.

@@ -96,7 +96,7 @@ impl RetryBudget {
             window_start_ms: AtomicU64::new(0),
             requests: AtomicU32::new(0),
             retries: AtomicU32::new(0),
-            epoch: Instant::now(),
+            epoch: crate::clock::now(),
             ratio_milli: AtomicU32::new((ratio * 1000.0) as u32),
             min: AtomicU32::new(min),
         }
@@ -146,7 +146,7 @@ mod tests {
     #[test]
     fn retry_budget_bounds_retries() {
         let b = RetryBudget::new(0.5, 1);
-        let t = Instant::now();
+        let t = crate::clock::now();
         for _ in 0..4 {
             b.on_request(t);
         }

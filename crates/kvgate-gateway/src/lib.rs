@@ -45,6 +45,7 @@ pub mod auth;
 pub mod body;
 pub mod cli;
 pub mod client_api;
+pub mod clock;
 pub mod cluster;
 pub mod config;
 pub mod cost;
@@ -254,7 +255,7 @@ async fn housekeeping(app: Arc<AppState>) {
         tokio::select! {
             _ = app.shutdown.cancelled() => return,
             _ = tick.tick() => {
-                let now = std::time::Instant::now();
+                let now = crate::clock::now();
                 app.fleet.router.housekeep(now);
                 // Cost accrues with time, whether or not anyone reads /metrics.
                 crate::cost::accrue(&app.fleet.registry.snapshot(), &app.metrics, now);

@@ -173,7 +173,7 @@ impl Observation {
                 self.ctx.error = Some(ErrorLabel::UpstreamOom);
             }
             // Non-stream: the whole response is the "first token" (prefill and decode done).
-            self.ctx.on_token(Instant::now());
+            self.ctx.on_token(crate::clock::now());
         }
         self.ctx.finish(Outcome::Complete);
     }
@@ -437,7 +437,7 @@ mod tests {
     use super::Observation;
     use crate::ctx::{Endpoint, RequestCtx, Telemetry};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     fn ctx() -> RequestCtx {
         let tel = Arc::new(Telemetry::new(
@@ -445,7 +445,7 @@ mod tests {
             &crate::config::SloConfig::default(),
             false,
         ));
-        let mut c = RequestCtx::new(tel, Endpoint::CHAT, Instant::now());
+        let mut c = RequestCtx::new(tel, Endpoint::CHAT, crate::clock::now());
         c.stream = true;
         c.status = 200;
         c
@@ -456,7 +456,7 @@ mod tests {
     #[test]
     fn an_observation_fed_chunk_by_chunk_reads_the_stream() {
         let mut o = Observation::new(ctx(), true);
-        let t0 = Instant::now();
+        let t0 = crate::clock::now();
         let stream = concat!(
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n",
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",

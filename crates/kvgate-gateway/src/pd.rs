@@ -347,7 +347,7 @@ mod tests {
         let fleet = reg.snapshot();
         let pool = fleet.pool("m").unwrap();
         let (p, d) = (&pool.workers[0], &pool.workers[1]);
-        let now = std::time::Instant::now();
+        let now = crate::clock::now();
         // Not told yet: in neither sub-pool, not routable, no split.
         assert_eq!(p.role(), None);
         assert_eq!(p.role_label(), "unknown");
@@ -534,7 +534,7 @@ mod tests {
     fn usage_comes_from_prefill_for_prompt_and_cache() {
         let m = Metrics::new();
         let pre = Prefilled {
-            answered: Instant::now(),
+            answered: crate::clock::now(),
             usage: Some(Usage {
                 prompt_tokens: 200,
                 completion_tokens: 1,
@@ -546,7 +546,7 @@ mod tests {
             completion_tokens: 7,
             cached_tokens: Some(199),
         });
-        pre.on_finish(&m, true, Some(Instant::now()), &mut u);
+        pre.on_finish(&m, true, Some(crate::clock::now()), &mut u);
         assert_eq!(
             u,
             Some(Usage {

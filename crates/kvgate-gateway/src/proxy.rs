@@ -131,7 +131,7 @@ pub(crate) async fn route_and_forward(
         let at = if n_tried == 0 {
             p.t_decide
         } else {
-            Instant::now()
+            crate::clock::now()
         };
         // After a prefill leg (`ctx.pd`), this loop chooses the decode worker.
         let leg = if ctx.pd.is_some() {
@@ -190,7 +190,7 @@ pub(crate) async fn route_and_forward(
                     .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
                 && app.upstream.retry.try_retry(now)
         };
-        let now = Instant::now();
+        let now = crate::clock::now();
         match result {
             Ok(fwd) => {
                 let s = fwd.resp.status;
@@ -254,7 +254,7 @@ async fn prepare(
     )
     .await?;
 
-    let t_decide = Instant::now();
+    let t_decide = crate::clock::now();
     let view = crate::prompt::parse_view(&bytes, ctx.endpoint).map_err(|e| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
@@ -407,7 +407,7 @@ async fn first_bytes(
             }
             Ok(Some(Ok(frame))) => match frame.into_data() {
                 Ok(d) if d.is_empty() => continue,
-                Ok(d) => return Ok((resp, Some((d, Instant::now())))),
+                Ok(d) => return Ok((resp, Some((d, crate::clock::now())))),
                 // Trailers before any data: nothing for an SSE client; the body has ended.
                 Err(_) => return Ok((resp, None)),
             },

@@ -92,7 +92,7 @@ impl WorkerState {
             breaker: Arc::new(Breaker::new(BreakerConfig::default())),
             discovered_models: Mutex::new(Vec::new()),
             dispatched: AtomicU64::new(0),
-            added: Instant::now(),
+            added: crate::clock::now(),
             first_healthy: AtomicBool::new(false),
             cost_accrued_ms: AtomicU64::new(0),
             scraped: Mutex::new(None),
@@ -263,7 +263,7 @@ impl Fleet {
 
     /// At least one worker can take traffic (for `/ready`).
     pub fn any_routable(&self) -> bool {
-        let now = Instant::now();
+        let now = crate::clock::now();
         self.workers.iter().any(|w| w.state.routable(now))
     }
 }
@@ -767,7 +767,7 @@ mod tests {
     fn breaker_opens_and_half_opens() {
         let s = WorkerState::new(WorkerId(0));
         let cfg = s.breaker.config();
-        let t0 = Instant::now();
+        let t0 = crate::clock::now();
         for _ in 0..cfg.failure_threshold {
             assert!(s.routable(t0));
             s.record_outcome(false, t0);
@@ -786,7 +786,7 @@ mod tests {
     #[test]
     fn request_and_probe_failures_share_one_run() {
         let s = WorkerState::new(WorkerId(0));
-        let t0 = Instant::now();
+        let t0 = crate::clock::now();
         let n = s.breaker.config().failure_threshold;
         for _ in 0..n - 1 {
             s.record_outcome(false, t0);

@@ -157,7 +157,7 @@ impl Decider {
             }
             other => other,
         })?;
-        let now = Instant::now();
+        let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
         Ok(Reservation {
             pick,
@@ -308,13 +308,13 @@ async fn wait_for_pick<T>(
         match select(now) {
             Ok(p) => {
                 if let Some(q) = queued_at {
-                    *queue_wait += q.elapsed();
+                    *queue_wait += crate::clock::since(q);
                 }
                 return Ok(p);
             }
             Err(NoPick::NoWorker) => {
                 if let Some(q) = queued_at {
-                    *queue_wait += q.elapsed();
+                    *queue_wait += crate::clock::since(q);
                 }
                 return Err(Refusal::NoWorker(String::new()));
             }
@@ -331,18 +331,18 @@ async fn wait_for_pick<T>(
         let waited = tokio::select! {
             w = admission.wait(woken, deadline) => w,
             _ = shutdown.cancelled() => {
-                *queue_wait += q0.elapsed();
+                *queue_wait += crate::clock::since(q0);
                 return Err(Refusal::ShuttingDown);
             }
         };
         match waited {
             Ok(g) => {
                 woken = Some(g);
-                now = Instant::now();
+                now = crate::clock::now();
             }
             Err(WaitError::Full) => return Err(Refusal::QueueFull),
             Err(WaitError::Timeout) => {
-                *queue_wait += q0.elapsed();
+                *queue_wait += crate::clock::since(q0);
                 return Err(Refusal::QueueTimeout);
             }
         }
@@ -377,7 +377,7 @@ mod tests {
                 wait_for_pick(
                     &adm,
                     &shutdown,
-                    Instant::now(),
+                    crate::clock::now(),
                     |_| {
                         selections.fetch_add(1, Ordering::SeqCst);
                         if free.load(Ordering::SeqCst) {
@@ -426,7 +426,7 @@ mod tests {
         let r = wait_for_pick::<()>(
             &adm,
             &CancellationToken::new(),
-            Instant::now(),
+            crate::clock::now(),
             |_| Err(NoPick::AllBusy),
             &mut waited,
         )
@@ -445,7 +445,7 @@ mod tests {
             wait_for_pick::<()>(
                 &a,
                 &s,
-                Instant::now(),
+                crate::clock::now(),
                 |_| Err(NoPick::AllBusy),
                 &mut waited,
             )

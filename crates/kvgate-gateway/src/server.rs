@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
@@ -35,7 +35,7 @@ pub async fn route(
     conns: client::Pool,
     req: Request<ReqBody>,
 ) -> Response<GwBody> {
-    let start = Instant::now();
+    let start = crate::clock::now();
     let endpoint = Endpoint::by_path(req.uri().path());
     if let Some(ep) = endpoint {
         if req.method() != Method::POST {
@@ -364,7 +364,7 @@ async fn io_thread<F, Fut>(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             tick.tick().await;
-            pool.evict_idle(Instant::now());
+            pool.evict_idle(crate::clock::now());
         }
     });
     let graceful = GracefulShutdown::new();

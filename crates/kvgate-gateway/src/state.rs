@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
@@ -150,7 +149,7 @@ impl AppState {
     /// Bring scrape-time gauges up to date (called by `/metrics`).
     pub fn refresh_gauges(&self) {
         let m = &self.metrics;
-        let now = Instant::now();
+        let now = crate::clock::now();
         let router = &self.fleet.router;
         let fleet = self.fleet.registry.snapshot();
         let loads = router.active().all();

@@ -25,7 +25,7 @@ pub fn ready(app: &AppState) -> Response<GwBody> {
     // (configured, or already discovered from its /v1/models). Before discovery finishes, every
     // request would get 404 model_not_found, so a load balancer must not send traffic yet.
     let fleet = app.fleet.registry.snapshot();
-    let now = std::time::Instant::now();
+    let now = crate::clock::now();
     if fleet
         .workers
         .iter()

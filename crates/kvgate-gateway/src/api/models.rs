@@ -8,11 +8,7 @@ use crate::body::GwBody;
 use crate::state::AppState;
 
 pub fn list<B>(app: &AppState, req: &Request<B>) -> Response<GwBody> {
-    if let Err(e) = app
-        .auth
-        .load()
-        .check(req.headers(), std::time::Instant::now())
-    {
+    if let Err(e) = app.auth.load().check(req.headers(), crate::clock::now()) {
         app.metrics.error(e.label());
         return e.into_response();
     }

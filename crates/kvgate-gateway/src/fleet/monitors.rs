@@ -441,7 +441,7 @@ impl FleetSink for GatewaySink {
                 tracing::warn!(worker = %w.name, reason = RESTART_REASONS[reason],
                     "worker restart detected from its metrics");
             });
-            self.signals.restart(reason, Instant::now());
+            self.signals.restart(reason, crate::clock::now());
         }
         self.signals.stale.store(false, Ordering::Relaxed);
         self.with(worker, |app, w| {
@@ -519,13 +519,13 @@ impl FleetSink for GatewaySink {
 
     fn on_kv_reset(&self, worker: WorkerId, reason: ResetReason) {
         match reason {
-            ResetReason::SeqRegression => self.signals.restart(0, Instant::now()),
+            ResetReason::SeqRegression => self.signals.restart(0, crate::clock::now()),
             // TRT-LLM sends `created` when its cache manager starts: a clear before any block
             // was stored is the worker's start, not a restart.
             ResetReason::AllBlocksCleared
                 if self.signals.kv_blocks_stored.load(Ordering::Relaxed) > 0 =>
             {
-                self.signals.restart(1, Instant::now())
+                self.signals.restart(1, crate::clock::now())
             }
             ResetReason::AllBlocksCleared => {}
             // A health flap is an outage (`kvgate_worker_recovery_seconds`), not proof of a
@@ -546,7 +546,7 @@ impl FleetSink for GatewaySink {
             if up && !w.state.first_healthy.swap(true, Ordering::Relaxed) {
                 app.metrics
                     .time_to_routable
-                    .observe(w.state.added.elapsed().as_secs_f64());
+                    .observe(crate::clock::since(w.state.added).as_secs_f64());
             }
         });
     }
@@ -641,7 +641,7 @@ mod tests {
     #[test]
     fn detections_close_together_are_one_restart() {
         let s = Signals::default();
-        let t0 = Instant::now();
+        let t0 = crate::clock::now();
         s.restart(0, t0);
         s.restart(2, t0 + Duration::from_secs(1));
         s.restart(3, t0 + Duration::from_secs(29));

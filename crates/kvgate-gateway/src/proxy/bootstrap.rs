@@ -6,7 +6,6 @@
 //! answer while the prefill worker's is drained beside it (`crate::pd::Partner`).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use http_body_util::BodyExt;
 use tokio_util::sync::CancellationToken;
@@ -34,7 +33,7 @@ async fn leg(
     let fwd = match attempt(app, conns, stream, &worker.name, out).await {
         Ok(f) => f,
         Err(e) => {
-            worker.state.record_outcome(false, Instant::now());
+            worker.state.record_outcome(false, crate::clock::now());
             return Err(GatewayError::new(
                 ErrorKind::UpstreamIo,
                 format!("{which} leg failed: {}", e.message),
@@ -44,7 +43,7 @@ async fn leg(
     let s = fwd.resp.status;
     worker
         .state
-        .record_outcome(!s.is_server_error(), Instant::now());
+        .record_outcome(!s.is_server_error(), crate::clock::now());
     if s.is_success() {
         return Ok(fwd);
     }
@@ -81,7 +80,7 @@ pub(crate) async fn dual_dispatch(
     body: &bytes::Bytes,
     auth_enabled: bool,
 ) -> Result<Option<Forwarded>, GatewayError> {
-    let now = Instant::now();
+    let now = crate::clock::now();
     let ppick = match app.decider.select(prefill, &p.ri, &[], now) {
         Ok(pick) => pick,
         Err(NoPick::AllBusy) => {
@@ -136,7 +135,7 @@ pub(crate) async fn dual_dispatch(
     let (pw, dw) = (pguard.worker.clone(), dpick.worker);
     let pout = outgoing(&p.parts, &pw, &both, auth_enabled);
     let dout = outgoing(&p.parts, &dw, &both, auth_enabled);
-    let started = Instant::now();
+    let started = crate::clock::now();
     let heads = tokio::try_join!(
         leg(app, conns, ctx.stream, "prefill", &pw, &pout),
         leg(app, conns, ctx.stream, "decode", &dw, &dout),
@@ -197,9 +196,9 @@ pub(crate) async fn dual_dispatch(
                 .metrics
                 .pd
                 .prefill_duration
-                .observe(started.elapsed().as_secs_f64()),
+                .observe(crate::clock::since(started).as_secs_f64()),
             Some(Err(why)) => {
-                pw.state.record_outcome(false, Instant::now());
+                pw.state.record_outcome(false, crate::clock::now());
                 failure(&app2, "prefill_error");
                 let _ = tx.send(why);
             }

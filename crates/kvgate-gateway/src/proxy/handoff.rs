@@ -2,7 +2,7 @@
 //! the steps are described in `pd.rs`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
@@ -77,7 +77,7 @@ pub(crate) async fn prepare_handoff(
     auth_enabled: bool,
 ) -> Result<Option<super::Routed>, GatewayError> {
     let settings = app.decider.pd();
-    let PdRoute { decode, plan } = app.decider.plan_pd(&p.pool, &p.ri, Instant::now())?;
+    let PdRoute { decode, plan } = app.decider.plan_pd(&p.pool, &p.ri, crate::clock::now())?;
     let local_body = p.spliced.as_ref().unwrap_or(&p.bytes).clone();
     p.pool = decode;
     let (prefill, protocol, mut first_prefill) = match plan {
@@ -120,7 +120,7 @@ pub(crate) async fn prepare_handoff(
     let mut tried: Vec<WorkerId> = Vec::with_capacity(MAX_PREFILL_ATTEMPTS);
     let mut failed = false;
     while tried.len() < MAX_PREFILL_ATTEMPTS {
-        let now = Instant::now();
+        let now = crate::clock::now();
         // The prefill worker's load lasts until it answers (the handoff).
         let reserved = match first_prefill.take() {
             Some(pick) => Ok(app.decider.place(pick, &prefill, &p.ri, now)),
@@ -135,7 +135,7 @@ pub(crate) async fn prepare_handoff(
             Err(NoPick::NoWorker) => break,
         };
         tried.push(pick.worker.id);
-        let started = Instant::now();
+        let started = crate::clock::now();
         let result = prefill_leg(
             app,
             conns,
@@ -151,7 +151,7 @@ pub(crate) async fn prepare_handoff(
             // The prefill worker's answer (its one token) is its time to first token: it teaches
             // that worker's prefill speed, and its prediction error is the worker's.
             guard.prefill_done();
-            if let Some((predicted, observed)) = guard.observe_first_token(Instant::now()) {
+            if let Some((predicted, observed)) = guard.observe_first_token(crate::clock::now()) {
                 app.metrics
                     .ttft_prediction_error
                     .observe((predicted - observed).abs() / observed.max(1e-3));
@@ -170,7 +170,7 @@ pub(crate) async fn prepare_handoff(
                     decision(app, ctx, "local", "single_sequence_only");
                     return Ok(None);
                 };
-                let answered = Instant::now();
+                let answered = crate::clock::now();
                 app.metrics
                     .pd
                     .prefill_duration
@@ -260,7 +260,7 @@ async fn prefill_leg(
         let ok = fwd.resp.status.is_success();
         worker
             .state
-            .record_outcome(!fwd.resp.status.is_server_error(), Instant::now());
+            .record_outcome(!fwd.resp.status.is_server_error(), crate::clock::now());
         let bytes = Limited::new(fwd.resp.body, MAX_PREFILL_ANSWER)
             .collect()
             .await
@@ -271,7 +271,7 @@ async fn prefill_leg(
     let bytes = match tokio::time::timeout(timeout, read).await {
         Ok(Some(b)) => b,
         Ok(None) | Err(_) => {
-            worker.state.record_outcome(false, Instant::now());
+            worker.state.record_outcome(false, crate::clock::now());
             return LegResult::Failed;
         }
     };

@@ -607,7 +607,7 @@ impl Drop for DispatchGuard {
         if f.answered.load(Ordering::Relaxed) {
             f.model.lock().observe_done(
                 self.worker.id,
-                f.dispatched.elapsed().as_secs_f64() * 1000.0,
+                crate::clock::since(f.dispatched).as_secs_f64() * 1000.0,
             );
         }
         self.admission.release();
