@@ -23,6 +23,11 @@ impl KvPolicy {
     pub fn config(&self) -> &KvCostConfig {
         &self.cfg
     }
+
+    /// The busy thresholds.
+    pub fn busy(&self) -> &BusyThresholds {
+        &self.busy
+    }
 }
 
 impl Policy for KvPolicy {
