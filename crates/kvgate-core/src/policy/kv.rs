@@ -39,6 +39,10 @@ impl Policy for KvPolicy {
         true
     }
 
+    fn as_kv(&self) -> Option<&KvPolicy> {
+        Some(self)
+    }
+
     fn select(
         &self,
         req: &RouteRequest<'_>,
