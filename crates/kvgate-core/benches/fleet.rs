@@ -188,7 +188,8 @@ fn report() {
         );
         let prompts: Vec<Vec<u64>> = (0..1024).map(query).collect();
         let (mut ex, mut bo) = (Path::new(1), Path::new(2));
-        let (mut t_ex, mut t_bo, mut t_load) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut t_ex, mut t_bo, mut t_load, mut t_ix) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut all_ex, mut all_bo) = (Vec::new(), Vec::new());
         let (mut same, mut worst, mut visited) = (0usize, 0f64, 0usize);
         let calls = 20_000;
@@ -215,6 +216,12 @@ fn report() {
                 t_bo.push(el_b);
             }
             visited += bo.cands.len();
+            // The index query alone, the part both paths share.
+            let ((), el, kept) =
+                sched.time(|| f.index.find_matches(black_box(&fresh), now, &mut ex.scores));
+            if kept {
+                t_ix.push(el);
+            }
             same += usize::from(de.worker == db.worker);
             worst = worst.max((db.cost - de.cost) / de.cost.abs().max(1e-9));
             // Dispatch to the bounded pick, free the oldest request: load keeps moving.
@@ -233,6 +240,10 @@ fn report() {
         println!("  kv selection, {calls} calls each, interleaved (calls not descheduled):");
         println!("    exhaustive: {}", percentiles(t_ex));
         println!("    bounded:    {}", percentiles(t_bo));
+        println!(
+            "    of which find_matches (both paths): {}",
+            percentiles(t_ix)
+        );
         println!("    (all calls) exhaustive: {}", percentiles(all_ex));
         println!("    (all calls) bounded:    {}", percentiles(all_bo));
         println!(

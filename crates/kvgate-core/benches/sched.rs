@@ -7,6 +7,12 @@ use std::time::{Duration, Instant};
 /// descheduled, and its wall time says nothing about our code.
 pub struct Sched(Option<std::fs::File>);
 
+impl Default for Sched {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Sched {
     pub fn new() -> Self {
         Sched(std::fs::File::open("/proc/thread-self/schedstat").ok())
