@@ -10,6 +10,10 @@ use kvgate_core::*;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+#[path = "sched.rs"]
+mod sched;
+use sched::{percentiles, Sched};
+
 const BS: usize = 16;
 const WORKERS: u32 = 64;
 const PROMPT_TOKENS: usize = 8192;
@@ -282,67 +286,11 @@ fn bench_ingest(c: &mut Criterion) {
     g.finish();
 }
 
-/// This thread's scheduler stats (`/proc/thread-self/schedstat`: on-CPU ns, wait ns, timeslices).
-/// The machine running the benches is shared; a call during which the timeslice count changed was
-/// descheduled, and its wall time says nothing about our code.
-struct Sched(Option<std::fs::File>);
-
-impl Sched {
-    fn new() -> Self {
-        Sched(std::fs::File::open("/proc/thread-self/schedstat").ok())
-    }
-    fn read(&self) -> Option<(u64, u64)> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = [0u8; 128];
-        let n = self.0.as_ref()?.read_at(&mut buf, 0).ok()?;
-        let s = std::str::from_utf8(&buf[..n]).ok()?;
-        let f: Vec<u64> = s
-            .split_whitespace()
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        Some((f.first().copied()?, f.get(2).copied()?))
-    }
-
-    /// Runs `f`, returning its result, its wall time, and whether the thread kept the CPU the
-    /// whole time (no timeslice change).
-    fn time<R>(&self, f: impl FnOnce() -> R) -> (R, Duration, bool) {
-        let s0 = self.read();
-        let t = Instant::now();
-        let r = f();
-        let el = t.elapsed();
-        let kept = matches!((s0, self.read()), (Some(a), Some(b)) if a.1 == b.1);
-        (r, el, kept)
-    }
-
-    /// Wall times of `calls` runs of `f(i)` during which the thread kept the CPU.
-    fn undisturbed(&self, calls: usize, mut f: impl FnMut(usize)) -> Vec<Duration> {
-        (0..calls)
-            .filter_map(|i| {
-                let ((), el, kept) = self.time(|| f(i));
-                kept.then_some(el)
-            })
-            .collect()
-    }
-}
-
 /// Prints `label: percentiles` when enough calls ran undisturbed to mean anything.
 fn print_undisturbed(label: &str, v: Vec<Duration>) {
     if v.len() > 100 {
         println!("  {label}, calls not descheduled: {}", percentiles(v));
     }
-}
-
-fn percentiles(mut v: Vec<Duration>) -> String {
-    v.sort();
-    let p = |q: f64| v[((v.len() as f64 - 1.0) * q) as usize];
-    format!(
-        "p50 {:>7.2?}  p90 {:>7.2?}  p99 {:>7.2?}  p99.9 {:>7.2?}  max {:>7.2?}",
-        p(0.5),
-        p(0.9),
-        p(0.99),
-        p(0.999),
-        v[v.len() - 1]
-    )
 }
 
 /// Figures criterion does not give: latency distribution over varied prompts, memory, ingest rate.

@@ -174,6 +174,12 @@ pub struct KvIndex {
     epoch: Option<Instant>,
     /// Approximate workers; when 0, queries skip the per-match TTL check.
     approx_workers: usize,
+    /// Each worker that holds blocks with a TTL (approximate, or predicted on an exact worker),
+    /// by the time its oldest may expire: a query finds the workers to check by a range, not a
+    /// pass over the fleet ([`KvIndex::ttl_check_mask`]).
+    due: std::collections::BTreeSet<(u64, u32)>,
+    /// Each worker's entry in `due` (by worker id).
+    due_of: Vec<Option<u64>>,
 }
 
 impl Default for KvIndex {
@@ -186,6 +192,8 @@ impl Default for KvIndex {
             predicted_ttl_ns: duration_ns(DEFAULT_PREDICTED_TTL),
             epoch: None,
             approx_workers: 0,
+            due: Default::default(),
+            due_of: Vec::new(),
         }
     }
 }
@@ -239,6 +247,30 @@ impl KvIndex {
                 self.count_approx();
             }
         }
+        self.refresh_due(worker);
+    }
+
+    /// Re-files worker `w` in `due` after a change to its TTL-bound blocks.
+    fn refresh_due(&mut self, w: WorkerId) {
+        let due = match self.slot(w) {
+            Some(WorkerIndex::Approx(a)) => a.due_ns(),
+            Some(WorkerIndex::Exact(ex)) => ex.predicted.due_ns(),
+            None => None,
+        };
+        let i = w.index();
+        if i >= self.due_of.len() {
+            self.due_of.resize(i + 1, None);
+        }
+        if self.due_of[i] == due {
+            return;
+        }
+        if let Some(old) = self.due_of[i] {
+            self.due.remove(&(old, w.0));
+        }
+        if let Some(new) = due {
+            self.due.insert((new, w.0));
+        }
+        self.due_of[i] = due;
     }
 
     fn count_approx(&mut self) {
@@ -328,6 +360,9 @@ impl KvIndex {
         }
         self.entries += added;
         self.predicted_entries -= confirmed;
+        if confirmed > 0 {
+            self.refresh_due(worker);
+        }
         Ok(added + confirmed)
     }
 
@@ -380,6 +415,7 @@ impl KvIndex {
             }),
         }
         self.entries -= n;
+        self.refresh_due(worker);
     }
 
     /// Forgets the worker entirely (blocks and mode).
@@ -389,6 +425,7 @@ impl KvIndex {
             *slot = None;
         }
         self.count_approx();
+        self.refresh_due(worker);
     }
 
     /// Approximate mode: records that the request with these chained hashes was routed to `worker`
@@ -426,6 +463,7 @@ impl KvIndex {
             blocks.unlink(h, worker);
         });
         self.entries = self.entries + added - gone;
+        self.refresh_due(worker);
         added
     }
 
@@ -454,6 +492,9 @@ impl KvIndex {
         }
         self.entries -= gone + predicted_gone;
         self.predicted_entries -= predicted_gone;
+        for i in 0..self.workers.len() {
+            self.refresh_due(WorkerId(i as u32));
+        }
         gone + predicted_gone
     }
 
@@ -467,6 +508,9 @@ impl KvIndex {
             if let WorkerIndex::Exact(ex) = slot {
                 ex.predicted.ttl_ns = self.predicted_ttl_ns;
             }
+        }
+        for i in 0..self.workers.len() {
+            self.refresh_due(WorkerId(i as u32));
         }
     }
 
@@ -525,6 +569,7 @@ impl KvIndex {
         });
         self.entries = self.entries + added - gone;
         self.predicted_entries = self.predicted_entries + added - gone;
+        self.refresh_due(worker);
         added
     }
 

@@ -10,9 +10,12 @@
 //!   decisions, TTL + LRU capacity). `index/worker_set.rs` is the inline worker set, `index/approx.rs`
 //!   the TTL/LRU queue, `index/overlap.rs` the query output buffer.
 //! - [`load`]: [`ActiveSequences`], router-side load (active blocks, pending prefill tokens, in-flight
-//!   requests) with a drop guard ([`LoadGuard`]) so no path can leak load.
+//!   requests) with a drop guard ([`LoadGuard`]) so no path can leak load; `load/order.rs` keeps
+//!   the workers sorted by load for the bounded selection.
 //! - [`select`]: the candidate/decision types, the busy filter, the kv cost model and the
 //!   temperature-based pick; [`score_candidates`] fills candidates from index + load in one call.
+//!   `select/bounded.rs`: [`select_kv_bounded`], the same `kv` decision visiting only the workers
+//!   holding the prompt and the least loaded others (large fleets).
 //! - [`latency`]: [`LatencyModel`], each worker's speed learned online from observed TTFT and ITL,
 //!   and the TTFT/ITL estimate of a request on a candidate (used by the `latency` policy).
 //! - [`policy`]: the [`Policy`] trait and one file per policy, selectable by name with
@@ -62,15 +65,15 @@ pub use latency::{
     WorkerFit,
 };
 pub use load::remote::RemoteLoads;
-pub use load::{ActiveSequences, LoadGuard, WorkerLoad};
+pub use load::{ActiveSequences, LoadGuard, OrderWeights, WorkerLoad};
 pub use policy::{
     policy_by_name, CacheAwareConfig, ConsistentHashConfig, LatencyPolicyConfig, Policy,
     PolicyConfig, UnknownPolicy, POLICY_NAMES,
 };
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,
-    score_candidates, BusyThresholds, Candidate, Decision, Eligibility, KvCostConfig, RouteRequest,
-    ScrapedLoad,
+    score_candidates, select_kv_bounded, BusyThresholds, Candidate, Decision, Eligibility,
+    KvCostConfig, RouteRequest, ScrapedLoad,
 };
 
 /// A chained KV block hash as computed by the router (see [`hash`]). Also used for the engine's

@@ -25,6 +25,7 @@ use crate::index::worker_set::{bits, WorkerSet};
 use crate::nohash::HashKeyed;
 use crate::select::Candidate;
 use crate::{BlockHash, WorkerId};
+pub use order::OrderWeights;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -174,9 +175,17 @@ impl Active {
 /// Recycled hash buffers, so steady-state `add` does not allocate.
 const POOL_MAX: usize = 256;
 
+/// Most load orders kept at once (one per distinct set of cost weights in use: per pool block size
+/// and policy config); the least recently asked for goes first.
+const ORDERS_MAX: usize = 4;
+
 #[derive(Debug, Default)]
-struct Inner {
+pub(crate) struct Inner {
     workers: Vec<Option<WorkerState>>,
+    /// Known workers sorted by load, one order per weight set in use ([`order::LoadOrder`]).
+    orders: Vec<order::LoadOrder>,
+    /// Workers whose `depth` entry is non-zero (reset by entry, not by a pass over the fleet).
+    depth_touched: Vec<u32>,
     /// Block → workers where it is active.
     active: Active,
     /// Scratch of [`ActiveSequences::fill_loads`], sized with `workers`: per worker, how many leading
@@ -199,10 +208,13 @@ impl Inner {
         let Inner {
             active,
             depth,
+            depth_touched,
             alive,
             ..
         } = self;
-        depth.fill(0);
+        for w in depth_touched.drain(..) {
+            depth[w as usize] = 0;
+        }
         let n = hashes.len();
         let Some(first) = hashes.first().and_then(|h| active.get(h)) else {
             return;
@@ -226,6 +238,7 @@ impl Inner {
                 let still = set.map_or(0, |s| s.word(k)) & *a;
                 for w in bits(k, *a & !still) {
                     depth[w.index()] = hi as u32;
+                    depth_touched.push(w.0);
                 }
                 *a = still;
                 any |= still != 0;
@@ -254,6 +267,96 @@ impl Inner {
     }
     fn worker_mut(&mut self, w: WorkerId) -> Option<&mut WorkerState> {
         self.workers.get_mut(w.index()).and_then(|s| s.as_mut())
+    }
+
+    /// Makes room for worker id `w` in the per-worker tables.
+    fn grow(&mut self, w: WorkerId) {
+        let i = w.index();
+        if i >= self.workers.len() {
+            self.workers.resize_with(i + 1, || None);
+            self.depth.resize(i + 1, 0);
+            self.alive.resize(i / 64 + 1, 0);
+        }
+    }
+
+    /// Worker `w`'s load changed: moves it in every load order (removes it when it is gone).
+    fn reorder(&mut self, w: WorkerId) {
+        let load = self.worker(w).map(WorkerState::load);
+        for o in &mut self.orders {
+            match &load {
+                Some(l) => o.update(w, l),
+                None => o.remove(w),
+            }
+        }
+    }
+
+    /// The load order for `weights`, built on first use (O(workers log workers), once per weight
+    /// set) and maintained from then on. `None` when the weights give no lower bound.
+    pub(crate) fn order(&mut self, weights: OrderWeights) -> Option<&order::LoadOrder> {
+        if !weights.valid() {
+            return None;
+        }
+        let i = match self.orders.iter().position(|o| o.weights == weights) {
+            Some(i) => i,
+            None => {
+                if self.orders.len() == ORDERS_MAX {
+                    self.orders.remove(0);
+                }
+                let mut o = order::LoadOrder::new(weights);
+                for (i, ws) in self.workers.iter().enumerate() {
+                    if let Some(ws) = ws {
+                        o.update(WorkerId(i as u32), &ws.load());
+                    }
+                }
+                self.orders.push(o);
+                self.orders.len() - 1
+            }
+        };
+        Some(&self.orders[i])
+    }
+
+    /// Visits the known workers in ascending order of `weights`' key (building that order on
+    /// first use, O(workers log workers) once per weight set, and maintaining it from then on),
+    /// with their key and load, until `f` returns false. False when the weights give no order
+    /// (negative or not finite): nothing was visited.
+    pub(crate) fn walk_order(
+        &mut self,
+        weights: OrderWeights,
+        mut f: impl FnMut(f64, WorkerId, WorkerLoad) -> bool,
+    ) -> bool {
+        if self.order(weights).is_none() {
+            return false;
+        }
+        let Inner {
+            orders, workers, ..
+        } = self;
+        let Some(o) = orders.iter().find(|o| o.weights == weights) else {
+            return false;
+        };
+        for (key, w) in o.iter() {
+            let load = workers[w.index()].as_ref().map(WorkerState::load);
+            if !f(key, w, load.unwrap_or_default()) {
+                break;
+            }
+        }
+        true
+    }
+
+    /// A known worker's load (`None`: not known).
+    pub(crate) fn load_of(&self, w: WorkerId) -> Option<WorkerLoad> {
+        self.worker(w).map(WorkerState::load)
+    }
+
+    /// After [`Inner::prefix_depths`]: blocks of the `n`-block prompt not active on `w`.
+    pub(crate) fn new_blocks_after_depths(&self, w: WorkerId, n: usize) -> u32 {
+        (n as u32).saturating_sub(self.depth.get(w.index()).copied().unwrap_or(0))
+    }
+
+    /// Computes every worker's active prefix of the prompt (read with
+    /// [`Inner::new_blocks_after_depths`]) and returns the workers where it is not empty.
+    pub(crate) fn prefix_depths(&mut self, hashes: &[BlockHash]) -> &[u32] {
+        self.active_prefix_depths(hashes);
+        &self.depth_touched
     }
 }
 
@@ -336,11 +439,7 @@ impl ActiveSequences {
         let key = inner.next_key;
         inner.next_key += 1;
         let i = worker.index();
-        if i >= inner.workers.len() {
-            inner.workers.resize_with(i + 1, || None);
-            inner.depth.resize(i + 1, 0);
-            inner.alive.resize(i / 64 + 1, 0);
-        }
+        inner.grow(worker);
         let mut buf = inner.pool.pop().unwrap_or_default();
         buf.extend_from_slice(hashes);
         let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
@@ -359,6 +458,7 @@ impl ActiveSequences {
                 started: now,
             },
         );
+        inner.reorder(worker);
         drop(g);
         LoadGuard {
             seqs: self.clone(),
@@ -425,6 +525,10 @@ impl ActiveSequences {
                 expired.push(ws.requests[&k].request_id);
                 ws.free(WorkerId(i as u32), k, &mut inner.pool, &mut inner.active);
             }
+            let load = ws.load();
+            for o in &mut inner.orders {
+                o.update(WorkerId(i as u32), &load);
+            }
         }
         inner.active.maybe_sweep();
         expired
@@ -443,7 +547,25 @@ impl ActiveSequences {
                 }
                 inner.active.maybe_sweep();
             }
+            inner.reorder(worker);
         }
+    }
+
+    /// Registers a worker with no load yet, so that load orders (the bounded selection,
+    /// [`crate::select::bounded`]) know it before its first request. Idempotent; keeps the load
+    /// of a worker already known.
+    pub fn add_worker(&self, worker: WorkerId) {
+        let mut g = self.lock();
+        g.grow(worker);
+        if g.workers[worker.index()].is_none() {
+            g.workers[worker.index()] = Some(WorkerState::default());
+            g.reorder(worker);
+        }
+    }
+
+    /// The state under the lock, for the bounded selection.
+    pub(crate) fn locked(&self) -> MutexGuard<'_, Inner> {
+        self.lock()
     }
 
     /// Loads of all known workers.
@@ -458,10 +580,15 @@ impl ActiveSequences {
 
     fn mark_prefill_done(&self, worker: WorkerId, key: u64) {
         let mut g = self.lock();
-        if let Some(ws) = g.worker_mut(worker) {
-            if let Some(e) = ws.requests.get_mut(&key) {
-                ws.pending_prefill_tokens -= e.prefill;
-                e.prefill = 0;
+        let Some(ws) = g.worker_mut(worker) else {
+            return;
+        };
+        if let Some(e) = ws.requests.get_mut(&key) {
+            let changed = e.prefill != 0;
+            ws.pending_prefill_tokens -= e.prefill;
+            e.prefill = 0;
+            if changed {
+                g.reorder(worker);
             }
         }
     }
@@ -472,6 +599,7 @@ impl ActiveSequences {
         if let Some(Some(ws)) = inner.workers.get_mut(worker.index()) {
             ws.free(worker, key, &mut inner.pool, &mut inner.active);
             inner.active.maybe_sweep();
+            inner.reorder(worker);
         }
     }
 
@@ -543,6 +671,7 @@ impl Drop for LoadGuard {
     }
 }
 
+pub mod order;
 pub mod remote;
 
 #[cfg(test)]

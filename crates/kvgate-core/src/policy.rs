@@ -46,6 +46,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn uses_overlap(&self) -> bool {
         false
     }
+
+    /// The `kv` policy behind this one, for callers that take the bounded path for large fleets
+    /// ([`crate::select_kv_bounded`]); `None` for every other policy.
+    fn as_kv(&self) -> Option<&KvPolicy> {
+        None
+    }
 }
 
 /// Settings for every policy (each policy reads its own part).

@@ -14,6 +14,9 @@
 //! breaks the tie the same way ([`pick_for_request`]). Temperature T > 0 picks worker i with
 //! probability ∝ exp(−(c_i − min) / ((max − min) · T)), uniform when all are equal.
 
+pub mod bounded;
+pub use bounded::select_kv_bounded;
+
 use crate::index::{KvIndex, OverlapScores};
 use crate::load::ActiveSequences;
 use crate::{BlockHash, WorkerId};

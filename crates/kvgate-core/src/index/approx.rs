@@ -58,8 +58,16 @@ impl ApproxWorker {
     /// False when every block held is certainly live at `now_ns` (then [`Self::is_live`] is true
     /// for each of them and need not be asked).
     #[inline]
+    #[cfg_attr(not(debug_assertions), allow(dead_code))]
     pub(crate) fn may_have_expired(&self, now_ns: u64) -> bool {
         self.front_time != NO_FRONT && self.front_time.saturating_add(self.ttl_ns) <= now_ns
+    }
+
+    /// The earliest time a block held may have expired ([`Self::may_have_expired`] from then on),
+    /// `None` when empty.
+    #[inline]
+    pub(crate) fn due_ns(&self) -> Option<u64> {
+        (self.front_time != NO_FRONT).then(|| self.front_time.saturating_add(self.ttl_ns))
     }
 
     /// Drops stale entries from the queue's front and records the live front's time.

@@ -77,22 +77,37 @@ impl KvIndex {
     /// Workers (64 per word) that may hold a block whose TTL has passed at `now_ns` but which
     /// [`KvIndex::expire`] has not dropped yet: approximate workers and unconfirmed predictions
     /// whose oldest entry is past its TTL. Only their (block, worker) pairs are checked one by
-    /// one; with the housekeeping sweep running, that is rarely anyone.
+    /// one; with the housekeeping sweep running, that is rarely anyone. Debug builds check the
+    /// maintained deadline order against a pass over every worker.
     fn ttl_check_mask(&self, now_ns: u64, words: usize, mask: &mut Vec<u64>) {
         mask.clear();
         mask.resize(words, 0);
         if self.approx_workers == 0 && self.predicted_entries == 0 {
             return;
         }
-        for (i, s) in self.workers.iter().enumerate() {
-            let may = match s {
-                Some(WorkerIndex::Approx(a)) => a.may_have_expired(now_ns),
-                Some(WorkerIndex::Exact(ex)) => ex.predicted.may_have_expired(now_ns),
-                None => false,
-            };
-            if may {
+        // Workers whose oldest TTL-bound block is due, from the maintained deadline order: as
+        // many set lookups as workers due, not a pass over the fleet.
+        for &(_, w) in self.due.range(..=(now_ns, u32::MAX)) {
+            let i = w as usize;
+            if i / 64 < words {
                 mask[i / 64] |= 1 << (i % 64);
             }
+        }
+        #[cfg(debug_assertions)]
+        {
+            // The plain twin: ask every worker.
+            let mut naive = vec![0u64; words];
+            for (i, s) in self.workers.iter().enumerate() {
+                let may = match s {
+                    Some(WorkerIndex::Approx(a)) => a.may_have_expired(now_ns),
+                    Some(WorkerIndex::Exact(ex)) => ex.predicted.may_have_expired(now_ns),
+                    None => false,
+                };
+                if may {
+                    naive[i / 64] |= 1 << (i % 64);
+                }
+            }
+            debug_assert_eq!(*mask, naive, "due order out of date");
         }
     }
 

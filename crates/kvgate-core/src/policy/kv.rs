@@ -23,6 +23,11 @@ impl KvPolicy {
     pub fn config(&self) -> &KvCostConfig {
         &self.cfg
     }
+
+    /// The busy thresholds.
+    pub fn busy(&self) -> &BusyThresholds {
+        &self.busy
+    }
 }
 
 impl Policy for KvPolicy {
@@ -32,6 +37,10 @@ impl Policy for KvPolicy {
 
     fn uses_overlap(&self) -> bool {
         true
+    }
+
+    fn as_kv(&self) -> Option<&KvPolicy> {
+        Some(self)
     }
 
     fn select(

@@ -1,0 +1,261 @@
+use super::*;
+use crate::hash::{block_hashes, BASE_SEED};
+use crate::load::WorkerLoad;
+use crate::{BusyThresholds, KvCostConfig, LoadGuard, ScrapedLoad, WorkerId};
+use proptest::prelude::*;
+use std::time::Duration;
+
+const BS: usize = 4;
+
+/// Prompt `g`'s tokens: a prefix shared by its group (`g % 3`), then its own tail.
+fn tokens(g: usize, blocks: usize) -> Vec<u32> {
+    (0..blocks * BS)
+        .map(|i| {
+            if i < 3 * BS {
+                (g % 3 * 1000 + i) as u32
+            } else {
+                (g * 100_000 + i) as u32
+            }
+        })
+        .collect()
+}
+
+/// What the caller adds per worker: `None` leaves the worker out, else extra (remote) load, whether
+/// it caches, and its scraped load.
+type Extra = Option<(WorkerLoad, bool, Option<ScrapedLoad>)>;
+
+fn prepared(extra: &[Extra]) -> impl FnMut(&mut Candidate) -> bool + '_ {
+    move |c: &mut Candidate| match extra[c.worker.index()] {
+        None => false,
+        Some((l, kv, scraped)) => {
+            c.active_blocks += l.active_blocks;
+            c.pending_prefill_tokens += l.pending_prefill_tokens;
+            c.inflight += l.inflight;
+            c.kv_scoring = kv;
+            c.scraped = scraped;
+            c.stable_id = crate::select::mix(u64::from(c.worker.0));
+            true
+        }
+    }
+}
+
+/// The plain twin: every worker scored, then the policy.
+fn exhaustive(
+    policy: &KvPolicy,
+    index: &KvIndex,
+    active: &ActiveSequences,
+    req: &RouteRequest<'_>,
+    now: Instant,
+    extra: &[Extra],
+    rng: &mut fastrand::Rng,
+) -> Option<(Decision, Vec<Candidate>)> {
+    let mut cands: Vec<Candidate> = (0..extra.len() as u32)
+        .map(|w| Candidate::new(WorkerId(w)))
+        .collect();
+    let mut scores = OverlapScores::new();
+    crate::score_candidates(index, active, req.hashes, now, &mut scores, &mut cands);
+    let mut prep = prepared(extra);
+    cands.retain_mut(|c| prep(c));
+    let d = policy.select(req, &cands, rng)?;
+    Some((d, cands))
+}
+
+fn extra_strategy() -> impl Strategy<Value = Extra> {
+    prop_oneof![
+        1 => Just(None),
+        6 => (0..3u32, 0..40u64, 0..2u32, prop::bool::weighted(0.8), prop::option::of((0..4u32, 0..100u32)))
+            .prop_map(|(a, p, f, kv, s)| Some((
+                WorkerLoad { active_blocks: a, pending_prefill_tokens: p, inflight: f },
+                kv,
+                s.map(|(w, u)| ScrapedLoad { kv_usage: u as f32 / 100.0, waiting: w, running: 0 }),
+            ))),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    /// Fleets of up to 150 workers (several bitset words), each holding prompt prefixes in the index
+    /// (exact events or approximate routing) and running requests of them, some left out by the
+    /// caller, some with extra (peer) load, scraped load and busy thresholds, under several cost
+    /// weights: the bounded decision always has the exhaustive one's cost, and the same worker
+    /// whenever that cost is unique among the eligible workers.
+    #[test]
+    fn bounded_matches_exhaustive(
+        workers in 1..150usize,
+        held in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, any::<bool>()), 0..40),
+        running in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, 0..200u64, any::<bool>()), 0..200),
+        extra in prop::collection::vec(extra_strategy(), 150),
+        query in (0..8usize, 0..12usize),
+        weights in (0..3usize, 0..2usize, 0..2usize),
+        busy in prop::option::of((2..30u32, 0..3u32)),
+        seed in any::<u64>(),
+    ) {
+        let now = Instant::now();
+        let mut index = KvIndex::new();
+        let active = ActiveSequences::new();
+        for w in 0..workers as u32 {
+            active.add_worker(WorkerId(w));
+        }
+        for &(w, g, len, exact) in &held {
+            let w = WorkerId((w % workers) as u32);
+            let t = tokens(g, len);
+            if exact {
+                if index.mode(w).is_none() {
+                    index.set_mode(w, crate::IndexMode::Exact);
+                }
+                if index.mode(w) == Some(crate::IndexMode::Exact) {
+                    let engine: Vec<u64> = (0..len as u64).map(|b| (g as u64) << 32 | b).collect();
+                    let _ = index.apply_stored(w, None, &engine, &t, BS, BASE_SEED);
+                }
+            } else {
+                if index.mode(w).is_none() {
+                    index.set_mode(w, crate::IndexMode::Approximate(Default::default()));
+                }
+                index.record_routed(w, &block_hashes(&t, BS, BASE_SEED), now);
+            }
+        }
+        let mut guards: Vec<LoadGuard> = Vec::new();
+        for &(w, g, len, isl, done) in &running {
+            let w = WorkerId((w % workers) as u32);
+            let h = block_hashes(&tokens(g, len), BS, BASE_SEED);
+            let guard = active.add(w, 0, &h, isl, 0);
+            if done {
+                guard.mark_prefill_done();
+            }
+            guards.push(guard);
+        }
+        // Some requests finished: the maintained order must follow frees too.
+        for i in (0..guards.len()).rev().step_by(3) {
+            drop(guards.swap_remove(i));
+        }
+        let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0 };
+        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
+            active_blocks: Some(a),
+            waiting: Some(w),
+            ..BusyThresholds::default()
+        });
+        let policy = KvPolicy::new(cfg, busy);
+        let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
+        let extra = &extra[..workers];
+        let want = exhaustive(&policy, &index, &active, &req, now + Duration::from_secs(1), extra, &mut fastrand::Rng::with_seed(seed));
+        let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+        let got = select_kv_bounded(&policy, &index, &active, &req, now + Duration::from_secs(1), &mut scores, &mut cands, prepared(extra), &mut fastrand::Rng::with_seed(seed));
+        match (want, got) {
+            (None, None) => {}
+            (Some((want, all)), Some(got)) => {
+                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
+                let el = crate::Eligibility::new(&all, &busy);
+                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c) == want.cost).count();
+                if at_min == 1 {
+                    prop_assert_eq!(got.worker, want.worker);
+                }
+                // The visited candidate carries exactly the exhaustive scan's view of the worker.
+                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
+                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
+                prop_assert_eq!(mine, theirs);
+                prop_assert_eq!(got.overlap_blocks, theirs.effective_overlap());
+            }
+            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
+        }
+    }
+
+    /// The maintained load order is the fleet sorted by key after any mix of adds, prefill
+    /// completions, frees, expiry and removals.
+    #[test]
+    fn load_order_follows_every_change(
+        ops in prop::collection::vec((0..5u8, 0..70u32, 1..6usize, 0..50u64), 0..120),
+    ) {
+        let active = ActiveSequences::new();
+        let weights = OrderWeights { pending: 0.25, active: 1.0, inflight: 0.5 };
+        // Build the order before the changes so it is maintained, not rebuilt.
+        active.locked().walk_order(weights, |_, _, _| true);
+        let t0 = Instant::now();
+        let mut guards: Vec<LoadGuard> = Vec::new();
+        for (k, &(op, w, len, isl)) in ops.iter().enumerate() {
+            let w = WorkerId(w);
+            match op {
+                0 | 1 => {
+                    let h = block_hashes(&tokens(k % 5, len), BS, BASE_SEED);
+                    guards.push(active.add_at(w, 0, &h, isl, 0, t0 + Duration::from_secs(k as u64)));
+                }
+                2 => if let Some(g) = guards.get(isl as usize % guards.len().max(1)) { g.mark_prefill_done() },
+                3 => { if !guards.is_empty() { drop(guards.swap_remove(isl as usize % guards.len())); } }
+                _ => if isl % 2 == 0 { active.remove_worker(w) } else {
+                    active.expire_stale(t0 + Duration::from_secs(k as u64), Duration::from_secs(isl));
+                },
+            }
+        }
+        let mut want: Vec<(u64, u32)> = active
+            .all()
+            .into_iter()
+            .map(|(w, l)| ((weights.key(&l) + 0.0).to_bits(), w.0))
+            .collect();
+        want.sort_unstable();
+        let mut got = Vec::new();
+        active.locked().walk_order(weights, |k, w, l| {
+            got.push((k.to_bits(), w.0));
+            assert_eq!(k, weights.key(&l));
+            true
+        });
+        prop_assert_eq!(got, want);
+    }
+}
+
+/// On a large idle-looking fleet the walk stops early: holders plus a few of the least loaded.
+#[test]
+fn a_large_fleet_visits_few_workers() {
+    let now = Instant::now();
+    let active = ActiveSequences::new();
+    let mut guards = Vec::new();
+    for w in 0..2048u32 {
+        active.add_worker(WorkerId(w));
+        // 1..=97 active blocks each.
+        let h: Vec<u64> = (0..u64::from(w % 97 + 1))
+            .map(|b| crate::select::mix(u64::from(w) << 20 | b))
+            .collect();
+        guards.push(active.add(WorkerId(w), 0, &h, 0, 0));
+    }
+    let mut index = KvIndex::new();
+    let t = tokens(1, 8);
+    let engine: Vec<u64> = (0..8).collect();
+    for w in [5u32, 700, 1900] {
+        index.set_mode(WorkerId(w), crate::IndexMode::Exact);
+        index
+            .apply_stored(WorkerId(w), None, &engine, &t, BS, BASE_SEED)
+            .unwrap();
+    }
+    let h = block_hashes(&tokens(1, 10), BS, BASE_SEED);
+    let req = RouteRequest {
+        hashes: &h,
+        isl_tokens: 40,
+        block_size: BS as u32,
+        affinity_key: None,
+    };
+    let policy = KvPolicy::new(KvCostConfig::default(), BusyThresholds::default());
+    let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+    let mut rng = fastrand::Rng::with_seed(1);
+    let d = select_kv_bounded(
+        &policy,
+        &index,
+        &active,
+        &req,
+        now,
+        &mut scores,
+        &mut cands,
+        |_| true,
+        &mut rng,
+    )
+    .unwrap();
+    assert!(cands.len() < 64, "visited {} workers", cands.len());
+    for w in [5u32, 700, 1900] {
+        assert!(
+            cands.iter().any(|c| c.worker == WorkerId(w)),
+            "holder {w} visited"
+        );
+    }
+    let extra = vec![Some((WorkerLoad::default(), true, None)); 2048];
+    let (want, _) = exhaustive(&policy, &index, &active, &req, now, &extra, &mut rng).unwrap();
+    assert_eq!(d.cost, want.cost);
+}
