@@ -4,10 +4,11 @@
 //! fixed time and assumes "done by now"; it polls for the observable result with a generous
 //! deadline, which only matters when the test fails.
 //!
-//! - [`poll`]: `poll_until` / `poll_for` / `eventually`, async (tokio) and `_blocking` twins.
+//! - [`poll`]: `poll_until` / `poll_for` / `eventually` / `until`, async (tokio), and `_blocking`
+//!   twins for threads without a runtime.
 //! - [`net`]: loopback ports (`free_port`, `free_port_pair`), waiting for a listener.
 //! - [`proc`]: a child process killed by its pid and reaped on drop, its output lines on a
-//!   channel, `wait_for_line` with what it printed in the failure message.
+//!   channel, `Proc::wait_for` a line with what it printed in the failure message.
 #![forbid(unsafe_code)]
 
 pub mod net;
@@ -17,6 +18,6 @@ pub mod proc;
 pub use net::{free_port, free_port_pair, loopback0};
 pub use poll::{
     eventually, eventually_blocking, poll_for, poll_for_blocking, poll_until, poll_until_blocking,
-    PATIENCE,
+    until, PATIENCE,
 };
 pub use proc::{kvgate_bin, ChildGuard, Proc};

@@ -72,9 +72,8 @@ mod tests {
         wait_listening_blocking(l.local_addr().unwrap(), Duration::from_secs(5));
         let gone = l.local_addr().unwrap();
         drop(l);
-        let r = std::panic::catch_unwind(|| {
-            wait_listening_blocking(gone, Duration::from_millis(50))
-        });
+        let r =
+            std::panic::catch_unwind(|| wait_listening_blocking(gone, Duration::from_millis(50)));
         assert!(r.is_err(), "nothing listens on {gone}");
     }
 }

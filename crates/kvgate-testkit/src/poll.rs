@@ -16,6 +16,9 @@ fn pause(n: u32) -> Duration {
 }
 
 fn timed_out(within: Duration, what: &dyn Display, checks: u32) -> ! {
+    if checks == 0 {
+        panic!("timed out after {within:?} waiting for {what}")
+    }
     panic!("timed out after {within:?} ({checks} checks) waiting for {what}")
 }
 
@@ -67,6 +70,13 @@ pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
         }
         tokio::time::sleep(pause(n)).await;
         n += 1;
+    }
+}
+
+/// [`poll_until`] for a condition that needs no `.await` (state read in process).
+pub async fn until(within: Duration, what: impl Display, mut f: impl FnMut() -> bool) {
+    if !eventually(within, &mut f).await {
+        timed_out(within, &what, 0);
     }
 }
 
@@ -151,8 +161,12 @@ mod tests {
         .await;
         assert_eq!(calls.load(Ordering::Relaxed), 2);
         assert!(!eventually(Duration::from_millis(10), || false).await);
+        until(PATIENCE, "a true condition", || true).await;
         let late = tokio::spawn(async {
-            poll_for(Duration::from_millis(20), "nothing", || async { None::<()> }).await
+            poll_for(Duration::from_millis(20), "nothing", || async {
+                None::<()>
+            })
+            .await
         });
         assert!(late.await.unwrap_err().is_panic());
     }

@@ -198,7 +198,10 @@ mod tests {
 
     #[test]
     fn waits_for_a_line_and_kills_by_pid_on_drop() {
-        let mut p = Proc::spawn("sh", sh("echo '\x1b[32mhello\x1b[0m port=7'; exec sleep 600"));
+        let mut p = Proc::spawn(
+            "sh",
+            sh("echo '\x1b[32mhello\x1b[0m port=7'; exec sleep 600"),
+        );
         let port = p.wait_for(Duration::from_secs(20), |l| {
             l.strip_prefix("hello port=").map(str::to_string)
         });
@@ -228,8 +231,8 @@ mod tests {
         let g = ChildGuard(sh("exec sleep 600").spawn().unwrap());
         let pid = g.id();
         drop(g);
-        let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|s| !s.contains(") Z "));
+        let alive =
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
         assert!(!alive, "pid {pid} survived its guard");
     }
 }
