@@ -7,7 +7,7 @@
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvgate_system_tests::exchange_raw;
 use kvgate_system_tests::harness::{addr_after, serving_addr, Proc};
@@ -87,15 +87,8 @@ fn metric(addr: SocketAddr, name: &str, labels: &[&str]) -> f64 {
 }
 
 /// Polls `f` until it holds (generous deadline; no fixed sleep decides anything).
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < end {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("timed out waiting for: {what}");
+fn eventually(what: &str, f: impl FnMut() -> bool) {
+    kvgate_testkit::poll_until_blocking(kvgate_testkit::PATIENCE, what, f)
 }
 
 fn pinned(sim: SocketAddr) -> f64 {
