@@ -123,7 +123,7 @@ fn two_replicas_do_not_double_the_fleet_cost() {
         // Every replica accrues the whole fleet's cost (so a plain sum doubles it).
         let mine: f64 = increase.values().sum();
         eprintln!(
-            "measured: a replica accrued {mine:.4} $ over {shortest:.3}..{longest:.3} s              (configured {FLEET_RATE} $/s)"
+            "measured: a replica accrued {mine:.4} $ over {shortest:.3}..{longest:.3} s (configured {FLEET_RATE} $/s)"
         );
         assert!(
             (FLEET_RATE * shortest..=FLEET_RATE * longest).contains(&mine),
