@@ -16,8 +16,13 @@ const MODEL: &str = "pd-model";
 
 /// One `kvgate sim` worker on an ephemeral port with `args`; its HTTP address.
 fn sim(args: &[&str]) -> (Proc, SocketAddr) {
+    sim_at("100", args)
+}
+
+/// As [`sim`], its step times divided by `speedup`.
+fn sim_at(speedup: &str, args: &[&str]) -> (Proc, SocketAddr) {
     let mut all = vec!["sim", "--port", "0", "--no-kv-events", "--model", MODEL];
-    all.extend(["--speedup", "100", "--kv-lease-ms", "600000"]);
+    all.extend(["--speedup", speedup, "--kv-lease-ms", "600000"]);
     all.extend_from_slice(args);
     let mut p = Proc::kvgate("kvgate sim", &all);
     let addr = p.wait_for(Duration::from_secs(20), |l| addr_after(l, "worker 0 http="));
@@ -336,8 +341,11 @@ fn long_prompts_run_whole_on_an_idle_decode_worker_only() {
 
 #[test]
 fn the_prefill_leg_teaches_the_prefill_worker_and_the_decode_leg_does_not() {
-    let (_p, pa) = sim(&["--role", "prefill"]);
-    let (_d, da) = sim(&["--role", "decode"]);
+    // The sims run 5x slower than the reference curve the model is seeded with, so what the
+    // prefill worker teaches points the same way as a busy machine's delays (slower), and the
+    // test does not need the machine to be fast to see it.
+    let (_p, pa) = sim_at("0.2", &["--role", "prefill"]);
+    let (_d, da) = sim_at("0.2", &["--role", "decode"]);
     let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
     let fitted = |a: SocketAddr| {
         metric(
@@ -346,6 +354,8 @@ fn the_prefill_leg_teaches_the_prefill_worker_and_the_decode_leg_does_not() {
             &[&format!("worker=\"{a}\"")],
         )
     };
+    let (seed_p, seed_d) = (fitted(pa), fitted(da));
+    assert!(seed_p > 0.0 && seed_d > 0.0, "fitted throughput exported");
     for i in 0..6 {
         let (st, body) = http(
             ga,
@@ -356,14 +366,18 @@ fn the_prefill_leg_teaches_the_prefill_worker_and_the_decode_leg_does_not() {
         assert_eq!(st, 200, "{body}");
         assert!(body.contains("[DONE]"), "{body}");
     }
-    // The sims run 100x faster than the reference curve the model is seeded with: the prefill
-    // worker's answers teach it that; the decode worker's first tokens (the transfer and one step,
-    // after another worker's prefill) must not teach its prefill speed anything.
+    // The prefill worker's answers teach the model its (slower) speed; the decode worker's first
+    // tokens (the transfer and one step, after another worker's prefill) must not teach its
+    // prefill speed anything.
     let (p, d) = (fitted(pa), fitted(da));
-    assert!(d > 0.0, "decode worker's fitted throughput exported");
+    eprintln!("measured: prefill worker {seed_p} -> {p} tok/s, decode worker {seed_d} -> {d}");
     assert!(
-        p > 3.0 * d,
-        "prefill worker fitted {p} tok/s, decode worker {d} (the seed)"
+        p < seed_p / 2.0,
+        "prefill worker fitted {p} tok/s, seeded {seed_p}: not learned"
+    );
+    assert!(
+        (d / seed_d - 1.0).abs() < 0.01,
+        "decode worker fitted {d} tok/s, seeded {seed_d}: its decode legs taught its prefill speed"
     );
 }
 
