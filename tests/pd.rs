@@ -480,7 +480,11 @@ fn client_disconnect_mid_transfer_frees_prefill_blocks() {
     let (_p, pa) = sim(&["--role", "prefill"]);
     // A transfer that would take minutes: the client leaves while the decode worker pulls.
     let (_d, da) = sim(&["--role", "decode", "--kv-transfer-gbps", "0.000001"]);
-    let (_g, ga) = gateway(ALWAYS, &[pa], &[da]);
+    // The gateway reaches the decode worker through a relay that shows when the decode leg
+    // (the body with `kv_transfer_params`) has been handed to it: leaving before that would test
+    // a disconnect between the legs, which only the lease frees.
+    let relay = Relay::start(da, "\"kv_transfer_params\"");
+    let (_g, ga) = gateway(ALWAYS, &[pa], &[relay.addr]);
     let body = chat(&prompt("c", 300), true, 20);
     let mut s = TcpStream::connect(ga).expect("connect");
     write!(
@@ -490,6 +494,9 @@ fn client_disconnect_mid_transfer_frees_prefill_blocks() {
     )
     .expect("send");
     eventually("prefill leg done, blocks pinned", || pinned(pa) > 0.0);
+    eventually("the decode leg handed to the decode worker", || {
+        relay.seen.load(std::sync::atomic::Ordering::SeqCst)
+    });
     drop(s);
     eventually("prefill blocks freed after the disconnect", || {
         pinned(pa) == 0.0
@@ -499,7 +506,66 @@ fn client_disconnect_mid_transfer_frees_prefill_blocks() {
         0.0,
         "not by the lease"
     );
-    let _ = da;
+}
+
+/// A loopback TCP relay to `target` that sets `seen` once a connection has carried `needle`
+/// towards it (threads end with their connections; the listener's thread with the test binary).
+struct Relay {
+    addr: SocketAddr,
+    seen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    fn start(target: SocketAddr, needle: &'static str) -> Relay {
+        use std::io::Read;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind relay");
+        let addr = l.local_addr().expect("relay address");
+        let seen = Arc::new(AtomicBool::new(false));
+        let flag = seen.clone();
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                let Ok(mut from) = conn else { continue };
+                let Ok(mut to) = TcpStream::connect(target) else {
+                    continue;
+                };
+                let (Ok(mut back_from), Ok(mut back_to)) = (to.try_clone(), from.try_clone())
+                else {
+                    continue;
+                };
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut back_from, &mut back_to);
+                    let _ = back_to.shutdown(std::net::Shutdown::Write);
+                });
+                let flag = flag.clone();
+                std::thread::spawn(move || {
+                    let mut carried = Vec::new();
+                    let mut buf = [0u8; 16 << 10];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                        if !flag.load(Ordering::SeqCst) {
+                            carried.extend_from_slice(&buf[..n]);
+                            if carried
+                                .windows(needle.len())
+                                .any(|w| w == needle.as_bytes())
+                            {
+                                flag.store(true, Ordering::SeqCst);
+                            }
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Relay { addr, seen }
+    }
 }
 
 #[test]
