@@ -13,12 +13,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 
 use kvgate_system_tests::{Gateway, Proc, Sims};
+use kvgate_testkit::net::wait_listening_blocking;
+use kvgate_testkit::{free_port, poll_until_blocking, PATIENCE};
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
-}
 
 fn nats(port: u16) -> Proc {
     let p = Proc(
@@ -29,11 +26,7 @@ fn nats(port: u16) -> Proc {
             .spawn()
             .expect("nats-server starts"),
     );
-    let end = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < end, "nats-server never listened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_listening_blocking(SocketAddr::from(([127, 0, 0, 1], port)), PATIENCE);
     p
 }
 
@@ -103,11 +96,9 @@ fn replica_with(id: &str, nats_port: Option<u16>, workers: &[String], extra: &st
         ));
     }
     let gw = Gateway::from_config(&toml);
-    let end = Instant::now() + Duration::from_secs(30);
-    while http(gw.addr, "GET", "/ready", "").map(|r| r.0).ok() != Some(200) {
-        assert!(Instant::now() < end, "gateway never became ready");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    poll_until_blocking(PATIENCE, "the gateway to become ready", || {
+        http(gw.addr, "GET", "/ready", "").map(|r| r.0).ok() == Some(200)
+    });
     gw
 }
 
@@ -115,12 +106,8 @@ fn metrics(addr: SocketAddr) -> String {
     http(addr, "GET", "/metrics", "").expect("metrics").1
 }
 
-fn until(what: &str, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(30);
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn until(what: &str, f: impl FnMut() -> bool) {
+    poll_until_blocking(PATIENCE, what, f)
 }
 
 /// A prompt whose first ~300 words are unique to `group` (many full blocks) plus a `tail`.

@@ -45,6 +45,20 @@ fn scrape(gws: &[SocketAddr], family: &str) -> Vec<BTreeMap<String, f64>> {
         .collect()
 }
 
+/// As [`scrape`], each with the instants just before its request and just after its answer.
+fn scrape_timed(
+    gws: &[SocketAddr],
+    family: &str,
+) -> Vec<(BTreeMap<String, f64>, Instant, Instant)> {
+    gws.iter()
+        .map(|gw| {
+            let sent = Instant::now();
+            let got = scrape(&[*gw], family).remove(0);
+            (got, sent, Instant::now())
+        })
+        .collect()
+}
+
 #[test]
 fn two_replicas_do_not_double_the_fleet_cost() {
     let (_a, wa) = start_sim(MODEL);
@@ -89,35 +103,48 @@ fn two_replicas_do_not_double_the_fleet_cost() {
     assert_eq!(sum_of_max(&gpus), 3.0, "{gpus:?}");
 
     // The dollars counter: its increase over a window, aggregated with max by worker, is the
-    // fleet's cost over that window (within scheduling slack), not twice it.
-    let t0 = Instant::now();
-    let before = scrape(&gws, "kvgate_cost_dollars_total");
-    let deadline = t0 + Duration::from_secs(60);
-    while t0.elapsed() < Duration::from_secs(3) {
-        assert!(Instant::now() < deadline);
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let after = scrape(&gws, "kvgate_cost_dollars_total");
-    let secs = t0.elapsed().as_secs_f64();
-    let increase: Vec<BTreeMap<String, f64>> = before
-        .iter()
-        .zip(&after)
-        .map(|(b, a)| a.iter().map(|(w, v)| (w.clone(), v - b[w])).collect())
-        .collect();
-    let fleet_rate = sum_of_max(&increase) / secs;
-    eprintln!("measured: fleet cost rate {fleet_rate:.3} $/s over {secs:.2} s (configured 3 $/s)");
-    assert!(
-        (2.4..=3.3).contains(&fleet_rate),
-        "fleet cost rate {fleet_rate} $/s, configured 3 $/s: {increase:?}"
-    );
-    // Both replicas accrue the whole cost (so a plain sum doubles it; the PromQL must not).
-    for r in &increase {
-        let mine: f64 = r.values().sum();
-        assert!(
-            mine / secs > 2.4,
-            "a replica accrued only {mine} over {secs} s"
+    // fleet's cost over that window, not twice it. A replica accrues at the instant it serves
+    // `/metrics`, which lies between sending the scrape and reading its answer: each replica's
+    // window is bracketed by the test's clock, however slowly a busy machine answers.
+    let before = scrape_timed(&gws, "kvgate_cost_dollars_total");
+    std::thread::sleep(Duration::from_secs(1));
+    let after = scrape_timed(&gws, "kvgate_cost_dollars_total");
+    const FLEET_RATE: f64 = 3.0; // $/s
+                                 // 1 ms: the accrual counts whole milliseconds of each worker's life.
+    let slack = 0.002;
+    let mut windows = Vec::new();
+    for ((b, b_sent, b_got), (a, a_sent, a_got)) in before.iter().zip(&after) {
+        let (shortest, longest) = (
+            (*a_sent - *b_got).as_secs_f64() - slack,
+            (*a_got - *b_sent).as_secs_f64() + slack,
         );
+        let increase: BTreeMap<String, f64> =
+            a.iter().map(|(w, v)| (w.clone(), v - b[w])).collect();
+        // Every replica accrues the whole fleet's cost (so a plain sum doubles it).
+        let mine: f64 = increase.values().sum();
+        eprintln!(
+            "measured: a replica accrued {mine:.4} $ over {shortest:.3}..{longest:.3} s (configured {FLEET_RATE} $/s)"
+        );
+        assert!(
+            (FLEET_RATE * shortest..=FLEET_RATE * longest).contains(&mine),
+            "a replica accrued {mine} $ over {shortest}..{longest} s: {increase:?}"
+        );
+        windows.push((increase, shortest, longest));
     }
+    let increases: Vec<BTreeMap<String, f64>> = windows.iter().map(|w| w.0.clone()).collect();
+    let shortest = windows.iter().map(|w| w.1).fold(f64::MAX, f64::min);
+    let longest = windows.iter().map(|w| w.2).fold(0.0, f64::max);
+    let fleet = sum_of_max(&increases);
+    assert!(
+        (FLEET_RATE * shortest..=FLEET_RATE * longest).contains(&fleet),
+        "max by worker: {fleet} $ over {shortest}..{longest} s, configured {FLEET_RATE} $/s: \
+         {increases:?}"
+    );
+    let plain: f64 = increases.iter().flat_map(|r| r.values()).sum();
+    assert!(
+        plain >= 2.0 * FLEET_RATE * shortest,
+        "a plain sum counts the fleet once per replica: {plain} $ over {shortest}..{longest} s"
+    );
     for p in procs {
         drop(p);
     }

@@ -7,9 +7,10 @@
 //! exposition only once they have a child, hence the traffic mix.
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvgate_system_tests::harness::*;
+use kvgate_testkit::{poll_until_blocking, PATIENCE};
 
 const MODEL: &str = "kvgate-sim";
 
@@ -86,26 +87,18 @@ fn dashboard_and_alert_metrics_are_exported_by_a_live_gateway_and_worker() {
     // A config change is picked up by the file poll (counted in kvgate_config_reloads_total).
     std::thread::sleep(Duration::from_millis(20)); // a distinct mtime on coarse-grained filesystems
     std::fs::write(&cfg_path, cfg("0.5")).unwrap();
-    let end = Instant::now() + Duration::from_secs(15);
     // The families exist at 0 from the start: wait for a non-zero count.
     let reloads = |text: &str| counter_sum(text, "kvgate_config_reloads_total{");
-    while reloads(&http(gw, "GET", "/metrics", None).1) < 1.0 {
-        assert!(Instant::now() < end, "config reload not observed");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    poll_until_blocking(PATIENCE, "the config reload", || {
+        reloads(&http(gw, "GET", "/metrics", None).1) >= 1.0
+    });
 
     // The first DCGM scrape lands within a second of the monitor's start.
-    let end = Instant::now() + Duration::from_secs(15);
-    while !http(gw, "GET", "/metrics", None)
-        .1
-        .contains("kvgate_worker_gpu_utilization_ratio{")
-    {
-        assert!(
-            Instant::now() < end,
-            "no GPU figures from the sim's dcgm-exporter"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    poll_until_blocking(PATIENCE, "GPU figures from the sim's dcgm-exporter", || {
+        http(gw, "GET", "/metrics", None)
+            .1
+            .contains("kvgate_worker_gpu_utilization_ratio{")
+    });
     let (s, gw_text) = http(gw, "GET", "/metrics", None);
     assert_eq!(s, 200);
     let (s, sim_text) = http(worker, "GET", "/metrics", None);

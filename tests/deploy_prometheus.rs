@@ -8,7 +8,7 @@
 //! Bounded to ~30 s of waiting; every process is killed on exit (also on failure: `Proc` kills on
 //! drop).
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -27,14 +27,8 @@ fn prometheus_bin() -> Option<String> {
         .map(|p| p.display().to_string())
 }
 
-/// Prometheus cannot report an ephemeral port it bound, so pick a free one first.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+// Prometheus cannot report an ephemeral port it bound, so pick a free one first.
+use kvgate_testkit::free_port;
 
 struct Prom {
     _proc: Proc,
@@ -162,18 +156,8 @@ fn query(prom: SocketAddr, q: &str) -> Option<serde_json::Value> {
     (v["status"] == "success").then(|| v["data"]["result"].clone())
 }
 
-fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let end = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+fn wait_until<T>(limit: Duration, what: &str, f: impl FnMut() -> Option<T>) -> T {
+    kvgate_testkit::poll_for_blocking(limit, what, f)
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
 
 use kvgate_system_tests::{Proc, Sims};
+use kvgate_testkit::{poll_for_blocking, poll_until_blocking, PATIENCE};
 use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 exchange with `Connection: close`: (status, body).
@@ -69,11 +70,9 @@ fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
         }
     });
 
-    let end = Instant::now() + Duration::from_secs(30);
-    while http(addr, "GET", "/ready", "").map(|r| r.0).ok() != Some(200) {
-        assert!(Instant::now() < end, "gateway never became ready");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    poll_until_blocking(PATIENCE, "the gateway to become ready", || {
+        http(addr, "GET", "/ready", "").map(|r| r.0).ok() == Some(200)
+    });
     let chat =
         r#"{"model":"sim-model","messages":[{"role":"user","content":"hello"}],"max_tokens":4}"#;
     assert_eq!(
@@ -88,17 +87,17 @@ fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
         .expect("kill runs");
     assert!(killed.success());
 
-    // Not ready at once, while still accepting and serving.
-    let end = Instant::now() + Duration::from_secs(3);
-    loop {
-        let (status, body) = http(addr, "GET", "/ready", "").expect("listener still open");
-        if status == 503 {
-            assert!(body.contains("draining"), "{body}");
-            break;
-        }
-        assert!(Instant::now() < end, "/ready still {status} after SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // Not ready at once, while still accepting and serving. The drain delay bounds the wait: if
+    // /ready were still 200 when the listener closes, the exchange below fails and says so.
+    poll_until_blocking(PATIENCE, "/ready 503 after SIGTERM", || {
+        let (status, body) = http(addr, "GET", "/ready", "")
+            .expect("listener open until /ready turned 503 (the drain delay ended first)");
+        assert!(
+            status == 200 || body.contains("draining"),
+            "{status}: {body}"
+        );
+        status == 503
+    });
     let (status, body) = http(addr, "POST", "/v1/chat/completions", chat)
         .expect("requests are still served during the drain delay");
     assert_eq!(status, 200, "{body}");
@@ -106,14 +105,9 @@ fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
     eprintln!("measured: /ready 503 and a request served {served_at:?} after SIGTERM");
 
     // Then the port closes and the process exits by itself.
-    let end = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_ok() {
-        assert!(
-            Instant::now() < end,
-            "listener still open 30 s after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    poll_until_blocking(PATIENCE, "the listener to close after SIGTERM", || {
+        TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err()
+    });
     let closed_at = term.elapsed();
     eprintln!("measured: port refused {closed_at:?} after SIGTERM (drain_delay_s = 4)");
     // The gateway's delay starts when it gets the signal, after `term` was read.
@@ -121,13 +115,6 @@ fn sigterm_reports_not_ready_keeps_serving_for_the_drain_delay_then_closes() {
         closed_at >= Duration::from_secs(4),
         "closed after {closed_at:?}"
     );
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(st) = gw.0.try_wait().unwrap() {
-            assert!(st.success(), "gateway exit status {st}");
-            break;
-        }
-        assert!(Instant::now() < end, "gateway did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let st = poll_for_blocking(PATIENCE, "the gateway to exit", || gw.0.try_wait().unwrap());
+    assert!(st.success(), "gateway exit status {st}");
 }

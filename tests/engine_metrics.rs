@@ -24,20 +24,15 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 /// Polls the gateway's `/metrics` until `ok` holds; panics with the last text after `limit`.
 fn metrics_until(gw: SocketAddr, limit: Duration, what: &str, ok: impl Fn(&str) -> bool) -> String {
-    let end = Instant::now() + limit;
-    loop {
-        let text = http_maybe(gw, "GET", "/metrics")
+    let mut last = String::new();
+    let got = kvgate_testkit::eventually_blocking(limit, || {
+        last = http_maybe(gw, "GET", "/metrics")
             .map(|(_, b)| b)
             .unwrap_or_default();
-        if ok(&text) {
-            return text;
-        }
-        assert!(
-            Instant::now() < end,
-            "timed out after {limit:?} waiting for {what}:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        ok(&last)
+    });
+    assert!(got, "timed out after {limit:?} waiting for {what}:\n{last}");
+    last
 }
 
 fn sim_on(port: &str) -> (Proc, SocketAddr) {

@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use kvgate_system_tests::harness::*;
+use kvgate_testkit::{poll_for_blocking, poll_until_blocking, PATIENCE};
 
 const MODEL: &str = "kvgate-sim";
 
@@ -63,26 +64,20 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
     let metric = |name: &str| sample(&http(gw, "GET", "/metrics", None).1, &format!("{name}{w}"));
 
     // Idle: the figures arrive and read an idle GPU.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let idle_energy = loop {
+    let idle_energy = poll_for_blocking(PATIENCE, "the GPU figures", || {
         let text = http(gw, "GET", "/metrics", None).1;
-        if let Some(e) = sample(&text, &format!("kvgate_worker_gpu_energy_joules_total{w}")) {
-            assert_eq!(
-                sample(&text, &format!("kvgate_worker_gpu_utilization_ratio{w}")),
-                Some(0.0)
-            );
-            assert_eq!(
-                sample(&text, &format!("kvgate_worker_gpu_count{w}")),
-                Some(1.0)
-            );
-            assert!(
-                sample(&text, &format!("kvgate_worker_gpu_memory_free_bytes{w}")).unwrap() > 0.0
-            );
-            break e;
-        }
-        assert!(Instant::now() < deadline, "no GPU figures:\n{text}");
-        std::thread::sleep(Duration::from_millis(200));
-    };
+        let e = sample(&text, &format!("kvgate_worker_gpu_energy_joules_total{w}"))?;
+        assert_eq!(
+            sample(&text, &format!("kvgate_worker_gpu_utilization_ratio{w}")),
+            Some(0.0)
+        );
+        assert_eq!(
+            sample(&text, &format!("kvgate_worker_gpu_count{w}")),
+            Some(1.0)
+        );
+        assert!(sample(&text, &format!("kvgate_worker_gpu_memory_free_bytes{w}")).unwrap() > 0.0);
+        Some(e)
+    });
     let idle_power = metric("kvgate_worker_gpu_power_watts").expect("power");
 
     // Load: long streams in the background; utilisation and power must rise while they run.
@@ -95,20 +90,15 @@ fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
             std::thread::spawn(move || http(gw, "POST", "/v1/completions", Some(&body)).0)
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    poll_until_blocking(PATIENCE, "the GPU figures to follow the load", || {
         let util = metric("kvgate_worker_gpu_utilization_ratio").unwrap_or(0.0);
         let power = metric("kvgate_worker_gpu_power_watts").unwrap_or(0.0);
-        if util > 0.0 && power > idle_power {
+        let followed = util > 0.0 && power > idle_power;
+        if followed {
             eprintln!("measured: util {util} power {power} W (idle {idle_power} W)");
-            break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "GPU figures did not follow the load"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        followed
+    });
     let energy = metric("kvgate_worker_gpu_energy_joules_total").expect("energy");
     assert!(
         energy > idle_energy,

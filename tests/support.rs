@@ -22,36 +22,11 @@ pub fn repo_root() -> PathBuf {
         .expect("repository root")
 }
 
-/// The `kvgate` binary: `$KVGATE_BIN`, else the one built beside this test executable
-/// (`target/<profile>/deps/<test>` → `target/<profile>/kvgate`).
-pub fn kvgate_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVGATE_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("test executable under target/<profile>/deps");
-    let bin = profile_dir.join(format!("kvgate{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        bin.is_file(),
-        "{} not found: build it first (`cargo build -p kvgate`, or run the suites with \
-         `cargo nextest run --workspace`, which builds it), or set KVGATE_BIN",
-        bin.display()
-    );
-    bin
-}
+/// The `kvgate` binary: `$KVGATE_BIN`, else the one built beside this test executable.
+pub use kvgate_testkit::kvgate_bin;
 
 /// A child process killed (by its pid) and reaped on drop, so a failing assertion never leaves it.
-pub struct Proc(pub std::process::Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+pub use kvgate_testkit::ChildGuard as Proc;
 
 /// `kvgate sim --workers N --port 0 --model MODEL --speedup 20 [extra]`: simulated vLLM workers on
 /// loopback, stopped on drop.

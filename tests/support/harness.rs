@@ -2,12 +2,10 @@
 //! loopback ephemeral ports, a tiny HTTP/1.1 client, the skip-or-fail rule for external tools, and
 //! a PromQL metric-name extractor (the `deploy_*`, `cost_replicas`, `gpu_metrics` suites).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub fn repo_root() -> PathBuf {
     crate::repo_root()
@@ -23,128 +21,9 @@ pub fn tool_missing(why: &str) -> bool {
     true
 }
 
-/// A child process killed (and reaped) on drop, so a failing assertion leaks nothing.
-pub struct Proc {
-    pub name: &'static str,
-    child: Child,
-    pub lines: mpsc::Receiver<String>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    /// Spawn the kvgate binary with `args`; stdout and stderr lines both arrive on `lines`
-    /// (ANSI colour codes removed).
-    pub fn kvgate(name: &'static str, args: &[&str]) -> Proc {
-        Self::kvgate_env(name, args, &[])
-    }
-
-    /// As [`Proc::kvgate`] with extra environment variables. Inherited `KVGATE_*` variables are
-    /// removed so the developer's shell cannot change what the test runs.
-    pub fn kvgate_env(name: &'static str, args: &[&str], env: &[(&str, &str)]) -> Proc {
-        let mut cmd = Command::new(crate::kvgate_bin());
-        cmd.args(args).env("NO_COLOR", "1");
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("KVGATE_") && k != "KVGATE_PYTHON" {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.envs(env.iter().copied());
-        Self::spawn(name, cmd)
-    }
-
-    /// Spawn any command with its output collected line by line on `lines`.
-    pub fn spawn(name: &'static str, mut cmd: Command) -> Proc {
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        let (tx, rx) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        let err = child.stderr.take().unwrap();
-        for pipe in [Box::new(out) as Box<dyn Read + Send>, Box::new(err)] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    if tx.send(strip_ansi(&line)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-        Proc {
-            name,
-            child,
-            lines: rx,
-        }
-    }
-
-    /// Wait for a line for which `f` returns Some, up to `limit`; panics with what was seen.
-    pub fn wait_for<T>(&mut self, limit: Duration, mut f: impl FnMut(&str) -> Option<T>) -> T {
-        let end = Instant::now() + limit;
-        let mut seen = Vec::new();
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                while let Ok(l) = self.lines.try_recv() {
-                    seen.push(l);
-                }
-                panic!(
-                    "{} exited ({status}) before it was ready; output:\n{}",
-                    self.name,
-                    seen.join("\n")
-                );
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                panic!(
-                    "{} not ready within {limit:?}; output:\n{}",
-                    self.name,
-                    seen.join("\n")
-                );
-            }
-            match self
-                .lines
-                .recv_timeout(left.min(Duration::from_millis(200)))
-            {
-                Ok(line) => {
-                    if let Some(v) = f(&line) {
-                        return v;
-                    }
-                    seen.push(line);
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        }
-    }
-}
-
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut chars = s.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // CSI: ESC [ params final-byte (0x40..=0x7e)
-            for d in chars.by_ref() {
-                if ('@'..='~').contains(&d) && d != '[' {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
+/// A child process killed (by its pid) and reaped on drop, its output lines on a channel
+/// (`Proc::kvgate`, `Proc::spawn`, `Proc::wait_for`).
+pub use kvgate_testkit::Proc;
 
 /// The first `key=<socket addr>` token in a line.
 pub fn addr_after(line: &str, key: &str) -> Option<SocketAddr> {

@@ -11,6 +11,7 @@ use kvgate_cluster::wire::{encode, Envelope};
 use kvgate_cluster::{
     Cluster, ClusterConfig, ClusterMetrics, DropReason, Message, Sink, WIRE_VERSION,
 };
+use kvgate_testkit::{free_port, PATIENCE};
 use parking_lot::Mutex;
 
 struct Nats {
@@ -25,12 +26,9 @@ impl Nats {
             .stderr(Stdio::null())
             .spawn()
             .ok()?;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Some(Nats { child })
+        let nats = Nats { child };
+        kvgate_testkit::net::wait_listening_blocking(([127, 0, 0, 1], port).into(), PATIENCE);
+        Some(nats)
     }
 
     fn stop(&mut self) {
@@ -43,11 +41,6 @@ impl Drop for Nats {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
 }
 
 fn have_nats() -> bool {
@@ -116,11 +109,7 @@ fn node(port: u16, id: &str, prefix: &str, sink: Arc<Recorder>) -> (Arc<Cluster>
 }
 
 async fn until(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    kvgate_testkit::until(PATIENCE, what, f).await
 }
 
 fn route(request: u64, hashes: Vec<u64>) -> Message {
@@ -158,7 +147,7 @@ async fn replicas_share_state_over_a_real_nats() {
 
     // A decision at A reaches B (retry: B's subscription may still be registering).
     let mut n = 0;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + PATIENCE;
     while !sb.has(|r, m| r == "a" && matches!(m, Message::Route { .. })) {
         assert!(Instant::now() < deadline, "route never reached b");
         n += 1;

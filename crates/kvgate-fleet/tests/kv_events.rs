@@ -12,6 +12,7 @@ use kvgate_fleet::{
     WorkerMonitor,
 };
 use kvgate_protocol::kv_events::decode_payload;
+use kvgate_testkit::{until, PATIENCE};
 use parking_lot::{Mutex, RwLock};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -100,17 +101,6 @@ async fn replay_server(mut r: zeromq::RouterSocket, buffer: Buffer) {
         ]))
         .await
         .unwrap();
-    }
-}
-
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -207,11 +197,14 @@ async fn subscriber_replays_gaps_drops_garbage_and_resets_on_regression() {
     // The publisher restarts: seq goes back to 0 → the worker's entries are cleared.
     publisher.buffer.lock().clear();
     publisher.send(0, arr[0].clone(), true).await;
-    until("regression reset", || {
+    until(PATIENCE, "regression reset", || {
         sink.view(w).resets.contains(&ResetReason::SeqRegression)
     })
     .await;
-    until("new batch applied", || sink.view(w).last_seq == Some(0)).await;
+    until(PATIENCE, "new batch applied", || {
+        sink.view(w).last_seq == Some(0)
+    })
+    .await;
     assert_eq!(sink.index.read().router_hashes(w), reference(&arr[..1]));
 
     handle.shutdown().await;

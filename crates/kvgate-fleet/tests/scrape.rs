@@ -12,6 +12,7 @@ use kvgate_fleet::{
     BreakerConfig, BreakerState, IndexSink, KvEventsSource, MonitorConfig, ResetReason, WorkerKind,
     WorkerMonitor,
 };
+use kvgate_testkit::{until, PATIENCE};
 use parking_lot::RwLock;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -78,24 +79,14 @@ fn not_found() -> Reply {
 }
 
 fn fast(cfg: &mut MonitorConfig) {
+    // Short periods, timeouts with room: a scrape or probe a loaded machine answers late must
+    // not read as a stalled or dead worker.
     cfg.scrape_interval = Duration::from_millis(20);
-    cfg.scrape_timeout = Duration::from_millis(150);
-    cfg.stale_after = Duration::from_millis(400);
+    cfg.scrape_timeout = Duration::from_millis(500);
+    cfg.stale_after = Duration::from_secs(1);
     cfg.health_interval = Duration::from_millis(20);
-    cfg.health_timeout = Duration::from_millis(150);
+    cfg.health_timeout = Duration::from_secs(1);
     cfg.kv_poll_interval = Duration::from_millis(20);
-}
-
-/// Waits for `cond` (polling), failing after 10 s.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 fn sink(bs: u32) -> Arc<IndexSink> {
@@ -129,9 +120,9 @@ async fn fresh_load_stale_worker_and_block_size_mismatch() {
     }
     let ha = WorkerMonitor::spawn(a, s.clone());
     let hb = WorkerMonitor::spawn(b, s.clone());
-    until("worker 1 stale", || s.view(WorkerId(1)).stale).await;
+    until(PATIENCE, "worker 1 stale", || s.view(WorkerId(1)).stale).await;
     let before = ha.stats().snapshot().scrapes_ok;
-    until("worker 0 keeps scraping", || {
+    until(PATIENCE, "worker 0 keeps scraping", || {
         ha.stats().snapshot().scrapes_ok >= before + 3
     })
     .await;
@@ -189,12 +180,12 @@ async fn block_size_mismatch_clears_when_a_later_scrape_agrees() {
     c.block_size = Some(32);
     c.kv_events = KvEventsSource::Off;
     let h = WorkerMonitor::spawn(c, s.clone());
-    until("mismatch reported", || {
+    until(PATIENCE, "mismatch reported", || {
         s.view(WorkerId(0)).block_size_mismatch == Some(16)
     })
     .await;
     fixed.store(true, Ordering::Relaxed);
-    until("mismatch cleared", || {
+    until(PATIENCE, "mismatch cleared", || {
         s.view(WorkerId(0)).block_size_mismatch.is_none()
     })
     .await;
@@ -231,8 +222,14 @@ async fn auto_probe_llamacpp_and_trtllm_json_fallback() {
     b.kv_events = KvEventsSource::Off;
     let ha = WorkerMonitor::spawn(a, s.clone());
     let hb = WorkerMonitor::spawn(b, s.clone());
-    until("llama.cpp scraped", || s.view(WorkerId(0)).load.is_some()).await;
-    until("trtllm scraped", || s.view(WorkerId(1)).load.is_some()).await;
+    until(PATIENCE, "llama.cpp scraped", || {
+        s.view(WorkerId(0)).load.is_some()
+    })
+    .await;
+    until(PATIENCE, "trtllm scraped", || {
+        s.view(WorkerId(1)).load.is_some()
+    })
+    .await;
     let v = s.view(WorkerId(0));
     assert_eq!(v.kind, Some(WorkerKind::Llamacpp));
     let l = v.load.unwrap();
@@ -274,17 +271,21 @@ async fn health_flap_opens_breaker_and_restart_resets_index() {
     c.health_down_after = 2;
     c.breaker = BreakerConfig {
         failure_threshold: 2,
-        open_for: Duration::from_millis(100),
+        // Long enough to still be open when the test looks, however late that is.
+        open_for: Duration::from_secs(1),
     };
     let hm = WorkerMonitor::spawn(c, s.clone());
-    until("up", || s.view(WorkerId(3)).up == Some(true)).await;
+    until(PATIENCE, "up", || s.view(WorkerId(3)).up == Some(true)).await;
     healthy.store(false, Ordering::SeqCst);
-    until("down", || s.view(WorkerId(3)).up == Some(false)).await;
+    until(PATIENCE, "down", || s.view(WorkerId(3)).up == Some(false)).await;
     assert_eq!(hm.breaker().state(), BreakerState::Open);
     healthy.store(true, Ordering::SeqCst);
-    until("up again", || s.view(WorkerId(3)).up == Some(true)).await;
+    until(PATIENCE, "up again", || {
+        s.view(WorkerId(3)).up == Some(true)
+    })
+    .await;
     assert!(s.view(WorkerId(3)).resets.contains(&ResetReason::Restart));
-    until("breaker closed by a half-open probe", || {
+    until(PATIENCE, "breaker closed by a half-open probe", || {
         hm.breaker().state() == BreakerState::Closed
     })
     .await;
@@ -315,8 +316,14 @@ async fn trtllm_kv_cache_events_are_polled_into_the_index() {
     fast(&mut c);
     c.block_size = Some(32);
     let hm = WorkerMonitor::spawn(c, s.clone());
-    until("polled twice", || calls.load(Ordering::SeqCst) >= 2).await;
-    until("events applied", || s.view(WorkerId(2)).batches >= 4).await;
+    until(PATIENCE, "polled twice", || {
+        calls.load(Ordering::SeqCst) >= 2
+    })
+    .await;
+    until(PATIENCE, "events applied", || {
+        s.view(WorkerId(2)).batches >= 4
+    })
+    .await;
     let held = s.index.read().router_hashes(WorkerId(2));
     // Blocks 0..64 stay on the GPU; block 64..96 moved to host then was removed; the 7-token block
     // is partial; the last run lives on cache level 1.
@@ -330,7 +337,7 @@ async fn trtllm_kv_cache_events_are_polled_into_the_index() {
         .view(WorkerId(2))
         .resets
         .contains(&ResetReason::AllBlocksCleared));
-    until("scraped", || s.view(WorkerId(2)).load.is_some()).await;
+    until(PATIENCE, "scraped", || s.view(WorkerId(2)).load.is_some()).await;
     assert_eq!(s.view(WorkerId(2)).load.unwrap().running, Some(5));
     hm.shutdown().await;
 }
@@ -348,7 +355,7 @@ async fn real_llamacpp_when_available() {
     fast(&mut c);
     c.scrape_timeout = Duration::from_secs(2);
     let h = WorkerMonitor::spawn(c, s.clone());
-    until("real llama.cpp scraped", || {
+    until(PATIENCE, "real llama.cpp scraped", || {
         s.view(WorkerId(0)).load.is_some()
     })
     .await;

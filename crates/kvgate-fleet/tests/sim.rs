@@ -15,24 +15,13 @@ use kvgate_fleet::{
     IndexSink, KvEventsSource, MonitorConfig, ResetReason, WorkerKind, WorkerMonitor,
 };
 use kvgate_sim::{EventEncoding, Faults, SimConfig, SimHandle, SimWorker};
+use kvgate_testkit::{free_port_pair, poll_until, PATIENCE};
 use parking_lot::RwLock;
 
 const BS: usize = 16;
 
 fn any_port() -> SocketAddr {
     "127.0.0.1:0".parse().unwrap()
-}
-
-/// A port p with p and p + 100 both free right now.
-fn free_port_pair() -> SocketAddr {
-    for _ in 0..50 {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 65_000 && std::net::TcpListener::bind(("127.0.0.1", p + 100)).is_ok() {
-            return SocketAddr::from(([127, 0, 0, 1], p));
-        }
-    }
-    panic!("no free port pair");
 }
 
 async fn sim(encoding: EventEncoding, seed: u64) -> SimHandle {
@@ -118,8 +107,37 @@ async fn agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) -> bool {
     !engine.is_empty() && got_engine == engine && router.is_subset(&got_router)
 }
 
+/// Wait until the monitor's KV-event subscriber is connected to `h`: send throwaway requests, each
+/// with a new full block so it publishes a batch (their blocks are part of the cache the index
+/// must match later), until `batches` counts one.
+async fn until_subscribed(client: &HttpClient, h: &SimHandle, batches: impl Fn() -> u64) {
+    let sent = std::sync::atomic::AtomicU32::new(0);
+    poll_until(
+        PATIENCE,
+        "the KV-event subscriber's first batch",
+        || async {
+            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let prompt: Vec<u32> = (0..20).map(|t| 90_000 + n * 20 + t).collect();
+            let body =
+                serde_json::json!({"model": "kvgate-sim", "prompt": prompt, "max_tokens": 1});
+            let r = client
+                .post_json(
+                    &h.base_url(),
+                    "/v1/completions",
+                    Bytes::from(body.to_string()),
+                    Duration::from_secs(10),
+                )
+                .await
+                .unwrap();
+            assert!(r.status.is_success(), "{:?}", r.body);
+            batches() > 0
+        },
+    )
+    .await
+}
+
 async fn until_agrees(sink: &IndexSink, w: WorkerId, h: &SimHandle) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     while !agrees(sink, w, h).await {
         if tokio::time::Instant::now() > deadline {
             let (engine, _) = sim_view(h).await;
@@ -162,9 +180,10 @@ async fn exact_index_matches_sim_cache_under_eviction_both_encodings() {
     let ha = WorkerMonitor::spawn(monitor(WorkerId(0), &a), sink.clone());
     let hb = WorkerMonitor::spawn(monitor(WorkerId(1), &b), sink.clone());
     let client = HttpClient::new();
-    // Wait until both subscribers are connected: discovery + connect; the first batches after that
+    // Wait until both subscribers are connected (discovery + connect): the batches after that
     // arrive live, anything earlier is recovered by replay.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_subscribed(&client, &a, || ha.stats().snapshot().kv_batches).await;
+    until_subscribed(&client, &b, || hb.stats().snapshot().kv_batches).await;
     for round in 0..3 {
         drive(&client, &a.base_url(), round).await;
         drive(&client, &b.base_url(), round + 10).await;
@@ -195,7 +214,7 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
     ));
     // Fixed event ports (as in a real deployment), so the restarted worker publishes and replays
     // where discovery found the first one (the sim's replay port is the events port + 100).
-    let kv = free_port_pair();
+    let kv = SocketAddr::from(([127, 0, 0, 1], free_port_pair(100)));
     let cfg = SimConfig::default()
         .block_size(BS)
         .num_gpu_blocks(40usize)
@@ -206,8 +225,8 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
     let http = a.http_addr();
     let w = WorkerId(5);
     let h = WorkerMonitor::spawn(monitor(w, &a), sink.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let client = HttpClient::new();
+    until_subscribed(&client, &a, || h.stats().snapshot().kv_batches).await;
     drive(&client, &a.base_url(), 0).await;
     until_agrees(&sink, w, &a).await;
     // Restart on the same addresses: a fresh engine (empty cache, seq from 0).
@@ -219,9 +238,8 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
         .mean_output_tokens(2u32)
         .seed(4u64);
     // The old sockets may take a moment to release their ports (ZMQ closes asynchronously):
-    // give them a moment, then retry the bind for a bounded time instead of racing it.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let bind_deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    // retry the bind for a bounded time instead of racing it.
+    let bind_deadline = tokio::time::Instant::now() + PATIENCE;
     let a2 = loop {
         match SimWorker::spawn(cfg.clone(), http, Some(kv)).await {
             Ok(a2) => break a2,
@@ -232,7 +250,7 @@ async fn restarted_sim_worker_is_cleared_and_rebuilt() {
             Err(e) => panic!("sim did not restart on its old ports: {e:#}"),
         }
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
         drive(&client, &a2.base_url(), 1).await;
         let resets = sink.view(w).resets;
@@ -359,7 +377,7 @@ async fn publisher_reconnect_after_a_blip_resumes_without_clearing() {
     // Published while the subscriber is away or reconnecting: recovered by the resume replay.
     drive(&client, &a.base_url(), 1).await;
     until_agrees(&sink, w, &a).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     while h.stats().snapshot().kv_replays_ok == replays {
         assert!(tokio::time::Instant::now() < deadline, "no resume replay");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -418,7 +436,7 @@ async fn role_is_detected_from_server_info_and_retried_until_the_worker_answers(
     let until_known = |w: WorkerId| {
         let sink = sink.clone();
         async move {
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            let deadline = tokio::time::Instant::now() + PATIENCE;
             loop {
                 if let Some(r) = sink.view(w).role {
                     return r;
@@ -451,7 +469,7 @@ async fn role_is_detected_from_server_info_and_retried_until_the_worker_answers(
     let restarted = SimWorker::spawn(sglang(Role::Decode), addr, None)
         .await
         .unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
     while sink.view(WorkerId(0)).role.map(|r| r.role) != Some(Role::Decode) {
         assert!(
             tokio::time::Instant::now() < deadline,

@@ -65,12 +65,12 @@ async fn config_file_reload_swaps_workers_without_dropping_streams() {
         )
         .await
     });
-    assert!(eventually(Duration::from_secs(2), || a.active_streams() == 1).await);
+    assert!(eventually(PATIENCE, || a.active_streams() == 1).await);
 
     // A bad file is rejected and the running config stays.
     std::fs::write(&path, "[routing]\nno_such_key = 1\n").unwrap();
     assert!(
-        eventually(Duration::from_secs(2), || gw
+        eventually(PATIENCE, || gw
             .app
             .metrics
             .render()
@@ -83,15 +83,14 @@ async fn config_file_reload_swaps_workers_without_dropping_streams() {
     );
 
     std::fs::write(&path, file(&b.url())).unwrap();
-    let mut swapped = false;
-    for _ in 0..200 {
-        if models_of(&get(&c, &format!("{}/v1/models", gw.url())).await.json()) == ["m-b"] {
-            swapped = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(swapped, "reload picked up the new worker list");
+    poll_until(
+        PATIENCE,
+        "the reload to pick up the new worker list",
+        || async {
+            models_of(&get(&c, &format!("{}/v1/models", gw.url())).await.json()) == ["m-b"]
+        },
+    )
+    .await;
     let r = stream.await.unwrap();
     assert_eq!(r.status, 200);
     assert!(
@@ -374,7 +373,7 @@ async fn graceful_shutdown_drains_in_flight_streams() {
     let gw = gateway(cfg).await;
     let (c, url) = (client(), format!("{}/v1/chat/completions", gw.url()));
     let stream = tokio::spawn(async move { post(&c, &url, chat_body("s", "u", true)).await });
-    assert!(eventually(Duration::from_secs(2), || w.active_streams() == 1).await);
+    assert!(eventually(PATIENCE, || w.active_streams() == 1).await);
     let addr = gw.addr;
     gw.shutdown().await;
     let r = stream.await.unwrap();
@@ -413,15 +412,12 @@ async fn https_workers() {
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.url());
     let ready = format!("{}/ready", gw.url());
-    let mut discovered = false;
-    for _ in 0..100 {
-        if get(&c, &ready).await.status == 200 {
-            discovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(discovered, "worker's models discovered over https");
+    poll_until(
+        PATIENCE,
+        "the worker's models discovered over https",
+        || async { get(&c, &ready).await.status == 200 },
+    )
+    .await;
     for i in 0..3 {
         let r = post(&c, &url, chat_body("s", &format!("u{i}"), false)).await;
         assert_eq!(r.status, 200, "{}", r.text());
@@ -445,14 +441,10 @@ async fn https_workers() {
                 && !l.ends_with(" 0")
         })
     };
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !probed_ok(&gw) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no successful health probe over TLS within 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        eventually(PATIENCE, || probed_ok(&gw)).await,
+        "no successful health probe over TLS"
+    );
     assert_eq!(get(&c, &ready).await.status, 200);
     gw.shutdown().await;
 
@@ -527,11 +519,7 @@ async fn auto_roles_survive_reloads_and_a_switch_to_auto_asks_the_worker() {
         (f.workers[0].role(), f.workers[1].role())
     };
     use kvgate_gateway::config::WorkerRole::{Both, Decode};
-    assert!(
-        eventually(Duration::from_secs(5), || roles()
-            == (Some(Both), Some(Decode)))
-        .await
-    );
+    assert!(eventually(PATIENCE, || roles() == (Some(Both), Some(Decode))).await);
 
     std::fs::write(&path, file("least_loaded", "decode")).unwrap();
     kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap();
@@ -544,9 +532,7 @@ async fn auto_roles_survive_reloads_and_a_switch_to_auto_asks_the_worker() {
     std::fs::write(&path, file("least_loaded", "auto")).unwrap();
     kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap();
     assert!(
-        eventually(Duration::from_secs(5), || roles()
-            == (Some(Both), Some(Both)))
-        .await,
+        eventually(PATIENCE, || roles() == (Some(Both), Some(Both))).await,
         "b asked once switched to auto: {:?}",
         roles()
     );

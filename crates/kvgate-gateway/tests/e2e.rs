@@ -364,8 +364,10 @@ async fn worker_dying_mid_stream_yields_an_sse_error_event() {
 #[tokio::test]
 async fn client_disconnect_frees_load_at_once_and_cancels_upstream() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // A stream that would run for 1000 s: load freed and the upstream cancelled within the poll
+    // deadline (30 s) can only be the disconnect's doing, however busy the machine.
     let w = MockWorker::builder()
-        .tokens(1000)
+        .tokens(100_000)
         .itl(Duration::from_millis(10))
         .spawn()
         .await
@@ -405,11 +407,11 @@ async fn client_disconnect_frees_load_at_once_and_cancels_upstream() {
     assert!(busy(&app), "the stream holds load while it runs");
     drop(s);
     assert!(
-        eventually(Duration::from_millis(100), || !busy(&app)).await,
-        "load freed within 100 ms"
+        eventually(PATIENCE, || !busy(&app)).await,
+        "load freed once the client left"
     );
     assert!(
-        eventually(Duration::from_millis(500), || w.active_streams() == 0).await,
+        eventually(PATIENCE, || w.active_streams() == 0).await,
         "upstream request cancelled"
     );
     gw.shutdown().await;
@@ -484,10 +486,10 @@ async fn busy_fleet_queues_then_sheds_with_429() {
     let c = client();
     let (c1, c2, u1, u2) = (c.clone(), c.clone(), url.clone(), url.clone());
     let first = tokio::spawn(async move { post(&c1, &u1, chat_body("s", "1", false)).await });
-    assert!(eventually(Duration::from_secs(2), || w.completions() == 1).await);
+    assert!(eventually(PATIENCE, || w.completions() == 1).await);
     let second = tokio::spawn(async move { post(&c2, &u2, chat_body("s", "2", false)).await });
     assert!(
-        eventually(Duration::from_secs(2), || gw.app.admission.len() == 1).await,
+        eventually(PATIENCE, || gw.app.admission.len() == 1).await,
         "second request queued"
     );
     let r = post(&c, &url, chat_body("s", "3", false)).await;
@@ -522,10 +524,10 @@ async fn queued_requests_get_503_shutting_down_when_the_gateway_stops() {
     let c = client();
     let (c1, c2, u1, u2) = (c.clone(), c.clone(), url.clone(), url.clone());
     let first = tokio::spawn(async move { post(&c1, &u1, chat_body("s", "1", false)).await });
-    assert!(eventually(Duration::from_secs(2), || w.completions() == 1).await);
+    assert!(eventually(PATIENCE, || w.completions() == 1).await);
     let second = tokio::spawn(async move { post(&c2, &u2, chat_body("s", "2", false)).await });
     assert!(
-        eventually(Duration::from_secs(2), || gw.app.admission.len() == 1).await,
+        eventually(PATIENCE, || gw.app.admission.len() == 1).await,
         "second request queued"
     );
     let t0 = std::time::Instant::now();
@@ -788,7 +790,7 @@ async fn connections_past_the_cap_get_503_and_places_come_back() {
     // Places come back once the held connections close: a request goes through and the gauge
     // returns to the one connection it uses.
     let c = client();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + PATIENCE;
     let text = loop {
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
         s.write_all(b"GET /metrics HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
@@ -858,7 +860,7 @@ async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.ends_with("{\"id\":\"half"), "{text}");
     let app = gw.app.clone();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + PATIENCE;
     while !app
         .fleet
         .router
@@ -875,15 +877,22 @@ async fn json_body_stalled_mid_way_is_cut_after_the_idle_timeout() {
 }
 
 /// A worker that answers one streamed request with `chunks` SSE events `gap` apart, then ends the
-/// stream (`done`) or goes silent with the connection open (`!done`).
+/// stream (`done`) or goes silent with the connection open (`!done`). The cell holds when it sent
+/// its last chunk.
 async fn sse_worker(
     chunks: usize,
     gap: Duration,
     done: bool,
-) -> (String, tokio::task::JoinHandle<()>) {
+) -> (
+    String,
+    tokio::task::JoinHandle<()>,
+    std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
+    let last_sent = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let last = last_sent.clone();
     let task = tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
         let mut buf = vec![0u8; 8192];
@@ -891,15 +900,19 @@ async fn sse_worker(
         let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
         s.write_all(head.as_bytes()).await.unwrap();
         for i in 0..chunks {
+            if i > 0 {
+                tokio::time::sleep(gap).await;
+            }
             let ev = format!(
                 "data: {{\"id\":\"t\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"tok{i} \"}},\"finish_reason\":null}}]}}\n\n"
             );
             s.write_all(format!("{:x}\r\n{ev}\r\n", ev.len()).as_bytes())
                 .await
                 .unwrap();
-            tokio::time::sleep(gap).await;
+            *last.lock().unwrap() = Some(std::time::Instant::now());
         }
         if done {
+            tokio::time::sleep(gap).await;
             let end = "data: [DONE]\n\n";
             s.write_all(format!("{:x}\r\n{end}\r\n0\r\n\r\n", end.len()).as_bytes())
                 .await
@@ -907,16 +920,16 @@ async fn sse_worker(
         }
         let _ = s.read(&mut buf).await;
     });
-    (url, task)
+    (url, task, last_sent)
 }
 
-/// The streamed answer through a gateway with `stream_idle_timeout_s = 1` (the whole exchange,
-/// as the client reads it until the gateway ends it).
-async fn stream_through_idle_gateway(url: &str) -> String {
+/// The streamed answer through a gateway with `stream_idle_timeout_s = idle_s` (the whole
+/// exchange, as the client reads it until the gateway ends it).
+async fn stream_through_idle_gateway(url: &str, idle_s: u64) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut cfg = config_for(&[], "round_robin");
     cfg.upstream.monitor = false;
-    cfg.upstream.stream_idle_timeout_s = 1;
+    cfg.upstream.stream_idle_timeout_s = idle_s;
     let mut wc = kvgate_gateway::config::WorkerConfig::from_url(url);
     wc.models = vec!["mock-model".into()];
     cfg.workers.push(wc);
@@ -930,7 +943,7 @@ async fn stream_through_idle_gateway(url: &str) -> String {
     );
     s.write_all(req.as_bytes()).await.unwrap();
     let mut got = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut got)).await;
+    let read = tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut got)).await;
     assert!(read.is_ok(), "the stream never ended");
     gw.shutdown().await;
     String::from_utf8_lossy(&got).into_owned()
@@ -938,29 +951,39 @@ async fn stream_through_idle_gateway(url: &str) -> String {
 
 #[tokio::test]
 async fn a_stream_that_keeps_sending_outlives_its_idle_timeout() {
-    // 2.8 s of stream, a chunk every 400 ms, under a 1 s idle timeout: the timer follows the data.
-    let (url, worker) = sse_worker(7, Duration::from_millis(400), true).await;
-    let text = stream_through_idle_gateway(&url).await;
-    assert!(text.contains("tok6 "), "{text}");
+    // 36 chunks 100 ms apart (3.5 s and more) under a 3 s idle timeout: the stream outlives the
+    // timeout because the timer follows the data. Each gap has 2.9 s to spare, so a loaded
+    // machine that delays a chunk does not cut the stream.
+    let (url, worker, _) = sse_worker(36, Duration::from_millis(100), true).await;
+    let t0 = std::time::Instant::now();
+    let text = stream_through_idle_gateway(&url, 3).await;
+    assert!(text.contains("tok35 "), "{text}");
     assert!(text.contains("[DONE]"), "{text}");
     assert!(!text.contains("upstream_stream_error"), "{text}");
+    // Sleeps only last longer on a busy machine: the stream did last longer than the timeout.
+    assert!(t0.elapsed() > Duration::from_secs(3), "{:?}", t0.elapsed());
     worker.abort();
 }
 
 #[tokio::test]
 async fn a_stream_gone_silent_gets_an_error_event_after_the_idle_timeout() {
-    let (url, worker) = sse_worker(3, Duration::from_millis(400), false).await;
-    let t0 = std::time::Instant::now();
-    let text = stream_through_idle_gateway(&url).await;
+    // 3 chunks 300 ms apart, then silence, under a 2 s idle timeout.
+    let (url, worker, last_sent) = sse_worker(3, Duration::from_millis(300), false).await;
+    let text = stream_through_idle_gateway(&url, 2).await;
+    let ended = std::time::Instant::now();
     assert!(text.contains("tok2 "), "{text}");
     assert!(text.contains("upstream_stream_error"), "{text}");
-    assert!(text.contains("sent nothing for 1 s"), "{text}");
-    // The last chunk left at ~0.8 s: the error comes one idle timeout after it, not after the
-    // first chunk or the stream's start.
+    assert!(text.contains("sent nothing for 2 s"), "{text}");
+    // The error comes one idle timeout after the last chunk (which left 600 ms or more after the
+    // first), not after the first chunk or the stream's start.
+    let last = last_sent
+        .lock()
+        .unwrap()
+        .expect("the worker sent its chunks");
     assert!(
-        t0.elapsed() >= Duration::from_millis(1700),
-        "{:?}",
-        t0.elapsed()
+        ended.duration_since(last) >= Duration::from_secs(2),
+        "error {:?} after the last chunk",
+        ended.duration_since(last)
     );
     worker.abort();
 }

@@ -7,7 +7,6 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use kvgate_gateway::config::{Config, WorkerConfig};
 use support::*;
@@ -107,7 +106,7 @@ async fn worker_load_is_exported_and_a_stalled_worker_shows_stale() {
     );
 
     let mut text = String::new();
-    let got = eventually(Duration::from_secs(15), || {
+    let got = eventually(PATIENCE, || {
         // `eventually` polls a sync closure; block_in_place lets it await the scrape.
         let (c, url) = (c.clone(), url.clone());
         text = tokio::task::block_in_place(|| {
@@ -259,7 +258,7 @@ kind = "vllm"
     let c = client();
     let url = format!("{}/metrics", gw.url());
     let mut text = String::new();
-    let got = eventually(Duration::from_secs(10), || {
+    let got = eventually(PATIENCE, || {
         let (c, url) = (c.clone(), url.clone());
         text = tokio::task::block_in_place(|| {
             tokio::runtime::Handle::current().block_on(async move { get(&c, &url).await.text() })
@@ -323,7 +322,7 @@ kind = "llamacpp"
     let c = client();
     let url = format!("http://{}/admin/state", gw.admin_addr.unwrap());
     let mut state = serde_json::Value::Null;
-    let got = eventually(Duration::from_secs(10), || {
+    let got = eventually(PATIENCE, || {
         let (c, url) = (c.clone(), url.clone());
         state = tokio::task::block_in_place(|| {
             tokio::runtime::Handle::current().block_on(async move {

@@ -1,5 +1,5 @@
 //! The gateway's modules depend on each other one way: no module reaches back into one that
-//! depends on it (CONVENTIONS.md: each component gets its slice and its handle, no hub every module
+//! depends on it (src/lib.rs: each component gets its slice and its handle, no hub every module
 //! reaches into). A module is a `src/NAME.rs` file with its `src/NAME/` folder; a dependency is a
 //! `crate::NAME` path outside `#[cfg(test)]` code.
 

@@ -19,9 +19,9 @@ async fn metrics(gw: &kvgate_gateway::Gateway) -> String {
         .text()
 }
 
-/// Polls the gateway's metrics until they contain `needle` (deadline 5 s).
+/// Polls the gateway's metrics until they contain `needle`.
 async fn metrics_reach(gw: &kvgate_gateway::Gateway, needle: &str) {
-    let end = tokio::time::Instant::now() + Duration::from_secs(5);
+    let end = tokio::time::Instant::now() + PATIENCE;
     loop {
         let m = metrics(gw).await;
         if m.contains(needle) {
@@ -110,7 +110,7 @@ async fn a_prefill_answer_failing_mid_way_ends_the_stream_with_one_error_event()
     assert!(last.contains("prefill leg"), "{t}");
     assert_eq!(t.matches("\"error\"").count(), 1, "{t}");
     // The decode worker's stream was cancelled with it.
-    assert!(eventually(Duration::from_secs(2), || d.active_streams() == 0).await);
+    assert!(eventually(PATIENCE, || d.active_streams() == 0).await);
     metrics_reach(
         &gw,
         "kvgate_pd_handoff_failures_total{kind=\"prefill_error\"} 1",
@@ -144,14 +144,14 @@ async fn a_client_that_leaves_cancels_both_legs() {
     let first = body.frame().await.expect("a first frame").expect("ok");
     assert!(first.is_data());
     assert!(
-        eventually(Duration::from_secs(2), || {
+        eventually(PATIENCE, || {
             p.active_streams() == 1 && d.active_streams() == 1
         })
         .await
     );
     drop(body);
     assert!(
-        eventually(Duration::from_secs(5), || {
+        eventually(PATIENCE, || {
             p.active_streams() == 0 && d.active_streams() == 0
         })
         .await,
@@ -183,6 +183,6 @@ async fn a_failing_leg_is_a_502_and_the_other_is_dropped() {
         e["message"].as_str().unwrap().contains("prefill leg"),
         "{e}"
     );
-    assert!(eventually(Duration::from_secs(2), || d.active_streams() == 0).await);
+    assert!(eventually(PATIENCE, || d.active_streams() == 0).await);
     gw.shutdown().await;
 }

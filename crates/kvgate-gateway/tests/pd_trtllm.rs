@@ -191,10 +191,7 @@ async fn decode_policy_chooses_the_generation_worker() {
             .await
         }));
         // The next request is routed only once this one's generation leg is in flight.
-        let arrived = eventually(std::time::Duration::from_secs(10), || {
-            received(&gens).iter().sum::<usize>() == i + 1
-        })
-        .await;
+        let arrived = eventually(PATIENCE, || received(&gens).iter().sum::<usize>() == i + 1).await;
         assert!(arrived, "request {i} never reached a generation worker");
     }
     assert_eq!(received(&gens), vec![1, 1, 1, 1]);

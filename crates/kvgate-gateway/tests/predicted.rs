@@ -5,8 +5,6 @@
 #[path = "helpers/support.rs"]
 mod support;
 
-use std::time::Duration;
-
 use bytes::Bytes;
 use http_body_util::Full;
 use kvgate_gateway::mock::MockWorker;
@@ -76,22 +74,17 @@ async fn routed_prompt_is_predicted_on_an_event_worker_then_lapses() {
     assert_eq!(state["workers"][0]["index_blocks"], 0);
 
     // Nothing confirms them: after the TTL they no longer count.
-    let mut gone = false;
-    for _ in 0..60 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if gauge(
-            &get(&c, &metrics).await.text(),
-            "kvgate_index_predicted_blocks",
-        ) == 0.0
-        {
-            gone = true;
-            break;
-        }
-    }
-    assert!(
-        gone,
-        "predicted blocks did not lapse after predicted_ttl_s = 1"
-    );
+    poll_until(
+        PATIENCE,
+        "predicted blocks to lapse after predicted_ttl_s = 1",
+        || async {
+            gauge(
+                &get(&c, &metrics).await.text(),
+                "kvgate_index_predicted_blocks",
+            ) == 0.0
+        },
+    )
+    .await;
     gw.shutdown().await;
     w.stop().await;
 }

@@ -9,7 +9,6 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
@@ -98,18 +97,12 @@ async fn ready_waits_for_model_discovery_and_follows_it() {
 
     // The worker starts listing its model: the next discovery round makes the gateway ready.
     w.up.store(true, Ordering::SeqCst);
-    let mut became_ready = false;
-    for _ in 0..100 {
-        if get(&c, &ready).await.status == 200 {
-            became_ready = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(
-        became_ready,
-        "/ready never turned 200 after the model appeared"
-    );
+    poll_until(
+        PATIENCE,
+        "/ready to turn 200 after the model appeared",
+        || async { get(&c, &ready).await.status == 200 },
+    )
+    .await;
     gw.shutdown().await;
     w.task.abort();
 }

@@ -21,13 +21,15 @@ use support::*;
 
 async fn mock_at(addr: SocketAddr) -> MockHandle {
     // The port was just closed by the previous mock on it; binding again may race the close.
-    for _ in 0..200 {
-        if let Ok(m) = MockWorker::builder().addr(addr).record(false).spawn().await {
-            return m;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("cannot bind {addr} again");
+    poll_for(PATIENCE, format!("{addr} free to bind again"), || async {
+        MockWorker::builder()
+            .addr(addr)
+            .record(false)
+            .spawn()
+            .await
+            .ok()
+    })
+    .await
 }
 
 fn chat() -> String {
@@ -67,47 +69,55 @@ async fn full_outage_then_first_200_soon_after_workers_answer_health_again() {
     let gw = gateway(cfg).await;
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.url());
-    assert!(
-        eventually_async(Duration::from_secs(10), || async {
-            try_post(&c, &url, chat()).await == Some(200)
-        })
-        .await,
-        "fleet serves before the outage"
-    );
+    poll_until(PATIENCE, "the fleet serves before the outage", || async {
+        try_post(&c, &url, chat()).await == Some(200)
+    })
+    .await;
 
     // Every worker down. Clients keep calling (failures open the breakers) and the health checker
-    // keeps failing its probes for longer than a breaker's cool-down (10 s by default would make
-    // this test slow: what matters is that probes failed many times, so 3 s at 500 ms cadence).
+    // keeps failing its probes (a breaker's 10 s default cool-down would make this test slow:
+    // what matters is that probes failed many times). Wait for that to be so, not for a time:
+    // both breakers open and at least 6 failed probes per worker, what 3 s at the 500 ms
+    // cadence of a worker that is out gives on an idle machine.
     a.stop().await;
     b.stop().await;
-    let down_since = Instant::now();
-    while down_since.elapsed() < Duration::from_secs(3) {
-        assert_ne!(try_post(&c, &url, chat()).await, Some(200));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let now = Instant::now();
-    for w in &gw.app.fleet.registry.snapshot().workers {
-        assert_eq!(
-            w.state.breaker_state(now),
-            BreakerState::Open,
-            "{}: the outage opened its breaker",
-            w.name
-        );
-    }
+    let mc = client();
+    let metrics_url = format!("{}/metrics", gw.url());
+    poll_until(
+        PATIENCE,
+        "both breakers open after 6 failed probes per worker",
+        || async {
+            assert_ne!(try_post(&c, &url, chat()).await, Some(200));
+            let now = Instant::now();
+            let open = gw
+                .app
+                .fleet
+                .registry
+                .snapshot()
+                .workers
+                .iter()
+                .all(|w| w.state.breaker_state(now) == BreakerState::Open);
+            let m = get(&mc, &metrics_url).await.text();
+            let failed: Vec<f64> = m
+                .lines()
+                .filter(|l| l.starts_with("kvgate_worker_health_checks_total{"))
+                .filter(|l| l.contains("result=\"failed\""))
+                .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+                .collect();
+            open && failed.len() == 2 && failed.iter().all(|n| *n >= 6.0)
+        },
+    )
+    .await;
 
     // Back on the same ports.
     let _a = mock_at(addrs[0]).await;
     let _b = mock_at(addrs[1]).await;
     let hc = client();
-    let mut up_at = None;
-    for _ in 0..500 {
-        if healthy(&hc, addrs[0]).await && healthy(&hc, addrs[1]).await {
-            up_at = Some(Instant::now());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let up_at = up_at.expect("restarted workers answer /health");
+    poll_until(PATIENCE, "the restarted workers answer /health", || async {
+        healthy(&hc, addrs[0]).await && healthy(&hc, addrs[1]).await
+    })
+    .await;
+    let up_at = Instant::now();
     let mut first_200 = None;
     while up_at.elapsed() < Duration::from_secs(20) {
         if try_post(&c, &url, chat()).await == Some(200) {
@@ -127,22 +137,6 @@ async fn full_outage_then_first_200_soon_after_workers_answer_health_again() {
     gw.shutdown().await;
 }
 
-/// `eventually` for an async condition.
-async fn eventually_async<F, Fut>(within: Duration, mut f: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + within;
-    while Instant::now() < end {
-        if f().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_flapping_worker_costs_no_request() {
     let steady1 = MockWorker::builder().record(false).spawn().await.unwrap();
@@ -154,12 +148,10 @@ async fn one_flapping_worker_costs_no_request() {
     let gw = gateway(cfg).await;
     let c = client();
     let url = format!("{}/v1/chat/completions", gw.url());
-    assert!(
-        eventually_async(Duration::from_secs(10), || async {
-            try_post(&c, &url, chat()).await == Some(200)
-        })
-        .await
-    );
+    poll_until(PATIENCE, "the fleet serves", || async {
+        try_post(&c, &url, chat()).await == Some(200)
+    })
+    .await;
 
     let stop = tokio_util::sync::CancellationToken::new();
     let flapper = {
@@ -267,7 +259,7 @@ async fn stalled_worker_is_retried(stream: bool) {
         "{m}"
     );
     assert!(
-        eventually(Duration::from_secs(5), || inflight(&gw) == [0, 0]).await,
+        eventually(PATIENCE, || inflight(&gw) == [0, 0]).await,
         "load released: {:?}",
         inflight(&gw)
     );
@@ -313,7 +305,7 @@ async fn stalled_only_worker_gives_an_openai_504() {
         );
         // No retry: no other worker. The timeout applied, not the 600 s default.
         assert!(t0.elapsed() < Duration::from_secs(5));
-        assert!(eventually(Duration::from_secs(5), || inflight(&gw) == [0]).await);
+        assert!(eventually(PATIENCE, || inflight(&gw) == [0]).await);
         gw.shutdown().await;
     }
 }
@@ -436,7 +428,7 @@ async fn a_body_that_stalls_after_the_head_is_cut_at_the_request_timeout() {
     .expect("the body ends within the request timeout, not never");
     assert!(body.is_err(), "a truncated body must not look complete");
     assert!(t0.elapsed() < Duration::from_secs(5));
-    assert!(eventually(Duration::from_secs(5), || inflight(&gw) == [0]).await);
+    assert!(eventually(PATIENCE, || inflight(&gw) == [0]).await);
     let m = get(&client(), &format!("{}/metrics", gw.url()))
         .await
         .text();

@@ -341,15 +341,11 @@ async fn client_disconnect_aborts_and_frees_blocks() {
     assert_eq!(st, 200);
     drop(b);
     drop(c);
-    let mut freed = false;
-    for _ in 0..200 {
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    let freed = eventually(PATIENCE, || {
         let m = w.metrics();
-        if m.running == 0 && m.kv_usage == 0.0 && m.success[2] == 1 {
-            freed = true;
-            break;
-        }
-    }
+        m.running == 0 && m.kv_usage == 0.0 && m.success[2] == 1
+    })
+    .await;
     assert!(freed, "request not aborted: {:?}", w.metrics().success);
     w.shutdown().await;
 }

@@ -42,11 +42,7 @@ fn body(p: &SimHandle, prompt: &[u32], room: u64, max_tokens: u32) -> Value {
 
 /// Polls `f` on `w`'s metrics until it holds (generous deadline, no fixed sleep decides).
 async fn until(w: &SimHandle, what: &str, f: impl Fn(&kvgate_sim::metrics::Metrics) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !f(&w.metrics()) {
-        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    kvgate_testkit::until(PATIENCE, what, || f(&w.metrics())).await
 }
 
 fn leg(url: String, b: Value) -> tokio::task::JoinHandle<(u16, Value)> {

@@ -12,6 +12,9 @@ use hyper_util::rt::TokioExecutor;
 use kvgate_gateway::config::{Config, WorkerConfig};
 use kvgate_gateway::mock::MockHandle;
 use kvgate_gateway::Gateway;
+// Polling with a deadline (`eventually`, `poll_until`, ...) and ports: shared by every suite.
+#[allow(unused_imports)]
+pub use kvgate_testkit::*;
 
 pub fn config_for(workers: &[&MockHandle], policy: &str) -> Config {
     let mut cfg = Config::default();
@@ -98,20 +101,6 @@ pub fn chat_body(system: &str, user: &str, stream: bool) -> String {
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
     })
     .to_string()
-}
-
-/// Poll `f` every 5 ms until true or `within` passes.
-pub async fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let end = tokio::time::Instant::now() + within;
-    loop {
-        if f() {
-            return true;
-        }
-        if tokio::time::Instant::now() >= end {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// `promtool check metrics` on a scrape; skipped without promtool locally, a failure under CI.

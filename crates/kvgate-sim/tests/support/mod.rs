@@ -7,6 +7,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+// Polling with a deadline, shared by every suite.
+#[allow(unused_imports)]
+pub use kvgate_testkit::{eventually, poll_until, until, PATIENCE};
+
 pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
 
 pub fn client() -> HttpClient {
