@@ -437,10 +437,11 @@ async fn a_dribbled_body_gets_408_at_the_body_deadline() {
     c.write_all(b"POST /slowbody HTTP/1.1\r\nhost: t\r\ncontent-length: 60\r\n\r\n")
         .await
         .unwrap();
-    // 250 ms per byte: under the 400 ms read timeout, past the 1.5 s body deadline by byte 7.
+    // 50 ms per byte: far under the 400 ms read timeout even on a busy machine (a late wake-up
+    // costs margin, not the outcome), past the 1.5 s body deadline by byte 31 of 60.
     let mut answer = Vec::new();
-    for _ in 0..40 {
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
         if c.write_all(b"x").await.is_err() {
             break;
         }
