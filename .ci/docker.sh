@@ -55,8 +55,14 @@ build)
     rm -rf "$rootfs"
     debootstrap --variant=minbase bookworm "$rootfs" http://deb.debian.org/debian >"$dir/debootstrap.log" 2>&1 \
       || { tail -n 30 "$dir/debootstrap.log" >&2; exit 1; }
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/cache/apt/*.bin \
+      "$rootfs"/var/lib/apt/lists/* \
       "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/*
+    # As in Debian's official images: apt keeps no package caches or downloaded .debs in layers.
+    printf '%s\n' 'Dir::Cache::pkgcache "";' 'Dir::Cache::srcpkgcache "";' \
+      'DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };' \
+      'APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };' \
+      >"$rootfs/etc/apt/apt.conf.d/docker-clean"
     tar -C "$rootfs" -c . | "$docker" import --change 'CMD ["bash"]' - kvgate-ci/debian:bookworm-slim >/dev/null
     rm -rf "$rootfs"
   fi

@@ -316,8 +316,8 @@ fn stream_lines(addr: SocketAddr, body: &str) -> std::sync::mpsc::Receiver<Strin
 #[test]
 fn docker_stop_drains_an_in_flight_stream_and_exits_0() {
     let Some(image) = image() else { return };
-    // Real step times (speedup 1, not the harness's 0) of 40 ms per decode step: 80 tokens
-    // stream for ~3 s.
+    // Real step times (speedup 1, not the harness's 0) of 40 ms per decode step: 160 tokens
+    // stream for ~6.5 s, past the drain delay (5 s) that precedes the listener closing.
     let mut sim = Proc::kvgate(
         "kvgate sim",
         &[
@@ -346,7 +346,7 @@ fn docker_stop_drains_an_in_flight_stream_and_exits_0() {
 
     let lines = stream_lines(
         addr,
-        r#"{"model":"kvgate-sim","messages":[{"role":"user","content":"a long answer"}],"max_tokens":80,"ignore_eos":true,"stream":true}"#,
+        r#"{"model":"kvgate-sim","messages":[{"role":"user","content":"a long answer"}],"max_tokens":160,"ignore_eos":true,"stream":true}"#,
     );
     // Wait for the first content chunk, then stop the container while the stream is in flight.
     let end = Instant::now() + Duration::from_secs(30);
@@ -378,7 +378,7 @@ fn docker_stop_drains_an_in_flight_stream_and_exits_0() {
     }
     let streamed_for = stop_at.elapsed();
     assert!(done, "the stream was cut by docker stop: {seen:?}");
-    assert!(tokens >= 40, "only {tokens} chunks after docker stop");
+    assert!(tokens >= 100, "only {tokens} chunks after docker stop");
     let stopped = stopper.join().unwrap();
     assert!(
         stopped.status.success(),
@@ -403,10 +403,11 @@ fn image_size_is_reported() {
     let layers = docker_ok(&["history", "--format", "{{.Size}}\t{{.CreatedBy}}", &image]);
     eprintln!("measured: image {image} is {} MB", bytes / 1_000_000);
     eprintln!("{layers}");
-    // debian:bookworm-slim (~75 MB) + CA certificates + one binary: a few hundred MB would mean
-    // something else (a target dir, a toolchain) got into the runtime stage.
+    // The base (debian:bookworm-slim ~75 MB; CI's debootstrapped stand-in ~105 MB) + CA
+    // certificates + one binary (~80 MB built with CARGO_PROFILE=dev, less for release): more would
+    // mean something else (apt caches, a target dir, a toolchain) got into the runtime stage.
     assert!(
-        bytes < 400_000_000,
+        bytes < 250_000_000,
         "image {image} is {bytes} bytes:\n{layers}"
     );
 }
