@@ -141,12 +141,24 @@ impl ServeArgs {
     }
 }
 
+/// Whether log lines carry ANSI colour: only when they go to a terminal and NO_COLOR
+/// (<https://no-color.org>) is unset or empty.
+fn log_colour(stderr_is_terminal: bool, no_color: bool) -> bool {
+    stderr_is_terminal && !no_color
+}
+
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: container runtimes, journald and log shippers read a pipe or
+        // file, where ANSI escape codes are noise in every line. NO_COLOR turns colour off anywhere.
+        .with_ansi(log_colour(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty()),
+        ))
         .try_init();
     let mut config = match &args.config {
         Some(p) => Config::from_file(p)?,
