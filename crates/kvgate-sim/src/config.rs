@@ -255,6 +255,9 @@ pub struct SimConfig {
     pub dp_rank: u32,
     /// Path of a HuggingFace `tokenizer.json`; `None` = the cheap deterministic tokenizer.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Render chats with ChatML even when the tokenizer's directory has a chat template (the
+    /// sim's behaviour before it followed vLLM 0.32, which uses the model's template).
+    pub tokenizer_chatml: bool,
     /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
     pub dcgm: bool,
     /// Speculative tokens per decode step (vLLM `num_speculative_tokens`); > 0 adds the
@@ -285,6 +288,7 @@ impl Default for SimConfig {
             kv_events_buffer_steps: 10_000,
             dp_rank: 0,
             tokenizer: None,
+            tokenizer_chatml: false,
             dcgm: false,
             spec_tokens: 0,
             faults: Faults::default(),

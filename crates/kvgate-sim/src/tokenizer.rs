@@ -1,21 +1,33 @@
 //! Tokenization exactly as the gateway does it: `kvgate-tokenize`'s [`ModelTokenizer`] (by default
 //! its deterministic `ApproxTokenizer` with ChatML; a HuggingFace `tokenizer.json` with
-//! `--tokenizer`) applied to the same `RequestView`. Identical token ids on both sides are what let a
+//! `--tokenizer`, rendered with the model's own chat template as vLLM does) applied to the same
+//! `RequestView`. Identical token ids on both sides are what let a
 //! router match its own prefix hashes against the blocks this engine reports.
 
 use std::sync::Arc;
 
 use kvgate_protocol::openai::RequestView;
-use kvgate_tokenize::{ChatTemplate, HfTokenizer, ModelTokenizer, PromptTokens, TokenizeError};
+use kvgate_tokenize::{
+    ChatTemplate, HfTokenizer, ModelTokenizer, PromptTokens, TokenizeError, TokenizerSpec,
+};
 use serde_json::Value;
 
-/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json (rendered with ChatML).
-pub fn load(path: Option<&std::path::Path>) -> anyhow::Result<ModelTokenizer> {
+/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json, rendered with the chat
+/// template of the `tokenizer_config.json` (or `chat_template.jinja`) beside it, as vLLM renders a
+/// model's chats (SmolLM2's template, for one, adds a default system message); ChatML only when the
+/// directory has no template. `chatml` forces ChatML (the sim's behaviour before it followed
+/// vLLM 0.32 here).
+pub fn load(path: Option<&std::path::Path>, chatml: bool) -> anyhow::Result<ModelTokenizer> {
     Ok(match path {
         None => ModelTokenizer::default(),
-        Some(p) => {
+        Some(p) if chatml => {
             ModelTokenizer::new(Arc::new(HfTokenizer::from_file(p)?), ChatTemplate::chatml())
         }
+        Some(p) => TokenizerSpec::Hf {
+            tokenizer_json: p.to_path_buf(),
+            tokenizer_config: None,
+        }
+        .load()?,
     })
 }
 
