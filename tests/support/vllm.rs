@@ -364,6 +364,10 @@ fn raw_fields(l: &mut EventLog, payload: &[u8]) {
                     .and_then(|(_, v)| v.as_str())
                     .unwrap_or("?")
                     .to_string();
+                let order: Vec<&str> = kv.iter().filter_map(|(k, _)| k.as_str()).collect();
+                l.samples
+                    .entry(format!("{ty} key order"))
+                    .or_insert_with(|| order.join(","));
                 for (k, v) in kv {
                     if let Some(k) = k.as_str() {
                         l.fields.insert((ty.clone(), k.to_string()));

@@ -47,7 +47,8 @@ pub struct SimArgs {
     /// Do not publish KV events.
     #[arg(long)]
     pub no_kv_events: bool,
-    /// KV-event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23).
+    /// KV-event encoding: map (vLLM 0.32's maps), map-0.24 (the maps of vLLM 0.24..0.31, without
+    /// extra_keys/group_idx/kv_cache_spec_kind) or array (vLLM <= 0.23).
     #[arg(long, default_value = "map")]
     pub kv_events_encoding: EventEncoding,
     /// KV-event topic (first frame).

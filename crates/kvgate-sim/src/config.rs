@@ -5,11 +5,25 @@ use std::time::Duration;
 /// How KV events are encoded on the wire (vLLM changed the shape in 0.24).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum EventEncoding {
-    /// `{"type": "BlockStored", ...}` maps (vLLM >= 0.24, the default).
+    /// `{"type": "BlockStored", ...}` maps as vLLM 0.32 sends them (the default): `BlockStored`
+    /// also carries `extra_keys`, `group_idx` and `kv_cache_spec_kind`, `BlockRemoved` `group_idx`.
     #[default]
     Map,
+    /// The maps of vLLM 0.24 (before those fields): `BlockStored` ends at `lora_name`,
+    /// `BlockRemoved` at `medium`.
+    MapV024,
     /// Tagged positional arrays `["BlockStored", ...]` (vLLM <= 0.23).
     Array,
+}
+
+impl EventEncoding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Map => "map",
+            Self::MapV024 => "map-0.24",
+            Self::Array => "array",
+        }
+    }
 }
 
 impl std::str::FromStr for EventEncoding {
@@ -17,9 +31,10 @@ impl std::str::FromStr for EventEncoding {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "map" => Ok(Self::Map),
+            "map-0.24" => Ok(Self::MapV024),
             "array" => Ok(Self::Array),
             other => Err(format!(
-                "unknown KV event encoding {other:?} (expected map|array)"
+                "unknown KV event encoding {other:?} (expected map|map-0.24|array)"
             )),
         }
     }

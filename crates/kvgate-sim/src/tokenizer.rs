@@ -36,6 +36,9 @@ pub fn load(path: Option<&std::path::Path>, chatml: bool) -> anyhow::Result<Mode
 pub struct PromptError {
     pub message: String,
     pub param: Option<&'static str>,
+    /// The body does not have the request's shape (a field of the wrong type): vLLM rejects it in
+    /// its request validation, before tokenizing, with another error shape (see `http::invalid`).
+    pub schema: bool,
 }
 
 /// Token ids of every prompt in a chat (`messages`) or completions (`prompt`) body.
@@ -51,10 +54,12 @@ pub fn encode_body(mt: &ModelTokenizer, v: &Value) -> Result<Vec<Vec<u32>>, Prom
     .map_err(|e| PromptError {
         message: e.to_string(),
         param: None,
+        schema: false,
     })?;
     let view = RequestView::parse(&bytes).map_err(|e| PromptError {
         message: e.to_string(),
         param: e.param(),
+        schema: true,
     })?;
     match mt.encode_prompt(&view) {
         Ok(PromptTokens::One(t)) => Ok(vec![t]),
@@ -62,10 +67,12 @@ pub fn encode_body(mt: &ModelTokenizer, v: &Value) -> Result<Vec<Vec<u32>>, Prom
         Err(TokenizeError::Request(e)) => Err(PromptError {
             message: e.to_string(),
             param: e.param(),
+            schema: true,
         }),
         Err(e) => Err(PromptError {
             message: e.to_string(),
             param: None,
+            schema: false,
         }),
     }
 }
