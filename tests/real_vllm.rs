@@ -320,6 +320,7 @@ fn real_vllm_engines_behind_kvgate() {
     let t0 = Instant::now();
     let logs = tempfile::tempdir().unwrap();
     // One core each: engine A on CPU 0 (1 GiB cache), engine B on CPU 1 with a tiny cache.
+    let ports = kvgate_system_tests::vllm::free_ports(6);
     let mut a = Engine::start(
         &dir,
         EngineSpec {
@@ -329,6 +330,7 @@ fn real_vllm_engines_behind_kvgate() {
         },
         logs.path(),
         "a",
+        [ports[0], ports[1], ports[2]],
     );
     let mut b = Engine::start(
         &dir,
@@ -339,6 +341,7 @@ fn real_vllm_engines_behind_kvgate() {
         },
         logs.path(),
         "b",
+        [ports[3], ports[4], ports[5]],
     );
     a.wait_ready(START_LIMIT);
     b.wait_ready(START_LIMIT);

@@ -40,12 +40,37 @@ pub fn engine_dir() -> Result<PathBuf, String> {
     Ok(dir)
 }
 
-/// A free TCP port on every interface (vLLM binds its KV-event PUB on `*`).
-pub fn free_port() -> u16 {
-    TcpListener::bind("0.0.0.0:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+/// `n` distinct free TCP ports on every interface (vLLM binds its KV-event PUB on `*`), all held
+/// open until every one is chosen. They are taken below the kernel's ephemeral range: vLLM binds its
+/// HTTP port only minutes after it was chosen, and a port from the ephemeral range could meanwhile be
+/// handed to any other process binding port 0 (other suites running beside this one).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let ephemeral_lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (lo, hi) = (10_000u32, ephemeral_lo.max(12_000));
+    // A different start per process, so two runs side by side do not probe the same ports first.
+    let mut x = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        ^ (u64::from(std::process::id()) << 32);
+    let mut held = Vec::new();
+    for _ in 0..100_000 {
+        if held.len() == n {
+            break;
+        }
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let port = (lo + ((x >> 33) as u32) % (hi - lo)) as u16;
+        if let Ok(l) = TcpListener::bind(("0.0.0.0", port)) {
+            held.push(l);
+        }
+    }
+    assert_eq!(held.len(), n, "no {n} free ports below {hi}");
+    held.iter()
+        .map(|l| l.local_addr().expect("local addr").port())
+        .collect()
 }
 
 /// How to start one engine.
@@ -69,9 +94,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine on fresh ports (not yet ready: see [`Engine::wait_ready`]).
-    pub fn start(dir: &Path, spec: EngineSpec, log_dir: &Path, name: &str) -> Engine {
-        let (http, kv, replay) = (free_port(), free_port(), free_port());
+    /// Starts the engine on `ports` (HTTP, KV-event PUB, replay; from [`free_ports`], chosen for
+    /// every engine of the test at once). Not yet ready: see [`Engine::wait_ready`].
+    pub fn start(dir: &Path, spec: EngineSpec, log_dir: &Path, name: &str, ports: [u16; 3]) -> Engine {
+        let [http, kv, replay] = ports;
         let mut e = Engine {
             spec,
             dir: dir.to_path_buf(),
