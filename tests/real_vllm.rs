@@ -832,8 +832,8 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     ] {
         let (le, ls) = (label_names(&engine_metrics, name), label_names(&sim_metrics, name));
         if name == "vllm:cache_config_info" {
-            // ~30 labels of engine config on vLLM; a router reads these.
-            let want = ["block_size", "engine", "model_name", "num_gpu_blocks"];
+            // ~40 labels of engine config on vLLM (no `model_name`); a router reads these.
+            let want = ["block_size", "engine", "num_gpu_blocks"];
             let has = |l: &Option<Vec<String>>| {
                 l.as_ref().is_some_and(|l| want.iter().all(|w| l.iter().any(|x| x == w)))
             };
