@@ -137,7 +137,9 @@ impl Gw {
     }
 
     fn index_blocks(&self, name: &str) -> u64 {
-        self.worker_state(name)["index_blocks"].as_u64().unwrap_or(0)
+        self.worker_state(name)["index_blocks"]
+            .as_u64()
+            .unwrap_or(0)
     }
 
     fn metrics(&self) -> String {
@@ -225,7 +227,8 @@ fn send(gw: &mut Gw, label: &str, path: &str, mut body: Value, stream: bool) -> 
         }
         (usage, out)
     } else {
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{label}: {e}: {text}"));
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{label}: {e}: {text}"));
         let c = &v["choices"][0];
         let out = c["message"]["content"]
             .as_str()
@@ -348,12 +351,7 @@ fn real_vllm_engines_behind_kvgate() {
     eprintln!("engines ready in {:.0?}", t0.elapsed());
     let sub_a = Subscriber::connect(&a.kv_endpoint());
     let sub_b = Subscriber::connect(&b.kv_endpoint());
-    let mut fleet = Fleet {
-        a,
-        b,
-        sub_a,
-        sub_b,
-    };
+    let mut fleet = Fleet { a, b, sub_a, sub_b };
 
     check_tokenize(&fleet.a, &dir);
     check_sim_fidelity(&fleet.a, &fleet.sub_a, &dir);
@@ -423,7 +421,12 @@ fn check_tokenize(engine: &Engine, dir: &Path) {
             }
         }
     }
-    for prompt in ["Hello world, 12345!", " leading space", "multi\nline\n", &long] {
+    for prompt in [
+        "Hello world, 12345!",
+        " leading space",
+        "multi\nline\n",
+        &long,
+    ] {
         let body = json!({"model": MODEL, "prompt": prompt});
         let (s, v) = engine.post("/tokenize", &body.to_string());
         assert_eq!(s, 200, "tokenize prompt: {v}");
@@ -436,7 +439,9 @@ fn check_tokenize(engine: &Engine, dir: &Path) {
         let ours: Vec<u64> = ours.iter().map(|&t| t as u64).collect();
         checked += 1;
         if ours != engine_ids {
-            mismatches.push(format!("prompt {prompt:?}: engine {engine_ids:?}\n kvgate {ours:?}"));
+            mismatches.push(format!(
+                "prompt {prompt:?}: engine {engine_ids:?}\n kvgate {ours:?}"
+            ));
         }
     }
     assert!(
@@ -472,11 +477,13 @@ fn check_exact_index(gw: &mut Gw, f: &Fleet) {
     let question = |q: &str| format!("Question about {q}: {}", words(q.len(), 20));
     let chat_sys = |q: &str| json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question(q)}]});
     let shared_user = words(2, 150);
-    let chat_nosys = |q: &str| json!({"messages": [{"role": "user", "content": format!("{shared_user} {q}")}]});
+    let chat_nosys =
+        |q: &str| json!({"messages": [{"role": "user", "content": format!("{shared_user} {q}")}]});
     let doc = words(4, 300);
     let completion = |q: &str| json!({"prompt": format!("{doc}\nQ: {q}\nA:")});
     let long = words(5, 700);
-    let chat_long = |q: &str| json!({"messages": [{"role": "user", "content": format!("{long} {q}")}]});
+    let chat_long =
+        |q: &str| json!({"messages": [{"role": "user", "content": format!("{long} {q}")}]});
     let mut rows = Vec::new();
     let mut go = |gw: &mut Gw, label: &str, path: &str, body: Value, stream: bool| {
         settle(gw, f, label);
@@ -490,15 +497,23 @@ fn check_exact_index(gw: &mut Gw, f: &Fleet) {
     go(gw, "chat+system 2", CHAT, chat_sys("dogs"), false);
     go(gw, "chat+system 3 (stream)", CHAT, chat_sys("owls"), true);
     go(gw, "chat no system 1", CHAT, chat_nosys("first"), false);
-    go(gw, "chat no system 2 (stream)", CHAT, chat_nosys("second"), true);
+    go(
+        gw,
+        "chat no system 2 (stream)",
+        CHAT,
+        chat_nosys("second"),
+        true,
+    );
     go(gw, "completion 1", COMP, completion("one"), false);
     go(gw, "completion 2", COMP, completion("two"), false);
     go(gw, "completion 3 (stream)", COMP, completion("three"), true);
     go(gw, "long 1", CHAT, chat_long("x"), false);
     go(gw, "long 2 (stream)", CHAT, chat_long("y"), true);
     // Multi-turn: each turn carries the conversation so far with the engine's own answers.
-    let mut conv = vec![json!({"role": "system", "content": system}),
-                        json!({"role": "user", "content": question("turn one")})];
+    let mut conv = vec![
+        json!({"role": "system", "content": system}),
+        json!({"role": "user", "content": question("turn one")}),
+    ];
     for turn in 1..=3 {
         let stream = turn == 2;
         let label = format!("multi-turn {turn}{}", if stream { " (stream)" } else { "" });
@@ -511,7 +526,10 @@ fn check_exact_index(gw: &mut Gw, f: &Fleet) {
     let wrong: Vec<&Routed> = rows.iter().filter(|r| r.predicted != r.cached).collect();
     assert!(wrong.is_empty(), "exact index: predicted != cached:\n{t}");
     let hits = rows.iter().filter(|r| r.cached > 0).count();
-    assert!(hits >= 8, "exact index: only {hits} requests hit the cache:\n{t}");
+    assert!(
+        hits >= 8,
+        "exact index: only {hits} requests hit the cache:\n{t}"
+    );
     assert!(
         rows.iter().any(|r| r.cached >= 20 * BLOCK),
         "exact index: no hit past 20 blocks:\n{t}"
@@ -526,7 +544,13 @@ fn check_pressure(gw: &mut Gw, f: &Fleet) {
     for round in 0..2 {
         for i in 0..5 {
             settle(gw, f, "pressure");
-            rows.push(send(gw, &format!("pressure r{round} p{i}"), "/v1/completions", prompt(i), false));
+            rows.push(send(
+                gw,
+                &format!("pressure r{round} p{i}"),
+                "/v1/completions",
+                prompt(i),
+                false,
+            ));
         }
     }
     settle(gw, f, "pressure end");
@@ -553,22 +577,47 @@ fn check_pressure(gw: &mut Gw, f: &Fleet) {
     );
     // kvgate counted every removal the engine published.
     let m = gw.metrics();
-    let kv_removed = sample(&m, "kvgate_worker_kv_blocks_removed_total{worker=\"b\"}").unwrap_or(0.0);
+    let kv_removed =
+        sample(&m, "kvgate_worker_kv_blocks_removed_total{worker=\"b\"}").unwrap_or(0.0);
     let sub_removed = f.sub_b.with(|l| l.removed) as f64;
-    assert_eq!(kv_removed, sub_removed, "pressure: blocks removed, kvgate vs engine events");
+    assert_eq!(
+        kv_removed, sub_removed,
+        "pressure: blocks removed, kvgate vs engine events"
+    );
 }
 
 fn check_metrics(gw: &Gw, f: &Fleet) {
     // At rest, after a scrape newer than the last request, kvgate's copies equal the engine's.
     let pairs: &[(&str, &str)] = &[
-        ("kvgate_worker_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"),
-        ("kvgate_worker_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
-        ("kvgate_worker_running_requests", "vllm:num_requests_running"),
-        ("kvgate_worker_waiting_requests", "vllm:num_requests_waiting"),
+        (
+            "kvgate_worker_prefix_cache_queries_total",
+            "vllm:prefix_cache_queries_total",
+        ),
+        (
+            "kvgate_worker_prefix_cache_hits_total",
+            "vllm:prefix_cache_hits_total",
+        ),
+        (
+            "kvgate_worker_running_requests",
+            "vllm:num_requests_running",
+        ),
+        (
+            "kvgate_worker_waiting_requests",
+            "vllm:num_requests_waiting",
+        ),
         ("kvgate_worker_kv_usage_ratio", "vllm:kv_cache_usage_perc"),
-        ("kvgate_worker_preemptions_total", "vllm:num_preemptions_total"),
-        ("kvgate_worker_iteration_tokens_total", "vllm:iteration_tokens_total_sum"),
-        ("kvgate_worker_iterations_total", "vllm:iteration_tokens_total_count"),
+        (
+            "kvgate_worker_preemptions_total",
+            "vllm:num_preemptions_total",
+        ),
+        (
+            "kvgate_worker_iteration_tokens_total",
+            "vllm:iteration_tokens_total_sum",
+        ),
+        (
+            "kvgate_worker_iterations_total",
+            "vllm:iteration_tokens_total_count",
+        ),
     ];
     let phases: &[(&str, &str)] = &[
         ("queue", "vllm:request_queue_time_seconds"),
@@ -610,13 +659,25 @@ fn check_metrics(gw: &Gw, f: &Fleet) {
                     &format!("{v}_count"),
                 );
             }
-            let cap = sample(&ours, &format!("kvgate_worker_kv_capacity_blocks{{worker=\"{name}\"}}"));
+            let cap = sample(
+                &ours,
+                &format!("kvgate_worker_kv_capacity_blocks{{worker=\"{name}\"}}"),
+            );
             let cfg_blocks = theirs
                 .lines()
                 .find(|l| l.starts_with("vllm:cache_config_info{"))
-                .and_then(|l| l.split("num_gpu_blocks=\"").nth(1)?.split('"').next()?.parse::<f64>().ok());
+                .and_then(|l| {
+                    l.split("num_gpu_blocks=\"")
+                        .nth(1)?
+                        .split('"')
+                        .next()?
+                        .parse::<f64>()
+                        .ok()
+                });
             if cap.is_none() || cap != cfg_blocks {
-                diffs.push(format!("kv_capacity_blocks {cap:?} vs num_gpu_blocks {cfg_blocks:?}"));
+                diffs.push(format!(
+                    "kv_capacity_blocks {cap:?} vs num_gpu_blocks {cfg_blocks:?}"
+                ));
             }
             if diffs.is_empty() {
                 break;
@@ -632,9 +693,18 @@ fn check_metrics(gw: &Gw, f: &Fleet) {
 }
 
 fn check_reset(gw: &mut Gw, f: &Fleet) {
-    let resets = |gw: &Gw| sample(&gw.metrics(), "kvgate_worker_kv_index_resets_total{worker=\"a\"}").unwrap_or(0.0);
+    let resets = |gw: &Gw| {
+        sample(
+            &gw.metrics(),
+            "kvgate_worker_kv_index_resets_total{worker=\"a\"}",
+        )
+        .unwrap_or(0.0)
+    };
     let resets_before = resets(gw);
-    assert!(gw.index_blocks("a") > 0, "reset: engine a holds no blocks to clear");
+    assert!(
+        gw.index_blocks("a") > 0,
+        "reset: engine a holds no blocks to clear"
+    );
     let before = f.sub_a.with(|l| l.cleared);
     let (s, v) = f.a.post("/reset_prefix_cache", "");
     assert_eq!(s, 200, "reset_prefix_cache: {v}");
@@ -646,11 +716,17 @@ fn check_reset(gw: &mut Gw, f: &Fleet) {
     assert_eq!(s, 200, "{v}");
     let end = Instant::now() + Duration::from_secs(20);
     while f.sub_a.with(|l| l.cleared) == before {
-        assert!(Instant::now() < end, "reset: no AllBlocksCleared from engine a");
+        assert!(
+            Instant::now() < end,
+            "reset: no AllBlocksCleared from engine a"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     settle(gw, f, "reset");
-    assert_eq!(gw.index_blocks("a"), f.sub_a.with(|l| l.blocks.len() as u64));
+    assert_eq!(
+        gw.index_blocks("a"),
+        f.sub_a.with(|l| l.blocks.len() as u64)
+    );
     assert!(
         resets(gw) > resets_before,
         "reset: AllBlocksCleared not counted in kvgate_worker_kv_index_resets_total"
@@ -660,12 +736,20 @@ fn check_reset(gw: &mut Gw, f: &Fleet) {
     let mut rows = Vec::new();
     for i in 0..2 {
         settle(gw, f, "after reset");
-        rows.push(send(gw, &format!("after reset {i}"), "/v1/completions",
-                       json!({"prompt": format!("doc 1: {}", words(11, 560))}), false));
+        rows.push(send(
+            gw,
+            &format!("after reset {i}"),
+            "/v1/completions",
+            json!({"prompt": format!("doc 1: {}", words(11, 560))}),
+            false,
+        ));
     }
     let t = table(&rows);
     eprintln!("after reset:\n{t}");
-    assert!(rows.iter().all(|r| r.predicted == r.cached), "after reset:\n{t}");
+    assert!(
+        rows.iter().all(|r| r.predicted == r.cached),
+        "after reset:\n{t}"
+    );
 }
 
 fn check_gateway_restart(gw: &mut Gw, f: &Fleet) {
@@ -681,22 +765,33 @@ fn check_gateway_restart(gw: &mut Gw, f: &Fleet) {
                        json!({"messages": [{"role": "system", "content": sys}, {"role": "user", "content": q}]}), false));
     }
     let t = table(&rows);
-    assert!(rows.iter().all(|r| r.predicted == r.cached), "gateway restart:\n{t}");
-    assert!(rows[1].cached > 0, "gateway restart: no hit on the repeat:\n{t}");
+    assert!(
+        rows.iter().all(|r| r.predicted == r.cached),
+        "gateway restart:\n{t}"
+    );
+    assert!(
+        rows[1].cached > 0,
+        "gateway restart: no hit on the repeat:\n{t}"
+    );
 }
 
 fn check_engine_restart(gw: &mut Gw, f: &mut Fleet) {
     let count = |gw: &Gw| -> f64 {
         gw.metrics()
             .lines()
-            .filter(|l| l.starts_with("kvgate_worker_restarts_total{") && l.contains("worker=\"b\""))
+            .filter(|l| {
+                l.starts_with("kvgate_worker_restarts_total{") && l.contains("worker=\"b\"")
+            })
             .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
             .sum()
     };
     let before = count(gw);
     // Engine B holds blocks now (the pressure phase); make sure kvgate has them.
     settle(gw, f, "before engine restart");
-    assert!(gw.index_blocks("b") > 0, "engine b holds no blocks before its restart");
+    assert!(
+        gw.index_blocks("b") > 0,
+        "engine b holds no blocks before its restart"
+    );
     let t = Instant::now();
     f.b.restart();
     f.b.wait_ready(START_LIMIT);
@@ -719,12 +814,20 @@ fn check_engine_restart(gw: &mut Gw, f: &mut Fleet) {
     let mut rows = Vec::new();
     for i in 0..4 {
         settle(gw, f, "after engine restart");
-        rows.push(send(gw, &format!("after engine restart {i}"), "/v1/completions",
-                       json!({"prompt": format!("{} {i}", words(20, 200))}), false));
+        rows.push(send(
+            gw,
+            &format!("after engine restart {i}"),
+            "/v1/completions",
+            json!({"prompt": format!("{} {i}", words(20, 200))}),
+            false,
+        ));
     }
     let t = table(&rows);
     eprintln!("after engine restart:\n{t}");
-    assert!(rows.iter().all(|r| r.predicted == r.cached), "after engine restart:\n{t}");
+    assert!(
+        rows.iter().all(|r| r.predicted == r.cached),
+        "after engine restart:\n{t}"
+    );
 }
 
 /// Router-visible behaviour of one real engine and one `kvgate sim` started with the same settings:
@@ -735,15 +838,37 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     let num_gpu_blocks = engine_metrics
         .lines()
         .find(|l| l.starts_with("vllm:cache_config_info{"))
-        .and_then(|l| l.split("num_gpu_blocks=\"").nth(1)?.split('"').next().map(str::to_string))
+        .and_then(|l| {
+            l.split("num_gpu_blocks=\"")
+                .nth(1)?
+                .split('"')
+                .next()
+                .map(str::to_string)
+        })
         .expect("engine reports num_gpu_blocks");
     let tokenizer = dir.join("model-tiny/tokenizer.json");
     let mut sim = Proc::kvgate(
         "kvgate sim",
         &[
-            "sim", "--port", "0", "--model", MODEL, "--block-size", "32", "--num-gpu-blocks",
-            &num_gpu_blocks, "--max-model-len", "4096", "--max-num-seqs", "8", "--tokenizer",
-            tokenizer.to_str().unwrap(), "--kv-events-topic", "kv", "--speedup", "0",
+            "sim",
+            "--port",
+            "0",
+            "--model",
+            MODEL,
+            "--block-size",
+            "32",
+            "--num-gpu-blocks",
+            &num_gpu_blocks,
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "8",
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--kv-events-topic",
+            "kv",
+            "--speedup",
+            "0",
         ],
     );
     let (http, kv) = sim.wait_for(Duration::from_secs(30), |l| {
@@ -751,7 +876,9 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
         let kv = addr_after(l, "kv_events=tcp://")?;
         Some((http, kv))
     });
-    sim.wait_for(Duration::from_secs(30), |l| (l.trim() == "ready").then_some(()));
+    sim.wait_for(Duration::from_secs(30), |l| {
+        (l.trim() == "ready").then_some(())
+    });
     let sim_sub = Subscriber::connect(&format!("tcp://{kv}"));
     let post = |addr: SocketAddr, path: &str, body: &Value| -> (u16, Value) {
         let (s, b) = http_req(addr, path, body);
@@ -778,7 +905,10 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
         cached.push(row);
     }
     if cached[0] != cached[1] {
-        must.push(format!("(prompt_tokens, cached_tokens): engine {:?}, sim {:?}", cached[0], cached[1]));
+        must.push(format!(
+            "(prompt_tokens, cached_tokens): engine {:?}, sim {:?}",
+            cached[0], cached[1]
+        ));
     }
 
     // /tokenize: same ids, same response fields.
@@ -793,7 +923,11 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
             must.push(format!("/tokenize {body}: engine {se} {ve}, sim {ss} {vs}"));
         }
         if keys(&ve) != keys(&vs) {
-            must.push(format!("/tokenize fields: engine {:?}, sim {:?}", keys(&ve), keys(&vs)));
+            must.push(format!(
+                "/tokenize fields: engine {:?}, sim {:?}",
+                keys(&ve),
+                keys(&vs)
+            ));
         }
     }
 
@@ -807,13 +941,27 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     // Error shapes: an unknown model, a prompt past max_model_len, a bad field.
     let long = words(11, 5000);
     for (what, path, body) in [
-        ("unknown model", "/v1/chat/completions", json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]})),
-        ("too long", "/v1/completions", json!({"model": MODEL, "prompt": long, "max_tokens": 4})),
-        ("bad messages", "/v1/chat/completions", json!({"model": MODEL, "messages": "x"})),
+        (
+            "unknown model",
+            "/v1/chat/completions",
+            json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+        ),
+        (
+            "too long",
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": long, "max_tokens": 4}),
+        ),
+        (
+            "bad messages",
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": "x"}),
+        ),
     ] {
         let (se, ve) = post(engine.http, path, &body);
         let (ss, vs) = post(http, path, &body);
-        if se != ss || keys(&ve) != keys(&vs) || keys(&ve["error"]) != keys(&vs["error"])
+        if se != ss
+            || keys(&ve) != keys(&vs)
+            || keys(&ve["error"]) != keys(&vs["error"])
             || ve["error"]["type"] != vs["error"]["type"]
         {
             must.push(format!("error {what}: engine {se} {ve}, sim {ss} {vs}"));
@@ -821,26 +969,41 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     }
 
     // Metrics: every vLLM series kvgate reads exists on both with the same label names.
-    let sim_metrics = http_maybe(http, "GET", "/metrics").map(|(_, b)| b).unwrap_or_default();
+    let sim_metrics = http_maybe(http, "GET", "/metrics")
+        .map(|(_, b)| b)
+        .unwrap_or_default();
     for name in [
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info",
-        "vllm:num_preemptions_total", "vllm:request_queue_time_seconds_sum",
-        "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
-        "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:cache_config_info",
+        "vllm:num_preemptions_total",
+        "vllm:request_queue_time_seconds_sum",
+        "vllm:request_prefill_time_seconds_sum",
+        "vllm:request_decode_time_seconds_sum",
+        "vllm:iteration_tokens_total_sum",
+        "vllm:iteration_tokens_total_count",
         "process_start_time_seconds",
     ] {
-        let (le, ls) = (label_names(&engine_metrics, name), label_names(&sim_metrics, name));
+        let (le, ls) = (
+            label_names(&engine_metrics, name),
+            label_names(&sim_metrics, name),
+        );
         if name == "vllm:cache_config_info" {
             // ~40 labels of engine config on vLLM (no `model_name`); a router reads these.
             let want = ["block_size", "engine", "num_gpu_blocks"];
             let has = |l: &Option<Vec<String>>| {
-                l.as_ref().is_some_and(|l| want.iter().all(|w| l.iter().any(|x| x == w)))
+                l.as_ref()
+                    .is_some_and(|l| want.iter().all(|w| l.iter().any(|x| x == w)))
             };
             if !has(&le) || !has(&ls) {
                 must.push(format!("metric {name}: engine labels {le:?}, sim {ls:?}"));
             }
-            diffs.push(format!("cache_config_info labels: engine {le:?}, sim {ls:?}"));
+            diffs.push(format!(
+                "cache_config_info labels: engine {le:?}, sim {ls:?}"
+            ));
         } else if le.is_none() || le != ls {
             must.push(format!("metric {name}: engine labels {le:?}, sim {ls:?}"));
         }
@@ -848,18 +1011,29 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     let (ne, ns) = (vllm_names(&engine_metrics), vllm_names(&sim_metrics));
     let only_engine: Vec<_> = ne.difference(&ns).collect();
     let only_sim: Vec<_> = ns.difference(&ne).collect();
-    diffs.push(format!("vllm: families only the engine serves: {only_engine:?}"));
+    diffs.push(format!(
+        "vllm: families only the engine serves: {only_engine:?}"
+    ));
     diffs.push(format!("vllm: families only the sim serves: {only_sim:?}"));
 
     // KV events: same encoding, batch shape, event fields and block size.
     let end = Instant::now() + Duration::from_secs(20);
     while sim_sub.with(|l| l.stored) == 0 {
-        assert!(Instant::now() < end, "fidelity: no BlockStored from the sim");
+        assert!(
+            Instant::now() < end,
+            "fidelity: no BlockStored from the sim"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (fe, fs) = (sub.with(|l| l.fields.clone()), sim_sub.with(|l| l.fields.clone()));
+    let (fe, fs) = (
+        sub.with(|l| l.fields.clone()),
+        sim_sub.with(|l| l.fields.clone()),
+    );
     let stored = |f: &std::collections::BTreeSet<(String, String)>, ty: &str| {
-        f.iter().filter(|(t, _)| t == ty).map(|(_, k)| k.clone()).collect::<Vec<_>>()
+        f.iter()
+            .filter(|(t, _)| t == ty)
+            .map(|(_, k)| k.clone())
+            .collect::<Vec<_>>()
     };
     for ty in ["BlockStored", "BlockRemoved", "AllBlocksCleared"] {
         let (a, b) = (stored(&fe, ty), stored(&fs, ty));
@@ -868,11 +1042,27 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
             must.push(format!("event {ty} fields: engine {a:?}, sim {b:?}"));
         }
     }
-    let shape = |s: &Subscriber| s.with(|l| (l.encodings.clone(), l.batch_lens.clone(), l.block_sizes.clone(), l.topics.clone()));
+    let shape = |s: &Subscriber| {
+        s.with(|l| {
+            (
+                l.encodings.clone(),
+                l.batch_lens.clone(),
+                l.block_sizes.clone(),
+                l.topics.clone(),
+            )
+        })
+    };
     if shape(sub) != shape(&sim_sub) {
-        must.push(format!("event batches (encoding, batch len, block size, topic): engine {:?}, sim {:?}", shape(sub), shape(&sim_sub)));
+        must.push(format!(
+            "event batches (encoding, batch len, block size, topic): engine {:?}, sim {:?}",
+            shape(sub),
+            shape(&sim_sub)
+        ));
     }
-    let (se, ss) = (sub.with(|l| l.samples.clone()), sim_sub.with(|l| l.samples.clone()));
+    let (se, ss) = (
+        sub.with(|l| l.samples.clone()),
+        sim_sub.with(|l| l.samples.clone()),
+    );
     for (k, v) in &se {
         if let Some(w) = ss.get(k) {
             if v != w {
@@ -883,7 +1073,11 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
     diffs.push(format!("engine event fields: {se:?}"));
     diffs.push(format!("sim event fields: {ss:?}"));
     eprintln!("sim fidelity, informational:\n{}", diffs.join("\n"));
-    assert!(must.is_empty(), "sim differs from vLLM 0.32 where a router looks:\n{}", must.join("\n"));
+    assert!(
+        must.is_empty(),
+        "sim differs from vLLM 0.32 where a router looks:\n{}",
+        must.join("\n")
+    );
     eprintln!("sim fidelity: no router-visible difference");
 }
 
@@ -893,21 +1087,29 @@ fn http_req(addr: SocketAddr, path: &str, body: &Value) -> (u16, String) {
 }
 
 fn get_json(addr: SocketAddr, path: &str) -> (u16, Value) {
-    let (s, b) = try_http(addr, "GET", path, None).unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"));
+    let (s, b) =
+        try_http(addr, "GET", path, None).unwrap_or_else(|e| panic!("GET {addr}{path}: {e}"));
     (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
 }
 
 fn keys(v: &Value) -> Vec<String> {
-    v.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default()
+    v.as_object()
+        .map(|o| o.keys().cloned().collect())
+        .unwrap_or_default()
 }
 
 /// Label names of the first sample of `name` (exact family sample name).
 fn label_names(text: &str, name: &str) -> Option<Vec<String>> {
     let l = text.lines().find(|l| {
-        l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
+        l.strip_prefix(name)
+            .is_some_and(|r| r.starts_with('{') || r.starts_with(' '))
     })?;
     let rest = &l[name.len()..];
-    let Some(inner) = rest.strip_prefix('{').and_then(|r| r.split_once('}')).map(|(i, _)| i) else {
+    let Some(inner) = rest
+        .strip_prefix('{')
+        .and_then(|r| r.split_once('}'))
+        .map(|(i, _)| i)
+    else {
         return Some(Vec::new());
     };
     let mut names: Vec<String> = inner

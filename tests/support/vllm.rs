@@ -29,7 +29,11 @@ pub fn engine_dir() -> Result<PathBuf, String> {
             cache.join("vllm-0.32.0")
         }
     };
-    for need in ["venv/bin/vllm", "model-tiny/tokenizer.json", "model-tiny/config.json"] {
+    for need in [
+        "venv/bin/vllm",
+        "model-tiny/tokenizer.json",
+        "model-tiny/config.json",
+    ] {
         if !dir.join(need).is_file() {
             return Err(format!(
                 "no vLLM engine at {} ({need} missing: run benches/engines/vllm-setup.sh)",
@@ -61,7 +65,9 @@ pub fn free_ports(n: usize) -> Vec<u16> {
         if held.len() == n {
             break;
         }
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let port = (lo + ((x >> 33) as u32) % (hi - lo)) as u16;
         if let Ok(l) = TcpListener::bind(("0.0.0.0", port)) {
             held.push(l);
@@ -96,7 +102,13 @@ pub struct Engine {
 impl Engine {
     /// Starts the engine on `ports` (HTTP, KV-event PUB, replay; from [`free_ports`], chosen for
     /// every engine of the test at once). Not yet ready: see [`Engine::wait_ready`].
-    pub fn start(dir: &Path, spec: EngineSpec, log_dir: &Path, name: &str, ports: [u16; 3]) -> Engine {
+    pub fn start(
+        dir: &Path,
+        spec: EngineSpec,
+        log_dir: &Path,
+        name: &str,
+        ports: [u16; 3],
+    ) -> Engine {
         let [http, kv, replay] = ports;
         let mut e = Engine {
             spec,
@@ -223,7 +235,10 @@ impl Engine {
     pub fn post(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
         let (s, b) = try_http(self.http, "POST", path, Some(body))
             .unwrap_or_else(|e| panic!("POST {}{path}: {e}", self.url()));
-        (s, serde_json::from_str(&b).unwrap_or(serde_json::Value::String(b)))
+        (
+            s,
+            serde_json::from_str(&b).unwrap_or(serde_json::Value::String(b)),
+        )
     }
 
     pub fn metrics(&self) -> String {
@@ -377,7 +392,11 @@ fn raw_fields(l: &mut EventLog, payload: &[u8]) {
     if let Some(a) = v.as_array() {
         l.batch_lens.insert(a.len());
     }
-    let Some(events) = v.as_array().and_then(|a| a.get(1)).and_then(|e| e.as_array()) else {
+    let Some(events) = v
+        .as_array()
+        .and_then(|a| a.get(1))
+        .and_then(|e| e.as_array())
+    else {
         return;
     };
     for ev in events {

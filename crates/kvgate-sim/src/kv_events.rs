@@ -195,18 +195,46 @@ mod tests {
         let b = encode_batch(0.0, &[ev], 0, EventEncoding::Map);
         let v = rmpv::decode::read_value(&mut &b[..]).unwrap();
         let ev = &v[1][0];
-        let keys: Vec<&str> = ev.as_map().unwrap().iter().map(|(k, _)| k.as_str().unwrap()).collect();
+        let keys: Vec<&str> = ev
+            .as_map()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.as_str().unwrap())
+            .collect();
         assert_eq!(
             keys,
             [
-                "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "extra_keys",
+                "group_idx",
+                "kv_cache_spec_kind"
             ]
         );
-        let field = |k: &str| ev.as_map().unwrap().iter().find(|(n, _)| n.as_str() == Some(k)).unwrap().1.clone();
-        assert_eq!(field("extra_keys"), rmpv::Value::Array(vec![rmpv::Value::Nil; 2]));
+        let field = |k: &str| {
+            ev.as_map()
+                .unwrap()
+                .iter()
+                .find(|(n, _)| n.as_str() == Some(k))
+                .unwrap()
+                .1
+                .clone()
+        };
+        assert_eq!(
+            field("extra_keys"),
+            rmpv::Value::Array(vec![rmpv::Value::Nil; 2])
+        );
         assert_eq!(field("group_idx"), rmpv::Value::from(0));
-        assert_eq!(field("kv_cache_spec_kind"), rmpv::Value::from("full_attention"));
+        assert_eq!(
+            field("kv_cache_spec_kind"),
+            rmpv::Value::from("full_attention")
+        );
     }
 
     #[test]

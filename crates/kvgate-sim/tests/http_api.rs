@@ -172,7 +172,11 @@ async fn bad_requests_get_openai_errors() {
     .await;
     // vLLM 0.32's request-validation shape (measured on the real engine, tests/real_vllm.rs).
     assert_eq!(
-        (st, v["error"]["param"].as_str(), v["error"]["type"].as_str()),
+        (
+            st,
+            v["error"]["param"].as_str(),
+            v["error"]["type"].as_str()
+        ),
         (400, Some("body.messages"), Some("Bad Request"))
     );
     let (st, _, _) = get_text(&c, &format!("{}/nope", w.base_url())).await;
