@@ -12,6 +12,9 @@
 #[path = "support/harness.rs"]
 pub mod harness;
 
+#[path = "support/vllm.rs"]
+pub mod vllm;
+
 use std::path::PathBuf;
 
 /// The repository root.

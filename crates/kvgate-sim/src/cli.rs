@@ -47,7 +47,8 @@ pub struct SimArgs {
     /// Do not publish KV events.
     #[arg(long)]
     pub no_kv_events: bool,
-    /// KV-event encoding: map (vLLM >= 0.24) or array (vLLM <= 0.23).
+    /// KV-event encoding: map (vLLM 0.32's maps), map-0.24 (the maps of vLLM 0.24..0.31, without
+    /// extra_keys/group_idx/kv_cache_spec_kind) or array (vLLM <= 0.23).
     #[arg(long, default_value = "map")]
     pub kv_events_encoding: EventEncoding,
     /// KV-event topic (first frame).
@@ -83,9 +84,14 @@ pub struct SimArgs {
     /// Mean output length when a request does not set ignore_eos.
     #[arg(long, default_value_t = 128)]
     pub mean_output_tokens: u32,
-    /// HuggingFace tokenizer.json (default: a cheap deterministic approximation).
+    /// HuggingFace tokenizer.json (default: a cheap deterministic approximation). Chats are
+    /// rendered with the chat template of the tokenizer_config.json beside it, as vLLM does.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Render chats with ChatML even when the tokenizer has a chat template (the sim before it
+    /// followed vLLM 0.32).
+    #[arg(long, requires = "tokenizer")]
+    pub tokenizer_chatml: bool,
     /// Fault: probability of answering a completion with 500/503.
     #[arg(long, default_value_t = 0.0)]
     pub fail_rate: f64,
@@ -192,6 +198,7 @@ impl SimArgs {
             kv_events_encoding: self.kv_events_encoding,
             kv_events_topic: self.kv_events_topic.clone(),
             tokenizer: self.tokenizer.clone(),
+            tokenizer_chatml: self.tokenizer_chatml,
             dcgm: self.dcgm,
             spec_tokens: self.spec_tokens,
             faults: Faults {

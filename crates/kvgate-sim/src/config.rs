@@ -5,11 +5,25 @@ use std::time::Duration;
 /// How KV events are encoded on the wire (vLLM changed the shape in 0.24).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum EventEncoding {
-    /// `{"type": "BlockStored", ...}` maps (vLLM >= 0.24, the default).
+    /// `{"type": "BlockStored", ...}` maps as vLLM 0.32 sends them (the default): `BlockStored`
+    /// also carries `extra_keys`, `group_idx` and `kv_cache_spec_kind`, `BlockRemoved` `group_idx`.
     #[default]
     Map,
+    /// The maps of vLLM 0.24 (before those fields): `BlockStored` ends at `lora_name`,
+    /// `BlockRemoved` at `medium`.
+    MapV024,
     /// Tagged positional arrays `["BlockStored", ...]` (vLLM <= 0.23).
     Array,
+}
+
+impl EventEncoding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Map => "map",
+            Self::MapV024 => "map-0.24",
+            Self::Array => "array",
+        }
+    }
 }
 
 impl std::str::FromStr for EventEncoding {
@@ -17,9 +31,10 @@ impl std::str::FromStr for EventEncoding {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "map" => Ok(Self::Map),
+            "map-0.24" => Ok(Self::MapV024),
             "array" => Ok(Self::Array),
             other => Err(format!(
-                "unknown KV event encoding {other:?} (expected map|array)"
+                "unknown KV event encoding {other:?} (expected map|map-0.24|array)"
             )),
         }
     }
@@ -255,6 +270,9 @@ pub struct SimConfig {
     pub dp_rank: u32,
     /// Path of a HuggingFace `tokenizer.json`; `None` = the cheap deterministic tokenizer.
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Render chats with ChatML even when the tokenizer's directory has a chat template (the
+    /// sim's behaviour before it followed vLLM 0.32, which uses the model's template).
+    pub tokenizer_chatml: bool,
     /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
     pub dcgm: bool,
     /// Speculative tokens per decode step (vLLM `num_speculative_tokens`); > 0 adds the
@@ -285,6 +303,7 @@ impl Default for SimConfig {
             kv_events_buffer_steps: 10_000,
             dp_rank: 0,
             tokenizer: None,
+            tokenizer_chatml: false,
             dcgm: false,
             spec_tokens: 0,
             faults: Faults::default(),

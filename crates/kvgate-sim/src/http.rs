@@ -60,6 +60,19 @@ pub fn error(
     )
 }
 
+/// vLLM 0.32's answer to a body that fails its request validation (a field of the wrong type):
+/// 400 with `type: "Bad Request"` and `param: "body.<field>"` (measured on a real engine,
+/// tests/real_vllm.rs), unlike the `BadRequestError` of a well-formed request it refuses.
+pub fn invalid(message: impl Into<String>, param: &str) -> Response<Body> {
+    json(
+        StatusCode::BAD_REQUEST,
+        &serde_json::json!({"error": {
+            "message": message.into(), "type": "Bad Request", "param": format!("body.{param}"),
+            "code": 400
+        }}),
+    )
+}
+
 async fn read_body(req: Request<hyper::body::Incoming>) -> Result<Bytes, Response<Body>> {
     match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(c) => Ok(c.to_bytes()),

@@ -46,7 +46,9 @@ fn write_tokens(buf: &mut Vec<u8>, xs: &[u32]) {
     }
 }
 
-fn write_event_map(buf: &mut Vec<u8>, ev: &KvEvent) {
+/// `v032`: vLLM 0.32's fields (`extra_keys`, `group_idx`, `kv_cache_spec_kind`), measured on a
+/// real 0.32 engine (tests/real_vllm.rs); otherwise 0.24's.
+fn write_event_map(buf: &mut Vec<u8>, ev: &KvEvent, v032: bool) {
     let key = |buf: &mut Vec<u8>, k: &str| put(rmp::encode::write_str(buf, k));
     match ev {
         KvEvent::BlockStored {
@@ -57,7 +59,7 @@ fn write_event_map(buf: &mut Vec<u8>, ev: &KvEvent) {
         } => {
             // Field order and presence as msgspec emits them (omit_defaults; lora_id, medium and
             // lora_name have no default so they are always present).
-            put(rmp::encode::write_map_len(buf, 8));
+            put(rmp::encode::write_map_len(buf, if v032 { 11 } else { 8 }));
             key(buf, "type");
             key(buf, "BlockStored");
             key(buf, "block_hashes");
@@ -74,15 +76,31 @@ fn write_event_map(buf: &mut Vec<u8>, ev: &KvEvent) {
             key(buf, MEDIUM);
             key(buf, "lora_name");
             put(rmp::encode::write_nil(buf));
+            if v032 {
+                // One entry per block: nil without multimodal inputs, LoRA or cache_salt.
+                key(buf, "extra_keys");
+                put(rmp::encode::write_array_len(buf, block_hashes.len() as u32));
+                for _ in block_hashes {
+                    put(rmp::encode::write_nil(buf));
+                }
+                key(buf, "group_idx");
+                put(rmp::encode::write_uint(buf, 0));
+                key(buf, "kv_cache_spec_kind");
+                key(buf, "full_attention");
+            }
         }
         KvEvent::BlockRemoved { block_hashes } => {
-            put(rmp::encode::write_map_len(buf, 3));
+            put(rmp::encode::write_map_len(buf, if v032 { 4 } else { 3 }));
             key(buf, "type");
             key(buf, "BlockRemoved");
             key(buf, "block_hashes");
             write_u64s(buf, block_hashes);
             key(buf, "medium");
             key(buf, MEDIUM);
+            if v032 {
+                key(buf, "group_idx");
+                put(rmp::encode::write_uint(buf, 0));
+            }
         }
         KvEvent::AllBlocksCleared => {
             put(rmp::encode::write_map_len(buf, 1));
@@ -132,7 +150,8 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32, enc: EventEncodin
     put(rmp::encode::write_array_len(&mut buf, events.len() as u32));
     for ev in events {
         match enc {
-            EventEncoding::Map => write_event_map(&mut buf, ev),
+            EventEncoding::Map => write_event_map(&mut buf, ev, true),
+            EventEncoding::MapV024 => write_event_map(&mut buf, ev, false),
             EventEncoding::Array => write_event_array(&mut buf, ev),
         }
     }
@@ -146,19 +165,76 @@ mod tests {
 
     #[test]
     fn map_encoding_bytes_for_block_removed() {
-        let b = encode_batch(
-            0.0,
-            &[KvEvent::BlockRemoved {
-                block_hashes: vec![u64::MAX],
-            }],
-            2,
-            EventEncoding::Map,
-        );
+        let removed = [KvEvent::BlockRemoved {
+            block_hashes: vec![u64::MAX],
+        }];
+        // vLLM 0.24's map: three fields.
+        let b = encode_batch(0.0, &removed, 2, EventEncoding::MapV024);
         let mut want = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x83];
         want.extend_from_slice(b"\xa4type\xacBlockRemoved\xacblock_hashes\x91\xcf");
         want.extend_from_slice(&[0xff; 8]);
         want.extend_from_slice(b"\xa6medium\xa3GPU\x02");
         assert_eq!(b, want);
+        // vLLM 0.32's (the default) adds group_idx.
+        let b = encode_batch(0.0, &removed, 2, EventEncoding::Map);
+        let mut want = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x84];
+        want.extend_from_slice(b"\xa4type\xacBlockRemoved\xacblock_hashes\x91\xcf");
+        want.extend_from_slice(&[0xff; 8]);
+        want.extend_from_slice(b"\xa6medium\xa3GPU\xa9group_idx\x00\x02");
+        assert_eq!(b, want);
+    }
+
+    #[test]
+    fn map_encoding_of_block_stored_has_vllm_032_fields() {
+        let ev = KvEvent::BlockStored {
+            block_hashes: vec![5, 6],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+        };
+        let b = encode_batch(0.0, &[ev], 0, EventEncoding::Map);
+        let v = rmpv::decode::read_value(&mut &b[..]).unwrap();
+        let ev = &v[1][0];
+        let keys: Vec<&str> = ev
+            .as_map()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "extra_keys",
+                "group_idx",
+                "kv_cache_spec_kind"
+            ]
+        );
+        let field = |k: &str| {
+            ev.as_map()
+                .unwrap()
+                .iter()
+                .find(|(n, _)| n.as_str() == Some(k))
+                .unwrap()
+                .1
+                .clone()
+        };
+        assert_eq!(
+            field("extra_keys"),
+            rmpv::Value::Array(vec![rmpv::Value::Nil; 2])
+        );
+        assert_eq!(field("group_idx"), rmpv::Value::from(0));
+        assert_eq!(
+            field("kv_cache_spec_kind"),
+            rmpv::Value::from("full_attention")
+        );
     }
 
     #[test]

@@ -63,7 +63,8 @@ impl SimWorker {
         kv_events_addr: Option<SocketAddr>,
     ) -> anyhow::Result<SimHandle> {
         config.validate()?;
-        let tokenizer = crate::tokenizer::load(config.tokenizer.as_deref())?;
+        let tokenizer =
+            crate::tokenizer::load(config.tokenizer.as_deref(), config.tokenizer_chatml)?;
         let listener = tokio::net::TcpListener::bind(http_addr)
             .await
             .map_err(|e| anyhow::anyhow!("binding HTTP on {http_addr}: {e}"))?;

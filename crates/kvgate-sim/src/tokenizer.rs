@@ -1,21 +1,33 @@
 //! Tokenization exactly as the gateway does it: `kvgate-tokenize`'s [`ModelTokenizer`] (by default
 //! its deterministic `ApproxTokenizer` with ChatML; a HuggingFace `tokenizer.json` with
-//! `--tokenizer`) applied to the same `RequestView`. Identical token ids on both sides are what let a
+//! `--tokenizer`, rendered with the model's own chat template as vLLM does) applied to the same
+//! `RequestView`. Identical token ids on both sides are what let a
 //! router match its own prefix hashes against the blocks this engine reports.
 
 use std::sync::Arc;
 
 use kvgate_protocol::openai::RequestView;
-use kvgate_tokenize::{ChatTemplate, HfTokenizer, ModelTokenizer, PromptTokens, TokenizeError};
+use kvgate_tokenize::{
+    ChatTemplate, HfTokenizer, ModelTokenizer, PromptTokens, TokenizeError, TokenizerSpec,
+};
 use serde_json::Value;
 
-/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json (rendered with ChatML).
-pub fn load(path: Option<&std::path::Path>) -> anyhow::Result<ModelTokenizer> {
+/// The tokenizer a worker uses: `path` = a HuggingFace tokenizer.json, rendered with the chat
+/// template of the `tokenizer_config.json` (or `chat_template.jinja`) beside it, as vLLM renders a
+/// model's chats (SmolLM2's template, for one, adds a default system message); ChatML only when the
+/// directory has no template. `chatml` forces ChatML (the sim's behaviour before it followed
+/// vLLM 0.32 here).
+pub fn load(path: Option<&std::path::Path>, chatml: bool) -> anyhow::Result<ModelTokenizer> {
     Ok(match path {
         None => ModelTokenizer::default(),
-        Some(p) => {
+        Some(p) if chatml => {
             ModelTokenizer::new(Arc::new(HfTokenizer::from_file(p)?), ChatTemplate::chatml())
         }
+        Some(p) => TokenizerSpec::Hf {
+            tokenizer_json: p.to_path_buf(),
+            tokenizer_config: None,
+        }
+        .load()?,
     })
 }
 
@@ -24,6 +36,9 @@ pub fn load(path: Option<&std::path::Path>) -> anyhow::Result<ModelTokenizer> {
 pub struct PromptError {
     pub message: String,
     pub param: Option<&'static str>,
+    /// The body does not have the request's shape (a field of the wrong type): vLLM rejects it in
+    /// its request validation, before tokenizing, with another error shape (see `http::invalid`).
+    pub schema: bool,
 }
 
 /// Token ids of every prompt in a chat (`messages`) or completions (`prompt`) body.
@@ -39,10 +54,12 @@ pub fn encode_body(mt: &ModelTokenizer, v: &Value) -> Result<Vec<Vec<u32>>, Prom
     .map_err(|e| PromptError {
         message: e.to_string(),
         param: None,
+        schema: false,
     })?;
     let view = RequestView::parse(&bytes).map_err(|e| PromptError {
         message: e.to_string(),
         param: e.param(),
+        schema: true,
     })?;
     match mt.encode_prompt(&view) {
         Ok(PromptTokens::One(t)) => Ok(vec![t]),
@@ -50,10 +67,12 @@ pub fn encode_body(mt: &ModelTokenizer, v: &Value) -> Result<Vec<Vec<u32>>, Prom
         Err(TokenizeError::Request(e)) => Err(PromptError {
             message: e.to_string(),
             param: e.param(),
+            schema: true,
         }),
         Err(e) => Err(PromptError {
             message: e.to_string(),
             param: None,
+            schema: false,
         }),
     }
 }

@@ -170,7 +170,15 @@ async fn bad_requests_get_openai_errors() {
         &json!({"messages": "hi"}),
     )
     .await;
-    assert_eq!((st, v["error"]["param"].as_str()), (400, Some("messages")));
+    // vLLM 0.32's request-validation shape (measured on the real engine, tests/real_vllm.rs).
+    assert_eq!(
+        (
+            st,
+            v["error"]["param"].as_str(),
+            v["error"]["type"].as_str()
+        ),
+        (400, Some("body.messages"), Some("Bad Request"))
+    );
     let (st, _, _) = get_text(&c, &format!("{}/nope", w.base_url())).await;
     assert_eq!(st, 404);
     // The worker still serves after all that.

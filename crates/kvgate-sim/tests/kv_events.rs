@@ -208,6 +208,11 @@ async fn python_decoder_accepts_map_encoding() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_decoder_accepts_map_v024_encoding() {
+    python_check(EventEncoding::MapV024, "map-0.24").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_decoder_accepts_array_encoding() {
     python_check(EventEncoding::Array, "array").await;
 }

@@ -115,7 +115,6 @@ pub fn kv_event_sources(sh: &Shared) -> Response<Body> {
             "replay_endpoint": format!("tcp://{}", eps.replay),
             "buffer_steps": c.kv_events_buffer_steps, "hwm": 100_000, "max_queue_size": 100_000,
             "topic": c.kv_events_topic,
-            "encoding": match c.kv_events_encoding { crate::config::EventEncoding::Map => "map", crate::config::EventEncoding::Array => "array" },
         }),
         None => json!({"enable_kv_cache_events": false, "publisher": "null"}),
     };

@@ -98,7 +98,11 @@ async fn prepare(
     }
     let prompts = encode_body(&sh.tokenizer, &v).map_err(|e| {
         let param = e.param.unwrap_or(if chat { "messages" } else { "prompt" });
-        bad(e.message, param)
+        if e.schema {
+            Box::new(crate::http::invalid(e.message, param))
+        } else {
+            bad(e.message, param)
+        }
     })?;
     let n = opt_u64(&v, "n")?.unwrap_or(1);
     if !(1..=128).contains(&n) {

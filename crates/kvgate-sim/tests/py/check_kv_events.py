@@ -3,7 +3,7 @@
 
 Subscribes to a running sim, drives traffic over HTTP, and checks the bytes against vLLM's wire
 format: 3 frames [topic, seq u64 BE, payload]; payload [ts, [events], dp_rank]; events as maps
-(--encoding map) or tagged arrays (--encoding array); uint64 hashes; gap-free sequence numbers;
+(--encoding map: vLLM 0.32's fields; --encoding map-0.24: 0.24's) or tagged arrays (--encoding array); uint64 hashes; gap-free sequence numbers;
 replay over a DEALER socket ([b"", start] -> [b"", topic, seq, payload]... then [b"", b"", END, b""]);
 and that the stored-minus-removed hash set equals the engine's own cache (GET /sim/cache).
 Exit status 0 = all checks passed; prints a JSON summary on the last line.
@@ -20,6 +20,9 @@ import zmq
 END_SEQ = b"\xff" * 8
 STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"]
 REMOVED_KEYS = ["type", "block_hashes", "medium"]
+# vLLM 0.32's maps (the sim's default `map`) append these; `map-0.24` and `array` do not.
+STORED_KEYS_032 = STORED_KEYS + ["extra_keys", "group_idx", "kv_cache_spec_kind"]
+REMOVED_KEYS_032 = REMOVED_KEYS + ["group_idx"]
 
 
 def fail(msg):
@@ -45,14 +48,18 @@ def get(base, path):
 
 def normalize(ev, encoding, block_size):
     """Returns (type, fields dict) after checking the exact shape."""
-    if encoding == "map":
+    if encoding in ("map", "map-0.24"):
         check(isinstance(ev, dict), f"map encoding: event is {type(ev).__name__}")
         t = ev.get("type")
         keys = list(ev.keys())
+        v032 = encoding == "map"
         if t == "BlockStored":
-            check(keys == STORED_KEYS, f"BlockStored keys/order {keys}")
+            check(keys == (STORED_KEYS_032 if v032 else STORED_KEYS), f"BlockStored keys/order {keys}")
+            if v032:
+                check(ev["extra_keys"] == [None] * len(ev["block_hashes"]), f"extra_keys {ev['extra_keys']!r}")
+                check(ev["group_idx"] == 0 and ev["kv_cache_spec_kind"] == "full_attention", "group/spec kind")
         elif t == "BlockRemoved":
-            check(keys == REMOVED_KEYS, f"BlockRemoved keys/order {keys}")
+            check(keys == (REMOVED_KEYS_032 if v032 else REMOVED_KEYS), f"BlockRemoved keys/order {keys}")
         elif t == "AllBlocksCleared":
             check(keys == ["type"], f"AllBlocksCleared keys {keys}")
         else:
@@ -81,7 +88,7 @@ def main():
     ap.add_argument("--http", required=True)
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--replay", required=True)
-    ap.add_argument("--encoding", choices=["map", "array"], required=True)
+    ap.add_argument("--encoding", choices=["map", "map-0.24", "array"], required=True)
     ap.add_argument("--topic", default="")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dp-rank", type=int, default=0)
