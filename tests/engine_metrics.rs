@@ -255,3 +255,65 @@ fn engine_figures_request_breakdowns_mttr_and_restarts() {
 fn v_of(text: &str, series: &str) -> f64 {
     sample(text, series).unwrap_or_else(|| panic!("{series}:\n{text}"))
 }
+
+/// vLLM's and SGLang's `AllBlocksCleared` over ZMQ (a restart, or an operator's
+/// `POST /reset_prefix_cache`) after the worker had stored blocks is one `kv_cache_cleared`
+/// restart, as TRT-LLM's `created` is (found against a real vLLM 0.32: the ZMQ path dropped the
+/// index but counted nothing).
+#[test]
+fn a_cache_reset_after_stored_blocks_counts_as_kv_cache_cleared() {
+    let mut sim = Proc::kvgate(
+        "kvgate sim",
+        &["sim", "--port", "0", "--speedup", "0", "--model", MODEL],
+    );
+    let (worker, kv, replay) = sim.wait_for(Duration::from_secs(20), |l| {
+        let field = |key: &str| {
+            l.split_whitespace()
+                .find_map(|t| t.strip_prefix(key))
+                .map(str::to_owned)
+        };
+        Some((
+            addr_after(l, "http=")?,
+            field("kv_events=")?,
+            field("replay=")?,
+        ))
+    });
+    sim.wait_for(Duration::from_secs(20), |l| {
+        (l.trim() == "ready").then_some(())
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("kvgate.toml");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
+             [[workers]]\nurl = \"http://{worker}\"\nname = \"w\"\nmodels = [\"{MODEL}\"]\n\
+             kv_events = \"{kv}\"\nkv_replay = \"{replay}\"\n"
+        ),
+    )
+    .unwrap();
+    let mut gw_proc = Proc::kvgate(
+        "kvgate serve",
+        &["serve", "--config", cfg_path.to_str().unwrap()],
+    );
+    let gw = gw_proc.wait_for(Duration::from_secs(20), serving_addr);
+    let cleared = r#"kvgate_worker_restarts_total{worker="w",reason="kv_cache_cleared"}"#;
+    let stored = r#"kvgate_worker_kv_blocks_stored_total{worker="w"}"#;
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":2}}"#,
+        "the same long prompt ".repeat(40)
+    );
+    // Blocks stored (events seen by the gateway), and nothing counted yet.
+    let text = metrics_until(gw, Duration::from_secs(30), "stored blocks", |t| {
+        let (s, _) = http(gw, "POST", "/v1/completions", Some(&body));
+        s == 200 && sample(t, stored).is_some_and(|n| n > 0.0)
+    });
+    assert_eq!(sample(&text, cleared), Some(0.0), "{text}");
+    let (s, b) = http(worker, "POST", "/reset_prefix_cache", None);
+    assert_eq!(s, 200, "{b}");
+    metrics_until(gw, Duration::from_secs(30), "kv_cache_cleared", |t| {
+        sample(t, cleared) == Some(1.0)
+    });
+    drop(gw_proc);
+    drop(sim);
+}

@@ -731,6 +731,16 @@ fn check_reset(gw: &mut Gw, f: &Fleet) {
         resets(gw) > resets_before,
         "reset: AllBlocksCleared not counted in kvgate_worker_kv_index_resets_total"
     );
+    // A clear after stored blocks is counted as `kv_cache_cleared` (restart or cache reset).
+    assert!(
+        sample(
+            &gw.metrics(),
+            "kvgate_worker_restarts_total{worker=\"a\",reason=\"kv_cache_cleared\"}",
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "reset: AllBlocksCleared not counted in kvgate_worker_restarts_total{{reason=\"kv_cache_cleared\"}}"
+    );
     // Nothing of the old cache is predicted any more: a prompt routed before the reset is a miss
     // on both sides now (or a hit only where the engine has it again).
     let mut rows = Vec::new();

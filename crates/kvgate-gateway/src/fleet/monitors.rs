@@ -510,10 +510,17 @@ impl FleetSink for GatewaySink {
                 kvgate_fleet::apply_batch(index, worker, batch, self.block_size)
             });
             let s = &self.signals;
-            s.kv_blocks_stored
+            let stored_before = s
+                .kv_blocks_stored
                 .fetch_add(out.stored_blocks as u64, Ordering::Relaxed);
             s.kv_blocks_removed
                 .fetch_add(out.removed_blocks as u64, Ordering::Relaxed);
+            // vLLM's and SGLang's AllBlocksCleared (a restart, or an operator's
+            // `/reset_prefix_cache`) after the worker had stored blocks: counted like TRT-LLM's
+            // (`on_kv_reset`), `kv_cache_cleared`. A clear before any stored block is the start.
+            if out.cleared && stored_before + out.stored_blocks as u64 > 0 {
+                s.restart(1, crate::clock::now());
+            }
         });
     }
 
