@@ -130,17 +130,16 @@ pub fn protocol_for(configured: PdProtocol, prefill: &Pool) -> Handoff {
 /// The workers of `pool` whose role `keep` accepts, as a pool of their own (an `auto` worker of
 /// unknown role is in neither).
 pub fn sub_pool(pool: &Pool, keep: impl Fn(WorkerRole) -> bool) -> Pool {
-    Pool {
-        model: pool.model.clone(),
-        workers: pool
-            .workers
+    Pool::new(
+        pool.model.clone(),
+        pool.workers
             .iter()
             .filter(|w| w.role().is_some_and(&keep))
             .cloned()
             .collect(),
-        block_size: pool.block_size,
-        tokenizer: pool.tokenizer.clone(),
-    }
+        pool.block_size,
+        pool.tokenizer.clone(),
+    )
 }
 
 /// The prefill leg's body (vLLM toy proxy / NIXL semantics); `None` when the client's body is not

@@ -241,6 +241,41 @@ pub struct Pool {
     pub block_size: u32,
     /// Tokenizer + chat template of this model.
     pub tokenizer: Arc<kvgate_tokenize::ModelTokenizer>,
+    /// Position in `workers` by worker id (`u32::MAX`: not in this pool), built with the pool:
+    /// O(1) membership and id → worker for the bounded selection, which walks the load order of
+    /// every pool's workers. Ids are dense (reused after removal), so this stays fleet-sized.
+    slots: Vec<u32>,
+}
+
+impl Pool {
+    pub fn new(
+        model: Lbl,
+        workers: Vec<Arc<Worker>>,
+        block_size: u32,
+        tokenizer: Arc<kvgate_tokenize::ModelTokenizer>,
+    ) -> Self {
+        let mut slots = Vec::new();
+        for (i, w) in workers.iter().enumerate() {
+            let at = w.id.index();
+            if slots.len() <= at {
+                slots.resize(at + 1, u32::MAX);
+            }
+            slots[at] = i as u32;
+        }
+        Pool {
+            model,
+            workers,
+            block_size,
+            tokenizer,
+            slots,
+        }
+    }
+
+    /// The pool's worker with this id (O(1)).
+    pub fn worker(&self, id: WorkerId) -> Option<&Arc<Worker>> {
+        let i = *self.slots.get(id.index())?;
+        self.workers.get(i as usize).filter(|w| w.id == id)
+    }
 }
 
 /// An immutable view of the fleet.
@@ -568,14 +603,13 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
             .tokenizer()
             .set_segment_cache_budget(cfg.cache.tokenizer_segment_bytes);
         tokenizers.insert(key, tokenizer.clone());
-        let pool = Arc::new(Pool {
-            model: model.clone(),
-            workers: ws,
-            block_size: mcfg
-                .and_then(|m| m.block_size)
+        let pool = Arc::new(Pool::new(
+            model.clone(),
+            ws,
+            mcfg.and_then(|m| m.block_size)
                 .unwrap_or(cfg.routing.block_size),
             tokenizer,
-        });
+        ));
         if let Some(mc) = mcfg {
             for alias in &mc.aliases {
                 pools

@@ -13,18 +13,21 @@
 //! 1. the *holders*: every worker with the prompt's first block in the index or in flight (only
 //!    they can have overlap or a shorter decode footprint), and
 //! 2. the other workers in ascending key order, stopping at the first whose cost lower bound
-//!    (the constant + its key) exceeds the best eligible cost found, or equals it once
-//!    [`TIE_CAP`] workers tie at that cost.
+//!    (the constant + its key) exceeds the best eligible cost found. Workers whose bound equals
+//!    it are visited too: every worker tied at the minimum is a candidate, as in the exhaustive
+//!    scan.
 //!
 //! Extra load the caller adds per candidate (cluster mode's peers' load) and the busy filter only
 //! raise a cost or skip a worker, so the bound stays a lower bound and the minimum cost is always
-//! the exhaustive scan's. What can differ is which of several *equally* cheap workers is picked:
-//! rendezvous tie-breaking ([`crate::pick_for_request`]) runs over the tied workers visited (all
-//! tied holders, at least [`TIE_CAP`] tied others, the least loaded first by worker id), not over
-//! every tied worker of the fleet; replicas with the same view still pick the same one. The
-//! property test `bounded_matches_exhaustive` holds this: always the same cost, the same worker
-//! whenever the minimum is unique. Temperature > 0 (every worker has a probability) and
-//! weights without a lower bound visit every known worker.
+//! the exhaustive scan's, over the same set of tied workers: rendezvous tie-breaking
+//! ([`crate::pick_for_request`]) therefore spreads new prefixes over every idle worker of a large
+//! fleet as the exhaustive scan does (an earlier cap of 8 visited ties sent every new prefix of an
+//! idle fleet to its 8 lowest-id workers). The price: an idle fleet, where every worker ties,
+//! costs a visit per worker, as the exhaustive scan does; a loaded one stops early. Only a random
+//! tie-break (a prompt every tied worker holds whole) may pick another tied worker, since the
+//! candidates come in another order. The property test `bounded_matches_exhaustive` holds this:
+//! always the same cost, the same worker whenever the minimum is unique. Temperature > 0 (every
+//! worker has a probability) and weights without a lower bound visit every known worker.
 //!
 //! Contract: a worker is seen as a non-holder only once [`crate::ActiveSequences`] knows it
 //! ([`crate::ActiveSequences::add_worker`] when it joins, or its first request).
@@ -34,9 +37,6 @@ use crate::index::{KvIndex, OverlapScores};
 use crate::load::{ActiveSequences, OrderWeights};
 use crate::policy::{KvPolicy, Policy};
 use std::time::Instant;
-
-/// Workers tied at the best cost visited before the walk may stop on an equal bound.
-pub const TIE_CAP: usize = 8;
 
 /// The `kv` decision of `policy` for `req` over the workers `active` knows, visiting only the
 /// holders of the prompt's first block and the least loaded others (see the module docs).
@@ -76,15 +76,11 @@ pub fn select_kv_bounded(
     candidates.dedup_by_key(|c| c.worker);
     let holders = candidates.len();
     let mut best = f64::INFINITY;
-    let mut ties = 0usize;
-    let note = |c: &Candidate, best: &mut f64, ties: &mut usize| {
+    let note = |c: &Candidate, best: &mut f64| {
         if busy.is_off() || !is_busy(c, busy) {
             let cost = cfg.cost(req, c);
             if cost < *best {
                 *best = cost;
-                *ties = 1;
-            } else if cost == *best {
-                *ties += 1;
             }
         }
     };
@@ -98,7 +94,7 @@ pub fn select_kv_bounded(
         c.inflight = load.inflight;
         c.new_blocks = g.new_blocks_after_depths(c.worker, n);
         if prepare(&mut c) {
-            note(&c, &mut best, &mut ties);
+            note(&c, &mut best);
             candidates[kept] = c;
             kept += 1;
         }
@@ -114,7 +110,7 @@ pub fn select_kv_bounded(
         if !exhaustive && best.is_finite() {
             let bound = base + key;
             let slack = 1e-9 * best.abs().max(1.0);
-            if bound > best + slack || (bound >= best - slack && ties >= TIE_CAP) {
+            if bound > best + slack {
                 return false;
             }
         }
@@ -127,7 +123,7 @@ pub fn select_kv_bounded(
         c.inflight = load.inflight;
         c.new_blocks = n as u32;
         if prepare(&mut c) {
-            note(&c, &mut best, &mut ties);
+            note(&c, &mut best);
             candidates.push(c);
         }
         true

@@ -19,7 +19,7 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvgate_cluster::Cluster;
 use kvgate_core::{
-    all_busy, score_candidates, ActiveSequences, BusyThresholds, Candidate, Decision, IndexMode,
+    all_busy, score_candidates, select_kv_bounded, ActiveSequences, BusyThresholds, Candidate, Decision, IndexMode,
     KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard, OverlapScores, Policy,
     PolicyConfig, RemoteLoads, RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
 };
@@ -214,6 +214,15 @@ impl std::fmt::Debug for CandidateLoads<'_> {
     }
 }
 
+/// The worker-side facts of a candidate: its stable id, fresh scraped load, KV capacity and
+/// whether its engine scores KV (both selection paths).
+fn complete(c: &mut Candidate, w: &Worker, now: Instant) {
+    c.stable_id = w.stable_id;
+    c.scraped = w.state.fresh_scraped(now);
+    c.kv_capacity_blocks = w.state.kv_capacity_blocks.load(Ordering::Relaxed);
+    c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -247,6 +256,8 @@ impl Router {
                 capacity_blocks: routing.approx_capacity_blocks,
             })
         };
+        // Idle workers are in the load order too (the bounded selection walks it).
+        self.active.add_worker(id);
         let mut index = self.index.write();
         index.set_predicted_ttl(std::time::Duration::from_secs(routing.predicted_ttl_s));
         index.set_mode(id, mode);
@@ -351,10 +362,36 @@ impl Router {
         now: Instant,
         leg: Leg,
     ) -> Result<Pick, NoPick> {
+        self.select_with(pool, hashes, isl, affinity_key, exclude, now, leg, true)
+    }
+
+    /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
+    /// prompt's first block and the least loaded other workers
+    /// ([`kvgate_core::select_kv_bounded`], docs/routing.md §8b) instead of every worker of the
+    /// pool. Same cost as the exhaustive scan, over the same tied workers. When it finds no non-busy worker, the exhaustive scan
+    /// decides (it tells `AllBusy` from `NoWorker` over the whole pool).
+    #[allow(clippy::too_many_arguments)]
+    fn select_with(
+        &self,
+        pool: &Pool,
+        hashes: &[u64],
+        isl: u64,
+        affinity_key: Option<u64>,
+        exclude: &[WorkerId],
+        now: Instant,
+        leg: Leg,
+        bounded: bool,
+    ) -> Result<Pick, NoPick> {
         let rp = self.policy.load();
         let policy = match (leg, &rp.decode_policy) {
             (Leg::Decode, Some(p)) => p.as_ref(),
             _ => rp.policy.as_ref(),
+        };
+        let req = RouteRequest {
+            hashes,
+            isl_tokens: isl,
+            block_size: pool.block_size,
+            affinity_key,
         };
         SCRATCH.with(|s| {
             let s = &mut *s.borrow_mut();
@@ -364,21 +401,58 @@ impl Router {
                 rng,
             } = s;
             let rng = rng.get_or_insert_with(fastrand::Rng::new);
+            let kv = policy
+                .as_kv()
+                .filter(|kv| bounded && !(kv.config().temperature > 0.0));
+            if let Some(kv) = kv {
+                let decision = {
+                    // Lock order as everywhere: index, peers' loads (their guards free into
+                    // `active`), latency model; `active` is locked inside.
+                    let index = self.index.read();
+                    let mut remote = self.cluster.get().map(|_| self.remote.lock());
+                    let latency = self.latency.lock();
+                    select_kv_bounded(
+                        kv,
+                        &index,
+                        &self.active,
+                        &req,
+                        now,
+                        scores,
+                        candidates,
+                        |c| {
+                            // The load order spans every pool: other pools' workers are skipped.
+                            let Some(w) = pool.worker(c.worker) else {
+                                return false;
+                            };
+                            if !self.eligible(w, exclude, &rp, now) {
+                                return false;
+                            }
+                            complete(c, w, now);
+                            let one = std::slice::from_mut(c);
+                            if let Some(r) = remote.as_mut() {
+                                r.add_into_at(one, now);
+                            }
+                            latency.fill(one);
+                            true
+                        },
+                        rng,
+                    )
+                };
+                // No non-busy worker visited: the walk then visited every worker it knows, and the
+                // exhaustive scan below gives the same answer with its `AllBusy` / `NoWorker` rule.
+                if let Some(decision) = decision {
+                    if rp.busy.is_off() || !all_busy(candidates, &rp.busy) {
+                        return self.picked(pool, &rp, &req, decision, candidates);
+                    }
+                }
+            }
             candidates.clear();
             for w in &pool.workers {
-                if exclude.contains(&w.id) || !w.state.routable(now) {
-                    continue;
-                }
-                if rp.max_inflight > 0
-                    && w.state.inflight.load(Ordering::Relaxed) >= rp.max_inflight
-                {
+                if !self.eligible(w, exclude, &rp, now) {
                     continue;
                 }
                 let mut c = Candidate::new(w.id);
-                c.stable_id = w.stable_id;
-                c.scraped = w.state.fresh_scraped(now);
-                c.kv_capacity_blocks = w.state.kv_capacity_blocks.load(Ordering::Relaxed);
-                c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
+                complete(&mut c, w, now);
                 candidates.push(c);
             }
             if candidates.is_empty() {
@@ -408,40 +482,48 @@ impl Router {
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
                 return Err(NoPick::AllBusy);
             }
-            let req = RouteRequest {
-                hashes,
-                isl_tokens: isl,
-                block_size: pool.block_size,
-                affinity_key,
-            };
             let decision = policy
                 .select(&req, candidates, rng)
                 .ok_or(NoPick::NoWorker)?;
-            let worker = pool
-                .workers
-                .iter()
-                .find(|w| w.id == decision.worker)
-                .cloned()
-                .ok_or(NoPick::NoWorker)?;
-            tracing::debug!(
-                target: "kvgate::route",
-                worker = %worker.name,
-                cost = decision.cost,
-                overlap = decision.overlap_blocks,
-                share = decision.share,
-                candidates = ?CandidateLoads(candidates),
-                "routed"
-            );
-            let estimate = candidates
-                .iter()
-                .find(|c| c.worker == decision.worker)
-                .map(|c| rp.latency.estimate(&req, c))
-                .unwrap_or_default();
-            Ok(Pick {
-                worker,
-                decision,
-                estimate,
-            })
+            self.picked(pool, &rp, &req, decision, candidates)
+        })
+    }
+
+    /// `w` may take this request: not already tried, routable, under `max_inflight_per_worker`.
+    fn eligible(&self, w: &Worker, exclude: &[WorkerId], rp: &RoutePolicy, now: Instant) -> bool {
+        !exclude.contains(&w.id)
+            && w.state.routable(now)
+            && (rp.max_inflight == 0 || w.state.inflight.load(Ordering::Relaxed) < rp.max_inflight)
+    }
+
+    /// The pick of `decision` among `candidates` (the workers the policy saw, logged).
+    fn picked(
+        &self,
+        pool: &Pool,
+        rp: &RoutePolicy,
+        req: &RouteRequest,
+        decision: Decision,
+        candidates: &[Candidate],
+    ) -> Result<Pick, NoPick> {
+        let worker = pool.worker(decision.worker).cloned().ok_or(NoPick::NoWorker)?;
+        tracing::debug!(
+            target: "kvgate::route",
+            worker = %worker.name,
+            cost = decision.cost,
+            overlap = decision.overlap_blocks,
+            share = decision.share,
+            candidates = ?CandidateLoads(candidates),
+            "routed"
+        );
+        let estimate = candidates
+            .iter()
+            .find(|c| c.worker == decision.worker)
+            .map(|c| rp.latency.estimate(req, c))
+            .unwrap_or_default();
+        Ok(Pick {
+            worker,
+            decision,
+            estimate,
         })
     }
 
@@ -613,3 +695,7 @@ impl Drop for DispatchGuard {
         self.admission.release();
     }
 }
+
+#[cfg(test)]
+#[path = "router_tests.rs"]
+mod tests;

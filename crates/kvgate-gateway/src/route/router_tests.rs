@@ -1,0 +1,243 @@
+//! The gateway's bounded `kv` selection against its exhaustive scan, over fleet states built
+//! through the `Router` API (dispatches, frees, predicted blocks, health, exclusions, limits,
+//! scraped load, busy thresholds, a second pool sharing the load order).
+
+use super::*;
+use crate::config::{Config, WorkerConfig};
+use crate::registry::Registry;
+use kvgate_core::ScrapedLoad;
+use std::time::Duration;
+
+fn config(workers: usize, other: usize, rng: &mut fastrand::Rng) -> Arc<Config> {
+    let mut c = Config::default();
+    for i in 0..workers + other {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec![if i < workers { "m" } else { "n" }.to_string()];
+        c.workers.push(w);
+    }
+    // Interleave the two pools' ids in the load order.
+    rng.shuffle(&mut c.workers);
+    c.routing.policy = "kv".into();
+    c.routing.temperature = 0.0;
+    c.routing.max_inflight_per_worker = if rng.bool() { 0 } else { rng.u32(1..4) };
+    c.routing.busy_active_blocks = rng.bool().then(|| rng.u32(0..24));
+    c.routing.busy_pending_prefill_tokens = rng.bool().then(|| rng.u64(0..400));
+    c.routing.busy_kv_usage = rng.bool().then(|| rng.f32());
+    c.routing.prefill_weight = [0.0, 1.0, 2.5][rng.usize(0..3)];
+    Arc::new(c)
+}
+
+fn router(cfg: &Config, reg: &Registry) -> Router {
+    let policy = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd).unwrap();
+    let router = Router::new(policy, Arc::new(Admission::new(16, Duration::from_secs(1))));
+    for w in &reg.snapshot().workers {
+        router.add_worker(w.id, true, w.kind, &cfg.routing);
+    }
+    router
+}
+
+/// A prompt of `len` blocks from one of a few prefix families (shared prefixes, divergent tails).
+fn prompt(rng: &mut fastrand::Rng) -> Vec<u64> {
+    let family = rng.u64(0..4);
+    let shared = rng.usize(0..6);
+    let len = shared + rng.usize(1..6);
+    (0..len)
+        .map(|i| {
+            if i < shared {
+                family * 1000 + i as u64 + 1
+            } else {
+                rng.u64(1..u64::MAX)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn bounded_selection_matches_the_exhaustive_scan() {
+    let mut checked = 0;
+    let mut unique = 0;
+    for seed in 0..120u64 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let cfg = config(rng.usize(1..40), rng.usize(0..20), &mut rng);
+        let (reg, _) = Registry::new(cfg.clone()).unwrap();
+        let router = router(&cfg, &reg);
+        let fleet = reg.snapshot();
+        let pools: Vec<Arc<Pool>> = ["m", "n"]
+            .iter()
+            .filter_map(|m| fleet.pool(m).cloned())
+            .collect();
+        let now = Instant::now();
+        let mut guards = Vec::new();
+        for _ in 0..rng.usize(0..80) {
+            let pool = &pools[rng.usize(0..pools.len())];
+            let hashes = prompt(&mut rng);
+            let isl = hashes.len() as u64 * 16 - rng.u64(0..16);
+            // Build state through the router's own decisions and a few arbitrary placements.
+            let pick = if rng.u8(0..4) == 0 {
+                let w = pool.workers[rng.usize(0..pool.workers.len())].clone();
+                let decision = Decision::for_candidate(
+                    &RouteRequest {
+                        hashes: &hashes,
+                        isl_tokens: isl,
+                        block_size: 16,
+                        affinity_key: None,
+                    },
+                    &Candidate::new(w.id),
+                    0.0,
+                );
+                Pick {
+                    worker: w,
+                    decision,
+                    estimate: TtftEstimate::default(),
+                }
+            } else {
+                match router.select(pool, &hashes, isl, None, &[], now) {
+                    Ok(p) => p,
+                    Err(_) => continue,
+                }
+            };
+            guards.push(router.dispatch(&pick, &hashes, isl, 16, now));
+            if rng.u8(0..3) == 0 {
+                let g = guards.swap_remove(rng.usize(0..guards.len()));
+                if rng.bool() {
+                    g.prefill_done();
+                    guards.push(g);
+                }
+            }
+        }
+        for w in &fleet.workers {
+            match rng.u8(0..8) {
+                0 => w.state.healthy.store(false, Ordering::Relaxed),
+                1 => {
+                    *w.state.scraped.lock() = Some((
+                        now,
+                        ScrapedLoad {
+                            kv_usage: rng.f32(),
+                            waiting: rng.u32(0..4),
+                            running: rng.u32(0..8),
+                        },
+                    ))
+                }
+                2 => w.state.kv_capacity_blocks.store(rng.u32(0..64), Ordering::Relaxed),
+                _ => {}
+            }
+        }
+        for _ in 0..20 {
+            let pool = &pools[0];
+            let hashes = prompt(&mut rng);
+            let isl = hashes.len() as u64 * 16;
+            let exclude: Vec<WorkerId> = (0..rng.usize(0..3))
+                .map(|_| pool.workers[rng.usize(0..pool.workers.len())].id)
+                .collect();
+            let args = (pool.as_ref(), &hashes[..], isl, None, &exclude[..], now, Leg::Whole);
+            let bounded = router.select_with(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, true,
+            );
+            let exhaustive = router.select_with(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, false,
+            );
+            checked += 1;
+            match (&bounded, &exhaustive) {
+                (Err(a), Err(b)) => assert_eq!(a, b, "seed {seed}"),
+                (Ok(a), Ok(b)) => {
+                    let (ca, cb) = (a.decision.cost, b.decision.cost);
+                    assert!(
+                        (ca - cb).abs() <= 1e-9 * cb.abs().max(1.0),
+                        "seed {seed}: bounded cost {ca} ({}) vs exhaustive {cb} ({})",
+                        a.worker.name,
+                        b.worker.name
+                    );
+                    // The exhaustive scan's candidates are still in the scratch: is its minimum
+                    // unique among the workers the policy could choose?
+                    let rp = router.policy();
+                    let kv = rp.policy.as_kv().unwrap();
+                    let req = RouteRequest {
+                        hashes: &hashes,
+                        isl_tokens: isl,
+                        block_size: pool.block_size,
+                        affinity_key: None,
+                    };
+                    let tied = SCRATCH.with(|s| {
+                        let s = s.borrow();
+                        s.candidates
+                            .iter()
+                            .filter(|c| rp.busy.is_off() || !kvgate_core::is_busy(c, &rp.busy))
+                            .filter(|c| {
+                                (kv.config().cost(&req, c) - cb).abs() <= 1e-9 * cb.abs().max(1.0)
+                            })
+                            .count()
+                    });
+                    assert!(tied >= 1, "seed {seed}");
+                    if tied == 1 {
+                        unique += 1;
+                        assert_eq!(a.worker.id, b.worker.id, "seed {seed}: unique minimum");
+                    }
+                    assert_eq!(
+                        a.decision.overlap_blocks, b.decision.overlap_blocks,
+                        "seed {seed}"
+                    );
+                }
+                _ => panic!(
+                    "seed {seed}: bounded {:?} vs exhaustive {:?}",
+                    bounded.as_ref().map(|p| &p.worker.name).err(),
+                    exhaustive.as_ref().map(|p| &p.worker.name).err()
+                ),
+            }
+        }
+        drop(guards);
+    }
+    assert!(checked > 2000 && unique > checked / 4, "{checked} {unique}");
+}
+
+#[test]
+fn a_reused_worker_id_starts_with_no_load() {
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut cfg = (*config(2, 0, &mut rng)).clone();
+    cfg.routing.max_inflight_per_worker = 0;
+    cfg.routing.busy_active_blocks = None;
+    cfg.routing.busy_pending_prefill_tokens = None;
+    cfg.routing.busy_kv_usage = None;
+    let cfg = Arc::new(cfg);
+    let (reg, _) = Registry::new(cfg.clone()).unwrap();
+    let router = router(&cfg, &reg);
+    let pool = reg.snapshot().pool("m").unwrap().clone();
+    let now = Instant::now();
+    let ids: Vec<WorkerId> = pool.workers.iter().map(|w| w.id).collect();
+    let loads = |r: &Router| {
+        let mut all = r.active().all();
+        all.sort_by_key(|(w, _)| *w);
+        all
+    };
+    // Both idle workers are known (once each) before any request.
+    assert_eq!(
+        loads(&router).iter().map(|(w, _)| *w).collect::<Vec<_>>(),
+        ids.iter().copied().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>()
+    );
+    let hashes = [1, 2, 3, 4];
+    let pick = router.select(&pool, &hashes, 64, None, &[], now).unwrap();
+    let busy = pick.worker.id;
+    let guard = router.dispatch(&pick, &hashes, 64, 16, now);
+    let other = *ids.iter().find(|&&w| w != busy).unwrap();
+    // A prompt nobody holds goes to the idle worker.
+    let p = router.select(&pool, &[9, 9], 32, None, &[], now).unwrap();
+    assert_eq!(p.worker.id, other);
+    // The loaded worker leaves; its id comes back (reused) while its old request still runs.
+    router.remove_worker(busy);
+    assert!(loads(&router).iter().all(|(w, _)| *w != busy), "removed from the load set");
+    router.add_worker(busy, true, pick.worker.kind, &cfg.routing);
+    let all = loads(&router);
+    assert_eq!(all.iter().filter(|(w, _)| *w == busy).count(), 1);
+    let (_, l) = all.iter().find(|(w, _)| *w == busy).unwrap();
+    assert_eq!((l.active_blocks, l.inflight, l.pending_prefill_tokens), (0, 0, 0));
+    // The old request's end does not touch the new worker of that id.
+    drop(guard);
+    let (_, l) = loads(&router).into_iter().find(|(w, _)| *w == busy).unwrap();
+    assert_eq!((l.active_blocks, l.inflight), (0, 0));
+    // Load the other worker: the reused id, idle, is now the cheapest for a fresh prompt, also
+    // on the bounded path (it must be in the load order again).
+    let p = router.select(&pool, &[5, 6, 7], 48, None, &[busy], now).unwrap();
+    assert_eq!(p.worker.id, other);
+    let _g = router.dispatch(&p, &[5, 6, 7], 48, 16, now);
+    let fresh = router.select(&pool, &[8, 8, 8, 8], 64, None, &[], now).unwrap();
+    assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
+}
