@@ -368,8 +368,9 @@ impl Router {
     /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
     /// prompt's first block and the least loaded other workers
     /// ([`kvgate_core::select_kv_bounded`], docs/routing.md §8b) instead of every worker of the
-    /// pool. Same cost as the exhaustive scan, over the same tied workers. When it finds no non-busy worker, the exhaustive scan
-    /// decides (it tells `AllBusy` from `NoWorker` over the whole pool).
+    /// pool. Same cost as the exhaustive scan, over the same tied workers. When it finds no
+    /// non-busy worker, the exhaustive scan decides (it tells `AllBusy` from `NoWorker` over the
+    /// whole pool).
     #[allow(clippy::too_many_arguments)]
     fn select_with(
         &self,
