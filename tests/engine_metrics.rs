@@ -12,16 +12,6 @@ use kvgate_system_tests::harness::*;
 
 const MODEL: &str = "kvgate-sim";
 
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}
-
 /// Polls the gateway's `/metrics` until `ok` holds; panics with the last text after `limit`.
 fn metrics_until(gw: SocketAddr, limit: Duration, what: &str, ok: impl Fn(&str) -> bool) -> String {
     let mut last = String::new();

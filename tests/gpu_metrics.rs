@@ -10,16 +10,6 @@ use kvgate_testkit::{poll_for_blocking, poll_until_blocking, PATIENCE};
 
 const MODEL: &str = "kvgate-sim";
 
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}
-
 #[test]
 fn dcgm_figures_of_a_sim_reach_the_gateway_and_follow_its_load() {
     // Real step times (speedup 1, not the harness's 0), so streams stay running while scraped.

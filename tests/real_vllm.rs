@@ -279,16 +279,6 @@ fn words(seed: usize, n: usize) -> String {
         .join(" ")
 }
 
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
-        l.strip_prefix(series)?
-            .strip_prefix(' ')?
-            .trim()
-            .parse()
-            .ok()
-    })
-}
-
 /// Sum of every sample of `name` whose label set contains all `labels` (`k="v"` strings).
 fn sum_series(text: &str, name: &str) -> Option<f64> {
     let mut found = None;

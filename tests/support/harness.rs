@@ -326,3 +326,15 @@ pub fn rule_exprs(yaml: &str) -> Vec<String> {
     }
     out
 }
+
+/// The value of one exposition-format sample: the line that starts with `series` (name and label
+/// set, exactly as rendered) followed by a space.
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}

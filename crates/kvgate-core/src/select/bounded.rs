@@ -117,11 +117,7 @@ pub fn select_kv_bounded(
         if is_holder(&candidates[..kept], w) {
             return true;
         }
-        let mut c = Candidate::new(w);
-        c.active_blocks = load.active_blocks;
-        c.pending_prefill_tokens = load.pending_prefill_tokens;
-        c.inflight = load.inflight;
-        c.new_blocks = n as u32;
+        let mut c = non_holder(w, load, n);
         if prepare(&mut c) {
             note(&c, &mut best);
             candidates.push(c);
@@ -139,11 +135,7 @@ pub fn select_kv_bounded(
             },
             |_, w, load| {
                 if !is_holder(&candidates[..kept], w) {
-                    let mut c = Candidate::new(w);
-                    c.active_blocks = load.active_blocks;
-                    c.pending_prefill_tokens = load.pending_prefill_tokens;
-                    c.inflight = load.inflight;
-                    c.new_blocks = n as u32;
+                    let mut c = non_holder(w, load, n);
                     if prepare(&mut c) {
                         candidates.push(c);
                     }
@@ -154,6 +146,17 @@ pub fn select_kv_bounded(
     }
     drop(g);
     policy.select(req, candidates, rng)
+}
+
+/// A worker holding none of the prompt's `n` blocks, with its router-side load: no overlap, the
+/// whole prompt new.
+fn non_holder(w: crate::WorkerId, load: crate::WorkerLoad, n: usize) -> Candidate {
+    let mut c = Candidate::new(w);
+    c.active_blocks = load.active_blocks;
+    c.pending_prefill_tokens = load.pending_prefill_tokens;
+    c.inflight = load.inflight;
+    c.new_blocks = n as u32;
+    c
 }
 
 #[cfg(test)]

@@ -19,9 +19,10 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvgate_cluster::Cluster;
 use kvgate_core::{
-    all_busy, score_candidates, select_kv_bounded, ActiveSequences, BusyThresholds, Candidate, Decision, IndexMode,
-    KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard, OverlapScores, Policy,
-    PolicyConfig, RemoteLoads, RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
+    all_busy, score_candidates, select_kv_bounded, ActiveSequences, BusyThresholds, Candidate,
+    Decision, IndexMode, KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard,
+    OverlapScores, Policy, PolicyConfig, RemoteLoads, RouteRequest, Speed, TimingCurve,
+    TtftEstimate, WorkerId,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -506,7 +507,10 @@ impl Router {
         decision: Decision,
         candidates: &[Candidate],
     ) -> Result<Pick, NoPick> {
-        let worker = pool.worker(decision.worker).cloned().ok_or(NoPick::NoWorker)?;
+        let worker = pool
+            .worker(decision.worker)
+            .cloned()
+            .ok_or(NoPick::NoWorker)?;
         tracing::debug!(
             target: "kvgate::route",
             worker = %worker.name,

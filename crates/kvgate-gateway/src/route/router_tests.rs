@@ -118,7 +118,10 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                         },
                     ))
                 }
-                2 => w.state.kv_capacity_blocks.store(rng.u32(0..64), Ordering::Relaxed),
+                2 => w
+                    .state
+                    .kv_capacity_blocks
+                    .store(rng.u32(0..64), Ordering::Relaxed),
                 _ => {}
             }
         }
@@ -129,10 +132,17 @@ fn bounded_selection_matches_the_exhaustive_scan() {
             let exclude: Vec<WorkerId> = (0..rng.usize(0..3))
                 .map(|_| pool.workers[rng.usize(0..pool.workers.len())].id)
                 .collect();
-            let args = (pool.as_ref(), &hashes[..], isl, None, &exclude[..], now, Leg::Whole);
-            let bounded = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, true,
+            let args = (
+                pool.as_ref(),
+                &hashes[..],
+                isl,
+                None,
+                &exclude[..],
+                now,
+                Leg::Whole,
             );
+            let bounded =
+                router.select_with(args.0, args.1, args.2, args.3, args.4, args.5, args.6, true);
             let exhaustive = router.select_with(
                 args.0, args.1, args.2, args.3, args.4, args.5, args.6, false,
             );
@@ -211,7 +221,11 @@ fn a_reused_worker_id_starts_with_no_load() {
     // Both idle workers are known (once each) before any request.
     assert_eq!(
         loads(&router).iter().map(|(w, _)| *w).collect::<Vec<_>>(),
-        ids.iter().copied().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>()
+        ids.iter()
+            .copied()
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect::<Vec<_>>()
     );
     let hashes = [1, 2, 3, 4];
     let pick = router.select(&pool, &hashes, 64, None, &[], now).unwrap();
@@ -223,21 +237,34 @@ fn a_reused_worker_id_starts_with_no_load() {
     assert_eq!(p.worker.id, other);
     // The loaded worker leaves; its id comes back (reused) while its old request still runs.
     router.remove_worker(busy);
-    assert!(loads(&router).iter().all(|(w, _)| *w != busy), "removed from the load set");
+    assert!(
+        loads(&router).iter().all(|(w, _)| *w != busy),
+        "removed from the load set"
+    );
     router.add_worker(busy, true, pick.worker.kind, &cfg.routing);
     let all = loads(&router);
     assert_eq!(all.iter().filter(|(w, _)| *w == busy).count(), 1);
     let (_, l) = all.iter().find(|(w, _)| *w == busy).unwrap();
-    assert_eq!((l.active_blocks, l.inflight, l.pending_prefill_tokens), (0, 0, 0));
+    assert_eq!(
+        (l.active_blocks, l.inflight, l.pending_prefill_tokens),
+        (0, 0, 0)
+    );
     // The old request's end does not touch the new worker of that id.
     drop(guard);
-    let (_, l) = loads(&router).into_iter().find(|(w, _)| *w == busy).unwrap();
+    let (_, l) = loads(&router)
+        .into_iter()
+        .find(|(w, _)| *w == busy)
+        .unwrap();
     assert_eq!((l.active_blocks, l.inflight), (0, 0));
     // Load the other worker: the reused id, idle, is now the cheapest for a fresh prompt, also
     // on the bounded path (it must be in the load order again).
-    let p = router.select(&pool, &[5, 6, 7], 48, None, &[busy], now).unwrap();
+    let p = router
+        .select(&pool, &[5, 6, 7], 48, None, &[busy], now)
+        .unwrap();
     assert_eq!(p.worker.id, other);
     let _g = router.dispatch(&p, &[5, 6, 7], 48, 16, now);
-    let fresh = router.select(&pool, &[8, 8, 8, 8], 64, None, &[], now).unwrap();
+    let fresh = router
+        .select(&pool, &[8, 8, 8, 8], 64, None, &[], now)
+        .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
 }
