@@ -257,6 +257,30 @@ fn send(gw: &mut Gw, label: &str, path: &str, mut body: Value, stream: bool) -> 
     }
 }
 
+/// Sends each `(label, body)` to `path` once the index has settled, then requires that kvgate's
+/// predicted overlap equal the engine's `cached_tokens` on every one (the rows, and their table
+/// for further assertions, are returned).
+fn sends_predict_exactly(
+    gw: &mut Gw,
+    f: &Fleet,
+    phase: &str,
+    path: &str,
+    bodies: Vec<(String, Value)>,
+) -> (Vec<Routed>, String) {
+    let mut rows = Vec::new();
+    for (label, body) in bodies {
+        settle(gw, f, phase);
+        rows.push(send(gw, &label, path, body, false));
+    }
+    let t = table(&rows);
+    eprintln!("{phase}:\n{t}");
+    assert!(
+        rows.iter().all(|r| r.predicted == r.cached),
+        "{phase}:\n{t}"
+    );
+    (rows, t)
+}
+
 fn table(rows: &[Routed]) -> String {
     let mut s = String::from("request | worker | prompt | predicted | cached\n");
     for r in rows {
@@ -733,22 +757,17 @@ fn check_reset(gw: &mut Gw, f: &Fleet) {
     );
     // Nothing of the old cache is predicted any more: a prompt routed before the reset is a miss
     // on both sides now (or a hit only where the engine has it again).
-    let mut rows = Vec::new();
-    for i in 0..2 {
-        settle(gw, f, "after reset");
-        rows.push(send(
-            gw,
-            &format!("after reset {i}"),
-            "/v1/completions",
-            json!({"prompt": format!("doc 1: {}", words(11, 560))}),
-            false,
-        ));
-    }
-    let t = table(&rows);
-    eprintln!("after reset:\n{t}");
-    assert!(
-        rows.iter().all(|r| r.predicted == r.cached),
-        "after reset:\n{t}"
+    sends_predict_exactly(
+        gw,
+        f,
+        "after reset",
+        "/v1/completions",
+        (0..2)
+            .map(|i| {
+                let body = json!({"prompt": format!("doc 1: {}", words(11, 560))});
+                (format!("after reset {i}"), body)
+            })
+            .collect(),
     );
 }
 
@@ -758,16 +777,17 @@ fn check_gateway_restart(gw: &mut Gw, f: &Fleet) {
     let n = gw.index_blocks("a") + gw.index_blocks("b");
     assert!(n > 0, "gateway restart: empty index after replay");
     let sys = format!("Replay check. {}", words(7, 120));
-    let mut rows = Vec::new();
-    for q in ["one", "two"] {
-        settle(gw, f, "gateway restart");
-        rows.push(send(gw, &format!("after restart {q}"), "/v1/chat/completions",
-                       json!({"messages": [{"role": "system", "content": sys}, {"role": "user", "content": q}]}), false));
-    }
-    let t = table(&rows);
-    assert!(
-        rows.iter().all(|r| r.predicted == r.cached),
-        "gateway restart:\n{t}"
+    let (rows, t) = sends_predict_exactly(
+        gw,
+        f,
+        "gateway restart",
+        "/v1/chat/completions",
+        ["one", "two"]
+            .map(|q| {
+                let body = json!({"messages": [{"role": "system", "content": sys}, {"role": "user", "content": q}]});
+                (format!("after restart {q}"), body)
+            })
+            .into(),
     );
     assert!(
         rows[1].cached > 0,
@@ -811,22 +831,17 @@ fn check_engine_restart(gw: &mut Gw, f: &mut Fleet) {
         std::thread::sleep(Duration::from_millis(250));
     }
     // And routing onto it is honest again.
-    let mut rows = Vec::new();
-    for i in 0..4 {
-        settle(gw, f, "after engine restart");
-        rows.push(send(
-            gw,
-            &format!("after engine restart {i}"),
-            "/v1/completions",
-            json!({"prompt": format!("{} {i}", words(20, 200))}),
-            false,
-        ));
-    }
-    let t = table(&rows);
-    eprintln!("after engine restart:\n{t}");
-    assert!(
-        rows.iter().all(|r| r.predicted == r.cached),
-        "after engine restart:\n{t}"
+    sends_predict_exactly(
+        gw,
+        f,
+        "after engine restart",
+        "/v1/completions",
+        (0..4)
+            .map(|i| {
+                let body = json!({"prompt": format!("{} {i}", words(20, 200))});
+                (format!("after engine restart {i}"), body)
+            })
+            .collect(),
     );
 }
 
