@@ -28,9 +28,9 @@
 //! ([`LearnConfig::relax_after`]), so a worker avoided for being slow is tried again.
 //!
 //! Everything here is plain data and `&mut self` updates: the gateway keeps a [`LatencyModel`]
-//! behind a lock, copies each candidate's factors into [`Candidate::speed`] before the policy runs
-//! (a few loads per worker on the hot path), and feeds observations back after the first token
-//! and at the end of the request.
+//! behind a lock taken to learn (after the first token, and once at the end of a request),
+//! publishes each changed worker's speed and slots to a lock-free copy, and copies those into
+//! [`Candidate::speed`] / [`Candidate::slots`] before the policy runs.
 
 use crate::select::{Candidate, RouteRequest};
 use crate::WorkerId;
@@ -436,8 +436,6 @@ impl LogFactor {
 pub struct WorkerFit {
     prefill: LogFactor,
     decode: LogFactor,
-    /// Predicted TTFT ms of the last request routed there.
-    pub last_predicted_ms: f64,
     slots: EngineSlots,
     /// Running count of the previous scrape if requests were waiting then (0 otherwise).
     queued_running: u32,
@@ -456,7 +454,6 @@ impl WorkerFit {
             prefill: LogFactor::new(seed.prefill),
             decode: LogFactor::new(seed.decode),
             last_seen: clock,
-            last_predicted_ms: 0.0,
             slots: EngineSlots::UNKNOWN,
             queued_running: 0,
         }
@@ -511,6 +508,8 @@ pub struct LatencyModel {
     /// TTFT observations learned from so far, fleet-wide (about one per streamed request): the
     /// clock staleness is counted in.
     clock: u64,
+    /// Relaxation passes that moved at least one worker (see [`LatencyModel::relaxations`]).
+    relaxations: u64,
 }
 
 impl LatencyModel {
@@ -520,6 +519,7 @@ impl LatencyModel {
             learn,
             workers: Vec::new(),
             clock: 0,
+            relaxations: 0,
         }
     }
 
@@ -593,10 +593,12 @@ impl LatencyModel {
         // Half the distance per `stale` ticks.
         let alpha = 1.0 - 0.5f64.powf(RELAX_EVERY as f64 / stale as f64);
         let clock = self.clock;
+        let mut moved = false;
         for fit in self.workers.iter_mut().flatten() {
             if clock.saturating_sub(fit.last_seen) < stale {
                 continue;
             }
+            moved |= consensus.iter().any(Option::is_some);
             for (k, c) in consensus.iter().enumerate() {
                 if let Some(c) = c {
                     let f = fit.factor_mut(k);
@@ -605,6 +607,13 @@ impl LatencyModel {
                 }
             }
         }
+        self.relaxations += u64::from(moved);
+    }
+
+    /// How many relaxation passes have moved some worker so far: when it changes, other workers
+    /// than the one observed changed too (a published copy of every worker is then stale).
+    pub fn relaxations(&self) -> u64 {
+        self.relaxations
     }
 
     /// Forgets a worker.
@@ -682,11 +691,6 @@ impl LatencyModel {
         } else {
             ms
         };
-    }
-
-    /// A request predicted at `e` was routed to `w`.
-    pub fn record_routed(&mut self, w: WorkerId, e: &TtftEstimate) {
-        self.fit_mut(w).last_predicted_ms = e.predicted_ms;
     }
 
     /// The first token of a request estimated at `e` on `w` came `ttft_ms` after dispatch.

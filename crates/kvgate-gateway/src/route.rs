@@ -15,6 +15,7 @@
 
 pub mod admission;
 pub mod router;
+pub mod speeds;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -173,10 +173,10 @@ impl AppState {
             m.pending_prefill
                 .get_or_create(&l)
                 .set(load.pending_prefill_tokens as i64);
-            if let Some(fit) = latency.fit(w.id) {
+            if latency.fit(w.id).is_some() {
                 m.predicted_ttft
                     .get_or_create(&l)
-                    .set(fit.last_predicted_ms / 1000.0);
+                    .set(router.last_predicted_ms(w.id) / 1000.0);
                 m.prefill_throughput
                     .get_or_create(&l)
                     .set(latency.prefill_tokens_per_second(&curve, w.id, 1024.0));

@@ -5,11 +5,12 @@
 //! The index sits behind a `parking_lot::RwLock` (queries share it; writes are short); the policy is
 //! swapped whole on reload. Scratch buffers live in a thread-local so a decision does not allocate.
 //!
-//! The latency model (`kvgate_core::LatencyModel`, each worker's learned speed) is read once per
-//! decision into the candidates, whatever the policy, so every pick carries a TTFT prediction
-//! (with the overlap only for policies that read the index); the
-//! dispatch guard feeds the observed TTFT (at the first streamed token) and mean ITL (at the end)
-//! back into it.
+//! The latency model (`kvgate_core::LatencyModel`, each worker's learned speed) is read into the
+//! candidates of every decision, whatever the policy, so every pick carries a TTFT prediction
+//! (with the overlap only for policies that read the index). Decisions read its lock-free
+//! published copy (`speeds.rs`); the dispatch guard takes the model's lock to learn, twice per
+//! request: the observed TTFT at the first token, and the mean ITL, output and service time
+//! together when it drops.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +30,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::config::{PdConfig, RoutingConfig, SloConfig};
 use crate::registry::{Pool, Worker};
 use crate::route::admission::Admission;
+use crate::route::speeds::SpeedBoard;
 use kvgate_fleet::WorkerKind;
 
 /// The policy and the gateway-level busy bound, swapped together on reload.
@@ -148,8 +150,10 @@ pub struct Router {
     policy: ArcSwap<RoutePolicy>,
     index: RwLock<KvIndex>,
     active: ActiveSequences,
-    /// Each worker's learned speed; shared with the dispatch guards that feed it.
+    /// Each worker's learned speed (taken to learn only); shared with the dispatch guards that
+    /// feed it. Decisions read `speeds`, its published copy.
     latency: Arc<Mutex<LatencyModel>>,
+    speeds: Arc<SpeedBoard>,
     next_request: AtomicU64,
     /// Cluster mode: peers' in-flight load per replica, added to our own as a separate term.
     remote: Mutex<RemoteLoads>,
@@ -237,6 +241,7 @@ impl Router {
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
             latency: Arc::new(Mutex::new(LatencyModel::new(learn))),
+            speeds: Arc::new(SpeedBoard::default()),
             // Random start: request ids are also our cluster messages' ids, and a restarted
             // replica (same id) must not collide with the entries peers still hold of it.
             next_request: AtomicU64::new(fastrand::u64(1..u64::MAX / 2)),
@@ -248,7 +253,11 @@ impl Router {
     /// Register a worker with the index (exact when it publishes KV events, else approximate) and
     /// the latency model (seeded from its kind).
     pub fn add_worker(&self, id: WorkerId, exact: bool, kind: WorkerKind, routing: &RoutingConfig) {
-        self.latency.lock().add_worker(id, kind_seed(kind));
+        {
+            let mut model = self.latency.lock();
+            model.add_worker(id, kind_seed(kind));
+            self.speeds.publish(&model, id);
+        }
         let mode = if exact {
             IndexMode::Exact
         } else {
@@ -268,7 +277,9 @@ impl Router {
         self.index.write().remove_worker(id);
         self.active.remove_worker(id);
         self.remote.lock().remove_worker(id);
-        self.latency.lock().remove_worker(id);
+        let mut model = self.latency.lock();
+        model.remove_worker(id);
+        self.speeds.publish(&model, id);
     }
 
     /// The busy-fleet queue this router's released loads wake.
@@ -317,15 +328,24 @@ impl Router {
         self.latency.lock().clone()
     }
 
-    /// A worker's learned speed.
+    /// A worker's learned speed (from the published copy: no lock).
     pub fn speed(&self, worker: WorkerId) -> Speed {
-        self.latency.lock().speed(worker)
+        let mut c = Candidate::new(worker);
+        self.speeds.view().fill(&mut c);
+        c.speed
+    }
+
+    /// The predicted TTFT (ms) of the last request routed to `worker` (0 before any).
+    pub fn last_predicted_ms(&self, worker: WorkerId) -> f64 {
+        self.speeds.last_predicted_ms(worker)
     }
 
     /// A scrape saw `running` requests in the engine while `waiting` waited (its concurrency
     /// limit, for the latency model).
     pub fn observe_engine(&self, worker: WorkerId, running: u32, waiting: u32) {
-        self.latency.lock().observe_engine(worker, running, waiting);
+        let mut model = self.latency.lock();
+        model.observe_engine(worker, running, waiting);
+        self.speeds.publish(&model, worker);
     }
 
     /// Periodic upkeep: expire approximate-index entries, and load entries whose guard leaked
@@ -409,10 +429,10 @@ impl Router {
             if let Some(kv) = kv {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
-                    // `active`), latency model; `active` is locked inside.
+                    // `active`); `active` is locked inside. Speeds are read without a lock.
                     let index = self.index.read();
                     let mut remote = self.cluster.get().map(|_| self.remote.lock());
-                    let latency = self.latency.lock();
+                    let speeds = self.speeds.view();
                     select_kv_bounded(
                         kv,
                         &index,
@@ -434,7 +454,7 @@ impl Router {
                             if let Some(r) = remote.as_mut() {
                                 r.add_into_at(one, now);
                             }
-                            latency.fill(one);
+                            speeds.fill_all(one);
                             true
                         },
                         rng,
@@ -480,7 +500,7 @@ impl Router {
             if self.cluster.get().is_some() {
                 self.remote.lock().add_into_at(candidates, now);
             }
-            self.latency.lock().fill(candidates);
+            self.speeds.view().fill_all(candidates);
             if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
                 return Err(NoPick::AllBusy);
             }
@@ -580,9 +600,8 @@ impl Router {
         });
         pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
-        self.latency
-            .lock()
-            .record_routed(pick.worker.id, &pick.estimate);
+        self.speeds
+            .record_routed(pick.worker.id, pick.estimate.predicted_ms);
         DispatchGuard {
             core: Some(core),
             worker: pick.worker.clone(),
@@ -590,10 +609,13 @@ impl Router {
             cluster,
             latency: LatencyFeed {
                 model: self.latency.clone(),
+                speeds: self.speeds.clone(),
                 estimate: pick.estimate,
                 dispatched: now,
                 first_token_seen: std::sync::atomic::AtomicBool::new(false),
                 answered: std::sync::atomic::AtomicBool::new(false),
+                itl_ms: AtomicU64::new(NONE),
+                output_tokens: AtomicU64::new(NONE),
             },
         }
     }
@@ -626,14 +648,38 @@ pub struct DispatchGuard {
     cluster: Option<(Arc<Cluster>, u64)>,
 }
 
-/// What the latency model learns from one dispatched request.
+/// "Not observed" in [`LatencyFeed`]'s end-of-request fields.
+const NONE: u64 = u64::MAX;
+
+/// What the latency model learns from one dispatched request: the TTFT at the first token (one
+/// lock), the rest together when the guard drops (one lock).
 struct LatencyFeed {
     model: Arc<Mutex<LatencyModel>>,
+    speeds: Arc<SpeedBoard>,
     estimate: TtftEstimate,
     dispatched: Instant,
     first_token_seen: std::sync::atomic::AtomicBool,
     /// The worker answered (first token, or the whole non-streamed response).
     answered: std::sync::atomic::AtomicBool,
+    /// Mean inter-token gap (f64 bits, ms), learned at the end ([`NONE`]: not observed).
+    itl_ms: AtomicU64,
+    /// Generated tokens, learned at the end ([`NONE`]: not observed).
+    output_tokens: AtomicU64,
+}
+
+impl LatencyFeed {
+    /// Learn one observation of worker `w` (the lock held for it only), then publish what changed:
+    /// `w`, or every worker when the model relaxed the ones it has not heard from.
+    fn learn(&self, w: WorkerId, f: impl FnOnce(&mut LatencyModel)) {
+        let mut model = self.model.lock();
+        let relaxed = model.relaxations();
+        f(&mut model);
+        if model.relaxations() != relaxed {
+            self.speeds.publish_all(&model);
+        } else {
+            self.speeds.publish(&model, w);
+        }
+    }
 }
 
 impl DispatchGuard {
@@ -656,27 +702,26 @@ impl DispatchGuard {
             return None;
         }
         let observed = now.saturating_duration_since(f.dispatched).as_secs_f64() * 1000.0;
-        f.model
-            .lock()
-            .observe_ttft(self.worker.id, &f.estimate, observed);
+        f.learn(self.worker.id, |m| {
+            m.observe_ttft(self.worker.id, &f.estimate, observed)
+        });
         Some((f.estimate.predicted_ms, observed))
     }
 
     /// The request completed with `tokens` generated: teaches the worker's mean output (how much
-    /// a running request's KV grows).
+    /// a running request's KV grows), when the guard drops.
     pub fn observe_output(&self, tokens: u64) {
         self.latency
-            .model
-            .lock()
-            .observe_output(self.worker.id, tokens);
+            .output_tokens
+            .store(tokens.min(NONE - 1), Ordering::Relaxed);
     }
 
-    /// The request streamed with mean inter-token gap `itl_ms`: teaches the worker's decode speed.
+    /// The request streamed with mean inter-token gap `itl_ms`: teaches the worker's decode speed,
+    /// when the guard drops.
     pub fn observe_itl(&self, itl_ms: f64) {
-        let f = &self.latency;
-        f.model
-            .lock()
-            .observe_itl(self.worker.id, &f.estimate, itl_ms);
+        self.latency
+            .itl_ms
+            .store(itl_ms.to_bits(), Ordering::Relaxed);
     }
 }
 
@@ -688,14 +733,26 @@ impl Drop for DispatchGuard {
             c.free(*id);
         }
         self.worker.state.inflight.fetch_sub(1, Ordering::Relaxed);
-        // How long a request holds an engine slot there (the latency model's slot wait); only
-        // requests the engine ran (an early failure says nothing about it).
+        // What the end of the request teaches, in one lock: its decode speed, its output and how
+        // long it held an engine slot there (the slot wait; only requests the engine ran: an early
+        // failure says nothing about it).
         let f = &self.latency;
-        if f.answered.load(Ordering::Relaxed) {
-            f.model.lock().observe_done(
-                self.worker.id,
-                crate::clock::since(f.dispatched).as_secs_f64() * 1000.0,
-            );
+        let itl = f.itl_ms.load(Ordering::Relaxed);
+        let output = f.output_tokens.load(Ordering::Relaxed);
+        let answered = f.answered.load(Ordering::Relaxed);
+        if itl != NONE || output != NONE || answered {
+            let w = self.worker.id;
+            f.learn(w, |m| {
+                if itl != NONE {
+                    m.observe_itl(w, &f.estimate, f64::from_bits(itl));
+                }
+                if output != NONE {
+                    m.observe_output(w, output);
+                }
+                if answered {
+                    m.observe_done(w, crate::clock::since(f.dispatched).as_secs_f64() * 1000.0);
+                }
+            });
         }
         self.admission.release();
     }

@@ -1,0 +1,220 @@
+//! The latency model's read side: each worker's learned speed and engine slots, published by the
+//! model's owner (under its lock, after every change) and read on the routing path without any
+//! lock, plus the last prediction made for each worker (a gauge), written without one.
+//!
+//! A decision reads a few atomics per candidate; the model's mutex is taken only to learn: once
+//! at a request's first token and once at its end ([`super::router::DispatchGuard`]). Values are
+//! published one field at a time, so a decision racing a publication may see one field old and
+//! the next new: each is a valid learned value, and the next decision sees both new.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use kvgate_core::{Candidate, EngineSlots, LatencyModel, Speed, WorkerId};
+
+/// One worker's published speed and slots.
+#[derive(Default)]
+struct Cell {
+    /// Known to the model (else a decision uses the defaults, as the model does).
+    known: AtomicBool,
+    prefill: AtomicU64,
+    decode: AtomicU64,
+    limit: AtomicU32,
+    service_ms: AtomicU64,
+    output_tokens: AtomicU64,
+    /// Predicted TTFT (ms, f64 bits) of the last request routed there.
+    last_predicted_ms: AtomicU64,
+}
+
+fn f(a: &AtomicU64) -> f64 {
+    f64::from_bits(a.load(Ordering::Relaxed))
+}
+
+fn set(a: &AtomicU64, v: f64) {
+    a.store(v.to_bits(), Ordering::Relaxed);
+}
+
+/// Every worker's [`Cell`], by worker index. The vector is replaced (rarely: a worker id beyond
+/// its end) and its cells are shared between the old and the new one, so a reader holding the
+/// old vector still reads live values.
+#[derive(Default)]
+pub struct SpeedBoard {
+    cells: ArcSwap<Vec<Arc<Cell>>>,
+}
+
+/// A decision's view of the board (one atomic load of the vector for the whole decision).
+pub struct SpeedView(arc_swap::Guard<Arc<Vec<Arc<Cell>>>>);
+
+impl SpeedView {
+    /// Sets `speed` and `slots` of `c` as [`LatencyModel::fill`] would from the model.
+    #[inline]
+    pub fn fill(&self, c: &mut Candidate) {
+        match self.0.get(c.worker.index()) {
+            Some(cell) if cell.known.load(Ordering::Acquire) => {
+                c.speed = Speed {
+                    prefill: f(&cell.prefill),
+                    decode: f(&cell.decode),
+                };
+                c.slots = EngineSlots {
+                    limit: cell.limit.load(Ordering::Relaxed),
+                    service_ms: f(&cell.service_ms),
+                    output_tokens: f(&cell.output_tokens),
+                };
+            }
+            _ => {
+                c.speed = Speed::default();
+                c.slots = EngineSlots::UNKNOWN;
+            }
+        }
+    }
+
+    pub fn fill_all(&self, candidates: &mut [Candidate]) {
+        for c in candidates {
+            self.fill(c);
+        }
+    }
+}
+
+impl SpeedBoard {
+    pub fn view(&self) -> SpeedView {
+        SpeedView(self.cells.load())
+    }
+
+    /// `w`'s cell, the vector grown to hold it if needed (writers only; they hold the model's
+    /// lock, so two never grow it at once).
+    fn cell(&self, w: WorkerId) -> Arc<Cell> {
+        let i = w.index();
+        if let Some(c) = self.cells.load().get(i) {
+            return c.clone();
+        }
+        let mut v: Vec<Arc<Cell>> = self.cells.load().as_ref().clone();
+        v.resize_with(i + 1, Default::default);
+        let c = v[i].clone();
+        self.cells.store(Arc::new(v));
+        c
+    }
+
+    /// Copy `w`'s fit from `model` (or its absence). Call with the model's lock held, after any
+    /// change to `w`.
+    pub fn publish(&self, model: &LatencyModel, w: WorkerId) {
+        let cell = self.cell(w);
+        match model.fit(w) {
+            Some(fit) => {
+                let (s, slots) = (fit.speed(), fit.slots());
+                set(&cell.prefill, s.prefill);
+                set(&cell.decode, s.decode);
+                cell.limit.store(slots.limit, Ordering::Relaxed);
+                set(&cell.service_ms, slots.service_ms);
+                set(&cell.output_tokens, slots.output_tokens);
+                cell.known.store(true, Ordering::Release);
+            }
+            None => {
+                cell.known.store(false, Ordering::Release);
+                set(&cell.last_predicted_ms, 0.0);
+            }
+        }
+    }
+
+    /// Copy every worker the model knows, and mark the others unknown (a relaxation pass moved
+    /// workers other than the one observed).
+    pub fn publish_all(&self, model: &LatencyModel) {
+        let n = self.cells.load().len();
+        for i in 0..n {
+            self.publish(model, WorkerId(i as u32));
+        }
+        for (w, _) in model.workers() {
+            if w.index() >= n {
+                self.publish(model, w);
+            }
+        }
+    }
+
+    /// A request predicted at `ms` was routed to `w` (no lock: a gauge's value).
+    pub fn record_routed(&self, w: WorkerId, ms: f64) {
+        if let Some(c) = self.cells.load().get(w.index()) {
+            set(&c.last_predicted_ms, ms);
+        }
+    }
+
+    /// The predicted TTFT (ms) of the last request routed to `w` (0 before any).
+    pub fn last_predicted_ms(&self, w: WorkerId) -> f64 {
+        self.cells
+            .load()
+            .get(w.index())
+            .map_or(0.0, |c| f(&c.last_predicted_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_core::{LearnConfig, TtftEstimate};
+
+    fn filled(model: &LatencyModel, board: &SpeedBoard, w: WorkerId) -> (Candidate, Candidate) {
+        let mut a = Candidate::new(w);
+        model.fill(std::slice::from_mut(&mut a));
+        let mut b = Candidate::new(w);
+        board.view().fill(&mut b);
+        (a, b)
+    }
+
+    /// The board reads what the model would, for known, learned, removed and unknown workers.
+    #[test]
+    fn the_board_reads_what_the_model_holds() {
+        let mut model = LatencyModel::new(LearnConfig::default());
+        let board = SpeedBoard::default();
+        let (a, b) = (WorkerId(0), WorkerId(5));
+        model.add_worker(a, Speed::uniform(1.0));
+        board.publish(&model, a);
+        model.add_worker(b, Speed::uniform(2.0));
+        board.publish(&model, b);
+        for w in [a, b, WorkerId(3), WorkerId(9)] {
+            let (m, v) = filled(&model, &board, w);
+            assert_eq!((m.speed, m.slots), (v.speed, v.slots), "{w:?}");
+        }
+        // Learning changes what is read once published.
+        let e = TtftEstimate {
+            predicted_ms: 10.0,
+            prefill_ms: 10.0,
+            step_ms: 1.0,
+            itl_ref_ms: 1.0,
+            ..Default::default()
+        };
+        model.observe_ttft(b, &e, 40.0);
+        model.observe_done(b, 120.0);
+        model.observe_output(b, 33);
+        model.observe_engine(b, 4, 2);
+        model.observe_engine(b, 4, 2);
+        board.publish(&model, b);
+        let (m, v) = filled(&model, &board, b);
+        assert_eq!((m.speed, m.slots), (v.speed, v.slots));
+        assert!(v.slots.service_ms > 0.0 && v.slots.limit == 4);
+        // Removed: the defaults again.
+        model.remove_worker(b);
+        board.publish(&model, b);
+        let (m, v) = filled(&model, &board, b);
+        assert_eq!((m.speed, m.slots), (v.speed, v.slots));
+        assert_eq!(v.slots, EngineSlots::UNKNOWN);
+    }
+
+    /// A view taken before the vector grew still reads live values of its cells.
+    #[test]
+    fn an_old_view_reads_live_cells() {
+        let mut model = LatencyModel::new(LearnConfig::default());
+        let board = SpeedBoard::default();
+        model.add_worker(WorkerId(0), Speed::uniform(1.0));
+        board.publish(&model, WorkerId(0));
+        let old = board.view();
+        model.add_worker(WorkerId(40), Speed::uniform(1.0));
+        board.publish(&model, WorkerId(40));
+        model.add_worker(WorkerId(0), Speed::uniform(3.0));
+        board.publish(&model, WorkerId(0));
+        let mut c = Candidate::new(WorkerId(0));
+        old.fill(&mut c);
+        assert_eq!(c.speed, model.speed(WorkerId(0)));
+        board.record_routed(WorkerId(40), 12.5);
+        assert_eq!(board.last_predicted_ms(WorkerId(40)), 12.5);
+        assert_eq!(board.last_predicted_ms(WorkerId(7)), 0.0);
+    }
+}
