@@ -9,7 +9,8 @@
 # Usage: benches/callgrind.sh [seconds=10] [label=serve-binary ...]
 #   default: after=$CARGO_TARGET_DIR/release/examples/serve (built here unless SKIP_BUILD=1)
 # Env: CARGO_TARGET_DIR, CHAT_LUA (default /work/shared/tools/peers/chat.lua), POLICY (default kv),
-#      MOCK (a mock_worker binary; default the release example).
+#      MOCK (a mock_worker binary; default the release example),
+#      KEEP_DIR (copy each run's callgrind files there, for callgrind_annotate).
 # Needs valgrind (callgrind_control) and wrk.
 set -euo pipefail
 DUR=${1:-10}
@@ -51,10 +52,10 @@ for spec in "${TARGETS[@]}"; do
   wait_port $port
   # Warm-up: connections pooled, thread-locals and caches filled.
   wrk -t1 -c1 -d3s -s "$CHAT_LUA" "http://127.0.0.1:$port" >/dev/null
-  callgrind_control -i on "$pid" >/dev/null
+  callgrind_control -i on "$pid" >/dev/null 2>&1
   res=$(wrk -t1 -c1 -d"${DUR}"s -s "$CHAT_LUA" "http://127.0.0.1:$port")
-  callgrind_control -i off "$pid" >/dev/null
-  callgrind_control -d "$pid" >/dev/null
+  callgrind_control -i off "$pid" >/dev/null 2>&1
+  callgrind_control -d "$pid" >/dev/null 2>&1
   reqs=$(echo "$res" | awk '/requests in/{print $1}')
   non2xx=$(echo "$res" | awk '/Non-2xx/{print $NF}'); [ -z "$non2xx" ] || echo "WARN $label: $non2xx non-2xx responses" >&2
   kill "$pid"; wait "$pid" 2>/dev/null || true
@@ -66,6 +67,7 @@ for spec in "${TARGETS[@]}"; do
     n=$(awk '/^totals:/{t=$2} /^summary:/{s=$2} END{print (t != "" ? t : s + 0)}' "$f")
     instr=$((instr + n))
   done
+  [ -z "${KEEP_DIR:-}" ] || { mkdir -p "$KEEP_DIR"; cp "$out"* "$KEEP_DIR/"; }
   echo "| $label | $POLICY | $reqs | $instr | $(awk -v i="$instr" -v n="$reqs" 'BEGIN{ if (n>0) printf "%.0f", i/n; else print "-" }') |"
   port=$((port + 1))
 done
