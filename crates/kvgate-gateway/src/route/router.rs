@@ -228,6 +228,13 @@ fn complete(c: &mut Candidate, w: &Worker, now: Instant) {
     c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
 }
 
+/// Pools of at least this many workers route `kv` (temperature 0) on the bounded path; smaller
+/// ones score every worker, which costs less there than the bounded path's index walk and the
+/// load order it keeps (built on first use, then moved at every load change): measured with
+/// `benches/callgrind.sh` at one worker, the bounded path cost ~1,800 more instructions per
+/// request, and at 64 workers `fleet_bench` has it 2.6x faster than the scan (docs/routing.md §8b).
+const BOUNDED_FROM_WORKERS: usize = 32;
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -383,7 +390,8 @@ impl Router {
         now: Instant,
         leg: Leg,
     ) -> Result<Pick, NoPick> {
-        self.select_with(pool, hashes, isl, affinity_key, exclude, now, leg, true)
+        let bounded = pool.workers.len() >= BOUNDED_FROM_WORKERS;
+        self.select_with(pool, hashes, isl, affinity_key, exclude, now, leg, bounded)
     }
 
     /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
