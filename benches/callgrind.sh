@@ -6,8 +6,12 @@
 # instructions executed in that window (user space, every thread) are divided by the requests
 # wrk completed. Binaries run one after another against the same mock, so the figures compare.
 #
-# Usage: benches/callgrind.sh [seconds=10] [label=serve-binary ...]
-#   default: after=$CARGO_TARGET_DIR/release/examples/serve (built here unless SKIP_BUILD=1)
+# Usage: benches/callgrind.sh [seconds=10] [label=command ...]
+#   command: the `serve` example, or `path/to/kvgate serve` (quote it: "after=target/release/kvgate serve").
+#   default: after=$CARGO_TARGET_DIR/release/examples/serve (built here unless SKIP_BUILD=1).
+#   Note: examples are built with the crate's dev-dependencies, so the `serve` example runs tokio
+#   with `test-util` (its clock takes a lock per read); the `kvgate` binary does not: compare
+#   like with like.
 # Env: CARGO_TARGET_DIR, CHAT_LUA (default /work/shared/tools/peers/chat.lua), POLICY (default kv),
 #      MOCK (a mock_worker binary; default the release example),
 #      KEEP_DIR (copy each run's callgrind files there, for callgrind_annotate).
@@ -43,10 +47,10 @@ echo "| binary | policy | requests | instructions | instructions / request |"
 echo "|---|---|---:|---:|---:|"
 port=30201
 for spec in "${TARGETS[@]}"; do
-  label=${spec%%=*}; bin=${spec#*=}
+  label=${spec%%=*}; read -ra cmd <<<"${spec#*=}"
   out="$WORK/$label.callgrind"
-  KVGATE_THREADS=1 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
-    "$bin" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
+  KVGATE_THREADS=1 TOKIO_WORKER_THREADS=1 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
+    "${cmd[@]}" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
     --no-request-log --log warn --policy "$POLICY" --config "$WORK/one-thread.toml" \
     >"$WORK/$label.log" 2>&1 & pid=$!; PIDS+=($pid)
   wait_port $port
