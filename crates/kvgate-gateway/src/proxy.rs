@@ -108,8 +108,8 @@ pub(crate) async fn route_and_forward(
     req: Request<ReqBody>,
 ) -> Result<Routed, GatewayError> {
     let auth = app.auth.load();
-    auth.check(req.headers(), ctx.start)?;
-    let mut p = prepare(app, ctx, req, auth.enabled()).await?;
+    let caller = auth.check(req.headers(), ctx.start)?;
+    let mut p = prepare(app, ctx, req, auth.enabled(), caller.as_ref()).await?;
     if ctx.endpoint.api().splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
         if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
@@ -240,6 +240,7 @@ async fn prepare(
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
     auth_enabled: bool,
+    caller: Option<&crate::auth::Caller>,
 ) -> Result<Prepared, GatewayError> {
     let (mut parts, body) = req.into_parts();
     if auth_enabled {
@@ -293,6 +294,15 @@ async fn prepare(
         };
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     })?;
+    let mut ri = ri;
+    ri.flow = crate::flow::key(
+        &app.decider.router().admission().policy(),
+        &parts.headers,
+        caller,
+        &pool.model,
+        ri.isl,
+        view.max_completion_tokens.or(view.max_tokens),
+    )?;
     drop(view);
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;

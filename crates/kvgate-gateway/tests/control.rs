@@ -230,12 +230,16 @@ async fn api_keys_rate_limits_and_worker_credentials() {
             name: None,
             rate_per_s: None,
             burst: None,
+            priority: None,
+            tenant: None,
         },
         kvgate_gateway::config::ApiKeyConfig {
             key: "sk-slow".into(),
             name: None,
             rate_per_s: Some(0.01),
             burst: Some(1.0),
+            priority: None,
+            tenant: None,
         },
     ];
     let gw = gateway(cfg).await;

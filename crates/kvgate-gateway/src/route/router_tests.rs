@@ -141,10 +141,11 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                 now,
                 Leg::Whole,
             );
-            let bounded =
-                router.select_with(args.0, args.1, args.2, args.3, args.4, args.5, args.6, true);
+            let bounded = router.select_with(
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, true, false,
+            );
             let exhaustive = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, false,
+                args.0, args.1, args.2, args.3, args.4, args.5, args.6, false, false,
             );
             checked += 1;
             match (&bounded, &exhaustive) {
