@@ -98,6 +98,46 @@ pub fn key(
     })
 }
 
+/// The engine's `priority` field for a request of class priority `class_priority` on a worker of
+/// `kind`, when `flow_control.forward_priority` lists that kind: vLLM schedules lower values
+/// first (so the class priority is negated), SGLang higher values first (its default).
+pub fn engine_priority(
+    policy: &FlowPolicy,
+    kind: kvgate_fleet::WorkerKind,
+    class_priority: i32,
+) -> Option<i64> {
+    if !policy.forwards_to(kind.as_str()) {
+        return None;
+    }
+    match kind {
+        kvgate_fleet::WorkerKind::Vllm => Some(-i64::from(class_priority)),
+        kvgate_fleet::WorkerKind::Sglang => Some(i64::from(class_priority)),
+        _ => None,
+    }
+}
+
+/// `body` (a JSON object) with `"priority":N` appended as its last member: the engines' JSON
+/// parsers keep the last of duplicate keys, so the gateway's value wins over a client's own.
+/// `None` when the body does not end in `}` (not an object: forwarded unchanged).
+pub fn splice_priority(body: &[u8], priority: i64) -> Option<Vec<u8>> {
+    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if body[end] != b'}' {
+        return None;
+    }
+    let inner_empty = body[..end]
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .is_some_and(|i| body[i] == b'{');
+    let mut out = Vec::with_capacity(body.len() + 24);
+    out.extend_from_slice(&body[..end]);
+    if !inner_empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(format!("\"priority\":{priority}}}").as_bytes());
+    out.extend_from_slice(&body[end + 1..]);
+    Some(out)
+}
+
 fn bad(header: &str, what: &str) -> GatewayError {
     GatewayError::new(
         ErrorKind::BadRequest { param: None },
@@ -185,6 +225,39 @@ mod tests {
         let h = headers(&[("x-session-id", "s1"), (OBJECTIVE, "unknown")]);
         let k = key(&p, &h, None, "m", 1, None).unwrap();
         assert_eq!((k.priority, k.tenant.as_deref()), (0, Some("s1")));
+    }
+
+    #[test]
+    fn the_priority_is_appended_as_the_last_member() {
+        let v = |b: &[u8], p| {
+            let out = splice_priority(b, p).unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            v["priority"].as_i64().unwrap()
+        };
+        assert_eq!(v(br#"{"model":"m"}"#, -10), -10);
+        assert_eq!(v(b"{ }", 3), 3);
+        assert_eq!(
+            v(b"{\"priority\":99,\"a\":[1]}\n", 2),
+            2,
+            "ours is last: it wins"
+        );
+        assert!(splice_priority(b"[1]", 1).is_none());
+        assert!(splice_priority(b"", 1).is_none());
+        let mut cfg = crate::config::FlowControlConfig {
+            enabled: true,
+            ..Default::default()
+        };
+        cfg.forward_priority = vec!["vllm".into(), "sglang".into()];
+        let p = FlowPolicy::new(&cfg);
+        use kvgate_fleet::WorkerKind as K;
+        assert_eq!(
+            engine_priority(&p, K::Vllm, 10),
+            Some(-10),
+            "vLLM: lower first"
+        );
+        assert_eq!(engine_priority(&p, K::Sglang, 10), Some(10));
+        assert_eq!(engine_priority(&p, K::Llamacpp, 10), None);
+        assert_eq!(engine_priority(&FlowPolicy::default(), K::Vllm, 10), None);
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub(crate) async fn route_and_forward(
         .clamp(1, MAX_ATTEMPTS);
     let mut tried = [WorkerId(0); MAX_ATTEMPTS];
     let mut n_tried = 0usize;
+    let mut prio_body: Option<Bytes> = None;
     loop {
         // The first choice is made as of the decision's start; later ones (retries, waits in the
         // queue) read the clock again.
@@ -175,12 +176,12 @@ pub(crate) async fn route_and_forward(
         n_tried += 1;
         ctx.attempts += 1;
         let worker = pick.worker;
-        let out = outgoing(
-            &p.parts,
-            &worker,
-            p.spliced.as_ref().unwrap_or(&p.bytes),
-            auth.enabled(),
-        );
+        // Flow control: the class's priority in the body of engines that schedule by it.
+        let body = match prioritized(app, &p, &worker) {
+            Some(b) => &*prio_body.insert(b),
+            None => p.spliced.as_ref().unwrap_or(&p.bytes),
+        };
+        let out = outgoing(&p.parts, &worker, body, auth.enabled());
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
         let can_retry = |now: Instant| {
             n_tried < max_attempts
@@ -231,6 +232,15 @@ pub(crate) async fn route_and_forward(
             }
         }
     }
+}
+
+/// The body with the engine's `priority` for `worker` (`flow_control.forward_priority`), or
+/// `None` to send the prepared body as it is.
+fn prioritized(app: &Proxy, p: &Prepared, worker: &crate::registry::Worker) -> Option<Bytes> {
+    let policy = app.decider.router().admission().policy();
+    let class = policy.class(p.ri.flow.priority).priority;
+    let prio = crate::flow::engine_priority(&policy, worker.kind, class)?;
+    crate::flow::splice_priority(p.spliced.as_ref().unwrap_or(&p.bytes), prio).map(Bytes::from)
 }
 
 /// Read the body (client credentials dropped when auth is on), parse the routing fields, find

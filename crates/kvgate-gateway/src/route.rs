@@ -40,7 +40,7 @@ pub struct RouteInput {
     pub hashes: Vec<u64>,
     pub isl: u64,
     pub affinity: Option<u64>,
-    /// Flow control: priority, tenant, objective and token cost (`crate::flow::key` builds it
+    /// Flow control: priority, tenant, objective and token cost (the front ends' `flow::key` builds it
     /// from the request's headers and API key; the default is priority 0, no tenant).
     pub flow: FlowKey,
 }

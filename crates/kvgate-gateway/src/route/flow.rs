@@ -1,7 +1,7 @@
 //! Flow control's policy: what a request is (its [`FlowKey`]: priority, tenant, TTFT objective,
 //! token cost) and how the `[flow_control]` section turns that into a class, a weight and an
 //! objective ([`FlowPolicy`], swapped whole on reload). The queue that applies it is
-//! `admission.rs`; the front ends build the key with `crate::flow::key` (HTTP headers stay there).
+//! `admission.rs`; the front ends build the key with `flow::key` (top-level module) (HTTP headers stay there).
 
 use std::collections::HashMap;
 use std::sync::Arc;
