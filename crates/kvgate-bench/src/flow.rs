@@ -1,7 +1,9 @@
-//! `kvgate bench flow`: flow control on vs off, side by side in one run, on one simulated fleet
-//! (docs/flow-control.md). The gateway's busy bound (`routing.max_inflight_per_worker`) makes
-//! `workers × max_inflight` slots; every phase runs once with `[flow_control]` off (today's FIFO
-//! queue) and once on, each against a fresh gateway:
+//! `kvgate bench flow`: flow control off, on, and on with priority to the engine, side by side in
+//! one run, on one simulated fleet (docs/flow-control.md). The gateway's busy bound
+//! (`routing.max_inflight_per_worker`) makes `workers × max_inflight` slots; every phase runs
+//! once per mode, each against a fresh gateway: `[flow_control]` off (today's FIFO queue), on,
+//! and on with `forward_priority = ["vllm"]` + `bypass_busy_priority = 10` (the sims run
+//! `--scheduling-policy priority`; requests without `priority` are first come, first served):
 //!
 //! 1. `idle`: an interactive class alone, closed loop at 20% of the slots: its TTFT floor.
 //! 2. `flood`: the same interactive load while a batch class floods at 3× the slots: interactive
@@ -274,7 +276,7 @@ fn table(a: &FlowArgs, slots: usize, off: &Figures, on: &Figures, engine: &Figur
     let mut t = format!(
         "kvgate bench flow: {} workers × max_inflight {} = {slots} slots; interactive at {} \
          (20%) of the slots, batch flood at {}, three saturating tenants at {slots} each; \
-         {} s per phase, {}+{} tokens per request\n\n| figure | flow control off (FIFO) | flow control on |\n| + priority to the engine |\n|---|---|---|---|\n",
+         {} s per phase, {}+{} tokens per request\n\n| figure | flow control off (FIFO) | flow control on | on + priority to the engine |\n|---|---|---|---|\n",
         a.fleet.workers,
         a.max_inflight,
         ((slots as f64 * 0.2).round() as usize).max(1),
