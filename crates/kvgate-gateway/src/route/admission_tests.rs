@@ -106,7 +106,7 @@ async fn fifo_bound_and_timeout() {
         let t = a1.admit(&k1, 1, crate::clock::now());
         a1.wait(&t, None, deadline, false).await
     });
-    while a.len() < 1 {
+    while a.is_empty() {
         tokio::task::yield_now().await;
     }
     let a2 = a.clone();

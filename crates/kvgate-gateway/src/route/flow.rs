@@ -113,7 +113,7 @@ impl FlowPolicy {
                 })
                 .collect()
         };
-        classes.sort_by(|a, b| b.priority.cmp(&a.priority));
+        classes.sort_by_key(|c| std::cmp::Reverse(c.priority));
         FlowPolicy {
             enabled: cfg.enabled,
             default_priority: cfg.default_priority,
