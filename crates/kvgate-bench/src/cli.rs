@@ -24,6 +24,9 @@ pub enum BenchCommand {
     /// Start a simulated fleet and one gateway per policy, replay the same workload against each
     /// (plus any --external router), and write a table, JSON and SVG plots.
     Compare(Box<crate::compare::CompareArgs>),
+    /// Flow control on vs off on one simulated fleet: interactive TTFT under a batch flood,
+    /// objective attainment, tenant shares with weights 2:1:1 (docs/flow-control.md).
+    Flow(Box<crate::flow::FlowArgs>),
 }
 
 /// What to send.
@@ -236,6 +239,7 @@ pub async fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     match args.command {
         BenchCommand::Run(a) => run_once(*a).await,
         BenchCommand::Compare(a) => crate::compare::run(*a).await,
+        BenchCommand::Flow(a) => crate::flow::run_flow(*a).await,
     }
 }
 

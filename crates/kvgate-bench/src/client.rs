@@ -53,6 +53,8 @@ pub struct Target {
     model: String,
     api: Api,
     timeout: Duration,
+    /// Extra request headers (flow-control classes and tenants, `kvgate bench flow`).
+    headers: Arc<[(http::HeaderName, http::HeaderValue)]>,
 }
 
 impl Target {
@@ -101,6 +103,25 @@ impl Target {
             model: model.to_owned(),
             api,
             timeout,
+            headers: Arc::new([]),
+        })
+    }
+
+    /// The same target, sending `headers` with every request.
+    pub fn with_headers(&self, headers: &[(&'static str, &str)]) -> anyhow::Result<Self> {
+        let headers = headers
+            .iter()
+            .map(|(k, v)| {
+                Ok((
+                    http::HeaderName::from_static(k),
+                    http::HeaderValue::from_str(v)
+                        .map_err(|e| anyhow::anyhow!("header {k}: {e}"))?,
+                ))
+            })
+            .collect::<anyhow::Result<Arc<[_]>>>()?;
+        Ok(Self {
+            headers,
+            ..self.clone()
         })
     }
 
@@ -154,9 +175,13 @@ impl Target {
     async fn drive(&self, r: &Request, start: Instant, out: &mut Outcome) -> Result<(), String> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.uris.len();
         self.sent[i].fetch_add(1, Ordering::Relaxed);
-        let req = http::Request::post(self.uris[i].clone())
+        let mut req = http::Request::post(self.uris[i].clone())
             .header(http::header::CONTENT_TYPE, "application/json")
-            .header(http::header::ACCEPT, "text/event-stream")
+            .header(http::header::ACCEPT, "text/event-stream");
+        for (k, v) in self.headers.iter() {
+            req = req.header(k, v);
+        }
+        let req = req
             .body(Full::new(Bytes::from(self.body(r))))
             .map_err(|_| "bad_request".to_string())?;
         let resp = self.client.request(req).await.map_err(|e| {

@@ -287,7 +287,7 @@ fn given_roles(n: usize, prefill: Option<usize>) -> anyhow::Result<Vec<Option<St
         .collect())
 }
 
-fn kvgate_exe(f: &FleetArgs) -> anyhow::Result<PathBuf> {
+pub fn kvgate_exe(f: &FleetArgs) -> anyhow::Result<PathBuf> {
     match &f.kvgate_bin {
         Some(p) => Ok(p.clone()),
         None => std::env::current_exe()

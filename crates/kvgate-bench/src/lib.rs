@@ -14,6 +14,7 @@ pub mod cli;
 pub mod client;
 pub mod compare;
 pub mod demo;
+pub mod flow;
 mod hashing;
 pub mod oracle;
 pub mod plot;

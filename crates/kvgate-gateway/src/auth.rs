@@ -15,8 +15,18 @@ pub struct Auth {
     keys: Vec<Key>,
 }
 
+/// Who an authenticated request is, for flow control: its key's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Caller {
+    /// `auth.keys[].priority`.
+    pub priority: Option<i32>,
+    /// `auth.keys[].tenant`, else the key's `name`.
+    pub tenant: Option<std::sync::Arc<str>>,
+}
+
 struct Key {
     secret: Vec<u8>,
+    caller: Caller,
     bucket: Option<Mutex<Bucket>>,
     /// Cluster mode: this key's id on the wire (a hash, never the key) and the requests admitted
     /// here since the last report to peers.
@@ -70,6 +80,10 @@ impl Auth {
                 .keys
                 .iter()
                 .map(|k| Key {
+                    caller: Caller {
+                        priority: k.priority,
+                        tenant: k.tenant.as_deref().or(k.name.as_deref()).map(Into::into),
+                    },
                     id: key_id(k.key.as_bytes()),
                     used: Default::default(),
                     secret: k.key.as_bytes().to_vec(),
@@ -91,10 +105,10 @@ impl Auth {
         !self.keys.is_empty()
     }
 
-    /// Check the request's key and rate limit.
-    pub fn check(&self, headers: &HeaderMap, now: Instant) -> Result<(), GatewayError> {
+    /// Check the request's key and rate limit; the key's flow-control defaults (None: auth off).
+    pub fn check(&self, headers: &HeaderMap, now: Instant) -> Result<Option<Caller>, GatewayError> {
         if self.keys.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let presented = headers
             .get(http::header::AUTHORIZATION)
@@ -132,7 +146,7 @@ impl Auth {
             }
             key.used.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        Ok(())
+        Ok(Some(key.caller.clone()))
     }
 
     /// Cluster mode: requests admitted per rate-limited key since the last call (key id, count).
@@ -186,12 +200,16 @@ mod tests {
                     name: None,
                     rate_per_s: None,
                     burst: None,
+                    priority: None,
+                    tenant: None,
                 },
                 ApiKeyConfig {
                     key: "sk-b".into(),
                     name: None,
                     rate_per_s: Some(1.0),
                     burst: Some(2.0),
+                    priority: None,
+                    tenant: None,
                 },
             ],
         });
@@ -219,6 +237,8 @@ mod tests {
                 name: None,
                 rate_per_s: Some(10.0),
                 burst: Some(10.0),
+                priority: None,
+                tenant: None,
             }],
         };
         let auth = Auth::from_config(&cfg);

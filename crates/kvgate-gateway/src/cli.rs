@@ -132,6 +132,8 @@ impl ServeArgs {
                     name: None,
                     rate_per_s: None,
                     burst: None,
+                    priority: None,
+                    tenant: None,
                 })
                 .collect();
         }

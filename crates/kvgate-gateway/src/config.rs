@@ -3,7 +3,7 @@
 //! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
 //! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
 //! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`,
-//! `[auth]`, `[models]`, `[cache]`, `[pd]`.
+//! `[auth]`, `[models]`, `[cache]`, `[pd]`, `[flow_control]`.
 //! Restart needed: `[server]` (listen address, TLS, limits), `[admin]`, `[upstream]` and
 //! `[cluster]`.
 
@@ -27,6 +27,7 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     pub cache: CacheConfig,
     pub slo: SloConfig,
+    pub flow_control: FlowControlConfig,
     /// Prefill/decode disaggregation (pools with `role = "prefill"` workers).
     pub pd: PdConfig,
     /// Per-model settings keyed by the model name clients send.
@@ -181,6 +182,12 @@ pub struct ApiKeyConfig {
     /// Burst size of the token bucket (default: max(1, rate_per_s)).
     #[serde(default)]
     pub burst: Option<f64>,
+    /// Flow control: the priority of this key's requests when they send no priority header.
+    #[serde(default)]
+    pub priority: Option<i32>,
+    /// Flow control: the tenant (fairness key) of this key's requests; default: the key's `name`.
+    #[serde(default)]
+    pub tenant: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -285,6 +292,159 @@ impl Default for AdmissionConfig {
             queue_size: 1024,
             queue_timeout_ms: 30_000,
         }
+    }
+}
+
+/// `[flow_control]`: priorities, tenant fair shares and latency objectives in the admission queue
+/// (docs/flow-control.md). Off: one queue in arrival order, request headers ignored.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FlowControlConfig {
+    pub enabled: bool,
+    /// Priority of a request that names none (header, objective, API key or model default).
+    pub default_priority: i32,
+    /// The output tokens a request is charged for in the fair share (its `max_tokens` when
+    /// smaller): shares are of prompt + expected output tokens.
+    pub expected_output_tokens: u64,
+    /// Weight of a tenant not listed in `tenants`.
+    pub default_weight: f64,
+    /// Fairness weights per tenant (API key `tenant`/`name`, `x-kvgate-tenant`,
+    /// `x-llm-d-inference-fairness-id`). Listed tenants are also the `tenant` metric labels.
+    pub tenants: BTreeMap<String, f64>,
+    /// Priority classes (bands): a request joins the class with the highest `priority` not above
+    /// its own (the lowest class when below all). Empty: `default` (0) and `sheddable` (-1).
+    pub classes: Vec<FlowClassConfig>,
+    /// `x-llm-d-inference-objective` names → priority (and TTFT objective).
+    pub objectives: BTreeMap<String, FlowObjectiveConfig>,
+    /// Priority per model (canonical name), below the request's header and its API key's.
+    pub models: BTreeMap<String, i32>,
+    /// Worker kinds (`vllm`, `sglang`) whose request bodies get the class priority as `priority`
+    /// (the engine must run with `--scheduling-policy priority`). Empty: off.
+    pub forward_priority: Vec<String>,
+    /// With `forward_priority`: a request of a class at or above this priority may pass the busy
+    /// bound (`routing.busy_*`, `max_inflight_per_worker`) of a worker that schedules by
+    /// priority: the engine serves it ahead of the lower classes it holds. Unset: never.
+    pub bypass_busy_priority: Option<i32>,
+}
+
+impl Default for FlowControlConfig {
+    fn default() -> Self {
+        FlowControlConfig {
+            enabled: false,
+            default_priority: 0,
+            expected_output_tokens: 256,
+            default_weight: 1.0,
+            tenants: BTreeMap::new(),
+            classes: Vec::new(),
+            objectives: BTreeMap::new(),
+            models: BTreeMap::new(),
+            forward_priority: Vec::new(),
+            bypass_busy_priority: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowClassConfig {
+    /// The `class` metric label.
+    pub name: String,
+    /// Lower bound of the class's band; negative = sheddable.
+    pub priority: i32,
+    /// Waiters allowed in this class (also bounded by `admission.queue_size`); default:
+    /// unbounded for classes >= 0, 0 for sheddable ones (shed at once when the fleet is full).
+    #[serde(default)]
+    pub queue_size: Option<usize>,
+    /// Longest wait in this class (also bounded by `admission.queue_timeout_ms`).
+    #[serde(default)]
+    pub max_wait_ms: Option<u64>,
+    /// TTFT objective of the class's requests (`x-kvgate-slo-ttft-ms` overrides).
+    #[serde(default)]
+    pub ttft_ms: Option<u64>,
+    /// A request whose objective cannot be met: `reject` (429 at once) or `best_effort`.
+    #[serde(default)]
+    pub on_miss: OnMiss,
+    /// Order inside the class: `fair` (weighted fair shares of tokens between tenants) or
+    /// `deadline` (earliest deadline first).
+    #[serde(default)]
+    pub order: ClassOrder,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMiss {
+    #[default]
+    BestEffort,
+    Reject,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, Default, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ClassOrder {
+    #[default]
+    Fair,
+    Deadline,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FlowObjectiveConfig {
+    pub priority: i32,
+    /// TTFT objective of the objective's requests (ms).
+    #[serde(default)]
+    pub ttft_ms: Option<u64>,
+}
+
+impl FlowControlConfig {
+    fn validate(&self) -> anyhow::Result<()> {
+        let weight_ok = |w: f64| w.is_finite() && w > 0.0;
+        if !weight_ok(self.default_weight) {
+            bail!("flow_control.default_weight must be a number > 0");
+        }
+        for (t, w) in &self.tenants {
+            if !weight_ok(*w) {
+                bail!("flow_control.tenants.{t:?}: weight must be a number > 0, got {w}");
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut prios = std::collections::BTreeSet::new();
+        for c in &self.classes {
+            if c.name.is_empty() || !names.insert(c.name.as_str()) {
+                bail!("flow_control.classes: empty or duplicate name {:?}", c.name);
+            }
+            if !prios.insert(c.priority) {
+                bail!(
+                    "flow_control.classes: two classes with priority {}",
+                    c.priority
+                );
+            }
+            if c.ttft_ms == Some(0) || c.max_wait_ms == Some(0) {
+                bail!(
+                    "flow_control.classes ({}): ttft_ms and max_wait_ms must be >= 1",
+                    c.name
+                );
+            }
+        }
+        for (name, o) in &self.objectives {
+            if o.ttft_ms == Some(0) {
+                bail!("flow_control.objectives.{name:?}.ttft_ms must be >= 1");
+            }
+        }
+        for k in &self.forward_priority {
+            let kind = k
+                .parse::<kvgate_fleet::WorkerKind>()
+                .map_err(|e| anyhow::anyhow!("flow_control.forward_priority: {e}"))?;
+            if !matches!(
+                kind,
+                kvgate_fleet::WorkerKind::Vllm | kvgate_fleet::WorkerKind::Sglang
+            ) {
+                bail!("flow_control.forward_priority: {k:?} has no request priority (vllm, sglang do)");
+            }
+        }
+        if self.bypass_busy_priority.is_some() && self.forward_priority.is_empty() {
+            bail!("flow_control.bypass_busy_priority needs forward_priority (engines that schedule by priority)");
+        }
+        Ok(())
     }
 }
 
@@ -919,6 +1079,7 @@ impl Config {
                 );
             }
         }
+        self.flow_control.validate()?;
         for k in &self.auth.keys {
             if k.key.is_empty() {
                 bail!("auth.keys: empty key");

@@ -49,6 +49,11 @@ pub enum ErrorKind {
     QueueFull,
     /// Waited in the admission queue past `admission.queue_timeout` (503).
     QueueTimeout,
+    /// Flow control shed the request: sheddable while saturated, or its place given to a higher
+    /// class (429).
+    Shed,
+    /// Flow control: the TTFT objective cannot be met and the class rejects misses (429).
+    ObjectiveUnreachable,
     /// TCP connect to the worker failed (retry-safe).
     UpstreamConnect,
     /// The worker connection failed after the request was sent, before response headers.
@@ -78,6 +83,14 @@ impl From<crate::route::Refusal> for GatewayError {
             Refusal::ShuttingDown => GatewayError::new(
                 ErrorKind::ShuttingDown,
                 "the gateway is shutting down; retry on another replica",
+            ),
+            Refusal::Shed => GatewayError::new(
+                ErrorKind::Shed,
+                "the fleet is saturated and this request's priority class is shed; retry later",
+            ),
+            Refusal::ObjectiveUnreachable => GatewayError::new(
+                ErrorKind::ObjectiveUnreachable,
+                "the request's time-to-first-token objective cannot be met now; retry later",
             ),
         }
     }
@@ -111,9 +124,8 @@ impl GatewayError {
             | BadRequest { .. }
             | ModelNotFound => Side::Client,
             UpstreamConnect | UpstreamIo | UpstreamTimeout => Side::Upstream,
-            NoWorker | QueueFull | QueueTimeout | ShuttingDown | TooManyConnections => {
-                Side::Internal
-            }
+            NoWorker | QueueFull | QueueTimeout | Shed | ObjectiveUnreachable | ShuttingDown
+            | TooManyConnections => Side::Internal,
         }
     }
 
@@ -141,6 +153,8 @@ impl GatewayError {
             NoWorker => ErrorLabel::NoWorker,
             QueueFull => ErrorLabel::QueueFull,
             QueueTimeout => ErrorLabel::QueueTimeout,
+            Shed => ErrorLabel::Shed,
+            ObjectiveUnreachable => ErrorLabel::ObjectiveUnreachable,
             UpstreamConnect => ErrorLabel::UpstreamConnect,
             UpstreamIo => ErrorLabel::UpstreamIo,
             UpstreamTimeout => ErrorLabel::UpstreamTimeout,
@@ -212,6 +226,18 @@ impl GatewayError {
                 StatusCode::TOO_MANY_REQUESTS,
                 types::RATE_LIMIT,
                 Some("gateway_overloaded"),
+                Some(1),
+            ),
+            Shed => (
+                StatusCode::TOO_MANY_REQUESTS,
+                types::RATE_LIMIT,
+                Some("request_shed"),
+                Some(1),
+            ),
+            ObjectiveUnreachable => (
+                StatusCode::TOO_MANY_REQUESTS,
+                types::RATE_LIMIT,
+                Some("objective_unreachable"),
                 Some(1),
             ),
             QueueTimeout => (

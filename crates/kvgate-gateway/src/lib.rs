@@ -54,6 +54,7 @@ pub mod discovery;
 pub mod dns_pool;
 pub mod error;
 pub mod fleet;
+pub mod flow;
 pub mod forward;
 pub mod metrics;
 #[cfg(feature = "mock")]

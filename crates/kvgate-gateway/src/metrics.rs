@@ -47,6 +47,10 @@ pub enum ErrorLabel {
     NoWorker,
     QueueFull,
     QueueTimeout,
+    /// Flow control: a sheddable request (or a lower class's waiter) shed while saturated.
+    Shed,
+    /// Flow control: a TTFT objective that cannot be met, in a class that rejects misses.
+    ObjectiveUnreachable,
     UpstreamConnect,
     /// Reserved: a worker's own error status (counted by `kvgate_retries_total` today).
     UpstreamStatus,
@@ -63,7 +67,7 @@ pub enum ErrorLabel {
 }
 
 impl ErrorLabel {
-    pub const ALL: [ErrorLabel; 21] = [
+    pub const ALL: [ErrorLabel; 23] = [
         ErrorLabel::Unauthorized,
         ErrorLabel::RateLimited,
         ErrorLabel::NotFound,
@@ -76,6 +80,8 @@ impl ErrorLabel {
         ErrorLabel::NoWorker,
         ErrorLabel::QueueFull,
         ErrorLabel::QueueTimeout,
+        ErrorLabel::Shed,
+        ErrorLabel::ObjectiveUnreachable,
         ErrorLabel::UpstreamConnect,
         ErrorLabel::UpstreamStatus,
         ErrorLabel::UpstreamIo,
@@ -101,6 +107,8 @@ impl ErrorLabel {
             ErrorLabel::NoWorker => "no_worker",
             ErrorLabel::QueueFull => "queue_full",
             ErrorLabel::QueueTimeout => "queue_timeout",
+            ErrorLabel::Shed => "shed",
+            ErrorLabel::ObjectiveUnreachable => "objective_unreachable",
             ErrorLabel::UpstreamConnect => "upstream_connect",
             ErrorLabel::UpstreamStatus => "upstream_status",
             ErrorLabel::UpstreamIo => "upstream_io",
@@ -265,6 +273,81 @@ pub struct PdMetrics {
 }
 
 type HFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// A flow-control class and tenant: both bounded (classes are configured; tenants are those
+/// listed in `flow_control.tenants`, the rest `other`, or `none`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassTenant {
+    pub class: Lbl,
+    pub tenant: Lbl,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassOutcome {
+    pub class: Lbl,
+    pub outcome: &'static str,
+}
+
+/// `kvgate_flow_requests_total{outcome}` values.
+pub const FLOW_OUTCOMES: [&str; 8] = [
+    "admitted",
+    "admitted_best_effort",
+    "shed",
+    "queue_full",
+    "queue_timeout",
+    "objective_rejected",
+    "no_worker",
+    "shutting_down",
+];
+
+pub struct FlowMetrics {
+    pub requests: Family<ClassOutcome, Counter>,
+    pub queue_wait: HFamily<ClassTenant>,
+    pub queue_length: Family<ClassTenant, Gauge>,
+    pub tokens: Family<ClassTenant, Counter>,
+}
+
+impl FlowMetrics {
+    /// One reservation's end: its outcome, its wait in the queue, and (admitted) its tokens.
+    pub fn record(
+        &self,
+        class: &Lbl,
+        tenant: &Lbl,
+        outcome: &'static str,
+        waited: std::time::Duration,
+        admitted_tokens: Option<u64>,
+    ) {
+        self.requests
+            .get_or_create(&ClassOutcome {
+                class: class.clone(),
+                outcome,
+            })
+            .inc();
+        let ct = ClassTenant {
+            class: class.clone(),
+            tenant: tenant.clone(),
+        };
+        self.queue_wait
+            .get_or_create(&ct)
+            .observe(waited.as_secs_f64());
+        if let Some(t) = admitted_tokens {
+            self.tokens.get_or_create(&ct).inc_by(t);
+        }
+    }
+
+    /// The queue lengths now: every series seen before is reset, then set from `queued`.
+    pub fn set_queued(&self, queued: &[(Lbl, Lbl, usize)]) {
+        self.queue_length.clear();
+        for (class, tenant, n) in queued {
+            self.queue_length
+                .get_or_create(&ClassTenant {
+                    class: class.clone(),
+                    tenant: tenant.clone(),
+                })
+                .set(*n as i64);
+        }
+    }
+}
 type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 type FCounter = Counter<f64, std::sync::atomic::AtomicU64>;
 
@@ -369,6 +452,8 @@ pub struct Metrics {
     /// A worker added (config, reload, DNS, admin) → its first successful health probe.
     pub time_to_routable: Histogram,
     pub pd: PdMetrics,
+    /// Flow control (`[flow_control]`): per class and tenant.
+    pub flow: FlowMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
 }
@@ -541,6 +626,12 @@ impl Metrics {
                 handoff_failures: reg!("kvgate_pd_handoff_failures", "Prefill/decode handoff failures by kind (prefill_error, no_params, decode_error).", Family::default()),
                 local_declined: reg!("kvgate_pd_local_declined", "Short prompts (below pd.min_uncached_tokens) disaggregated anyway because the decode worker that would run them whole had more requests in flight than the decode pool's average plus one.", Counter::default()),
                 worker_role: reg!("kvgate_worker_role", "1 for each worker's prefill/decode role: prefill, decode, both (configured, or detected from the worker's /server_info with role = auto), or unknown while an auto worker has not answered (it gets no traffic).", Family::default()),
+            },
+            flow: FlowMetrics {
+                requests: reg!("kvgate_flow_requests", "Flow control: requests by class and outcome (admitted, admitted_best_effort, shed, queue_full, queue_timeout, objective_rejected, no_worker, shutting_down).", Family::default()),
+                queue_wait: reg!("kvgate_flow_queue_wait_seconds", "Flow control: time requests waited in the admission queue, by class and tenant (0 when not queued).", HFamily::new_with_constructor(latency_buckets)),
+                queue_length: reg!("kvgate_flow_queue_length", "Flow control: requests waiting in the admission queue now, by class and tenant.", Family::default()),
+                tokens: reg!("kvgate_flow_admitted_tokens", "Flow control: tokens (prompt + expected output, as charged to the fair share) of admitted requests, by class and tenant.", Family::default()),
             },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),
@@ -963,6 +1054,8 @@ mod tests {
             NoWorker,
             QueueFull,
             QueueTimeout,
+            Shed,
+            ObjectiveUnreachable,
             UpstreamConnect,
             UpstreamIo,
             UpstreamTimeout,

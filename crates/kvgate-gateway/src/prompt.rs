@@ -109,6 +109,7 @@ pub fn route_input(
         hashes,
         isl,
         affinity,
+        ..Default::default()
     })
 }
 

@@ -108,8 +108,8 @@ pub(crate) async fn route_and_forward(
     req: Request<ReqBody>,
 ) -> Result<Routed, GatewayError> {
     let auth = app.auth.load();
-    auth.check(req.headers(), ctx.start)?;
-    let mut p = prepare(app, ctx, req, auth.enabled()).await?;
+    let caller = auth.check(req.headers(), ctx.start)?;
+    let mut p = prepare(app, ctx, req, auth.enabled(), caller.as_ref()).await?;
     if ctx.endpoint.api().splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
         if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
@@ -125,6 +125,7 @@ pub(crate) async fn route_and_forward(
         .clamp(1, MAX_ATTEMPTS);
     let mut tried = [WorkerId(0); MAX_ATTEMPTS];
     let mut n_tried = 0usize;
+    let mut prio_body: Option<Bytes> = None;
     loop {
         // The first choice is made as of the decision's start; later ones (retries, waits in the
         // queue) read the clock again.
@@ -175,12 +176,12 @@ pub(crate) async fn route_and_forward(
         n_tried += 1;
         ctx.attempts += 1;
         let worker = pick.worker;
-        let out = outgoing(
-            &p.parts,
-            &worker,
-            p.spliced.as_ref().unwrap_or(&p.bytes),
-            auth.enabled(),
-        );
+        // Flow control: the class's priority in the body of engines that schedule by it.
+        let body = match prioritized(app, &p, &worker) {
+            Some(b) => &*prio_body.insert(b),
+            None => p.spliced.as_ref().unwrap_or(&p.bytes),
+        };
+        let out = outgoing(&p.parts, &worker, body, auth.enabled());
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
         let can_retry = |now: Instant| {
             n_tried < max_attempts
@@ -233,6 +234,15 @@ pub(crate) async fn route_and_forward(
     }
 }
 
+/// The body with the engine's `priority` for `worker` (`flow_control.forward_priority`), or
+/// `None` to send the prepared body as it is.
+fn prioritized(app: &Proxy, p: &Prepared, worker: &crate::registry::Worker) -> Option<Bytes> {
+    let policy = app.decider.router().admission().policy();
+    let class = policy.class(p.ri.flow.priority).priority;
+    let prio = crate::flow::engine_priority(&policy, worker.kind, class)?;
+    crate::flow::splice_priority(p.spliced.as_ref().unwrap_or(&p.bytes), prio).map(Bytes::from)
+}
+
 /// Read the body (client credentials dropped when auth is on), parse the routing fields, find
 /// the model's pool, tokenize and hash the prompt.
 async fn prepare(
@@ -240,6 +250,7 @@ async fn prepare(
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
     auth_enabled: bool,
+    caller: Option<&crate::auth::Caller>,
 ) -> Result<Prepared, GatewayError> {
     let (mut parts, body) = req.into_parts();
     if auth_enabled {
@@ -293,6 +304,15 @@ async fn prepare(
         };
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     })?;
+    let mut ri = ri;
+    ri.flow = crate::flow::key(
+        &app.decider.router().admission().policy(),
+        &parts.headers,
+        caller,
+        &pool.model,
+        ri.isl,
+        view.max_completion_tokens.or(view.max_tokens),
+    )?;
     drop(view);
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;

@@ -11,9 +11,12 @@
 //!   "run it locally", not "wait").
 //! - [`Decider::plan_pd`]: for a pool with prefill workers, whether this request runs whole on a
 //!   decode worker (and why) or is split, and on which prefill pool ([`PdPlan`]).
-//! - `router.rs`: the selection and the dispatch guard; `admission.rs`: the busy-fleet queue.
+//! - `router.rs`: the selection and the dispatch guard; `admission.rs`: the busy-fleet queue and
+//!   its flow control (classes, tenant shares, objectives); `flow.rs`: the `[flow_control]`
+//!   policy and the [`FlowKey`] a front end builds per request.
 
 pub mod admission;
+pub mod flow;
 pub mod router;
 pub mod speeds;
 
@@ -24,10 +27,11 @@ use arc_swap::ArcSwap;
 use kvgate_core::WorkerId;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Handoff, PdConfig, WorkerRole};
+use crate::config::{Handoff, OnMiss, PdConfig, WorkerRole};
 use crate::metrics::Metrics;
 use crate::registry::Pool;
-use admission::{Generation, WaitError};
+use admission::{Generation, Ticket, WaitError};
+pub use flow::FlowKey;
 use router::{DispatchGuard, Leg, NoPick, Pick, Router};
 
 /// What routing needs of one request: its prompt's chained block hashes, its length in tokens
@@ -37,6 +41,9 @@ pub struct RouteInput {
     pub hashes: Vec<u64>,
     pub isl: u64,
     pub affinity: Option<u64>,
+    /// Flow control: priority, tenant, objective and token cost (the front ends' `flow::key` builds it
+    /// from the request's headers and API key; the default is priority 0, no tenant).
+    pub flow: FlowKey,
 }
 
 /// Why no worker was reserved; each front end renders it in its own error shape.
@@ -50,6 +57,12 @@ pub enum Refusal {
     QueueTimeout,
     /// The gateway is shutting down: queued requests leave at once.
     ShuttingDown,
+    /// Flow control: a sheddable request while the fleet is saturated, or a lower class's waiter
+    /// that gave its place to a higher class (429 + `Retry-After`).
+    Shed,
+    /// Flow control: the request's TTFT objective cannot be met (predicted, or its wait passed
+    /// it) and its class says `on_miss = "reject"` (429 + `Retry-After`).
+    ObjectiveUnreachable,
 }
 
 /// A worker chosen for a request, with the request's load held on it. Dropping it (request
@@ -134,12 +147,22 @@ impl Decider {
         queue_wait: &mut Duration,
     ) -> Result<Reservation, Refusal> {
         let router = &self.router;
-        let pick = wait_for_pick(
-            router.admission(),
+        let adm = router.admission();
+        let ticket = adm.admit(&input.flow, pool_key(pool), at);
+        let (class, tenant, tokens) = (
+            ticket.class.name.clone(),
+            ticket.tenant_label.clone(),
+            ticket.tokens,
+        );
+        let waited_before = *queue_wait;
+        let bypass = self.bypasses_busy(&ticket, pool);
+        let result = wait_for_pick(
+            adm,
             &self.shutdown,
             at,
+            ticket,
             |now| {
-                router.select_leg(
+                router.select_for(
                     pool,
                     &input.hashes,
                     input.isl,
@@ -147,17 +170,33 @@ impl Decider {
                     exclude,
                     now,
                     leg,
+                    bypass,
                 )
             },
+            |p: &Pick| p.estimate.predicted_ms,
             queue_wait,
         )
-        .await
-        .map_err(|e| match e {
-            Refusal::NoWorker(_) => {
-                Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
-            }
-            other => other,
-        })?;
+        .await;
+        let outcome = match &result {
+            Ok(a) if a.missed_objective => "admitted_best_effort",
+            Ok(_) => "admitted",
+            Err(r) => refusal_outcome(r),
+        };
+        self.metrics.flow.record(
+            &class,
+            &tenant,
+            outcome,
+            queue_wait.saturating_sub(waited_before),
+            result.is_ok().then_some(tokens),
+        );
+        let pick = result
+            .map_err(|e| match e {
+                Refusal::NoWorker(_) => {
+                    Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
+                }
+                other => other,
+            })?
+            .pick;
         let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
         Ok(Reservation {
@@ -165,6 +204,17 @@ impl Decider {
             guard,
             at: now,
         })
+    }
+
+    /// Flow control lets this request's class past the busy bound of workers that schedule by
+    /// priority (`flow_control.bypass_busy_priority`).
+    /// Only where every worker of the pool gets the priority forwarded.
+    fn bypasses_busy(&self, t: &Ticket<'_>, pool: &Pool) -> bool {
+        let p = self.router.admission().policy();
+        p.enabled
+            && p.bypass_busy_priority.is_some_and(|b| t.priority() >= b)
+            && !pool.workers.is_empty()
+            && pool.workers.iter().all(|w| p.forwards_to(w.kind.as_str()))
     }
 
     /// [`Decider::reserve`] without queueing: `Err` at once when no worker is free.
@@ -290,32 +340,87 @@ impl Decider {
     }
 }
 
-/// The admission loop: `select` until it picks, waiting in the queue while it answers `AllBusy`.
-/// The first selection is made as of `at`; after a wake-up, as of then. A waiter woken for a
-/// release it cannot use passes the wake-up on to the next waiter that has not tried it and
-/// returns to the head of the queue (`admission.rs`). Generic over the pick so the loop is tested
-/// on its own.
+/// A stable id of a pool for the queue (its model name).
+fn pool_key(pool: &Pool) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(pool.model.as_bytes())
+}
+
+/// The `outcome` label of `kvgate_flow_requests_total` for a refusal.
+fn refusal_outcome(r: &Refusal) -> &'static str {
+    match r {
+        Refusal::NoWorker(_) => "no_worker",
+        Refusal::QueueFull => "queue_full",
+        Refusal::QueueTimeout => "queue_timeout",
+        Refusal::ShuttingDown => "shutting_down",
+        Refusal::Shed => "shed",
+        Refusal::ObjectiveUnreachable => "objective_rejected",
+    }
+}
+
+/// A pick that passed admission; `missed_objective`: served best-effort although its predicted
+/// TTFT misses its objective.
+#[derive(Debug, PartialEq)]
+struct Admitted<T> {
+    pick: T,
+    missed_objective: bool,
+}
+
+/// The admission loop: `select` until it picks, waiting in the queue while it answers `AllBusy`
+/// or a better-ranked waiter of the same pool is queued (then the capacity seen is offered to
+/// the waiters). The first selection is made as of `at`; after a wake-up, as of then. A waiter
+/// woken for a release it cannot use passes the wake-up on to the next waiter that has not tried
+/// it and returns to the queue with its rank (`admission.rs`). A pick whose predicted TTFT
+/// (`predicted_ms`, plus the wait so far) misses the ticket's objective is refused when its class
+/// rejects misses. Generic over the pick so the loop is tested on its own.
 async fn wait_for_pick<T>(
     admission: &admission::Admission,
     shutdown: &CancellationToken,
     at: Instant,
+    ticket: Ticket<'_>,
     mut select: impl FnMut(Instant) -> Result<T, NoPick>,
+    predicted_ms: impl Fn(&T) -> f64,
     queue_wait: &mut Duration,
-) -> Result<T, Refusal> {
+) -> Result<Admitted<T>, Refusal> {
     let mut now = at;
     let mut queued_at: Option<Instant> = None;
     let mut woken: Option<Generation> = None;
+    let reject = ticket.class.on_miss == OnMiss::Reject;
+    let objective = ticket.objective_ms;
+    let count_wait = |queued_at: Option<Instant>, queue_wait: &mut Duration| {
+        if let Some(q) = queued_at {
+            *queue_wait += crate::clock::since(q);
+        }
+    };
     loop {
+        let newcomer = woken.is_none() && queued_at.is_none();
+        let mut kick = false;
         match select(now) {
+            Ok(p) if newcomer && admission.ahead(&ticket) => {
+                // A better-ranked request waits for this pool: it gets the capacity.
+                drop(p);
+                kick = true;
+            }
             Ok(p) => {
-                if let Some(q) = queued_at {
-                    *queue_wait += crate::clock::since(q);
+                let waited = now.saturating_duration_since(ticket.arrival);
+                let missed = objective
+                    .is_some_and(|o| waited.as_secs_f64() * 1000.0 + predicted_ms(&p) > o as f64);
+                count_wait(queued_at, queue_wait);
+                if missed && reject {
+                    if let Some(g) = woken {
+                        admission.pass_on(g);
+                    }
+                    return Err(Refusal::ObjectiveUnreachable);
                 }
-                return Ok(p);
+                ticket.admitted();
+                return Ok(Admitted {
+                    pick: p,
+                    missed_objective: missed,
+                });
             }
             Err(NoPick::NoWorker) => {
-                if let Some(q) = queued_at {
-                    *queue_wait += crate::clock::since(q);
+                count_wait(queued_at, queue_wait);
+                if let Some(g) = woken {
+                    admission.pass_on(g);
                 }
                 return Err(Refusal::NoWorker(String::new()));
             }
@@ -325,12 +430,21 @@ async fn wait_for_pick<T>(
             // The capacity we were woken for went elsewhere: pass the wake-up on.
             admission.pass_on(g);
         }
-        let q0 = *queued_at.get_or_insert_with(Instant::now);
-        let deadline = tokio::time::Instant::from_std(q0 + admission.timeout());
+        let q0 = *queued_at.get_or_insert_with(crate::clock::now);
+        let mut limit = q0 + admission.timeout();
+        if let Some(m) = ticket.class.max_wait_ms {
+            limit = limit.min(q0 + Duration::from_millis(m));
+        }
+        // A request that rejects misses leaves when its objective has passed.
+        let objective_at = objective
+            .filter(|_| reject)
+            .map(|o| ticket.arrival + Duration::from_millis(o))
+            .filter(|d| *d <= limit);
+        let deadline = tokio::time::Instant::from_std(objective_at.unwrap_or(limit));
         // A gateway shutting down sends its queue away at once (503 `shutting_down`, retryable
         // elsewhere) rather than holding it into the end of the grace period.
         let waited = tokio::select! {
-            w = admission.wait(woken, deadline) => w,
+            w = admission.wait(&ticket, woken, deadline, kick) => w,
             _ = shutdown.cancelled() => {
                 *queue_wait += crate::clock::since(q0);
                 return Err(Refusal::ShuttingDown);
@@ -341,10 +455,14 @@ async fn wait_for_pick<T>(
                 woken = Some(g);
                 now = crate::clock::now();
             }
-            Err(WaitError::Full) => return Err(Refusal::QueueFull),
-            Err(WaitError::Timeout) => {
+            Err(e) => {
                 *queue_wait += crate::clock::since(q0);
-                return Err(Refusal::QueueTimeout);
+                return Err(match e {
+                    WaitError::Full => Refusal::QueueFull,
+                    WaitError::Shed => Refusal::Shed,
+                    WaitError::Timeout if objective_at.is_some() => Refusal::ObjectiveUnreachable,
+                    WaitError::Timeout => Refusal::QueueTimeout,
+                });
             }
         }
     }
@@ -375,10 +493,12 @@ mod tests {
             );
             waiters.push(tokio::spawn(async move {
                 let mut waited = Duration::ZERO;
+                let ticket = adm.admit(&FlowKey::default(), 1, crate::clock::now());
                 wait_for_pick(
                     &adm,
                     &shutdown,
                     crate::clock::now(),
+                    ticket,
                     |_| {
                         selections.fetch_add(1, Ordering::SeqCst);
                         if free.load(Ordering::SeqCst) {
@@ -387,9 +507,11 @@ mod tests {
                             Err(NoPick::AllBusy)
                         }
                     },
+                    |_| 0.0,
                     &mut waited,
                 )
                 .await
+                .map(|a| a.pick)
             }));
         }
         while adm.len() < 2 {
@@ -424,11 +546,14 @@ mod tests {
     async fn a_queued_request_times_out_and_counts_its_wait() {
         let adm = admission::Admission::new(8, Duration::from_secs(2));
         let mut waited = Duration::ZERO;
+        let ticket = adm.admit(&FlowKey::default(), 1, crate::clock::now());
         let r = wait_for_pick::<()>(
             &adm,
             &CancellationToken::new(),
             crate::clock::now(),
+            ticket,
             |_| Err(NoPick::AllBusy),
+            |_| 0.0,
             &mut waited,
         )
         .await;
@@ -443,11 +568,14 @@ mod tests {
         let (a, s) = (adm.clone(), shutdown.clone());
         let t = tokio::spawn(async move {
             let mut waited = Duration::ZERO;
+            let ticket = a.admit(&FlowKey::default(), 1, crate::clock::now());
             wait_for_pick::<()>(
                 &a,
                 &s,
                 crate::clock::now(),
+                ticket,
                 |_| Err(NoPick::AllBusy),
+                |_| 0.0,
                 &mut waited,
             )
             .await
@@ -458,5 +586,154 @@ mod tests {
         shutdown.cancel();
         assert_eq!(t.await.unwrap(), Err(Refusal::ShuttingDown));
         assert!(adm.is_empty());
+    }
+
+    fn flow_adm() -> Arc<admission::Admission> {
+        use crate::config::{ClassOrder, FlowClassConfig, FlowControlConfig};
+        let class = |name: &str, priority, ttft_ms, on_miss| FlowClassConfig {
+            name: name.into(),
+            priority,
+            queue_size: None,
+            max_wait_ms: None,
+            ttft_ms,
+            on_miss,
+            order: ClassOrder::Fair,
+        };
+        let cfg = FlowControlConfig {
+            enabled: true,
+            classes: vec![
+                class("interactive", 10, Some(200), OnMiss::Reject),
+                class("standard", 5, Some(200), OnMiss::BestEffort),
+                class("batch", 0, None, OnMiss::BestEffort),
+            ],
+            ..Default::default()
+        };
+        let adm = admission::Admission::new(8, Duration::from_secs(60));
+        adm.set_policy(flow::FlowPolicy::new(&cfg));
+        Arc::new(adm)
+    }
+
+    fn prio(p: i32) -> FlowKey {
+        FlowKey {
+            priority: p,
+            ..FlowKey::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_predicted_miss_is_rejected_or_served_best_effort() {
+        let adm = flow_adm();
+        let shutdown = CancellationToken::new();
+        let run = |p: i32, predicted: f64| {
+            let (adm, shutdown) = (adm.clone(), shutdown.clone());
+            async move {
+                let mut waited = Duration::ZERO;
+                let t = adm.admit(&prio(p), 1, crate::clock::now());
+                wait_for_pick(
+                    &adm,
+                    &shutdown,
+                    crate::clock::now(),
+                    t,
+                    |_| Ok(()),
+                    move |_| predicted,
+                    &mut waited,
+                )
+                .await
+            }
+        };
+        assert_eq!(run(10, 500.0).await, Err(Refusal::ObjectiveUnreachable));
+        assert_eq!(
+            run(10, 150.0).await,
+            Ok(Admitted {
+                pick: (),
+                missed_objective: false
+            })
+        );
+        assert_eq!(
+            run(5, 500.0).await,
+            Ok(Admitted {
+                pick: (),
+                missed_objective: true
+            })
+        );
+        assert_eq!(run(0, 1e9).await.map(|a| a.missed_objective), Ok(false));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_rejects_misses_leaves_when_its_objective_passes() {
+        let adm = flow_adm();
+        let mut waited = Duration::ZERO;
+        let t = adm.admit(&prio(10), 1, crate::clock::now());
+        let r = wait_for_pick::<()>(
+            &adm,
+            &CancellationToken::new(),
+            crate::clock::now(),
+            t,
+            |_| Err(NoPick::AllBusy),
+            |_| 0.0,
+            &mut waited,
+        )
+        .await;
+        assert_eq!(r, Err(Refusal::ObjectiveUnreachable));
+        assert_eq!(
+            waited,
+            Duration::from_millis(200),
+            "not the 60 s queue timeout"
+        );
+        assert!(adm.is_empty());
+    }
+
+    /// A newcomer of a lower class that finds capacity free while a higher class waits for the
+    /// same pool queues behind it and hands it the capacity.
+    #[tokio::test(start_paused = true)]
+    async fn a_newcomer_gives_free_capacity_to_a_better_waiter() {
+        let adm = flow_adm();
+        let shutdown = CancellationToken::new();
+        let slots = Arc::new(AtomicUsize::new(0));
+        let spawn = |p: i32| {
+            let (adm, shutdown, slots) = (adm.clone(), shutdown.clone(), slots.clone());
+            tokio::spawn(async move {
+                let mut waited = Duration::ZERO;
+                let t = adm.admit(&prio(p), 1, crate::clock::now());
+                let r = wait_for_pick(
+                    &adm,
+                    &shutdown,
+                    crate::clock::now(),
+                    t,
+                    |_| {
+                        if slots.load(Ordering::SeqCst) > 0 {
+                            Ok(())
+                        } else {
+                            Err(NoPick::AllBusy)
+                        }
+                    },
+                    |_| 0.0,
+                    &mut waited,
+                )
+                .await;
+                if r.is_ok() {
+                    slots.fetch_sub(1, Ordering::SeqCst);
+                }
+                r.map(|a| a.pick)
+            })
+        };
+        let inter = spawn(0);
+        while adm.is_empty() {
+            tokio::task::yield_now().await;
+        }
+        // Capacity frees without a release (a scrape, a breaker closing).
+        slots.store(1, Ordering::SeqCst);
+        // Same class, later tag: it queues behind and kicks; the earlier waiter gets the slot.
+        let batch = spawn(0);
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(inter.await.unwrap(), Ok(()));
+        assert!(!batch.is_finished(), "the newcomer waits its turn");
+        assert_eq!(adm.len(), 1);
+        assert_eq!(slots.load(Ordering::SeqCst), 0);
+        slots.store(1, Ordering::SeqCst);
+        adm.release();
+        assert_eq!(batch.await.unwrap(), Ok(()));
     }
 }

@@ -85,6 +85,10 @@ impl AppState {
             metrics.clone(),
             shutdown.clone(),
         )?;
+        fleet
+            .router
+            .admission()
+            .set_policy(crate::flow::FlowPolicy::new(&config.flow_control));
         let auth = Arc::new(ArcSwap::from_pointee(Auth::from_config(&config.auth)));
         let cluster = match crate::cluster::config(&config.cluster)? {
             Some(c) => Some(crate::cluster::start(
@@ -131,7 +135,8 @@ impl AppState {
         }))
     }
 
-    /// Apply a reloaded config: workers, policy, admission, retries, SLOs, keys. Listener, TLS,
+    /// Apply a reloaded config: workers, policy, admission and flow control, retries, SLOs, keys.
+    /// Listener, TLS,
     /// limits and the admin listener need a restart.
     pub fn apply_config(&self, config: Arc<Config>) -> anyhow::Result<()> {
         self.fleet.apply_config(config.clone())?;
@@ -139,6 +144,8 @@ impl AppState {
             config.admission.queue_size,
             std::time::Duration::from_millis(config.admission.queue_timeout_ms),
         );
+        self.admission
+            .set_policy(crate::flow::FlowPolicy::new(&config.flow_control));
         self.upstream.apply_retry(&config.retry);
         self.telemetry.slo.store(Arc::new(config.slo.clone()));
         self.decider.set_pd(&config.pd);
@@ -242,5 +249,6 @@ impl AppState {
         );
         m.set_cache("kv_index", index_entries, None);
         m.queue_depth.set(self.admission.len() as i64);
+        m.flow.set_queued(&self.admission.queued());
     }
 }

@@ -230,12 +230,16 @@ async fn api_keys_rate_limits_and_worker_credentials() {
             name: None,
             rate_per_s: None,
             burst: None,
+            priority: None,
+            tenant: None,
         },
         kvgate_gateway::config::ApiKeyConfig {
             key: "sk-slow".into(),
             name: None,
             rate_per_s: Some(0.01),
             burst: Some(1.0),
+            priority: None,
+            tenant: None,
         },
     ];
     let gw = gateway(cfg).await;
@@ -547,5 +551,65 @@ async fn auto_roles_survive_reloads_and_a_switch_to_auto_asks_the_worker() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     assert_eq!(a.completions() + b.completions(), 4);
+    gw.shutdown().await;
+}
+
+/// `[flow_control]` reloads: new classes and weights apply to the next request; a bad section
+/// (two classes with one priority) is refused and the running policy stays.
+#[tokio::test]
+async fn flow_control_reloads_and_a_bad_section_keeps_the_running_one() {
+    let w = MockWorker::builder().models(&["m"]).spawn().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kvgate.toml");
+    let file = |flow: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n{flow}\n[[workers]]\nurl = \"{}\"\n",
+            w.url()
+        )
+    };
+    std::fs::write(&path, file("")).unwrap();
+    let overrides: kvgate_gateway::reload::Overrides = Arc::new(|_| {});
+    let gw = Gateway::start(StartOptions {
+        config: kvgate_gateway::Config::from_file(&path).unwrap(),
+        config_path: None,
+        overrides: overrides.clone(),
+    })
+    .await
+    .unwrap();
+    let adm = gw.app.fleet.router.admission().clone();
+    assert!(!adm.policy().enabled);
+    assert_eq!(&*adm.policy().class(5).name, "default");
+    std::fs::write(
+        &path,
+        file(
+            "[flow_control]\nenabled = true\n[flow_control.tenants]\nteam-a = 2.0\n\
+             [[flow_control.classes]]\nname = \"interactive\"\npriority = 5\n\
+             [[flow_control.classes]]\nname = \"batch\"\npriority = 0\n",
+        ),
+    )
+    .unwrap();
+    kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap();
+    assert!(adm.policy().enabled);
+    assert_eq!(&*adm.policy().class(5).name, "interactive");
+    assert_eq!(adm.policy().weight(Some("team-a")), 2.0);
+    std::fs::write(
+        &path,
+        file(
+            "[flow_control]\nenabled = true\n[[flow_control.classes]]\nname = \"a\"\npriority = 1\n\
+             [[flow_control.classes]]\nname = \"b\"\npriority = 1\n",
+        ),
+    )
+    .unwrap();
+    let e = kvgate_gateway::reload::reload(&gw.app, &path, &overrides).unwrap_err();
+    assert!(e.contains("two classes with priority 1"), "{e}");
+    assert_eq!(&*adm.policy().class(5).name, "interactive", "kept");
+    // Requests flow with the reloaded policy.
+    let r = post(
+        &client(),
+        &format!("{}/v1/chat/completions", gw.url()),
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
     gw.shutdown().await;
 }

@@ -320,6 +320,8 @@ fn auth_fleet(worker: &MockHandle, worker_key: Option<&str>, client_key: Option<
             name: None,
             rate_per_s: None,
             burst: None,
+            priority: None,
+            tenant: None,
         });
     }
     cfg

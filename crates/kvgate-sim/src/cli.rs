@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::config::{
-    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, PdProtocol, Role, SimConfig,
-    Slowdown, TimingModel,
+    CrashMode, EventEncoding, Faults, LoadFailurePolicy, PdConfig, PdProtocol, Role,
+    SchedulingPolicy, SimConfig, Slowdown, TimingModel,
 };
 use crate::fleet::{describe, FleetPorts, SimFleet};
 
@@ -65,6 +65,10 @@ pub struct SimArgs {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
+    /// vLLM's --scheduling-policy: fcfs, or priority (waiting queue by the body's `priority`,
+    /// lower first; lower-priority running requests preempted for higher ones).
+    #[arg(long, default_value = "fcfs")]
+    pub scheduling_policy: SchedulingPolicy,
     /// Longest prompt + output (default: what the KV cache holds).
     #[arg(long)]
     pub max_model_len: Option<usize>,
@@ -184,6 +188,7 @@ impl SimArgs {
             num_gpu_blocks: self.num_gpu_blocks,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
+            scheduling_policy: self.scheduling_policy,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
             speedup: self.speedup,

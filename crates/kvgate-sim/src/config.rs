@@ -26,6 +26,31 @@ impl EventEncoding {
     }
 }
 
+/// vLLM's `--scheduling-policy`: the order of the waiting queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served (vLLM's default); a request with `priority` != 0 is refused.
+    #[default]
+    Fcfs,
+    /// Waiting requests by (`priority`, arrival), lower value first; when KV blocks or
+    /// `max_num_seqs` run short, the lowest-priority running request is preempted (recomputed
+    /// later) for a higher-priority one.
+    Priority,
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fcfs" => Ok(Self::Fcfs),
+            "priority" => Ok(Self::Priority),
+            other => Err(format!(
+                "unknown scheduling policy {other:?} (expected fcfs|priority)"
+            )),
+        }
+    }
+}
+
 impl std::str::FromStr for EventEncoding {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -250,6 +275,8 @@ pub struct SimConfig {
     pub num_gpu_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// vLLM `--scheduling-policy` (fcfs or priority).
+    pub scheduling_policy: SchedulingPolicy,
     /// Prompt + output tokens allowed per request; `None` = everything the cache can hold.
     pub max_model_len: Option<usize>,
     pub enable_prefix_caching: bool,
@@ -292,6 +319,7 @@ impl Default for SimConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             max_model_len: None,
+            scheduling_policy: SchedulingPolicy::Fcfs,
             enable_prefix_caching: true,
             speedup: 1.0,
             timing: TimingModel::default(),
@@ -330,7 +358,7 @@ impl SimConfig {
         max_num_batched_tokens: usize, max_model_len: Option<usize>, enable_prefix_caching: bool,
         speedup: f64, timing: TimingModel, seed: u64, mean_output_tokens: u32, kv_events: bool,
         kv_events_encoding: EventEncoding, kv_events_topic: String, dp_rank: u32, faults: Faults,
-        kv_events_buffer_steps: usize, pd: PdConfig,
+        kv_events_buffer_steps: usize, pd: PdConfig, scheduling_policy: SchedulingPolicy,
     }
 
     /// Usable blocks (vLLM keeps one null block out of the pool).

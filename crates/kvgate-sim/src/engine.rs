@@ -23,6 +23,9 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    /// vLLM `--scheduling-policy priority`: waiting by (priority, arrival); preemption of the
+    /// lowest-priority running request.
+    pub priority_scheduling: bool,
     pub enable_prefix_caching: bool,
     pub seed: u64,
     pub mean_output_tokens: u32,
@@ -136,7 +139,8 @@ impl Engine {
             let span = u64::from(self.cfg.mean_output_tokens.max(1)) * 2;
             1 + (key.rotate_left(17) % span) as usize
         });
-        self.waiting.push_back(Request {
+        self.enqueue(Request {
+            priority: r.priority,
             id: r.id,
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
@@ -150,6 +154,17 @@ impl Engine {
             out_key: key,
             kv: r.kv,
         });
+    }
+
+    /// A new request joins the waiting queue: at the back (FCFS), or in (priority, arrival)
+    /// order.
+    fn enqueue(&mut self, r: Request) {
+        if self.cfg.priority_scheduling {
+            let at = self.waiting.partition_point(|w| w.order() < r.order());
+            self.waiting.insert(at, r);
+        } else {
+            self.waiting.push_back(r);
+        }
     }
 
     /// Removes a request wherever it is and frees its blocks. Returns whether it existed.
@@ -174,14 +189,57 @@ impl Engine {
     }
 
     /// Preemption by recompute: drop all blocks (cached ones stay evictable, so the recompute can
-    /// hit them) and put the request back at the head of the queue.
+    /// hit them) and put the request back at the head of the queue (priority policy: at its
+    /// place by priority and arrival).
     fn preempt(&mut self, mut r: Request) {
         let blocks = std::mem::take(&mut r.blocks);
         self.pool.release(blocks.into_iter().rev());
         r.computed = 0;
         r.cached_blocks = 0;
         self.counters.preemptions += 1;
-        self.waiting.push_front(r);
+        if self.cfg.priority_scheduling {
+            self.enqueue(r);
+        } else {
+            self.waiting.push_front(r);
+        }
+    }
+
+    /// The running request to preempt among `running[from..]`: the newest (FCFS), or the one
+    /// last in (priority, arrival) order.
+    fn victim(&self, from: usize) -> usize {
+        if self.cfg.priority_scheduling {
+            (from..self.running.len())
+                .max_by_key(|&j| self.running[j].order())
+                .expect("running is non-empty here")
+        } else {
+            self.running.len() - 1
+        }
+    }
+
+    /// Priority policy: make room for a waiting request of `priority` by preempting the
+    /// lowest-priority running request when it ranks strictly below; a request already scheduled
+    /// in this step leaves the step (its tokens go back to the budget).
+    fn preempt_for(&mut self, priority: i64, budget: &mut usize, step: &mut Step) -> bool {
+        if !self.cfg.priority_scheduling || self.running.is_empty() {
+            return false;
+        }
+        let j = self.victim(0);
+        if self.running[j].priority <= priority {
+            return false;
+        }
+        let r = self.running.remove(j);
+        if let Some(k) = step.scheduled.iter().position(|(id, _)| *id == r.id) {
+            let (_, n) = step.scheduled.remove(k);
+            *budget += n;
+            if n > 1 || r.computed < r.prompt_len {
+                step.prefill_tokens = step.prefill_tokens.saturating_sub(n);
+            } else {
+                step.decode_seqs = step.decode_seqs.saturating_sub(1);
+            }
+        }
+        step.preempted += 1;
+        self.preempt(r);
+        true
     }
 
     /// Picks the next batch (vLLM v1 order: running requests first, then FCFS admission).
@@ -200,12 +258,13 @@ impl Engine {
             let need = blocks_for(computed + n, bs).saturating_sub(have);
             let mut scheduled_self = true;
             while self.pool.num_free() < need {
-                // Out of blocks: preempt the newest running request (possibly this one).
-                let victim = self.running.pop().expect("running is non-empty here");
+                // Out of blocks: preempt the newest running request (priority policy: the
+                // lowest-priority one not yet scheduled in this step), possibly this one.
+                let j = self.victim(i);
+                let victim = self.running.remove(j);
                 step.preempted += 1;
-                let is_self = self.running.len() == i;
                 self.preempt(victim);
-                if is_self {
+                if j == i {
                     scheduled_self = false;
                     break;
                 }
@@ -238,7 +297,16 @@ impl Engine {
 
     fn admit_waiting(&mut self, budget: &mut usize, step: &mut Step) {
         let bs = self.cfg.block_size;
-        while *budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while *budget > 0 {
+            let Some(head) = self.waiting.front().map(|r| r.priority) else {
+                break;
+            };
+            if self.running.len() >= self.cfg.max_num_seqs {
+                if self.preempt_for(head, budget, step) {
+                    continue;
+                }
+                break;
+            }
             let Some(r) = self.waiting.front_mut() else {
                 break;
             };
@@ -271,7 +339,10 @@ impl Engine {
                 .filter(|&&id| self.pool.is_unreferenced(id))
                 .count();
             if self.pool.num_free() < need + idle_hits {
-                break; // FCFS: nobody overtakes the head of the queue.
+                if self.preempt_for(head, budget, step) {
+                    continue;
+                }
+                break; // Nobody overtakes the head of the queue.
             }
             let mut r = self.waiting.pop_front().expect("front exists");
             for &id in &hit {

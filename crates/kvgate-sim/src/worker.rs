@@ -119,6 +119,7 @@ impl Scheduler {
             num_gpu_blocks: cfg.num_gpu_blocks,
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
+            priority_scheduling: cfg.scheduling_policy == crate::config::SchedulingPolicy::Priority,
             enable_prefix_caching: cfg.enable_prefix_caching,
             seed: cfg.seed,
             mean_output_tokens: cfg.mean_output_tokens,

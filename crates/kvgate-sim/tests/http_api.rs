@@ -495,3 +495,28 @@ async fn stall_and_metrics_delay_faults_delay_the_answer() {
     );
     w.shutdown().await;
 }
+
+/// vLLM's `priority`: refused under the default `fcfs` policy, accepted (any integer) under
+/// `--scheduling-policy priority`; not an integer is a 400 either way.
+#[tokio::test]
+async fn priority_needs_the_priority_scheduling_policy() {
+    let c = client();
+    let body = |p: Value| json!({"model": "kvgate-sim", "prompt": ids(1, 20), "max_tokens": 2, "priority": p});
+    let fcfs = SimWorker::spawn(fast(), local(), None).await.unwrap();
+    let url = format!("{}/v1/completions", fcfs.base_url());
+    let (st, e) = post(&c, &url, &body(json!(-3))).await;
+    assert_eq!(st, 400, "{e}");
+    assert!(
+        e.to_string().contains("Priority scheduling is not enabled"),
+        "{e}"
+    );
+    assert_eq!(post(&c, &url, &body(json!(0))).await.0, 200);
+    fcfs.shutdown().await;
+    let cfg = fast().scheduling_policy(kvgate_sim::config::SchedulingPolicy::Priority);
+    let prio = SimWorker::spawn(cfg, local(), None).await.unwrap();
+    let url = format!("{}/v1/completions", prio.base_url());
+    assert_eq!(post(&c, &url, &body(json!(-3))).await.0, 200);
+    let (st, e) = post(&c, &url, &body(json!("high"))).await;
+    assert_eq!(st, 400, "{e}");
+    prio.shutdown().await;
+}

@@ -22,6 +22,7 @@ fn predicted(c: &SimConfig, prompts: &[Vec<u32>], warm: &[Vec<u32>]) -> (Vec<f64
         num_gpu_blocks: c.num_gpu_blocks,
         max_num_seqs: c.max_num_seqs,
         max_num_batched_tokens: c.max_num_batched_tokens,
+        priority_scheduling: false,
         enable_prefix_caching: c.enable_prefix_caching,
         seed: c.seed,
         mean_output_tokens: c.mean_output_tokens,
@@ -34,6 +35,7 @@ fn predicted(c: &SimConfig, prompts: &[Vec<u32>], warm: &[Vec<u32>]) -> (Vec<f64
                 max_tokens: 1,
                 ignore_eos: true,
                 kv: Default::default(),
+                priority: 0,
             });
         }
         let (mut t, mut steps) = (0.0, 0);

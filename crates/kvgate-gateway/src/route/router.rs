@@ -390,8 +390,45 @@ impl Router {
         now: Instant,
         leg: Leg,
     ) -> Result<Pick, NoPick> {
-        let bounded = pool.workers.len() >= BOUNDED_FROM_WORKERS;
-        self.select_with(pool, hashes, isl, affinity_key, exclude, now, leg, bounded)
+        self.select_with(
+            pool,
+            hashes,
+            isl,
+            affinity_key,
+            exclude,
+            now,
+            leg,
+            pool.workers.len() >= BOUNDED_FROM_WORKERS,
+            false,
+        )
+    }
+
+    /// [`Router::select_leg`]; `past_busy`: the request may go past the busy bound and
+    /// `max_inflight_per_worker` (flow control: a high class on engines that schedule by
+    /// priority, which serve it ahead of the lower classes they hold).
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_for(
+        &self,
+        pool: &Pool,
+        hashes: &[u64],
+        isl: u64,
+        affinity_key: Option<u64>,
+        exclude: &[WorkerId],
+        now: Instant,
+        leg: Leg,
+        past_busy: bool,
+    ) -> Result<Pick, NoPick> {
+        self.select_with(
+            pool,
+            hashes,
+            isl,
+            affinity_key,
+            exclude,
+            now,
+            leg,
+            pool.workers.len() >= BOUNDED_FROM_WORKERS,
+            past_busy,
+        )
     }
 
     /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
@@ -411,8 +448,10 @@ impl Router {
         now: Instant,
         leg: Leg,
         bounded: bool,
+        past_busy: bool,
     ) -> Result<Pick, NoPick> {
         let rp = self.policy.load();
+        let busy_off = past_busy || rp.busy.is_off();
         let policy = match (leg, &rp.decode_policy) {
             (Leg::Decode, Some(p)) => p.as_ref(),
             _ => rp.policy.as_ref(),
@@ -454,7 +493,7 @@ impl Router {
                             let Some(w) = pool.worker(c.worker) else {
                                 return false;
                             };
-                            if !self.eligible(w, exclude, &rp, now) {
+                            if !self.eligible(w, exclude, &rp, now, past_busy) {
                                 return false;
                             }
                             complete(c, w, now);
@@ -471,14 +510,14 @@ impl Router {
                 // No non-busy worker visited: the walk then visited every worker it knows, and the
                 // exhaustive scan below gives the same answer with its `AllBusy` / `NoWorker` rule.
                 if let Some(decision) = decision {
-                    if rp.busy.is_off() || !all_busy(candidates, &rp.busy) {
+                    if busy_off || !all_busy(candidates, &rp.busy) {
                         return self.picked(pool, &rp, &req, decision, candidates);
                     }
                 }
             }
             candidates.clear();
             for w in &pool.workers {
-                if !self.eligible(w, exclude, &rp, now) {
+                if !self.eligible(w, exclude, &rp, now, past_busy) {
                     continue;
                 }
                 let mut c = Candidate::new(w.id);
@@ -509,7 +548,7 @@ impl Router {
                 self.remote.lock().add_into_at(candidates, now);
             }
             self.speeds.view().fill_all(candidates);
-            if !rp.busy.is_off() && all_busy(candidates, &rp.busy) {
+            if !busy_off && all_busy(candidates, &rp.busy) {
                 return Err(NoPick::AllBusy);
             }
             let decision = policy
@@ -519,11 +558,21 @@ impl Router {
         })
     }
 
-    /// `w` may take this request: not already tried, routable, under `max_inflight_per_worker`.
-    fn eligible(&self, w: &Worker, exclude: &[WorkerId], rp: &RoutePolicy, now: Instant) -> bool {
+    /// `w` may take this request: not already tried, routable, under `max_inflight_per_worker`
+    /// (unless `past_busy`).
+    fn eligible(
+        &self,
+        w: &Worker,
+        exclude: &[WorkerId],
+        rp: &RoutePolicy,
+        now: Instant,
+        past_busy: bool,
+    ) -> bool {
         !exclude.contains(&w.id)
             && w.state.routable(now)
-            && (rp.max_inflight == 0 || w.state.inflight.load(Ordering::Relaxed) < rp.max_inflight)
+            && (past_busy
+                || rp.max_inflight == 0
+                || w.state.inflight.load(Ordering::Relaxed) < rp.max_inflight)
     }
 
     /// The pick of `decision` among `candidates` (the workers the policy saw, logged).

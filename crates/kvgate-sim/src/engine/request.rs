@@ -47,6 +47,8 @@ pub struct NewRequest {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub kv: KvTransfer,
+    /// vLLM's `priority` (lower first; only with the priority scheduling policy).
+    pub priority: i64,
 }
 
 #[derive(Debug)]
@@ -69,6 +71,14 @@ pub(crate) struct Request {
     /// Key for the deterministic output stream.
     pub out_key: u64,
     pub kv: KvTransfer,
+    pub priority: i64,
+}
+
+impl Request {
+    /// Scheduling order under the priority policy: (priority, arrival), lower first.
+    pub fn order(&self) -> (i64, RequestId) {
+        (self.priority, self.id)
+    }
 }
 
 impl Request {

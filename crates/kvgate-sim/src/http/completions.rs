@@ -118,6 +118,19 @@ async fn prepare(
         .get("ignore_eos")
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
+    // vLLM: `priority` (an integer, lower first) needs `--scheduling-policy priority`.
+    let priority = match v.get("priority") {
+        None | Some(Value::Null) => 0,
+        Some(x) => x
+            .as_i64()
+            .ok_or_else(|| bad("`priority` must be an integer", "priority"))?,
+    };
+    if priority != 0 && cfg.scheduling_policy != crate::config::SchedulingPolicy::Priority {
+        return Err(bad(
+            format!("Got priority {priority} but Priority scheduling is not enabled."),
+            "priority",
+        ));
+    }
     let max_len = cfg.effective_max_model_len();
     let requested = match (
         opt_u64(&v, "max_completion_tokens")?,
@@ -265,6 +278,7 @@ async fn prepare(
                 max_tokens,
                 ignore_eos,
                 kv,
+                priority,
             };
             let idx = (p * n as usize + j) as u32;
             if sh
