@@ -402,7 +402,7 @@ impl Conversation {
             .observe(res.pick.decision.predicted_hit_ratio);
         ctx.overlap_blocks = res.pick.decision.overlap_blocks;
         ctx.attempts = 1;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &input, &exclude, res);
+        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
         ctx.worker = Some(guard.worker.clone());
         ctx.guard = Some(guard);
         self.held = Held::Api {
@@ -523,7 +523,7 @@ impl Conversation {
                 epp.metrics.error(e.label());
                 e
             })?;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &input, &exclude, res);
+        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
         self.held = Held::Load(guard);
         self.routed = Some(Routed {
             pool,
@@ -569,49 +569,43 @@ impl Conversation {
         Ok(out)
     }
 
-    /// The reservation's worker then up to `fallback_endpoints − 1` more, each the best of the
-    /// rest (no load placed on them: Envoy tries them only if the first fails).
+    /// The reservation's worker then up to `fallback_endpoints − 1` more: the least loaded of
+    /// the rest (requests in flight, then pool order), no load placed on them (Envoy tries them
+    /// only if the first fails). Not the policy's next choices: a stateful policy (round robin)
+    /// would advance once per fallback.
     fn with_fallbacks(
         &self,
         pool: &Pool,
-        input: &RouteInput,
         exclude: &[WorkerId],
         res: Reservation,
     ) -> (String, DispatchGuard, Vec<(Arc<Worker>, SocketAddr)>) {
-        let mut skip = exclude.to_vec();
-        let mut endpoints = Vec::new();
         let first = res.pick.worker.clone();
-        if let Some(a) = super::endpoint_of(&first) {
-            endpoints.push((first.clone(), a));
-        }
-        skip.push(first.id);
+        let mut endpoints: Vec<(Arc<Worker>, SocketAddr)> = super::endpoint_of(&first)
+            .map(|a| (first.clone(), a))
+            .into_iter()
+            .collect();
         let now = res.at;
-        while endpoints.len() < self.epp.settings.fallback_endpoints {
-            match self.epp.decider.select(pool, input, &skip, now) {
-                Ok(p) => {
-                    skip.push(p.worker.id);
-                    if let Some(a) = super::endpoint_of(&p.worker) {
-                        endpoints.push((p.worker, a));
-                    }
-                }
-                Err(_) => {
-                    // Busy ones still make fallbacks, least loaded first (the pick above already
-                    // took the best non-busy worker).
-                    let next = pool
-                        .workers
-                        .iter()
-                        .filter(|w| !skip.contains(&w.id) && w.state.routable(now))
-                        .min_by_key(|w| {
-                            w.state.inflight.load(std::sync::atomic::Ordering::Relaxed)
-                        });
-                    let Some(w) = next else { break };
-                    skip.push(w.id);
-                    if let Some(a) = super::endpoint_of(w) {
-                        endpoints.push((w.clone(), a));
-                    }
-                }
-            }
-        }
+        let mut rest: Vec<(u32, usize, &Arc<Worker>, SocketAddr)> = pool
+            .workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.id != first.id && !exclude.contains(&w.id) && w.state.routable(now))
+            .filter_map(|(i, w)| {
+                let load = w.state.inflight.load(std::sync::atomic::Ordering::Relaxed);
+                super::endpoint_of(w).map(|a| (load, i, w, a))
+            })
+            .collect();
+        rest.sort_unstable_by_key(|(load, i, _, _)| (*load, *i));
+        let room = self
+            .epp
+            .settings
+            .fallback_endpoints
+            .saturating_sub(endpoints.len());
+        endpoints.extend(
+            rest.into_iter()
+                .take(room)
+                .map(|(_, _, w, a)| (w.clone(), a)),
+        );
         let value = endpoints
             .iter()
             .map(|(_, a)| a.to_string())
