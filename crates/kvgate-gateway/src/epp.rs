@@ -209,7 +209,7 @@ impl Messages {
 
     pub(crate) async fn next<M: Message + Default>(&mut self) -> Result<M, Stop> {
         loop {
-            match self.dec.next() {
+            match self.dec.next_message() {
                 Ok(Some(bytes)) => {
                     return M::decode(bytes).map_err(|e| {
                         Stop::Error(Status::new(

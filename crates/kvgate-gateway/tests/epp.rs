@@ -92,7 +92,7 @@ impl Call {
     /// The next message, or `None` once the call ended (then `trailers` are set).
     async fn recv(&mut self) -> Option<ProcessingResponse> {
         loop {
-            if let Some(m) = self.dec.next().unwrap() {
+            if let Some(m) = self.dec.next_message().unwrap() {
                 return Some(ProcessingResponse::decode(m).unwrap());
             }
             let f = tokio::time::timeout(Duration::from_secs(10), self.body.frame())
@@ -123,7 +123,7 @@ impl Call {
 
     /// Reads to the end; the grpc-status and message.
     async fn status(&mut self) -> (String, String) {
-        while let Some(m) = self.recv().await {
+        if let Some(m) = self.recv().await {
             panic!("unexpected message {m:?}");
         }
         let t = self.trailers.as_ref().expect("trailers");
@@ -914,7 +914,7 @@ async fn grpc_health_answers_liveness_readiness_and_the_ext_proc_service() {
 impl Call {
     async fn dec_next_health(&mut self) -> pb::HealthCheckResponse {
         loop {
-            if let Some(m) = self.dec.next().unwrap() {
+            if let Some(m) = self.dec.next_message().unwrap() {
                 return pb::HealthCheckResponse::decode(m).unwrap();
             }
             let f = tokio::time::timeout(Duration::from_secs(10), self.body.frame())
@@ -925,4 +925,194 @@ impl Call {
             self.dec.push(&f.into_data().expect("data"));
         }
     }
+}
+
+fn set_header_of(r: &ProcessingResponse, key: &str) -> Option<String> {
+    let Some(Response::RequestHeaders(h)) = &r.response else {
+        panic!("not a headers answer: {r:?}")
+    };
+    h.response
+        .as_ref()?
+        .header_mutation
+        .as_ref()?
+        .set_headers
+        .iter()
+        .find_map(|h| {
+            let h = h.header.as_ref()?;
+            (h.key == key).then(|| String::from_utf8(h.raw_value.clone()).unwrap())
+        })
+}
+
+fn removes(r: &ProcessingResponse, key: &str) -> bool {
+    let Some(Response::RequestHeaders(h)) = &r.response else {
+        panic!("not a headers answer: {r:?}")
+    };
+    h.response
+        .as_ref()
+        .and_then(|c| c.header_mutation.as_ref())
+        .is_some_and(|m| m.remove_headers.iter().any(|h| h == key))
+}
+
+/// A prefill/decode pool: the destination is the decode worker and the prefill worker goes in
+/// `x-prefiller-host-port` (llm-d's P/D sidecar convention); its load is held until the decode
+/// worker answers. A short prompt (below `pd.min_uncached_tokens`) runs whole on the decode worker,
+/// and a client-supplied `x-prefiller-host-port` is removed.
+#[tokio::test]
+async fn prefill_decode_pools_name_the_prefill_worker_for_the_sidecar() {
+    use kvgate_gateway::config::{RoleSetting, WorkerRole};
+    let (p, d) = two_workers().await;
+    let gw = epp_gateway(&[&p, &d], |c| {
+        c.workers[0].role = RoleSetting::Fixed(WorkerRole::Prefill);
+        c.workers[1].role = RoleSetting::Fixed(WorkerRole::Decode);
+        c.pd.min_uncached_tokens = 64;
+        c.pd.local_on_idle_decode = false;
+    })
+    .await;
+    let (pa, da) = (
+        p.url().trim_start_matches("http://").to_owned(),
+        d.url().trim_start_matches("http://").to_owned(),
+    );
+    let epp = gw.epp_addr.unwrap();
+    let fd = protocol(
+        pb::BodySendMode::FullDuplexStreamed,
+        pb::BodySendMode::FullDuplexStreamed,
+    )
+    .unwrap();
+    // Long prompt: disaggregated.
+    let mut c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
+    c.send(&first(
+        fd,
+        headers(&[(":method", "POST"), (":path", CHAT)], false),
+    ));
+    c.send(&msg(body(chat(true), true)));
+    let h = c.expect().await;
+    assert_eq!(
+        destination(&h),
+        da,
+        "only the decode worker is a destination"
+    );
+    assert_eq!(set_header_of(&h, "x-prefiller-host-port"), Some(pa.clone()));
+    while !streamed(&c.expect().await).1 {}
+    assert_eq!(inflight(&gw), vec![1, 1], "prefill and decode loads held");
+    c.send(&resp_headers(
+        &[(":status", "200"), ("content-type", "text/event-stream")],
+        false,
+        Some(&da),
+    ));
+    c.expect().await;
+    assert_eq!(
+        inflight(&gw),
+        vec![0, 1],
+        "the prefill ran before the decode worker answered"
+    );
+    c.send(&resp_body(
+        sse(&[r#"{"choices":[{"delta":{"content":"a"}}]}"#, "[DONE]"]),
+        true,
+    ));
+    c.expect().await;
+    c.close();
+    assert_eq!(c.status().await.0, "0");
+    no_load_left(&gw).await;
+    // Short prompt: the decode worker runs it whole; a spoofed prefiller header is removed.
+    let mut c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
+    c.send(&first(
+        fd,
+        headers(
+            &[
+                (":method", "POST"),
+                (":path", CHAT),
+                ("x-prefiller-host-port", "10.0.0.1:80"),
+            ],
+            false,
+        ),
+    ));
+    c.send(&msg(body(
+        r#"{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}"#,
+        true,
+    )));
+    let h = c.expect().await;
+    assert_eq!(destination(&h), da);
+    assert_eq!(set_header_of(&h, "x-prefiller-host-port"), None);
+    assert!(removes(&h, "x-prefiller-host-port"));
+    assert_eq!(inflight(&gw), vec![0, 1]);
+    c.close();
+    while c.recv().await.is_some() {}
+    no_load_left(&gw).await;
+    let text = metrics(&gw);
+    assert!(
+        text.contains(r#"kvgate_pd_decisions_total{model="mock-model",path="disaggregated",reason="epp_sidecar"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"kvgate_pd_decisions_total{model="mock-model",path="local",reason="short_prompt"} 1"#
+        ),
+        "{text}"
+    );
+    gw.shutdown().await;
+}
+
+/// `[epp] tls`: the same gRPC over TLS (ALPN h2).
+#[tokio::test]
+async fn the_picker_serves_grpc_over_tls() {
+    let (a, b) = two_workers().await;
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let gw = epp_gateway(&[&a, &b], |c| {
+        c.epp.tls = Some(kvgate_gateway::config::TlsConfig {
+            cert: fixtures.join("cert.pem"),
+            key: fixtures.join("key.pem"),
+        })
+    })
+    .await;
+    let mut roots = rustls::RootCertStore::empty();
+    let pem = std::fs::read(fixtures.join("cert.pem")).unwrap();
+    for cert in rustls_pemfile::certs(&mut &pem[..]) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut cc = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cc.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(gw.epp_addr.unwrap())
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cc))
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake");
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(kvgate_gateway::epp::HEALTH_PATH)
+        .header("content-type", "application/grpc")
+        .body(http_body_util::Full::new(encode(&pb::HealthCheckRequest {
+            service: "liveness".into(),
+        })))
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    let mut body = resp.into_body();
+    let mut dec = Decoder::new(1024);
+    let mut status = None;
+    let mut answer = None;
+    while let Some(f) = body.frame().await {
+        let f = f.unwrap();
+        match f.into_data() {
+            Ok(d) => {
+                dec.push(&d);
+                if let Some(m) = dec.next_message().unwrap() {
+                    answer = Some(pb::HealthCheckResponse::decode(m).unwrap());
+                }
+            }
+            Err(f) => status = f.into_trailers().ok().map(|t| t["grpc-status"].clone()),
+        }
+    }
+    assert_eq!(answer.unwrap().status, 1, "SERVING");
+    assert_eq!(status.unwrap(), "0");
+    gw.shutdown().await;
 }

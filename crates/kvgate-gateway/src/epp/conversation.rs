@@ -75,6 +75,8 @@ enum Phase {
 }
 
 /// What a picked request holds until its response ends.
+// Not boxed: one per stream, set twice in its life.
+#[allow(clippy::large_enum_variant)]
 enum Held {
     None,
     /// A request of a client API: its context (load guard, timings) before the response, its
@@ -405,6 +407,7 @@ impl Conversation {
         let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
         ctx.worker = Some(guard.worker.clone());
         ctx.guard = Some(guard);
+        ctx.prefilled_elsewhere = self.prefill.is_some();
         self.held = Held::Api {
             ctx: Some(ctx),
             obs: None,

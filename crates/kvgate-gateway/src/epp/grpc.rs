@@ -120,7 +120,7 @@ impl Decoder {
     /// The next whole message, `Ok(None)` until one has arrived. Refused: a compressed message
     /// (none was negotiated) or one larger than `max` (refused from its prefix, before its bytes
     /// are buffered).
-    pub fn next(&mut self) -> Result<Option<Bytes>, Status> {
+    pub fn next_message(&mut self) -> Result<Option<Bytes>, Status> {
         if self.buf.len() < 5 {
             return Ok(None);
         }
@@ -239,7 +239,7 @@ mod tests {
         let mut got = Vec::new();
         for byte in &all {
             d.push(std::slice::from_ref(byte));
-            while let Some(m) = d.next().unwrap() {
+            while let Some(m) = d.next_message().unwrap() {
                 got.push(m);
             }
         }
@@ -253,13 +253,13 @@ mod tests {
     fn oversized_compressed_and_bad_prefixes_are_refused() {
         let mut d = Decoder::new(10);
         d.push(&[0, 0, 0, 0, 11]);
-        assert_eq!(d.next().unwrap_err().code, Code::ResourceExhausted);
+        assert_eq!(d.next_message().unwrap_err().code, Code::ResourceExhausted);
         let mut d = Decoder::new(10);
         d.push(&[1, 0, 0, 0, 1, 0]);
-        assert_eq!(d.next().unwrap_err().code, Code::Unimplemented);
+        assert_eq!(d.next_message().unwrap_err().code, Code::Unimplemented);
         let mut d = Decoder::new(10);
         d.push(b"GET / HTTP/1.1\r\n");
-        assert_eq!(d.next().unwrap_err().code, Code::InvalidArgument);
+        assert_eq!(d.next_message().unwrap_err().code, Code::InvalidArgument);
     }
 
     #[test]
