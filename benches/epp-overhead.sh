@@ -7,7 +7,7 @@
 # targets interleaved per round so machine noise hits them alike. Reports per target and
 # concurrency: TTFT p50/p99 (client side), TTFT added over `rr` at the same concurrency, and CPU
 # µs per request of the kvgate process (utime+stime from /proc over the run / requests; for `epp`
-# the picker's, for `front` the whole gateway's).
+# the picker's, for `front` the whole gateway's) and of the Envoy process (`rr`, `epp`).
 #
 # Usage: benches/epp-overhead.sh [requests-per-point=400] [rounds=2]
 # Env: CARGO_TARGET_DIR (release `kvgate` built there unless SKIP_BUILD=1; KVGATE_BIN overrides), KVGATE_ENVOY (else the
@@ -88,24 +88,28 @@ t = sys.stdin.read()
 start = t.index("          - name: envoy.filters.http.ext_proc")
 end = t.index("          - name: envoy.filters.http.router")
 sys.stdout.write(t[:start] + t[end:])' > "$WORK/envoy-rr.yaml"
-"$ENVOY" -c "$WORK/envoy-epp.yaml" --log-level error --disable-hot-restart 2>"$WORK/envoy-epp.log" & PIDS+=($!)
-"$ENVOY" -c "$WORK/envoy-rr.yaml" --log-level error --disable-hot-restart 2>"$WORK/envoy-rr.log" & PIDS+=($!)
+"$ENVOY" -c "$WORK/envoy-epp.yaml" --log-level error --disable-hot-restart 2>"$WORK/envoy-epp.log" & PIDS+=($!); ENVOY_EPP_PID=$!
+"$ENVOY" -c "$WORK/envoy-rr.yaml" --log-level error --disable-hot-restart 2>"$WORK/envoy-rr.log" & PIDS+=($!); ENVOY_RR_PID=$!
 wait_port $((B + 20)); wait_port $((B + 22))
 
 declare -A URL=([rr]=http://127.0.0.1:$((B + 22)) [epp]=http://127.0.0.1:$((B + 20)) [front]=http://127.0.0.1:$((B + 12)))
 declare -A CPUPID=([rr]="" [epp]=$EPP_PID [front]=$FRONT_PID)
+declare -A ENVOYPID=([rr]=$ENVOY_RR_PID [epp]=$ENVOY_EPP_PID [front]="")
 # Warm-up: every path once (tokenizer caches, connections).
 for t in rr epp front; do "$KV" bench run --url "${URL[$t]}" --model sim-model --concurrency 4 --requests 64 --quiet --out "$WORK/warm.json" >/dev/null; done
 
-echo "round target c ttft_p50_ms ttft_p99_ms cpu_us_per_req" > "$WORK/results.txt"
+echo "round target c ttft_p50_ms ttft_p99_ms cpu_us_per_req envoy_cpu_us_per_req" > "$WORK/results.txt"
 for r in $(seq 1 "$ROUNDS"); do
   for c in 1 32; do
     for t in rr epp front; do
-      p=${CPUPID[$t]}
+      p=${CPUPID[$t]}; e=${ENVOYPID[$t]}
       c0=0; [ -n "$p" ] && c0=$(cpu_ticks "$p")
+      e0=0; [ -n "$e" ] && e0=$(cpu_ticks "$e")
       "$KV" bench run --url "${URL[$t]}" --model sim-model --concurrency "$c" --requests "$N" --seed "$r" --quiet --out "$WORK/$t-$c-$r.json" >/dev/null
       cpu="-"
       if [ -n "$p" ]; then c1=$(cpu_ticks "$p"); cpu=$(( (c1 - c0) * 1000000 / HZ / N )); fi
+      ecpu="-"
+      if [ -n "$e" ]; then e1=$(cpu_ticks "$e"); ecpu=$(( (e1 - e0) * 1000000 / HZ / N )); fi
       read -r p50 p99 < <("$PY" - "$WORK/$t-$c-$r.json" <<'PYEOF'
 import json, sys
 def find(o):
@@ -120,7 +124,7 @@ t = find(json.load(open(sys.argv[1])))
 print(f'{t["p50"]:.2f} {t["p99"]:.2f}')
 PYEOF
 )
-      echo "$r $t $c $p50 $p99 $cpu" | tee -a "$WORK/results.txt"
+      echo "$r $t $c $p50 $p99 $cpu $ecpu" | tee -a "$WORK/results.txt"
     done
   done
 done
@@ -131,9 +135,10 @@ echo "medians over rounds; added = TTFT p50 minus rr's at the same concurrency"
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1]).read().splitlines()[1:]]
 by = {}
-for r, t, c, p50, p99, cpu in rows:
-    by.setdefault((t, int(c)), []).append((float(p50), float(p99), None if cpu == "-" else float(cpu)))
-print(f'{"target":6} {"c":>3} {"ttft_p50_ms":>12} {"ttft_p99_ms":>12} {"added_p50_ms":>13} {"ratio_p50":>9} {"cpu_us/req":>10}')
+for r, t, c, p50, p99, cpu, ecpu in rows:
+    by.setdefault((t, int(c)), []).append((float(p50), float(p99), None if cpu == "-" else float(cpu),
+                                           None if ecpu == "-" else float(ecpu)))
+print(f'{"target":6} {"c":>3} {"ttft_p50_ms":>12} {"ttft_p99_ms":>12} {"added_p50_ms":>13} {"ratio_p50":>9} {"cpu_us/req":>10} {"envoy_us/req":>12}')
 for c in (1, 32):
     base = statistics.median(x[0] for x in by[("rr", c)])
     for t in ("rr", "epp", "front"):
@@ -142,5 +147,7 @@ for c in (1, 32):
         p99 = statistics.median(x[1] for x in xs)
         cpus = [x[2] for x in xs if x[2] is not None]
         cpu = f"{statistics.median(cpus):.0f}" if cpus else "-"
-        print(f"{t:6} {c:>3} {p50:>12.2f} {p99:>12.2f} {p50 - base:>13.2f} {p50 / base:>9.3f} {cpu:>10}")
+        ecpus = [x[3] for x in xs if x[3] is not None]
+        ecpu = f"{statistics.median(ecpus):.0f}" if ecpus else "-"
+        print(f"{t:6} {c:>3} {p50:>12.2f} {p99:>12.2f} {p50 - base:>13.2f} {p50 / base:>9.3f} {cpu:>10} {ecpu:>12}")
 PYEOF
