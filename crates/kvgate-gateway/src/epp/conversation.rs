@@ -792,6 +792,8 @@ impl Conversation {
         self.phase = Phase::Done;
         self.held = Held::None;
         self.prefill = None;
+        // The rest of the stream is ignored: do not keep a refused body for its lifetime.
+        self.body = BytesMut::new();
         let status = e.status().as_u16();
         let m = &self.epp.metrics;
         m.epp
