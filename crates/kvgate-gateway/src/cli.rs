@@ -71,6 +71,32 @@ pub struct ServeArgs {
     pub log: String,
 }
 
+/// `kvgate epp`: the same gateway as `kvgate serve` (same config file and flags), plus the Envoy
+/// ext_proc endpoint picker on `[epp] listen`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EppArgs {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    /// Listen address of the ext_proc gRPC endpoint picker (`epp.listen`) [default: 127.0.0.1:9002].
+    #[arg(long, env = "KVGATE_EPP_LISTEN")]
+    pub epp_listen: Option<SocketAddr>,
+    /// Endpoints in x-gateway-destination-endpoint: the pick and its fallbacks (`epp.fallback_endpoints`).
+    #[arg(long)]
+    pub fallback_endpoints: Option<usize>,
+}
+
+impl EppArgs {
+    pub fn apply(&self, cfg: &mut Config) {
+        self.serve.apply(cfg);
+        if let Some(l) = self.epp_listen {
+            cfg.epp.listen = l;
+        }
+        if let Some(k) = self.fallback_endpoints {
+            cfg.epp.fallback_endpoints = k;
+        }
+    }
+}
+
 impl ServeArgs {
     /// Apply flags/env on top of a config (file or default).
     pub fn apply(&self, cfg: &mut Config) {
@@ -150,6 +176,31 @@ fn log_colour(stderr_is_terminal: bool, no_color: bool) -> bool {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let overrides = args.clone();
+    run_with(
+        args,
+        Arc::new(move |c: &mut Config| overrides.apply(c)),
+        false,
+    )
+    .await
+}
+
+/// `kvgate epp`.
+pub async fn run_epp(args: EppArgs) -> anyhow::Result<()> {
+    let overrides = args.clone();
+    run_with(
+        args.serve.clone(),
+        Arc::new(move |c: &mut Config| overrides.apply(c)),
+        true,
+    )
+    .await
+}
+
+async fn run_with(
+    args: ServeArgs,
+    overrides: crate::reload::Overrides,
+    epp: bool,
+) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log).unwrap_or_else(|_| "info".into()),
@@ -166,24 +217,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         Some(p) => Config::from_file(p)?,
         None => Config::default(),
     };
-    args.apply(&mut config);
+    overrides(&mut config);
     config.validate()?;
     if config.workers.is_empty() {
         anyhow::bail!("no workers: pass --worker URL (repeatable) or list [[workers]] in --config");
     }
     let drain_delay_s = config.server.drain_delay_s;
-    let a = args.clone();
-    let overrides: crate::reload::Overrides = Arc::new(move |c: &mut Config| a.apply(c));
     let gw = Gateway::start(StartOptions {
         config,
         config_path: args.config.clone(),
         overrides,
+        epp,
     })
     .await?;
     // A fixed line on stderr, so scripts and tests can find the address when listening on port 0.
     eprintln!("kvgate serve: listening on http://{}", gw.addr);
     if let Some(a) = gw.admin_addr {
         eprintln!("kvgate serve: admin on http://{a}");
+    }
+    if let Some(a) = gw.epp_addr {
+        eprintln!("kvgate epp: ext_proc on {a}");
     }
     let stop = gw.shutdown_token();
     let app = gw.app.clone();

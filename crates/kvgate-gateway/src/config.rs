@@ -37,6 +37,33 @@ pub struct Config {
     pub worker_pools: Vec<WorkerPoolConfig>,
     /// Replica sync over NATS (off without `nats_url`). Restart needed.
     pub cluster: ClusterSection,
+    /// `kvgate epp`: the Envoy ext_proc endpoint picker's listener (docs/epp.md). Restart needed.
+    pub epp: EppConfig,
+}
+
+/// `[epp]`: the endpoint picker (`kvgate epp`). `kvgate serve` ignores it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EppConfig {
+    /// The ext_proc gRPC listener (HTTP/2: h2c, or TLS with `tls`).
+    pub listen: SocketAddr,
+    /// Serve TLS (ALPN h2) on `listen` instead of plaintext h2c.
+    pub tls: Option<TlsConfig>,
+    /// Endpoints in `x-gateway-destination-endpoint`: the pick, then fallbacks in order (>= 1).
+    pub fallback_endpoints: usize,
+    /// Largest gRPC message accepted from the gateway (a BUFFERED body arrives in one message).
+    pub max_message_bytes: usize,
+}
+
+impl Default for EppConfig {
+    fn default() -> Self {
+        EppConfig {
+            listen: "127.0.0.1:9002".parse().expect("static addr"),
+            tls: None,
+            fallback_endpoints: 3,
+            max_message_bytes: (8 << 20) + (64 << 10),
+        }
+    }
 }
 
 /// `[cluster]`: N gateway replicas share routing state over NATS (docs/cluster.md).
@@ -966,6 +993,18 @@ impl Config {
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
+        if self.epp.fallback_endpoints == 0 || self.epp.fallback_endpoints > 64 {
+            bail!(
+                "epp.fallback_endpoints must be between 1 and 64, got {}",
+                self.epp.fallback_endpoints
+            );
+        }
+        if self.epp.max_message_bytes < 64 << 10 {
+            bail!(
+                "epp.max_message_bytes must be >= 65536 (Envoy sends body chunks of up to 64 KiB), got {}",
+                self.epp.max_message_bytes
+            );
+        }
         if self.pd.prefill_timeout_s == 0 {
             bail!("pd.prefill_timeout_s must be >= 1");
         }

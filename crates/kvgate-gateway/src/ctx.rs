@@ -96,6 +96,10 @@ pub struct RequestCtx {
     pub pd: Option<crate::pd::Prefilled>,
     /// SGLang: the prefill leg still draining beside the decode worker's answer.
     pub pd_partner: Option<crate::pd::Partner>,
+    /// Another worker ran the prefill outside the gateway's sight (the endpoint picker named a
+    /// prefill worker to the decode worker's P/D sidecar): the first token says nothing of this
+    /// worker's prefill speed.
+    pub prefilled_elsewhere: bool,
 }
 
 impl RequestCtx {
@@ -130,6 +134,7 @@ impl RequestCtx {
             finished: false,
             pd: None,
             pd_partner: None,
+            prefilled_elsewhere: false,
         }
     }
 
@@ -144,7 +149,11 @@ impl RequestCtx {
                 // Nor is a disaggregated request's: its first token follows another worker's
                 // prefill and the KV transfer, which say nothing of this (decode) worker's
                 // prefill speed (the prefill leg teaches its own worker: proxy/handoff.rs).
-                if self.stream && self.pd.is_none() && self.pd_partner.is_none() {
+                if self.stream
+                    && self.pd.is_none()
+                    && self.pd_partner.is_none()
+                    && !self.prefilled_elsewhere
+                {
                     if let Some((predicted, observed)) = g.observe_first_token(now) {
                         self.telemetry
                             .metrics

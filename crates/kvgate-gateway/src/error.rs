@@ -277,6 +277,11 @@ impl GatewayError {
         self.wire().0
     }
 
+    /// The `Retry-After` seconds of this failure, if it has one.
+    pub fn retry_after(&self) -> Option<u64> {
+        self.wire().3
+    }
+
     /// The OpenAI error JSON of this failure (the body of [`Self::into_response`]).
     pub fn json(&self) -> bytes::Bytes {
         let (_, typ, code, _) = self.wire();

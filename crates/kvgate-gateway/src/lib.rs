@@ -52,6 +52,7 @@ pub mod cost;
 pub mod ctx;
 pub mod discovery;
 pub mod dns_pool;
+pub mod epp;
 pub mod error;
 pub mod fleet;
 pub mod flow;
@@ -85,6 +86,8 @@ pub use state::AppState;
 pub struct Gateway {
     pub addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    /// The ext_proc endpoint picker's listener (`kvgate epp`).
+    pub epp_addr: Option<SocketAddr>,
     pub app: Arc<AppState>,
     shutdown: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -95,6 +98,8 @@ pub struct StartOptions {
     pub config: Config,
     pub config_path: Option<PathBuf>,
     pub overrides: reload::Overrides,
+    /// Also serve the ext_proc endpoint picker on `[epp] listen` (`kvgate epp`).
+    pub epp: bool,
 }
 
 impl From<Config> for StartOptions {
@@ -103,6 +108,7 @@ impl From<Config> for StartOptions {
             config,
             config_path: None,
             overrides: Arc::new(|_| {}),
+            epp: false,
         }
     }
 }
@@ -114,11 +120,13 @@ impl Gateway {
             config,
             config_path,
             overrides,
+            epp,
         } = opts.into();
         config.validate()?;
         let shutdown = CancellationToken::new();
         let server_cfg = config.server.clone();
         let admin_cfg = config.admin.clone();
+        let epp_cfg = config.epp.clone();
         let refresh = Duration::from_secs(config.upstream.models_refresh_s);
         let app = AppState::new(Arc::new(config), shutdown.clone())?;
         let tls = server_cfg.tls.as_ref().map(tls::acceptor).transpose()?;
@@ -202,6 +210,31 @@ impl Gateway {
                 },
             )));
         }
+        let mut epp_addr = None;
+        if epp {
+            let tls = epp_cfg.tls.as_ref().map(tls::acceptor).transpose()?;
+            let l = tokio::net::TcpListener::bind(epp_cfg.listen)
+                .await
+                .map_err(|e| anyhow::anyhow!("binding epp {}: {e}", epp_cfg.listen))?;
+            epp_addr = Some(l.local_addr()?);
+            let a = app.clone();
+            let picker = Arc::new(epp::Epp {
+                decider: app.decider.clone(),
+                fleet: app.fleet.clone(),
+                telemetry: app.telemetry.clone(),
+                metrics: app.metrics.clone(),
+                settings: epp_cfg,
+                max_body: server_cfg.max_body_bytes,
+                ready: Box::new(move || api::health::is_ready(&a)),
+            });
+            tasks.push(tokio::spawn(epp::serve(
+                l,
+                tls,
+                picker,
+                shutdown.clone(),
+                grace,
+            )));
+        }
         tasks.push(tokio::spawn(app.fleet.clone().run_discovery(refresh)));
         tasks.push(tokio::spawn(dns_pool::run(app.fleet.clone())));
         if let Some(path) = config_path {
@@ -217,6 +250,7 @@ impl Gateway {
         Ok(Gateway {
             addr,
             admin_addr,
+            epp_addr,
             app,
             shutdown,
             tasks,

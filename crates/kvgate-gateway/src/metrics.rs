@@ -272,6 +272,40 @@ pub struct PdMetrics {
     pub worker_role: Family<WorkerRoleLabels, Gauge>,
 }
 
+/// `kvgate_epp_*`: the endpoint picker (`kvgate epp`); registered in every mode, zero unless the
+/// ext_proc listener runs.
+pub struct EppMetrics {
+    /// ext_proc streams ended, by how (`end`: ok, cancelled, or the gRPC error code's name).
+    pub streams: Family<EndLabel, Counter>,
+    /// ext_proc streams open now.
+    pub streams_open: Gauge,
+    /// Requests picked, by `kind`: api (parsed, routed on the prompt) or load (bodiless or
+    /// another path: least loaded).
+    pub picks: Family<KindLabel, Counter>,
+    /// Local replies sent instead of a pick, by HTTP status.
+    pub immediate: Family<StatusLabel, Counter>,
+    /// Responses the gateway reported as served by another endpoint than the pick (fallback).
+    pub served_elsewhere: Counter,
+    /// gRPC health checks answered, by service and result.
+    pub health_checks: Family<HealthLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndLabel {
+    pub end: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabel {
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HealthLabel {
+    pub service: &'static str,
+    pub result: &'static str,
+}
+
 type HFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// A flow-control class and tenant: both bounded (classes are configured; tenants are those
@@ -454,6 +488,7 @@ pub struct Metrics {
     pub pd: PdMetrics,
     /// Flow control (`[flow_control]`): per class and tenant.
     pub flow: FlowMetrics,
+    pub epp: EppMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
 }
@@ -632,6 +667,14 @@ impl Metrics {
                 queue_wait: reg!("kvgate_flow_queue_wait_seconds", "Flow control: time requests waited in the admission queue, by class and tenant (0 when not queued).", HFamily::new_with_constructor(latency_buckets)),
                 queue_length: reg!("kvgate_flow_queue_length", "Flow control: requests waiting in the admission queue now, by class and tenant.", Family::default()),
                 tokens: reg!("kvgate_flow_admitted_tokens", "Flow control: tokens (prompt + expected output, as charged to the fair share) of admitted requests, by class and tenant.", Family::default()),
+            },
+            epp: EppMetrics {
+                streams: reg!("kvgate_epp_streams", "Endpoint picker: ext_proc streams ended, by end (ok, cancelled: the gateway reset it, or the gRPC error's code name).", Family::default()),
+                streams_open: reg!("kvgate_epp_streams_open", "Endpoint picker: ext_proc streams open now (one per request the gateway is processing).", Gauge::default()),
+                picks: reg!("kvgate_epp_picks", "Endpoint picker: requests given a destination, by kind (api: parsed and routed on its prompt; load: bodiless or not a client API, least loaded).", Family::default()),
+                immediate: reg!("kvgate_epp_immediate_responses", "Endpoint picker: local replies sent instead of a destination (ImmediateResponse), by HTTP status (429 shed, 503 no endpoint, 400/404/413 bad request).", Family::default()),
+                served_elsewhere: reg!("kvgate_epp_served_elsewhere", "Endpoint picker: responses the gateway reported as served by another endpoint than the first pick (it fell back along the list); the request's load moved there.", Counter::default()),
+                health_checks: reg!("kvgate_epp_health_checks", "Endpoint picker: grpc.health.v1 checks answered, by service (liveness, readiness, ext_proc, other) and result (serving, not_serving, unknown).", Family::default()),
             },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),

@@ -241,6 +241,40 @@ impl Decider {
         }
     }
 
+    /// The request's load placed on `worker`, a member of `pool` chosen by someone else (the
+    /// endpoint picker's gateway served the request on a fallback endpoint): its overlap and TTFT
+    /// estimate as a selection restricted to it sees them, or none when it counts as busy or
+    /// unroutable there (the load is placed all the same: the request is running on it).
+    pub fn reserve_on(
+        &self,
+        pool: &Pool,
+        input: &RouteInput,
+        worker: &Arc<crate::registry::Worker>,
+        now: Instant,
+    ) -> Reservation {
+        let others: Vec<WorkerId> = pool
+            .workers
+            .iter()
+            .map(|w| w.id)
+            .filter(|id| *id != worker.id)
+            .collect();
+        let pick = match self.select(pool, input, &others, now) {
+            Ok(p) if p.worker.id == worker.id => p,
+            _ => Pick {
+                worker: worker.clone(),
+                decision: kvgate_core::Decision {
+                    worker: worker.id,
+                    cost: 0.0,
+                    overlap_blocks: 0,
+                    predicted_hit_ratio: 0.0,
+                    share: 1.0,
+                },
+                estimate: kvgate_core::TtftEstimate::default(),
+            },
+        };
+        self.place(pick, pool, input, now)
+    }
+
     /// Choose a worker without placing load (a plan's comparison; [`Decider::place`] makes it a
     /// reservation).
     pub fn select(

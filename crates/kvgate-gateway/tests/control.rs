@@ -43,6 +43,7 @@ async fn config_file_reload_swaps_workers_without_dropping_streams() {
     std::fs::write(&path, file(&a.url())).unwrap();
     let cfg = kvgate_gateway::Config::from_file(&path).unwrap();
     let gw = Gateway::start(StartOptions {
+        epp: false,
         config: cfg,
         config_path: Some(path.clone()),
         overrides: Arc::new(|_| {}),
@@ -512,6 +513,7 @@ async fn auto_roles_survive_reloads_and_a_switch_to_auto_asks_the_worker() {
     std::fs::write(&path, file("round_robin", "decode")).unwrap();
     let overrides: kvgate_gateway::reload::Overrides = Arc::new(|_| {});
     let gw = Gateway::start(StartOptions {
+        epp: false,
         config: kvgate_gateway::Config::from_file(&path).unwrap(),
         config_path: None,
         overrides: overrides.clone(),
@@ -570,6 +572,7 @@ async fn flow_control_reloads_and_a_bad_section_keeps_the_running_one() {
     std::fs::write(&path, file("")).unwrap();
     let overrides: kvgate_gateway::reload::Overrides = Arc::new(|_| {});
     let gw = Gateway::start(StartOptions {
+        epp: false,
         config: kvgate_gateway::Config::from_file(&path).unwrap(),
         config_path: None,
         overrides: overrides.clone(),

@@ -22,6 +22,9 @@ struct Cli {
 enum Command {
     /// Run the gateway: an OpenAI-compatible endpoint that routes to a fleet of workers.
     Serve(kvgate_gateway::cli::ServeArgs),
+    /// Run the gateway as an Envoy ext_proc endpoint picker (Gateway API Inference Extension
+    /// EPP): Envoy proxies, kvgate picks the worker. Same config and flags as `serve`, plus [epp].
+    Epp(kvgate_gateway::cli::EppArgs),
     /// Run one simulated vLLM worker, or a whole simulated fleet (`--workers N`).
     Sim(kvgate_sim::cli::SimArgs),
     /// Load generator and policy A/B comparison.
@@ -43,6 +46,7 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(async move {
                 match command {
                     Command::Serve(args) => kvgate_gateway::cli::run(args).await,
+                    Command::Epp(args) => kvgate_gateway::cli::run_epp(args).await,
                     Command::Sim(args) => kvgate_sim::cli::run(args).await,
                     Command::Bench(args) => kvgate_bench::cli::run_bench(args).await,
                     Command::Demo(args) => kvgate_bench::cli::run_demo(args).await,

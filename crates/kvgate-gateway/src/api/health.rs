@@ -10,6 +10,20 @@ pub fn live() -> Response<GwBody> {
     json(StatusCode::OK, r#"{"status":"ok"}"#)
 }
 
+/// Whether a request can be routed now (`/ready` answers 200; the endpoint picker's health
+/// services `readiness` and ext_proc answer SERVING).
+pub fn is_ready(app: &AppState) -> bool {
+    if app.shutdown.is_cancelled() || app.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    let fleet = app.fleet.registry.snapshot();
+    let now = crate::clock::now();
+    fleet
+        .workers
+        .iter()
+        .any(|w| !w.models.is_empty() && w.state.routable(now))
+}
+
 pub fn ready(app: &AppState) -> Response<GwBody> {
     // SIGTERM with `server.drain_delay_s`: not ready, while requests are still served.
     if app.draining.load(std::sync::atomic::Ordering::Relaxed) && !app.shutdown.is_cancelled() {
