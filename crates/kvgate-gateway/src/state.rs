@@ -108,6 +108,10 @@ impl AppState {
             upstream: upstream.clone(),
             metrics: metrics.clone(),
             auth: auth.clone(),
+            pins: Arc::new(crate::pins::ResponsePins::new(
+                &config.response_pins,
+                metrics.response_pins.clone(),
+            )),
             max_body: config.server.max_body_bytes,
             shutdown: shutdown.clone(),
         });

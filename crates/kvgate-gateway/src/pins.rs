@@ -1,0 +1,81 @@
+//! Response pinning: vLLM and SGLang keep stored Responses (`store: true`) in the process that
+//! produced them, so a `previous_response_id`, a `GET`/`DELETE /v1/responses/{id}`, a cancel or a
+//! stream resume that lands on another worker answers 404. The observer learns each response id
+//! from the reply it relays (a stream's `response.created`, a JSON body's `id`) and records the
+//! worker here; later uses of the id go to that worker only, never retried elsewhere
+//! (`proxy.rs`). Bounded by `[response_pins]` (`ttl_s`, `max_entries`); its size is the
+//! `kvgate_response_pins` gauge. Per replica: not shared over the cluster bus (docs/cluster.md).
+
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::gauge::Gauge;
+
+use crate::config::ResponsePinsConfig;
+use crate::metrics::Lbl;
+use crate::ttl_map::TtlMap;
+
+pub struct ResponsePins {
+    map: TtlMap<String, Lbl>,
+    size: Gauge,
+}
+
+impl ResponsePins {
+    pub fn new(cfg: &ResponsePinsConfig, size: Gauge) -> Self {
+        ResponsePins {
+            map: TtlMap::new(Duration::from_secs(cfg.ttl_s), cfg.max_entries),
+            size,
+        }
+    }
+
+    /// `id` was produced by the worker named `worker`.
+    pub fn learn(&self, id: &str, worker: &Lbl, now: Instant) {
+        if id.is_empty() {
+            return;
+        }
+        self.map.insert(id.to_owned(), worker.clone(), now);
+        self.size.set(self.map.len() as i64);
+    }
+
+    /// The worker that produced `id`, if it is pinned.
+    pub fn origin(&self, id: &str, now: Instant) -> Option<Lbl> {
+        self.map.get(&id.to_owned(), now)
+    }
+
+    /// `id` was deleted on its worker.
+    pub fn forget(&self, id: &str) {
+        self.map.remove(&id.to_owned());
+        self.size.set(self.map.len() as i64);
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_pin_to_their_worker_until_they_expire() {
+        let cfg = ResponsePinsConfig {
+            ttl_s: 60,
+            max_entries: 10,
+        };
+        let g = Gauge::default();
+        let p = ResponsePins::new(&cfg, g.clone());
+        let t0 = Instant::now();
+        let w: Lbl = Lbl::from("w1");
+        p.learn("resp_1", &w, t0);
+        assert_eq!(g.get(), 1);
+        assert_eq!(p.origin("resp_1", t0).as_deref(), Some("w1"));
+        assert_eq!(p.origin("resp_2", t0), None);
+        assert_eq!(p.origin("resp_1", t0 + Duration::from_secs(61)), None);
+        p.forget("resp_1");
+        assert!(p.is_empty());
+    }
+}
