@@ -242,6 +242,19 @@ pub(crate) async fn route_and_forward(
             Err(e) => {
                 worker.state.record_outcome(false, now);
                 handoff::decode_failed(app, ctx);
+                if p.pinned && matches!(e.kind, ErrorKind::UpstreamConnect | ErrorKind::UpstreamIo)
+                {
+                    // The worker that stored the response is gone (refuses connections, or
+                    // drops them unanswered), and the response with it.
+                    ctx.worker = Some(worker);
+                    return Err(GatewayError::new(
+                        ErrorKind::ResponseNotFound { param: None },
+                        format!(
+                            "the worker that stored this response is gone: {}",
+                            e.message
+                        ),
+                    ));
+                }
                 if e.retry_safe() && can_retry(now) {
                     app.metrics
                         .retries
