@@ -444,9 +444,10 @@ impl Router {
             let preferred = affinity_key
                 .filter(|_| rp.session_blocks > 0 && policy.uses_overlap())
                 .and_then(|k| self.sessions.get(&k, now));
-            let kv = policy
-                .as_kv()
-                .filter(|kv| bounded && preferred.is_none() && !(kv.config().temperature > 0.0));
+            let kv = policy.as_kv().filter(|kv| {
+                let sampling = kv.config().temperature > 0.0;
+                bounded && preferred.is_none() && !sampling
+            });
             if let Some(kv) = kv {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
