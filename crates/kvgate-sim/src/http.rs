@@ -5,6 +5,7 @@ mod admin;
 pub(crate) mod bootstrap;
 mod completions;
 mod pd;
+mod pooling;
 mod sse;
 mod trtllm;
 
@@ -97,6 +98,17 @@ pub async fn route(
         "/v1/models",
         "/health",
         "/tokenize",
+        "/detokenize",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/score",
+        "/v1/score",
+        "/classify",
+        "/v1/classify",
+        "/pooling",
         "/metrics",
         "/dcgm/metrics",
         "/kv_event_sources",
@@ -115,8 +127,28 @@ pub async fn route(
         }
         (&Method::GET, "/v1/models") => admin::models(&sh),
         (&Method::GET, "/health") => admin::health(&sh),
-        (&Method::POST, "/tokenize") => match read_body(req).await {
+        (&Method::POST, "/tokenize" | "/v1/tokenize") => match read_body(req).await {
             Ok(b) => admin::tokenize(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/detokenize" | "/v1/detokenize") => match read_body(req).await {
+            Ok(b) => pooling::detokenize(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/rerank" | "/v1/rerank" | "/v2/rerank") => match read_body(req).await {
+            Ok(b) => pooling::rerank(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/score" | "/v1/score") => match read_body(req).await {
+            Ok(b) => pooling::score(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/classify" | "/v1/classify") => match read_body(req).await {
+            Ok(b) => pooling::classify(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/pooling") => match read_body(req).await {
+            Ok(b) => pooling::pooling(&sh, &b),
             Err(r) => r,
         },
         (&Method::GET, "/metrics") => admin::metrics(&sh).await,
