@@ -203,19 +203,22 @@ pub fn score(sh: &Shared, body: &[u8]) -> Response<Body> {
     answer((|| {
         let v = parse(body)?;
         check_model(sh, &v)?;
-        let pick = |keys: &[&str]| keys.iter().find_map(|k| v.get(*k).map(|x| (*k, x)));
-        let (k1, left) = pick(&["queries", "text_1", "data_1"]).ok_or_else(|| {
+        fn pick<'a>(v: &'a Value, keys: &[&'static str]) -> Option<(&'static str, &'a Value)> {
+            keys.iter().find_map(|k| v.get(*k).map(|x| (*k, x)))
+        }
+        let (k1, left) = pick(&v, &["queries", "text_1", "data_1"]).ok_or_else(|| {
             bad(
                 "one of `queries`, `text_1` or `data_1` is required",
                 Some("queries"),
             )
         })?;
-        let (k2, right) = pick(&["documents", "items", "text_2", "data_2"]).ok_or_else(|| {
-            bad(
-                "one of `documents`, `items`, `text_2` or `data_2` is required",
-                Some("documents"),
-            )
-        })?;
+        let (k2, right) =
+            pick(&v, &["documents", "items", "text_2", "data_2"]).ok_or_else(|| {
+                bad(
+                    "one of `documents`, `items`, `text_2` or `data_2` is required",
+                    Some("documents"),
+                )
+            })?;
         let left = one_or_many(left, k1)?;
         let right = one_or_many(right, k2)?;
         let pairs: Vec<(&String, &String)> = if left.len() == 1 {
@@ -268,21 +271,22 @@ fn pooling_inputs(sh: &Shared, v: &Value) -> Result<Vec<Vec<u32>>, Bad> {
             .map(|t| t.as_u64().and_then(|x| u32::try_from(x).ok()))
             .collect()
     };
-    let out = match input {
-        Value::String(s) => vec![encode(sh, s)],
-        Value::Array(items) if items.iter().all(Value::is_string) && !items.is_empty() => items
-            .iter()
-            .map(|s| encode(sh, s.as_str().unwrap_or_default()))
-            .collect(),
-        Value::Array(items) if items.iter().all(Value::is_array) => items
-            .iter()
-            .map(|i| as_ids(i.as_array().map(Vec::as_slice).unwrap_or_default()))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| bad("`input` token ids must be non-negative", Some("input")))?,
-        Value::Array(items) => vec![as_ids(items)
-            .ok_or_else(|| bad("`input` must be text or token ids", Some("input")))?],
-        _ => return Err(bad("`input` must be text or token ids", Some("input"))),
-    };
+    let out =
+        match input {
+            Value::String(s) => vec![encode(sh, s)],
+            Value::Array(items) if items.iter().all(Value::is_string) && !items.is_empty() => items
+                .iter()
+                .map(|s| encode(sh, s.as_str().unwrap_or_default()))
+                .collect(),
+            Value::Array(items) if items.iter().all(Value::is_array) => items
+                .iter()
+                .map(|i| as_ids(i.as_array().map(Vec::as_slice).unwrap_or_default()))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| bad("`input` token ids must be non-negative", Some("input")))?,
+            Value::Array(items) => vec![as_ids(items)
+                .ok_or_else(|| bad("`input` must be text or token ids", Some("input")))?],
+            _ => return Err(bad("`input` must be text or token ids", Some("input"))),
+        };
     if out.iter().any(Vec::is_empty) {
         return Err(bad("an input is empty after tokenization", Some("input")));
     }
