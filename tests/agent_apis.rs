@@ -457,7 +457,8 @@ fn chained_responses_stay_on_their_origin_and_a_dead_origin_is_a_final_404() {
     // the other workers' ids still work.
     let victim_id = last_ids[1].clone();
     let victim: usize = victim_id.split('_').nth(1).unwrap()[1..].parse().unwrap();
-    let other_id = last_ids
+    // (last_ids[0] was deleted above.)
+    let other_id = last_ids[1..]
         .iter()
         .find(|i| !i.starts_with(&format!("resp_w{victim}_")))
         .expect("conversations on more than one worker")
