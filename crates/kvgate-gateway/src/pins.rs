@@ -4,7 +4,8 @@
 //! from the reply it relays (a stream's `response.created`, a JSON body's `id`) and records the
 //! worker here; later uses of the id go to that worker only, never retried elsewhere
 //! (`proxy.rs`). Bounded by `[response_pins]` (`ttl_s`, `max_entries`); its size is the
-//! `kvgate_response_pins` gauge. Per replica: not shared over the cluster bus (docs/cluster.md).
+//! `kvgate_response_pins` gauge. In cluster mode each learned id is published to the peers
+//! (`pin` messages), so a follow-up reaching another replica finds its worker too.
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,8 @@ use crate::ttl_map::TtlMap;
 pub struct ResponsePins {
     map: TtlMap<String, Lbl>,
     size: Gauge,
+    /// Cluster mode: learned ids are published to the peers (`cluster.rs` applies theirs).
+    cluster: std::sync::OnceLock<std::sync::Arc<kvgate_cluster::Cluster>>,
 }
 
 impl ResponsePins {
@@ -24,7 +27,13 @@ impl ResponsePins {
         ResponsePins {
             map: TtlMap::new(Duration::from_secs(cfg.ttl_s), cfg.max_entries),
             size,
+            cluster: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Cluster mode on: ids learned here are published to the peers from now on.
+    pub fn set_cluster(&self, cluster: std::sync::Arc<kvgate_cluster::Cluster>) {
+        let _ = self.cluster.set(cluster);
     }
 
     /// `id` was produced by the worker named `worker`.
@@ -32,6 +41,20 @@ impl ResponsePins {
         if id.is_empty() {
             return;
         }
+        self.insert(id, worker, now);
+        if let Some(c) = self.cluster.get() {
+            c.pin(id, worker);
+        }
+    }
+
+    /// A peer learned `id` from `worker`.
+    pub fn learn_from_peer(&self, id: &str, worker: &Lbl, now: Instant) {
+        if !id.is_empty() {
+            self.insert(id, worker, now);
+        }
+    }
+
+    fn insert(&self, id: &str, worker: &Lbl, now: Instant) {
         self.map.insert(id.to_owned(), worker.clone(), now);
         self.size.set(self.map.len() as i64);
     }

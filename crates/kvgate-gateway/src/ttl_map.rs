@@ -47,6 +47,13 @@ impl<K: Hash + Eq + Clone, V: Clone> TtlMap<K, V> {
         (now.saturating_duration_since(*at) < inner.ttl).then(|| v.clone())
     }
 
+    /// The live value of `k` and when it was set.
+    pub fn get_with_time(&self, k: &K, now: Instant) -> Option<(V, Instant)> {
+        let inner = self.inner.lock();
+        let (v, at) = inner.map.get(k)?;
+        (now.saturating_duration_since(*at) < inner.ttl).then(|| (v.clone(), *at))
+    }
+
     /// Sets `k` (its lifetime starts again), dropping expired entries and, past the bound, the
     /// oldest ones.
     pub fn insert(&self, k: K, v: V, now: Instant) {

@@ -310,12 +310,29 @@ impl Router {
     }
 
     /// A request of session `key` went to `worker`: the session's next requests prefer it.
+    /// In cluster mode the peers hear of it when the session is new, moved, or half its TTL old
+    /// (so their entry lives as long as ours).
     pub fn note_session(&self, key: Option<u64>, worker: &Worker, now: Instant) {
-        if let Some(k) = key {
-            if self.policy.load().session_blocks > 0 {
-                self.sessions.insert(k, worker.stable_id, now);
+        let Some(k) = key else { return };
+        let rp = self.policy.load();
+        if rp.session_blocks == 0 {
+            return;
+        }
+        let before = self.sessions.get_with_time(&k, now);
+        self.sessions.insert(k, worker.stable_id, now);
+        if let Some(c) = self.cluster.get() {
+            let fresh = before.is_some_and(|(sid, at)| {
+                sid == worker.stable_id && now.saturating_duration_since(at) < rp.session_ttl / 2
+            });
+            if !fresh {
+                c.session(k, &worker.name);
             }
         }
+    }
+
+    /// A peer routed session `key` to the worker with `stable_id`.
+    pub fn peer_session(&self, key: u64, stable_id: u64, now: Instant) {
+        self.sessions.insert(key, stable_id, now);
     }
 
     /// Sessions remembered (`kvgate_sessions`).
