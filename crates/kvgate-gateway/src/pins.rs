@@ -15,6 +15,9 @@ use crate::config::ResponsePinsConfig;
 use crate::metrics::Lbl;
 use crate::ttl_map::TtlMap;
 
+/// Cluster mode: how long an unknown id is waited for before the 404 (a peer's `pin` message).
+pub const PEER_WAIT: Duration = Duration::from_millis(250);
+
 pub struct ResponsePins {
     map: TtlMap<String, Lbl>,
     size: Gauge,
@@ -62,6 +65,26 @@ impl ResponsePins {
     /// The worker that produced `id`, if it is pinned.
     pub fn origin(&self, id: &str, now: Instant) -> Option<Lbl> {
         self.map.get(&id.to_owned(), now)
+    }
+
+    /// [`Self::origin`]; in cluster mode an id not known yet is waited for up to
+    /// [`PEER_WAIT`]: a client may send its follow-up to another replica faster than the
+    /// producing replica's `pin` message travels.
+    pub async fn origin_or_wait(&self, id: &str) -> Option<Lbl> {
+        let start = crate::clock::now();
+        if let Some(w) = self.origin(id, start) {
+            return Some(w);
+        }
+        self.cluster.get()?;
+        let key = id.to_owned();
+        let deadline = tokio::time::Instant::now() + PEER_WAIT;
+        while tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            if let Some(w) = self.map.get(&key, crate::clock::now()) {
+                return Some(w);
+            }
+        }
+        None
     }
 
     /// `id` was deleted on its worker.

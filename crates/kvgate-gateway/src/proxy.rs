@@ -315,7 +315,7 @@ async fn prepare(
             let pool = match agent.previous_response_id.as_deref() {
                 Some(prev) => {
                     pinned = true;
-                    pinned_pool(app, &fleet, prev, "previous_response_id")?
+                    pinned_pool(app, &fleet, prev, "previous_response_id").await?
                 }
                 None => model_pool(&fleet, &agent.model)?,
             };
@@ -350,7 +350,7 @@ async fn prepare(
                 .query()
                 .is_some_and(|q| q.split('&').any(|kv| kv == "stream=true"));
             pinned = true;
-            let pool = pinned_pool(app, &fleet, id, "response_id")?;
+            let pool = pinned_pool(app, &fleet, id, "response_id").await?;
             ctx.model = pool.model.clone();
             (pool, RouteInput::default(), None)
         }
@@ -502,20 +502,20 @@ fn passthrough_pool(
 /// The worker that stored response `id`, alone in a pool: 404 (`x-should-retry: false`) when the
 /// id was never seen here, or its worker is gone or not routable. Never another worker: it would
 /// not have the response either.
-fn pinned_pool(
+async fn pinned_pool(
     app: &Proxy,
     fleet: &crate::registry::Fleet,
     id: &str,
     param: &'static str,
 ) -> Result<Arc<crate::registry::Pool>, GatewayError> {
-    let now = crate::clock::now();
     let not_found = || {
         GatewayError::new(
             ErrorKind::ResponseNotFound { param: Some(param) },
             format!("Response with id '{id}' not found."),
         )
     };
-    let origin = app.pins.origin(id, now).ok_or_else(not_found)?;
+    let origin = app.pins.origin_or_wait(id).await.ok_or_else(not_found)?;
+    let now = crate::clock::now();
     for pool in fleet.pools.values() {
         if let Some(w) = pool.workers.iter().find(|w| w.name == origin) {
             if !w.state.routable(now) {
