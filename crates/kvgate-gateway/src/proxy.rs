@@ -173,7 +173,15 @@ pub(crate) async fn route_and_forward(
                 leg,
                 &mut ctx.queue_wait,
             )
-            .await?;
+            .await
+            .map_err(|r| match r {
+                // The stored response's worker left the routable set meanwhile: it is gone.
+                crate::route::Refusal::NoWorker(why) if p.pinned => GatewayError::new(
+                    ErrorKind::ResponseNotFound { param: None },
+                    format!("the worker that stored this response is not available: {why}"),
+                ),
+                other => other.into(),
+            })?;
         if n_tried == 0 {
             ctx.decision_time = now
                 .saturating_duration_since(p.t_decide)
