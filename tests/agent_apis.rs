@@ -23,7 +23,7 @@ struct AgentWorker {
     addr: SocketAddr,
     seen: Seen,
     dead: Arc<AtomicBool>,
-    /// Bodies containing `SLOW` are answered this long after a signal on `slow_started`.
+    /// Bodies containing `SLOW` are answered 6 s late; counted here when they arrive.
     slow_started: Arc<AtomicUsize>,
 }
 
@@ -141,7 +141,7 @@ fn serve_conn(
         let j: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if String::from_utf8_lossy(&body).contains("SLOW") {
             slow.fetch_add(1, Ordering::SeqCst);
-            std::thread::sleep(Duration::from_secs(3));
+            std::thread::sleep(Duration::from_secs(6));
         }
         let version = headers
             .iter()
@@ -309,6 +309,48 @@ fn not_found(id: &str) -> (u16, &'static str, String) {
         .to_string(),
     )
 }
+
+/// `$KVGATE_PYTHON` (or python3) when it has both SDKs; `None` (after `skipped: …`) without them
+/// locally, a failure under `CI`.
+fn python_with_sdks() -> Option<String> {
+    let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = std::process::Command::new(&py)
+        .args(["-c", "import openai, anthropic"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Some(py);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("{py} cannot import openai and anthropic (CI must provide them via KVGATE_PYTHON)");
+    }
+    eprintln!("skipped: the SDK part ({py} lacks openai or anthropic; set KVGATE_PYTHON)");
+    None
+}
+
+/// A shed request as each SDK reports it.
+const SHED_SCRIPT: &str = r#"
+import json, sys, openai, anthropic
+base, M = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+sys.stdin.readline()
+out = {}
+an = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+try:
+    an.messages.create(model=M, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    out["anthropic"] = "no error"
+except anthropic.APIStatusError as e:
+    out["anthropic"] = {"status": e.status_code, "type": e.body["error"]["type"], "class": type(e).__name__}
+oa = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+try:
+    oa.responses.create(model=M, input="hi")
+    out["openai"] = "no error"
+except openai.APIStatusError as e:
+    out["openai"] = {"status": e.status_code, "class": type(e).__name__}
+print(json.dumps(out))
+"#;
 
 fn workers(n: usize) -> Vec<AgentWorker> {
     (0..n).map(AgentWorker::spawn).collect()
@@ -659,6 +701,20 @@ fn sessions_stick_to_their_worker_and_shed_requests_get_each_apis_status() {
         "[admission]\nqueue_size = 0\n",
     );
     let gw_addr = gw.addr;
+    // The SDK script starts first (importing the SDKs takes seconds here) and waits for a line.
+    let sdk = python_with_sdks().map(|py| {
+        let mut child = std::process::Command::new(&py)
+            .args(["-c", SHED_SCRIPT, &format!("http://{gw_addr}"), MODEL])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python runs");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut ready = String::new();
+        out.read_line(&mut ready).unwrap();
+        assert_eq!(ready.trim(), "ready", "the SDK script starts");
+        (kvgate_testkit::ChildGuard(child), out)
+    });
     let slow = || {
         ws.iter()
             .map(|w| w.slow_started.load(Ordering::SeqCst))
@@ -695,6 +751,20 @@ fn sessions_stick_to_their_worker_and_shed_requests_get_each_apis_status() {
     );
     assert_eq!(r.status, 429, "{}", r.body_text());
     assert!(r.is_openai_error());
+    // As the official SDKs see it (no retries: a retry would wait for the slow requests).
+    if let Some((mut child, mut out)) = sdk {
+        use std::io::Write as _;
+        child.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        let status = child.0.wait().unwrap();
+        assert!(status.success(), "shed script failed: {line}");
+        let j: Value = serde_json::from_str(&line).expect("json from script");
+        assert_eq!(j["anthropic"]["status"], 529, "{j}");
+        assert_eq!(j["anthropic"]["type"], "overloaded_error", "{j}");
+        assert_eq!(j["openai"]["status"], 429, "{j}");
+        assert_eq!(j["openai"]["class"], "RateLimitError", "{j}");
+    }
     for h in holders {
         let rs = h.join().unwrap();
         assert_eq!(rs.first().map(|r| r.status), Some(200));
