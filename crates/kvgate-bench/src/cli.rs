@@ -130,10 +130,21 @@ pub struct TrafficArgs {
     /// Model name sent in every request.
     #[arg(long, default_value = "sim-model")]
     pub model: String,
-    /// completions (token-id prompts, exact hashing), text (completions with a string prompt) or
-    /// chat (prompts as text; the server re-tokenizes, so the oracle is indicative).
+    /// completions (token-id prompts, exact hashing), text (completions with a string prompt),
+    /// chat (prompts as text; the server re-tokenizes, so the oracle is indicative), responses
+    /// (OpenAI /v1/responses as Codex sends it: session-id header, prompt_cache_key, tool calls
+    /// as function_call items) or messages (Anthropic /v1/messages as Claude Code sends it:
+    /// x-claude-code-session-id header, billing-header system block, tool_use / tool_result).
+    /// TTFT is the first generated delta of each API (response.*.delta, content_block_delta).
     #[arg(long, value_enum, default_value_t = Api::Completions)]
     pub api: Api,
+    /// --api responses with an agent workload: this share (0..=1) of the sessions chain their
+    /// turns with previous_response_id and store: true (each turn waits for the previous turn's
+    /// response id; the servers must store responses: vLLM and kvgate sim with
+    /// VLLM_ENABLE_RESPONSES_API_STORE=1). The other sessions send store: false and the whole
+    /// input every turn, as Codex does.
+    #[arg(long, default_value_t = 0.25)]
+    pub chain_share: f64,
     /// Open loop: Poisson arrivals at this many requests per second.
     #[arg(long, conflicts_with = "concurrency")]
     pub rate: Option<f64>,
@@ -191,7 +202,8 @@ impl TrafficArgs {
             &self.model,
             self.api,
             secs(self.request_timeout, "--request-timeout")?,
-        )
+        )?
+        .with_chain_share(self.chain_share)
     }
 
     pub fn run_config(&self, wl: &workload::Workload, seed: u64) -> anyhow::Result<RunConfig> {

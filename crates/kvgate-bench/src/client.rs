@@ -1,7 +1,12 @@
-//! Sends one streaming OpenAI request and times it: TTFT (first chunk with generated content, as
-//! kvgate-protocol's `sse::ChunkInfo` defines it for the gateway's metric too), inter-token gaps,
-//! end-to-end latency, token counts and `cached_tokens` from the final usage chunk
-//! (`stream_options.include_usage`).
+//! Sends one streaming request and times it: TTFT (the first event with generated content, as
+//! kvgate-protocol's `sse` defines it per API for the gateway's metric too: a chat/completions
+//! chunk with content, a Responses `response.*.delta`, a Messages `content_block_delta`),
+//! inter-token gaps, end-to-end latency, token counts and cached tokens from the API's usage
+//! (`stream_options.include_usage`; `response.completed`'s `usage.input_tokens_details`;
+//! `message_start` + `message_delta` with Anthropic's disjoint `cache_read_input_tokens`).
+//! `client/agent.rs` builds the request bodies and session headers of each API.
+
+pub mod agent;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,7 +16,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use kvgate_protocol::sse::ChunkInfo;
+use kvgate_protocol::sse::{ChunkInfo, Dialect, Relay, DEFAULT_MAX_EVENT_BYTES};
 
 use crate::sse::SseSplitter;
 use crate::stats::Outcome;
@@ -26,8 +31,26 @@ pub enum Api {
     /// `/v1/completions` with the tokens rendered as words in a string prompt (for routers that
     /// accept only string prompts; the server re-tokenizes them).
     Text,
-    /// `/v1/chat/completions` with the tokens rendered as words (the server re-tokenizes them).
+    /// `/v1/chat/completions` with the tokens rendered as words (the server re-tokenizes them);
+    /// agent sessions as system / user / assistant (with tool calls) / tool messages.
     Chat,
+    /// OpenAI `/v1/responses` as Codex sends it: `instructions`, input items (function calls and
+    /// their outputs), `session-id` header, `prompt_cache_key`; `store: false` and the full input
+    /// every turn, or (`--chain-share` of the sessions) `previous_response_id` chains.
+    Responses,
+    /// Anthropic `/v1/messages` as Claude Code sends it: billing-header system block, `tool_use` /
+    /// `tool_result` blocks, `x-claude-code-session-id` header.
+    Messages,
+}
+
+impl Api {
+    fn dialect(self) -> Dialect {
+        match self {
+            Api::Responses => Dialect::Responses,
+            Api::Messages => Dialect::Messages,
+            _ => Dialect::OpenAi,
+        }
+    }
 }
 
 /// Token ids as text: one word per token, so shared token prefixes are shared text prefixes.
@@ -55,6 +78,9 @@ pub struct Target {
     timeout: Duration,
     /// Extra request headers (flow-control classes and tenants, `kvgate bench flow`).
     headers: Arc<[(http::HeaderName, http::HeaderValue)]>,
+    /// Responses: the share of agent sessions that chain with `previous_response_id`.
+    chain_share: f64,
+    chains: agent::Chains,
 }
 
 impl Target {
@@ -73,6 +99,8 @@ impl Target {
         let path = match api {
             Api::Completions | Api::Text => "/v1/completions",
             Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
         };
         let uris = base_urls
             .iter()
@@ -104,6 +132,8 @@ impl Target {
             api,
             timeout,
             headers: Arc::new([]),
+            chain_share: 0.0,
+            chains: Default::default(),
         })
     }
 
@@ -125,6 +155,18 @@ impl Target {
         })
     }
 
+    /// Responses: this share (0..=1) of the agent sessions chain their turns with
+    /// `previous_response_id` (`store: true`; the server must keep responses, e.g. vLLM with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`).
+    pub fn with_chain_share(mut self, share: f64) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&share),
+            "--chain-share must be within 0..=1"
+        );
+        self.chain_share = share;
+        Ok(self)
+    }
+
     /// Requests sent so far to each URL, in the order given.
     pub fn sent_per_url(&self) -> Vec<u64> {
         self.sent
@@ -133,37 +175,46 @@ impl Target {
             .collect()
     }
 
-    /// The JSON body for one request.
+    /// The JSON body for one request (not chained).
     pub fn body(&self, r: &Request) -> Vec<u8> {
-        let mut v = serde_json::json!({
-            "model": self.model,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-            "max_tokens": r.max_tokens,
-            // vLLM extension: produce exactly max_tokens, so output lengths follow the workload.
-            "ignore_eos": true,
-            "temperature": 0,
-        });
-        match self.api {
-            Api::Completions => v["prompt"] = serde_json::json!(r.prompt),
-            Api::Text => v["prompt"] = serde_json::json!(words(&r.prompt)),
-            Api::Chat => {
-                v["messages"] = serde_json::json!([{"role": "user", "content": words(&r.prompt)}])
-            }
-        }
-        serde_json::to_vec(&v).expect("JSON values always serialize")
+        agent::build(self.api, &self.model, r, None).body
+    }
+
+    /// The agent turn of `r` when it is part of a `previous_response_id` chain.
+    fn chained<'r>(&self, r: &'r Request) -> Option<&'r crate::workload::Turn> {
+        r.turn.as_ref().filter(|t| {
+            self.api == Api::Responses
+                && self.chain_share > 0.0
+                && agent::chains(t.session, self.chain_share)
+        })
     }
 
     /// Sends `r` and measures it. Never fails: errors are recorded in the outcome.
     pub async fn send(&self, r: &Request, sent_at: Duration) -> Outcome {
-        let start = Instant::now();
         let mut out = Outcome {
             sent_at,
             prompt_tokens: r.prompt.len() as u64,
             ..Default::default()
         };
-        let res = tokio::time::timeout(self.timeout, self.drive(r, start, &mut out)).await;
+        let chained = self.chained(r);
+        // A chained turn needs its previous turn's response id: waiting for it is not latency.
+        let chain = match chained {
+            Some(t) => Some(self.chains.wait(t, self.timeout).await),
+            None => None,
+        };
+        let start = Instant::now();
+        let built = agent::build(self.api, &self.model, r, chain.as_ref());
+        let mut response_id = None;
+        let res = tokio::time::timeout(
+            self.timeout,
+            self.drive(built, start, &mut out, &mut response_id),
+        )
+        .await;
         out.e2e = start.elapsed();
+        if let Some(t) = chained {
+            let ok = matches!(res, Ok(Ok(())));
+            self.chains.done(t, response_id.filter(|_| ok));
+        }
         match res {
             Ok(Ok(())) => {}
             Ok(Err(kind)) => out.error = Some(kind),
@@ -172,7 +223,13 @@ impl Target {
         out
     }
 
-    async fn drive(&self, r: &Request, start: Instant, out: &mut Outcome) -> Result<(), String> {
+    async fn drive(
+        &self,
+        built: agent::Built,
+        start: Instant,
+        out: &mut Outcome,
+        response_id: &mut Option<String>,
+    ) -> Result<(), String> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.uris.len();
         self.sent[i].fetch_add(1, Ordering::Relaxed);
         let mut req = http::Request::post(self.uris[i].clone())
@@ -181,8 +238,11 @@ impl Target {
         for (k, v) in self.headers.iter() {
             req = req.header(k, v);
         }
+        for (k, v) in &built.headers {
+            req = req.header(*k, v.as_str());
+        }
         let req = req
-            .body(Full::new(Bytes::from(self.body(r))))
+            .body(Full::new(Bytes::from(built.body)))
             .map_err(|_| "bad_request".to_string())?;
         let resp = self.client.request(req).await.map_err(|e| {
             if e.is_connect() {
@@ -198,22 +258,43 @@ impl Target {
             while let Some(Ok(_)) = body.frame().await {}
             return Err(format!("http_{}", status.as_u16()));
         }
-        let mut sse = SseSplitter::default();
         let mut st = StreamState::default();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|_| "body".to_string())?;
-            let Some(data) = frame.data_ref() else {
-                continue;
-            };
-            let now = start.elapsed();
-            sse.feed(data, |ev| st.on_event(ev, now))
-                .map_err(|_| "bad_chunk".to_string())?;
-            if st.error.is_some() || st.done {
-                break;
+        if self.api.dialect() == Dialect::OpenAi {
+            let mut sse = SseSplitter::default();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|_| "body".to_string())?;
+                let Some(data) = frame.data_ref() else {
+                    continue;
+                };
+                let now = start.elapsed();
+                sse.feed(data, |ev| st.on_event(ev, now))
+                    .map_err(|_| "bad_chunk".to_string())?;
+                if st.error.is_some() || st.done {
+                    break;
+                }
             }
-        }
-        if let Some(ev) = sse.finish() {
-            st.on_event(&ev, start.elapsed());
+            if let Some(ev) = sse.finish() {
+                st.on_event(&ev, start.elapsed());
+            }
+        } else {
+            // Events read with their names (`event:` lines), as the gateway reads them.
+            let mut relay =
+                Relay::new(false, DEFAULT_MAX_EVENT_BYTES).with_dialect(self.api.dialect());
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|_| "body".to_string())?;
+                let Some(data) = frame.data_ref() else {
+                    continue;
+                };
+                let now = start.elapsed();
+                relay.feed(data, |info| st.on_info(info, now));
+                if let Some(id) = relay.take_response_id() {
+                    *response_id = Some(id);
+                }
+                if st.error.is_some() || st.done {
+                    break;
+                }
+            }
+            relay.feed(b"\n\n", |info| st.on_info(info, start.elapsed()));
         }
         if let Some(e) = st.error {
             return Err(e);
@@ -260,6 +341,12 @@ impl StreamState {
             self.error = Some("bad_chunk".into());
             return;
         }
+        self.on_info(&info, now);
+    }
+
+    /// One event's facts, whatever the API (the Responses and Messages dialects end with
+    /// `done` on their terminal event, after its usage).
+    fn on_info(&mut self, info: &ChunkInfo, now: Duration) {
         if info.error {
             self.error = Some("stream_error".into());
             return;
@@ -276,6 +363,9 @@ impl StreamState {
             self.usage_prompt = Some(u.prompt_tokens);
             self.usage_completion = Some(u.completion_tokens);
             self.usage_cached = u.cached_tokens;
+        }
+        if info.done {
+            self.done = true;
         }
     }
 }
@@ -340,6 +430,7 @@ mod tests {
             at: None,
             prompt: vec![1001, 1002],
             max_tokens: 4,
+            turn: None,
         };
         let t = Target::new(
             "http://127.0.0.1:1/v1/",
@@ -369,6 +460,7 @@ mod tests {
             at: None,
             prompt: vec![1],
             max_tokens: 1,
+            turn: None,
         };
         // Nothing listens on these ports: every send fails fast with `connect`.
         let urls = [

@@ -200,9 +200,11 @@ fn started_sim_config(f: &FleetArgs, model: &str) -> Option<kvgate_sim::SimConfi
 }
 
 impl Fleet {
+    /// `responses_store`: start the sims with `VLLM_ENABLE_RESPONSES_API_STORE=1`.
     pub async fn start(
         f: &FleetArgs,
         model: &str,
+        responses_store: bool,
         log_dir: &std::path::Path,
     ) -> anyhow::Result<Self> {
         if !f.worker_urls.is_empty() {
@@ -236,7 +238,12 @@ impl Fleet {
         );
         let exe = kvgate_exe(f)?;
         let args = sim_args(f, model);
-        let mut child = ChildGuard::spawn(&exe, &args, "sim", log_dir)?;
+        let env: &[(&str, &str)] = if responses_store {
+            &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")]
+        } else {
+            &[]
+        };
+        let mut child = ChildGuard::spawn_with_env(&exe, &args, "sim", log_dir, env)?;
         let (urls, kv_events, roles) = sim_urls(&mut child, f.workers).await?;
         for u in &urls {
             child
@@ -401,7 +408,9 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     if a.approx_index && !fleet_args.sim_args.iter().any(|s| s == "--no-kv-events") {
         fleet_args.sim_args.push("--no-kv-events".into());
     }
-    let fleet = Fleet::start(&fleet_args, &a.traffic.model, &log_dir).await?;
+    // Responses chains need the sims to store responses, as vLLM does with this variable.
+    let store = a.traffic.api == crate::client::Api::Responses;
+    let fleet = Fleet::start(&fleet_args, &a.traffic.model, store, &log_dir).await?;
     eprintln!(
         "fleet: {} workers ({})",
         fleet.urls.len(),

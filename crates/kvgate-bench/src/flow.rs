@@ -78,6 +78,7 @@ fn workload(n: usize, prompt: usize, out: u32, seed: u64) -> Workload {
                 at: None,
                 prompt: (0..prompt).map(|_| rng.u32(TOKEN_LO..TOKEN_HI)).collect(),
                 max_tokens: out,
+                turn: None,
             })
             .collect(),
     }
@@ -346,7 +347,7 @@ pub async fn run_flow(mut a: FlowArgs) -> anyhow::Result<()> {
     a.fleet
         .sim_args
         .extend(["--scheduling-policy".to_string(), "priority".to_string()]);
-    let fleet = Fleet::start(&a.fleet, &a.model, &a.out).await?;
+    let fleet = Fleet::start(&a.fleet, &a.model, false, &a.out).await?;
     let res = async {
         let off = mode(&a, &fleet, Mode::Off).await?;
         let on = mode(&a, &fleet, Mode::On).await?;

@@ -186,6 +186,7 @@ mod tests {
                     at: None,
                     prompt: p.to_vec(),
                     max_tokens: 1,
+                    turn: None,
                 })
                 .collect(),
         }

@@ -23,6 +23,39 @@ pub struct Request {
     pub at: Option<Duration>,
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
+    /// Agent workloads: the session and the message structure of the prompt (what the chat,
+    /// Responses and Messages clients render as messages); `None`: one user message.
+    pub turn: Option<Turn>,
+}
+
+/// Where a request sits in an agent session, and how its prompt splits into messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turn {
+    pub session: u64,
+    /// 0 for the session's first request.
+    pub index: usize,
+    /// The prompt's parts in order; their lengths add up to the prompt's.
+    pub parts: Vec<Part>,
+    /// How many of `parts` the session's previous request sent (0 on the first turn): the parts
+    /// after those are the previous answer and what this turn adds.
+    pub prev_parts: usize,
+}
+
+/// One message of an agent prompt: `len` tokens of the prompt, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub role: Role,
+    pub len: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    System,
+    User,
+    /// The (synthetic) answer of the previous turn.
+    Assistant,
+    /// A tool's output, answering a call the previous answer made.
+    ToolResult,
 }
 
 /// A named, ordered list of requests.
@@ -168,6 +201,7 @@ mod tests {
                 at: None,
                 prompt,
                 max_tokens: 1,
+                turn: None,
             }
         };
         // The third request repeats the first: reuse exists only past the first two.

@@ -96,6 +96,7 @@ fn workload(prompts: &[Vec<u32>], max_tokens: u32) -> Workload {
                 at: None,
                 prompt: p.clone(),
                 max_tokens,
+                turn: None,
             })
             .collect(),
     }

@@ -100,6 +100,8 @@ pub struct RequestCtx {
     /// prefill worker to the decode worker's P/D sidecar): the first token says nothing of this
     /// worker's prefill speed.
     pub prefilled_elsewhere: bool,
+    /// Responses: where the response id of the reply is recorded, pinned to `worker`.
+    pub pins: Option<Arc<crate::pins::ResponsePins>>,
 }
 
 impl RequestCtx {
@@ -135,6 +137,16 @@ impl RequestCtx {
             pd: None,
             pd_partner: None,
             prefilled_elsewhere: false,
+            pins: None,
+        }
+    }
+
+    /// The worker's reply named its response `id` (Responses): later uses of the id go there.
+    pub fn learn_response_id(&mut self, id: &str) {
+        if let (Some(pins), Some(w), true) =
+            (&self.pins, &self.worker, (200..300).contains(&self.status))
+        {
+            pins.learn(id, &w.name, crate::clock::now());
         }
     }
 
@@ -320,6 +332,7 @@ impl RequestCtx {
                 prompt_tokens: prompt,
                 completion_tokens: completion,
                 cached_tokens: cached,
+                finish_reason: self.finish_reason.map(FinishReason::as_str),
                 prompt_eval_count: prompt,
                 prompt_eval_duration: ttft.map(|t| t.as_nanos() as u64),
                 eval_count: completion,
@@ -374,6 +387,7 @@ struct LogLine<'a> {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: Option<u64>,
+    finish_reason: Option<&'static str>,
     prompt_eval_count: u64,
     prompt_eval_duration: Option<u64>,
     eval_count: u64,

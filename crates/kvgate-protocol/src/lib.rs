@@ -1,5 +1,6 @@
 //! kvgate-protocol: wire formats without I/O.
 //!
+//! - `agent`: OpenAI Responses and Anthropic Messages bodies → the chat conversation vLLM renders.
 //! - `openai`: borrowed views of the routing fields of OpenAI requests (the body is never re-serialized).
 //! - `sse`: incremental scanner for `text/event-stream` responses (token timing, usage, errors) and
 //!   the one definition of "a token arrived".
@@ -12,6 +13,7 @@
 //! - `prom_text`: a tolerant Prometheus text-format parser for scraping workers.
 #![forbid(unsafe_code)]
 
+pub mod agent;
 pub mod error;
 pub mod finish;
 /// Fuzz-target entry points (`fuzz/`); not an API.

@@ -7,12 +7,16 @@
 //! per event once warm). [`ChunkInfo::scan`] (`chunk.rs`) answers the questions with byte
 //! searches (no JSON parse unless a `usage` object is present) and holds the one definition of
 //! "a token arrived". [`Relay`] (`relay.rs`) is both on the gateway's forwarding path, with the
-//! removal of the usage the gateway asked for on the client's behalf.
+//! removal of the usage the gateway asked for on the client's behalf. `agent.rs` reads the
+//! Responses and Messages streams (their own token, usage and end events) for a [`Relay`] built
+//! `with_dialect`.
 
+pub mod agent;
 mod chunk;
 mod relay;
 mod scanner;
 
+pub use agent::Dialect;
 pub use chunk::ChunkInfo;
 pub use relay::Relay;
 pub use scanner::{SseEvent, SseScanner, DEFAULT_MAX_EVENT_BYTES};

@@ -78,14 +78,67 @@ fn last_usage_key(buf: &[u8]) -> Option<(usize, u8)> {
     }
 }
 
+/// Every backend's names for the counts: OpenAI chat (`prompt_tokens`, `completion_tokens`,
+/// `prompt_tokens_details.cached_tokens`), OpenAI Responses (`input_tokens`, `output_tokens`,
+/// `input_tokens_details.cached_tokens`) and Anthropic (`input_tokens` *not* counting
+/// `cache_read_input_tokens` / `cache_creation_input_tokens`: the total input is their sum).
 #[derive(Deserialize)]
 struct UsageJson {
-    #[serde(default)]
-    prompt_tokens: u64,
-    #[serde(default)]
-    completion_tokens: u64,
+    #[serde(default, deserialize_with = "count")]
+    prompt_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
+    completion_tokens: Option<u64>,
     #[serde(default)]
     prompt_tokens_details: Option<DetailsJson>,
+    #[serde(default, deserialize_with = "count")]
+    input_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
+    output_tokens: Option<u64>,
+    #[serde(default)]
+    input_tokens_details: Option<DetailsJson>,
+    #[serde(default, deserialize_with = "count")]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "count")]
+    cache_creation_input_tokens: Option<u64>,
+}
+
+/// A present count must be an unsigned integer: a `null` count makes the usage unreadable, not
+/// zero (an absent one is `None`).
+fn count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    u64::deserialize(d).map(Some)
+}
+
+impl UsageJson {
+    fn usage(&self) -> Usage {
+        let anthropic =
+            self.cache_read_input_tokens.is_some() || self.cache_creation_input_tokens.is_some();
+        let input = match (self.input_tokens, anthropic) {
+            (Some(i), true) => Some(
+                i + self.cache_read_input_tokens.unwrap_or(0)
+                    + self.cache_creation_input_tokens.unwrap_or(0),
+            ),
+            (i, _) => i,
+        };
+        Usage {
+            prompt_tokens: self.prompt_tokens.or(input).unwrap_or(0),
+            completion_tokens: self.completion_tokens.or(self.output_tokens).unwrap_or(0),
+            cached_tokens: self
+                .prompt_tokens_details
+                .as_ref()
+                .and_then(|d| d.cached_tokens)
+                .or_else(|| {
+                    self.input_tokens_details
+                        .as_ref()
+                        .and_then(|d| d.cached_tokens)
+                })
+                .or(self.cache_read_input_tokens),
+        }
+    }
+}
+
+/// The counts of a `usage` object's text (any backend's field names; see [`UsageJson`]).
+pub(crate) fn usage_of_object(obj: &[u8]) -> Option<Usage> {
+    usage_serde(obj)
 }
 
 #[derive(Deserialize)]
@@ -99,11 +152,7 @@ struct DetailsJson {
 fn usage_serde(obj: &[u8]) -> Option<Usage> {
     let mut it = serde_json::Deserializer::from_slice(obj).into_iter::<UsageJson>();
     let u = it.next()?.ok()?;
-    Some(Usage {
-        prompt_tokens: u.prompt_tokens,
-        completion_tokens: u.completion_tokens,
-        cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-    })
+    Some(u.usage())
 }
 
 /// [`usage_serde`] for the shape workers send (unescaped keys, integer or null values, one level
@@ -117,6 +166,12 @@ fn usage_fast(obj: &[u8]) -> Option<Usage> {
             b"prompt_tokens" => 1,
             b"completion_tokens" => 2,
             b"prompt_tokens_details" => 4,
+            // Responses / Anthropic names: serde reads those.
+            b"input_tokens"
+            | b"output_tokens"
+            | b"input_tokens_details"
+            | b"cache_read_input_tokens"
+            | b"cache_creation_input_tokens" => return None,
             _ => return s.skip_scalar(),
         };
         if seen & bit != 0 {

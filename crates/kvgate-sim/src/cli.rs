@@ -238,8 +238,24 @@ impl SimArgs {
     }
 }
 
+/// `VLLM_ENABLE_RESPONSES_API_STORE` read as vLLM reads it: `bool(int(value))`, default 0; a
+/// value that is not an integer stops the start (vLLM fails the same way).
+pub fn responses_store_from_env(value: Option<&str>) -> anyhow::Result<bool> {
+    let Some(v) = value else {
+        return Ok(false);
+    };
+    v.trim().parse::<i64>().map(|n| n != 0).map_err(|_| {
+        anyhow::anyhow!("VLLM_ENABLE_RESPONSES_API_STORE must be an integer (0 or 1), got {v:?}")
+    })
+}
+
 pub async fn run(args: SimArgs) -> anyhow::Result<()> {
-    let cfg = args.config();
+    let mut cfg = args.config();
+    cfg.responses_store = responses_store_from_env(
+        std::env::var("VLLM_ENABLE_RESPONSES_API_STORE")
+            .ok()
+            .as_deref(),
+    )?;
     let (n, ports) = match (args.workers, args.base_port) {
         (Some(n), base) => (
             n,

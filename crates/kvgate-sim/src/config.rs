@@ -308,6 +308,10 @@ pub struct SimConfig {
     pub faults: Faults,
     /// Prefill/decode disaggregation (role, lease, transfer model, PD faults).
     pub pd: PdConfig,
+    /// Keep Responses-API responses for `previous_response_id`, GET, cancel and background mode
+    /// (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`; off by default as in vLLM, and then `store`
+    /// is silently ignored).
+    pub responses_store: bool,
 }
 
 impl Default for SimConfig {
@@ -336,6 +340,7 @@ impl Default for SimConfig {
             spec_tokens: 0,
             faults: Faults::default(),
             pd: PdConfig::default(),
+            responses_store: false,
         }
     }
 }
@@ -359,6 +364,7 @@ impl SimConfig {
         speedup: f64, timing: TimingModel, seed: u64, mean_output_tokens: u32, kv_events: bool,
         kv_events_encoding: EventEncoding, kv_events_topic: String, dp_rank: u32, faults: Faults,
         kv_events_buffer_steps: usize, pd: PdConfig, scheduling_policy: SchedulingPolicy,
+        responses_store: bool,
     }
 
     /// Usable blocks (vLLM keeps one null block out of the pool).

@@ -4,9 +4,16 @@
 mod admin;
 pub(crate) mod bootstrap;
 mod completions;
+mod generate;
+mod messages;
 mod pd;
+mod pooling;
+mod responses;
 mod sse;
+mod stream;
 mod trtllm;
+
+pub use responses::store::Store as ResponseStore;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -73,6 +80,17 @@ pub fn invalid(message: impl Into<String>, param: &str) -> Response<Body> {
     )
 }
 
+/// Starlette's 405 through vLLM's HTTP-exception handler (a known path, another method).
+fn method_not_allowed() -> Response<Body> {
+    json(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &serde_json::json!({"error": {
+            "message": "Method Not Allowed", "type": "Method Not Allowed", "param": null,
+            "code": 405
+        }}),
+    )
+}
+
 async fn read_body(req: Request<hyper::body::Incoming>) -> Result<Bytes, Response<Body>> {
     match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(c) => Ok(c.to_bytes()),
@@ -95,8 +113,22 @@ pub async fn route(
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/health",
         "/tokenize",
+        "/detokenize",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/score",
+        "/v1/score",
+        "/classify",
+        "/v1/classify",
+        "/pooling",
         "/metrics",
         "/dcgm/metrics",
         "/kv_event_sources",
@@ -113,10 +145,61 @@ pub async fn route(
                 Err(r) => r,
             }
         }
+        (&Method::POST, "/v1/responses") => match read_body(req).await {
+            Ok(b) => responses::create(sh, b).await,
+            Err(r) => r,
+        },
+        (m, p) if p.starts_with("/v1/responses/") => {
+            let rest = &p["/v1/responses/".len()..];
+            match (m, rest.strip_suffix("/cancel")) {
+                (&Method::POST, Some(id)) if !id.is_empty() && !id.contains('/') => {
+                    responses::cancel(&sh, id)
+                }
+                (_, None) if !rest.is_empty() && !rest.contains('/') => match *m {
+                    Method::GET => responses::retrieve(&sh, rest, req.uri().query()),
+                    Method::DELETE => responses::delete(&sh, rest),
+                    _ => method_not_allowed(),
+                },
+                (_, Some(id)) if !id.is_empty() && !id.contains('/') => method_not_allowed(),
+                _ => error(
+                    StatusCode::NOT_FOUND,
+                    format!("no route for {method} {p}"),
+                    None,
+                ),
+            }
+        }
+        (&Method::POST, "/v1/messages") => match read_body(req).await {
+            Ok(b) => messages::create(sh, b).await,
+            Err(r) => r,
+        },
+        (&Method::POST, "/v1/messages/count_tokens") => match read_body(req).await {
+            Ok(b) => messages::count_tokens(&sh, &b),
+            Err(r) => r,
+        },
         (&Method::GET, "/v1/models") => admin::models(&sh),
         (&Method::GET, "/health") => admin::health(&sh),
-        (&Method::POST, "/tokenize") => match read_body(req).await {
+        (&Method::POST, "/tokenize" | "/v1/tokenize") => match read_body(req).await {
             Ok(b) => admin::tokenize(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/detokenize" | "/v1/detokenize") => match read_body(req).await {
+            Ok(b) => pooling::detokenize(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/rerank" | "/v1/rerank" | "/v2/rerank") => match read_body(req).await {
+            Ok(b) => pooling::rerank(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/score" | "/v1/score") => match read_body(req).await {
+            Ok(b) => pooling::score(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/classify" | "/v1/classify") => match read_body(req).await {
+            Ok(b) => pooling::classify(&sh, &b),
+            Err(r) => r,
+        },
+        (&Method::POST, "/pooling") => match read_body(req).await {
+            Ok(b) => pooling::pooling(&sh, &b),
             Err(r) => r,
         },
         (&Method::GET, "/metrics") => admin::metrics(&sh).await,

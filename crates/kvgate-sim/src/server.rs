@@ -42,6 +42,8 @@ pub struct Shared {
     pub energy: Mutex<crate::dcgm::EnergyMeter>,
     /// SGLang bootstrap rooms (prefill workers with `--pd-protocol sglang`).
     pub rooms: crate::http::bootstrap::Rooms,
+    /// Stored Responses-API responses: this worker's own, as vLLM keeps them per process.
+    pub responses: crate::http::ResponseStore,
 }
 
 impl Shared {
@@ -107,6 +109,7 @@ impl SimWorker {
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
             rooms: Default::default(),
+            responses: crate::http::ResponseStore::new(config.responses_store),
             cfg: config,
             http_addr,
             tokenizer,

@@ -24,6 +24,17 @@ pub struct ChildGuard {
 impl ChildGuard {
     /// Starts `exe args...`, stdout captured line by line, stderr appended to `log_dir/name.log`.
     pub fn spawn(exe: &Path, args: &[String], name: &str, log_dir: &Path) -> anyhow::Result<Self> {
+        Self::spawn_with_env(exe, args, name, log_dir, &[])
+    }
+
+    /// [`ChildGuard::spawn`] with extra environment variables.
+    pub fn spawn_with_env(
+        exe: &Path,
+        args: &[String],
+        name: &str,
+        log_dir: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         std::fs::create_dir_all(log_dir)
             .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", log_dir.display()))?;
         let log = log_dir.join(format!("{name}.log"));
@@ -38,6 +49,7 @@ impl ChildGuard {
                 "RUST_LOG",
                 std::env::var("KVGATE_BENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
             )
+            .envs(env.iter().copied())
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| {

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use super::{keyed_block, push_random, Request, Workload};
+use super::{keyed_block, push_random, Part, Request, Role, Turn, Workload};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Agentic {
@@ -77,11 +77,16 @@ impl Agentic {
         let exp = |rng: &mut fastrand::Rng, mean: f64| -(1.0 - rng.f64()).ln() * mean;
         let mut requests = Vec::new();
         let mut start = 0.0f64;
-        for _ in 0..self.sessions {
+        for session in 0..self.sessions as u64 {
             let turns = rng.usize(1..=2 * self.turns - 1);
             let sys = rng.usize(0..self.system_prompts) as u64;
             let mut history = Vec::new();
             keyed_block(seed, (1 << 40) + sys, self.system_tokens, &mut history);
+            let mut parts = vec![Part {
+                role: Role::System,
+                len: self.system_tokens,
+            }];
+            let mut prev_parts = 0;
             let mut at = start;
             for turn in 0..turns {
                 // The first turn is the user's task; later ones mostly tool results.
@@ -92,12 +97,27 @@ impl Agentic {
                     self.user_tokens
                 };
                 push_random(&mut rng, n, &mut history);
+                parts.push(Part {
+                    role: if tool { Role::ToolResult } else { Role::User },
+                    len: n,
+                });
                 requests.push(Request {
                     at: Some(Duration::from_secs_f64(at)),
                     prompt: history.clone(),
                     max_tokens: output_len.max(1),
+                    turn: Some(Turn {
+                        session,
+                        index: turn,
+                        parts: parts.clone(),
+                        prev_parts,
+                    }),
                 });
+                prev_parts = parts.len();
                 push_random(&mut rng, output_len as usize, &mut history);
+                parts.push(Part {
+                    role: Role::Assistant,
+                    len: output_len as usize,
+                });
                 at += exp(&mut rng, self.think_ms / 1000.0);
             }
             start += exp(&mut rng, 1.0 / self.session_rate);
@@ -154,6 +174,23 @@ mod tests {
         systems.sort();
         systems.dedup();
         assert_eq!(systems.len(), 2);
+        // Each request says how its prompt splits into messages, and which parts are new.
+        for r in &wl.requests {
+            let t = r.turn.as_ref().unwrap();
+            assert_eq!(t.parts.iter().map(|p| p.len).sum::<usize>(), r.prompt.len());
+            assert_eq!(t.parts[0].role, Role::System);
+            assert_ne!(t.parts.last().unwrap().role, Role::Assistant);
+            if t.index == 0 {
+                assert_eq!((t.prev_parts, t.parts.len()), (0, 2));
+            } else {
+                assert_eq!(
+                    t.parts.len(),
+                    t.prev_parts + 2,
+                    "the answer, then the new message"
+                );
+                assert_eq!(t.parts[t.prev_parts].role, Role::Assistant);
+            }
+        }
         // Sessions vary in length (1..=7 turns) and the total is near 20 × 4.
         let n = wl.requests.len();
         assert!((40..=120).contains(&n), "{n}");

@@ -107,6 +107,7 @@ pub fn build(rows: &[Row], time_scale: f64, seed: u64) -> Workload {
                 at: Some(Duration::from_secs_f64(secs)),
                 prompt,
                 max_tokens: r.generated_tokens.max(1),
+                turn: None,
             }
         })
         .collect();

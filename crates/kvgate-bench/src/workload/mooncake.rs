@@ -113,6 +113,7 @@ pub fn build(
             at: Some(Duration::from_secs_f64(ms / 1000.0)),
             prompt,
             max_tokens: rec.output_length.clamp(1, u32::MAX as u64) as u32,
+            turn: None,
         });
     }
     // Replay in arrival order even if the file is not sorted (stable: ties keep file order).

@@ -48,6 +48,7 @@ impl MultiTurn {
                     at: None,
                     prompt,
                     max_tokens: output_len.max(1),
+                    turn: None,
                 });
             }
         }

@@ -37,6 +37,7 @@ impl SharedPrefix {
                     at: None,
                     prompt,
                     max_tokens: output_len.max(1),
+                    turn: None,
                 });
             }
         }

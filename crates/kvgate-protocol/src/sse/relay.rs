@@ -9,6 +9,7 @@
 //! order: bytes between events (keep-alive comments) at once, and an event too large to hold
 //! unexamined.
 
+use super::agent::{AgentState, Dialect};
 use super::chunk::ChunkInfo;
 use super::scanner::SseScanner;
 use crate::usage::{finder, merge_pd_usage_event, Usage};
@@ -18,6 +19,9 @@ pub struct Relay {
     strip: Option<Strip>,
     saw_done: bool,
     max: usize,
+    dialect: Dialect,
+    /// Responses / Messages streams only (boxed: OpenAI streams carry none).
+    agent: Option<Box<AgentState>>,
 }
 
 struct Strip {
@@ -53,7 +57,21 @@ impl Relay {
             }),
             saw_done: false,
             max: max_event_bytes,
+            dialect: Dialect::OpenAi,
+            agent: None,
         }
+    }
+
+    /// Read the events as `dialect`'s (`sse/agent.rs`); OpenAI chunks by default.
+    pub fn with_dialect(mut self, dialect: Dialect) -> Self {
+        self.dialect = dialect;
+        self.agent = (dialect != Dialect::OpenAi).then(Box::default);
+        self
+    }
+
+    /// Responses: the id announced by `response.created`, once.
+    pub fn take_response_id(&mut self) -> Option<String> {
+        self.agent.as_mut()?.response_id.take()
     }
 
     /// Prefill/decode disaggregation: the usage-only event the client gets takes prompt and
@@ -80,6 +98,8 @@ impl Relay {
             scanner,
             strip,
             saw_done,
+            dialect,
+            agent,
             ..
         } = self;
         let mut from = 0;
@@ -97,6 +117,8 @@ impl Relay {
         scanner.feed(chunk, |ev| {
             let info = if ev.oversized {
                 ChunkInfo::default()
+            } else if let Some(agent) = agent.as_deref_mut() {
+                super::agent::scan(*dialect, ev.event, ev.data, agent)
             } else {
                 ChunkInfo::scan(ev.data)
             };
