@@ -26,6 +26,8 @@ pub struct Telemetry {
     pub slo: ArcSwap<SloConfig>,
     pub request_log: bool,
     pub tokens_served: std::sync::atomic::AtomicU64,
+    /// `[tracing]`: `None` when off (each request then costs one branch per hook).
+    pub tracer: Option<Arc<crate::trace::Tracer>>,
     unknown_model: Lbl,
     no_worker: Lbl,
 }
@@ -37,9 +39,16 @@ impl Telemetry {
             slo: ArcSwap::from_pointee(slo.clone()),
             request_log,
             tokens_served: std::sync::atomic::AtomicU64::new(0),
+            tracer: None,
             unknown_model: Lbl::from("unknown"),
             no_worker: Lbl::from("none"),
         }
+    }
+
+    /// With the tracer of `[tracing]` (`None`: tracing off).
+    pub fn with_tracer(mut self, tracer: Option<Arc<crate::trace::Tracer>>) -> Telemetry {
+        self.tracer = tracer;
+        self
     }
 }
 
@@ -57,6 +66,17 @@ pub enum Outcome {
     StreamError,
     /// The gateway answered with an error itself (see `error`).
     Rejected,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::Cancelled => "cancelled",
+            Outcome::StreamError => "stream_error",
+            Outcome::Rejected => "rejected",
+        }
+    }
 }
 
 pub struct RequestCtx {
@@ -96,6 +116,8 @@ pub struct RequestCtx {
     pub pd: Option<crate::pd::Prefilled>,
     /// SGLang: the prefill leg still draining beside the decode worker's answer.
     pub pd_partner: Option<crate::pd::Partner>,
+    /// The request's trace and spans so far (`None` when tracing is off): `crate::trace`.
+    pub trace: crate::trace::Trace,
 }
 
 impl RequestCtx {
@@ -130,6 +152,7 @@ impl RequestCtx {
             finished: false,
             pd: None,
             pd_partner: None,
+            trace: crate::trace::Trace::default(),
         }
     }
 
@@ -319,12 +342,44 @@ impl RequestCtx {
                     _ => None,
                 },
                 total_duration: total.as_nanos() as u64,
+                trace_id: self.trace.trace_id(),
             };
             if let Ok(mut s) = serde_json::to_vec(&line) {
                 s.push(b'\n');
                 use std::io::Write;
                 let _ = std::io::stdout().lock().write_all(&s);
             }
+        }
+        if self.trace.is_on() {
+            let api = self.endpoint.api();
+            self.trace.finish(crate::trace::Summary {
+                start: self.start,
+                end: now,
+                api: api.label,
+                operation: if !api.generates {
+                    "embeddings"
+                } else if api.label.contains("completions") && !api.label.contains("chat") {
+                    "text_completion"
+                } else {
+                    "chat"
+                },
+                generates: api.generates,
+                model: &self.model,
+                stream: self.stream,
+                status,
+                outcome: outcome.as_str(),
+                failed: outcome == Outcome::StreamError || status >= 500 || status == 429,
+                error: self.error.map(crate::metrics::ErrorLabel::as_str),
+                worker: self.worker.as_ref().map(|w| &w.name),
+                attempts: self.attempts,
+                prompt_tokens: prompt,
+                completion_tokens: completion,
+                cached_tokens: cached,
+                finish_reason: self.finish_reason.map(FinishReason::as_str),
+                first_token: self.first_token,
+                last_token: self.last_token,
+                token_events: self.token_events,
+            });
         }
     }
 }
@@ -370,4 +425,7 @@ struct LogLine<'a> {
     eval_count: u64,
     eval_duration: Option<u64>,
     total_duration: u64,
+    /// With `[tracing]` on: the request's trace id (32 hex digits), sampled or not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<String>,
 }

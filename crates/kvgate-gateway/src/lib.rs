@@ -25,7 +25,8 @@
 //! - **Observation.** `observer.rs`: the response observer (push-style `Observation`, fed by the
 //!   proxy's `ObservedBody`: TTFT, ITL, usage, finish reason, mid-stream errors); `ctx.rs`:
 //!   per-request state and `Telemetry`, what a finished request is recorded into; `metrics.rs`,
-//!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second).
+//!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second); `trace.rs`: W3C
+//!   trace context in and out, the request's spans (carried in its ctx), sampling, OTLP export.
 //! - **Fleet.** `fleet.rs` (registry + router + monitors, the one place worker changes are
 //!   applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the KV index),
 //!   `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker, worker ids),
@@ -68,6 +69,7 @@ pub mod route;
 pub mod server;
 pub mod state;
 pub mod tls;
+pub mod trace;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -254,6 +254,13 @@ pub struct WorkerRoleLabels {
 /// Every value of [`WorkerRoleLabels::role`].
 pub const ROLE_LABELS: [&str; 4] = ["both", "prefill", "decode", "unknown"];
 
+/// The trace exporter (`kvgate_tracing_*`).
+pub struct TracingMetrics {
+    pub dropped: Counter,
+    pub exported: Counter,
+    pub failed: Counter,
+}
+
 /// Prefill/decode disaggregation (`kvgate_pd_*`).
 pub struct PdMetrics {
     pub decisions: Family<PdDecisionLabels, Counter>,
@@ -369,6 +376,8 @@ pub struct Metrics {
     /// A worker added (config, reload, DNS, admin) → its first successful health probe.
     pub time_to_routable: Histogram,
     pub pd: PdMetrics,
+    /// The trace exporter (`[tracing]`): spans dropped, exported, failed.
+    pub tracing: TracingMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
 }
@@ -541,6 +550,11 @@ impl Metrics {
                 handoff_failures: reg!("kvgate_pd_handoff_failures", "Prefill/decode handoff failures by kind (prefill_error, no_params, decode_error).", Family::default()),
                 local_declined: reg!("kvgate_pd_local_declined", "Short prompts (below pd.min_uncached_tokens) disaggregated anyway because the decode worker that would run them whole had more requests in flight than the decode pool's average plus one.", Counter::default()),
                 worker_role: reg!("kvgate_worker_role", "1 for each worker's prefill/decode role: prefill, decode, both (configured, or detected from the worker's /server_info with role = auto), or unknown while an auto worker has not answered (it gets no traffic).", Family::default()),
+            },
+            tracing: TracingMetrics {
+                dropped: reg!("kvgate_tracing_spans_dropped", "Spans dropped because the trace exporter's queue was full (collector slow or down).", Counter::default()),
+                exported: reg!("kvgate_tracing_spans_exported", "Spans the OTLP collector accepted.", Counter::default()),
+                failed: reg!("kvgate_tracing_spans_failed", "Spans whose export failed (collector down, refused, timed out, or rejected them).", Counter::default()),
             },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),

@@ -4,6 +4,7 @@
 mod admin;
 pub(crate) mod bootstrap;
 mod completions;
+pub(crate) mod otel;
 mod pd;
 mod sse;
 mod trtllm;
@@ -104,14 +105,23 @@ pub async fn route(
         "/sim/cache",
         "/sim/kv/read",
         "/sim/bootstrap",
+        "/sim/traceparents",
     ];
     Ok(match (&method, path.as_str()) {
         (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
             let chat = path == "/v1/chat/completions";
-            match read_body(req).await {
-                Ok(b) => return completions::handle(sh, b, chat).await,
+            let span = sh.traces.arrived(req.headers(), &path);
+            let resp = match read_body(req).await {
+                Ok(b) => completions::handle(sh, b, chat).await?,
                 Err(r) => r,
+            };
+            match span {
+                Some(s) => s.wrap(resp),
+                None => resp,
             }
+        }
+        (&Method::GET, "/sim/traceparents") => {
+            json(StatusCode::OK, &serde_json::json!({"traceparents": sh.traces.seen()}))
         }
         (&Method::GET, "/v1/models") => admin::models(&sh),
         (&Method::GET, "/health") => admin::health(&sh),
