@@ -237,9 +237,15 @@ impl RequestCtx {
             Outcome::Cancelled => 499,
             _ => self.status,
         };
+        // A sampled request's trace id rides on its latency samples (OpenMetrics exemplars).
+        let exemplar = self
+            .trace
+            .sampled_trace_id()
+            .map(|trace_id| crate::metrics::TraceLabel { trace_id });
         h.request(m, status).inc();
         m.by_endpoint(self.endpoint.id(), self.stream).inc();
-        h.duration(m).observe(total.as_secs_f64());
+        h.duration(m)
+            .observe(total.as_secs_f64(), exemplar.clone(), None);
         if self.worker.is_some() {
             h.worker_duration(m).observe(total.as_secs_f64());
         }
@@ -256,7 +262,7 @@ impl RequestCtx {
         // TTFT histograms describe streams only.
         if let (Some(t), false) = (ttft, !self.endpoint.generates()) {
             if self.stream {
-                h.ttft(m).observe(t.as_secs_f64());
+                h.ttft(m).observe(t.as_secs_f64(), exemplar, None);
                 if self.worker.is_some() {
                     h.worker_ttft(m).observe(t.as_secs_f64());
                 }

@@ -225,6 +225,15 @@ enum Conn {
     H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
 }
 
+impl Conn {
+    fn is_closed(&self) -> bool {
+        match self {
+            Conn::H1(s) => s.is_closed(),
+            Conn::H2(s) => s.is_closed(),
+        }
+    }
+}
+
 /// One connection to the collector, made again after any error.
 struct Sender {
     target: Target,
@@ -294,19 +303,34 @@ impl Sender {
         }
     }
 
-    /// Send one encoded export request; the collector's count of rejected spans on success.
+    /// Send one encoded export request; the collector's count of rejected spans on success. A
+    /// kept connection the collector has closed meanwhile (an HTTP/1.0 server closes after every
+    /// answer; an idle timeout) is replaced, and a failure on a reused one is tried once more on
+    /// a new connection.
     async fn send(&mut self, body: Vec<u8>) -> Result<u64, String> {
-        if self.conn.is_none() {
+        let body = Bytes::from(body);
+        let reused = self.conn.as_ref().is_some_and(|c| !c.is_closed());
+        if !reused {
             self.conn = Some(self.connect().await?);
         }
-        let conn = self.conn.as_mut().expect("connected above");
+        match self.send_once(body.clone()).await {
+            Err(_) if reused => {
+                self.conn = Some(self.connect().await?);
+                self.send_once(body).await
+            }
+            r => r,
+        }
+    }
+
+    async fn send_once(&mut self, body: Bytes) -> Result<u64, String> {
+        let conn = self.conn.as_mut().expect("connected by send");
         match (conn, &self.target) {
             (Conn::H1(s), Target::Http { authority, path }) => {
                 s.ready().await.map_err(|e| e.to_string())?;
                 let req = Request::post(path.as_str())
                     .header(header::HOST, authority.as_str())
                     .header(header::CONTENT_TYPE, "application/x-protobuf")
-                    .body(Full::new(Bytes::from(body)))
+                    .body(Full::new(body))
                     .map_err(|e| e.to_string())?;
                 let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
                 let status = resp.status();
