@@ -89,29 +89,30 @@ impl Collector {
 }
 
 fn gateway(worker: SocketAddr, tracing: &str) -> (Proc, SocketAddr, tempfile::TempDir) {
+    let url = format!("http://{worker}");
+    gateway_with(&format!("[tracing]\n{tracing}\n"), &["--worker", &url])
+}
+
+fn gateway_with(config: &str, workers: &[&str]) -> (Proc, SocketAddr, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = dir.path().join("kvgate.toml");
-    std::fs::write(&cfg, format!("[tracing]\n{tracing}\n")).expect("config");
-    let url = format!("http://{worker}");
+    std::fs::write(&cfg, config).expect("config");
     let cfg = cfg.to_string_lossy().into_owned();
-    let mut gw = Proc::kvgate(
-        "kvgate serve",
-        &[
-            "serve",
-            "--config",
-            &cfg,
-            "--listen",
-            "127.0.0.1:0",
-            "--worker",
-            &url,
-            "--model",
-            MODEL,
-            "--policy",
-            "round_robin",
-            "--log",
-            "info",
-        ],
-    );
+    let mut args = vec![
+        "serve",
+        "--config",
+        &cfg,
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        MODEL,
+        "--policy",
+        "round_robin",
+        "--log",
+        "info",
+    ];
+    args.extend_from_slice(workers);
+    let mut gw = Proc::kvgate("kvgate serve", &args);
     let addr = gw.wait_for(Duration::from_secs(20), serving_addr);
     (gw, addr, dir)
 }
@@ -312,4 +313,61 @@ fn failed_requests_are_exported_unsampled_and_a_dead_collector_costs_requests_no
         (lost >= 80.0).then_some(())
     });
     assert_eq!(metric(gw2, "kvgate_tracing_spans_exported_total"), 0.0);
+}
+
+#[test]
+fn both_pd_legs_carry_their_own_attempt_span_to_their_engine() {
+    let Some(py) = python() else { return };
+    let col = Collector::start(&py);
+    let endpoint = format!("http://{}", col.http);
+    let pd_sim = |role: &str| {
+        start_sim_with(
+            MODEL,
+            &["--role", role, "--kv-lease-ms", "600000", "--otlp-traces-endpoint", &endpoint],
+        )
+    };
+    let (_p, prefill) = pd_sim("prefill");
+    let (_d, decode) = pd_sim("decode");
+    let (_gw, gw, _dir) = gateway_with(
+        &format!(
+            "[pd]\nmin_uncached_tokens = 0\n[tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\n"
+        ),
+        &[
+            "--prefill-worker",
+            &format!("http://{prefill}"),
+            "--decode-worker",
+            &format!("http://{decode}"),
+        ],
+    );
+    let trace = "33333333333333333333333333333333";
+    let (status, body) = chat(gw, &format!("traceparent: 00-{trace}-{CLIENT_SPAN}-01\r\n"), true);
+    assert_eq!(status, 200, "{body}");
+    // request, tokenize, a route and an upstream span per leg, and one engine span per leg.
+    let spans = col.trace(trace, 8);
+    let root = one(&spans, "kvgate.request");
+    assert_eq!(root["attributes"]["kvgate.pd.path"], "disaggregated", "{root}");
+    let upstream = by_name(&spans, "kvgate.upstream");
+    assert_eq!(upstream.len(), 2, "{spans:#?}");
+    let engines = by_name(&spans, "llm_request");
+    assert_eq!(engines.len(), 2, "{spans:#?}");
+    for (leg, sim) in [("prefill", prefill), ("decode", decode)] {
+        let up = upstream
+            .iter()
+            .find(|s| s["attributes"]["kvgate.upstream.leg"] == leg)
+            .unwrap_or_else(|| panic!("no {leg} attempt in {upstream:#?}"));
+        assert_eq!(up["attributes"]["kvgate.upstream.worker"], sim.to_string());
+        assert_eq!(up["parent_span_id"], root["span_id"]);
+        let id = up["span_id"].as_str().unwrap();
+        assert!(
+            engines.iter().any(|e| e["parent_span_id"] == id),
+            "the {leg} engine's span is under the {leg} attempt"
+        );
+        let want = format!("00-{trace}-{id}-01");
+        assert!(sim_traceparents(sim).contains(&want), "{leg} worker got {want}");
+    }
+    let legs: Vec<&str> = by_name(&spans, "kvgate.route")
+        .iter()
+        .map(|s| s["attributes"]["kvgate.route.leg"].as_str().unwrap())
+        .collect();
+    assert!(legs.contains(&"prefill") && legs.contains(&"decode"), "{legs:?}");
 }
