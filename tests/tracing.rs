@@ -13,8 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvgate_system_tests::harness::{
-    http, repo_root, sample, serving_addr, start_sim_with, tool_missing,
-    try_http_with, Proc,
+    http, repo_root, sample, serving_addr, start_sim_with, tool_missing, try_http_with, Proc,
 };
 use kvgate_testkit::poll::poll_for_blocking;
 use serde_json::Value;
@@ -26,7 +25,10 @@ const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 fn python() -> Option<String> {
     let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&py)
-        .args(["-c", "import grpc, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc"])
+        .args([
+            "-c",
+            "import grpc, opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc",
+        ])
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
@@ -175,7 +177,10 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
     // the upstream attempt.
     let spans = col.trace(CLIENT_TRACE, 5);
     let root = one(&spans, "kvgate.request");
-    assert_eq!(root["parent_span_id"], CLIENT_SPAN, "continues the client's span");
+    assert_eq!(
+        root["parent_span_id"], CLIENT_SPAN,
+        "continues the client's span"
+    );
     assert_eq!(root["kind"], 2);
     assert_eq!(root["service"], "kvgate");
     assert_eq!(root["trace_state"], "vendor=opaque");
@@ -198,14 +203,19 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
     let root_id = root["span_id"].as_str().unwrap();
     for name in ["kvgate.tokenize", "kvgate.route", "kvgate.upstream"] {
         let s = one(&spans, name);
-        assert_eq!(s["parent_span_id"], root_id, "{name} is a child of the request");
+        assert_eq!(
+            s["parent_span_id"], root_id,
+            "{name} is a child of the request"
+        );
         assert!(s["start"].as_u64() <= s["end"].as_u64(), "{s}");
         assert!(s["start"].as_u64() >= root["start"].as_u64(), "{s}");
     }
     let route = one(&spans, "kvgate.route");
     assert_eq!(route["attributes"]["kvgate.route.policy"], "round_robin");
     assert_eq!(route["attributes"]["kvgate.route.worker"], sim.to_string());
-    assert!(one(&spans, "kvgate.tokenize")["attributes"]["kvgate.prompt.tokens"].as_i64() > Some(0));
+    assert!(
+        one(&spans, "kvgate.tokenize")["attributes"]["kvgate.prompt.tokens"].as_i64() > Some(0)
+    );
     let upstream = one(&spans, "kvgate.upstream");
     assert_eq!(upstream["kind"], 3);
     assert_eq!(upstream["attributes"]["http.response.status_code"], 200);
@@ -216,22 +226,36 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
         "the engine's span hangs under the router's attempt"
     );
     // The traceparent the worker got: the client's trace, the attempt's span, sampled.
-    let want = format!("00-{CLIENT_TRACE}-{}-01", upstream["span_id"].as_str().unwrap());
+    let want = format!(
+        "00-{CLIENT_TRACE}-{}-01",
+        upstream["span_id"].as_str().unwrap()
+    );
     assert!(sim_traceparents(sim).contains(&want), "{want}");
 
     // Parent-based: an unsampled client trace exports nothing, and the worker is told so.
     let quiet = "11111111111111111111111111111111";
-    let (status, _) = chat(gw, &format!("traceparent: 00-{quiet}-{CLIENT_SPAN}-00\r\n"), false);
+    let (status, _) = chat(
+        gw,
+        &format!("traceparent: 00-{quiet}-{CLIENT_SPAN}-00\r\n"),
+        false,
+    );
     assert_eq!(status, 200);
     let seen = sim_traceparents(sim);
     let last = seen.last().expect("a traceparent");
-    assert!(last.starts_with(&format!("00-{quiet}-")) && last.ends_with("-00"), "{last}");
+    assert!(
+        last.starts_with(&format!("00-{quiet}-")) && last.ends_with("-00"),
+        "{last}"
+    );
     // ...and sample_ratio = 0 samples no new trace either: only the first trace's spans (and
     // its engine span) are in the collector once a later sampled request's spans arrive.
     let (status, _) = chat(gw, "", false);
     assert_eq!(status, 200);
     let marker = "22222222222222222222222222222222";
-    chat(gw, &format!("traceparent: 00-{marker}-{CLIENT_SPAN}-01\r\n"), false);
+    chat(
+        gw,
+        &format!("traceparent: 00-{marker}-{CLIENT_SPAN}-01\r\n"),
+        false,
+    );
     col.trace(marker, 5);
     let traces: std::collections::BTreeSet<String> = col
         .spans()
@@ -249,7 +273,10 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
     // OTLP/gRPC: a second gateway exporting to the collector's gRPC port, sampling everything.
     let (_gw2, gw2, _dir2) = gateway(
         sim,
-        &format!("otlp_endpoint = \"grpc://{}\"\nbatch_delay_ms = 50", col.grpc),
+        &format!(
+            "otlp_endpoint = \"grpc://{}\"\nbatch_delay_ms = 50",
+            col.grpc
+        ),
     );
     let (status, _) = chat(gw2, "x-request-id: over-grpc\r\n", false);
     assert_eq!(status, 200);
@@ -265,7 +292,10 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
         .map(|s| (s["name"].as_str().unwrap(), s["protocol"].as_str().unwrap()))
         .collect();
     assert_eq!(protocols["kvgate.upstream"], "grpc");
-    assert_eq!(protocols["llm_request"], "http", "the sim exports over HTTP");
+    assert_eq!(
+        protocols["llm_request"], "http",
+        "the sim exports over HTTP"
+    );
 }
 
 #[test]
@@ -292,7 +322,10 @@ fn failed_requests_are_exported_unsampled_and_a_dead_collector_costs_requests_no
     assert_eq!(root["status_code"], 2, "error status: {root}");
     let spans = col.trace(root["trace_id"].as_str().unwrap(), 3);
     let up = by_name(&spans, "kvgate.upstream");
-    assert!(!up.is_empty() && up.iter().all(|s| s["status_code"] == 2), "{spans:#?}");
+    assert!(
+        !up.is_empty() && up.iter().all(|s| s["status_code"] == 2),
+        "{spans:#?}"
+    );
 
     // Collector down: a port nothing listens on, a tiny queue. Every request still succeeds;
     // the spans are counted as failed (sent, refused) or dropped (queue full), none exported.
@@ -323,7 +356,14 @@ fn both_pd_legs_carry_their_own_attempt_span_to_their_engine() {
     let pd_sim = |role: &str| {
         start_sim_with(
             MODEL,
-            &["--role", role, "--kv-lease-ms", "600000", "--otlp-traces-endpoint", &endpoint],
+            &[
+                "--role",
+                role,
+                "--kv-lease-ms",
+                "600000",
+                "--otlp-traces-endpoint",
+                &endpoint,
+            ],
         )
     };
     let (_p, prefill) = pd_sim("prefill");
@@ -340,12 +380,19 @@ fn both_pd_legs_carry_their_own_attempt_span_to_their_engine() {
         ],
     );
     let trace = "33333333333333333333333333333333";
-    let (status, body) = chat(gw, &format!("traceparent: 00-{trace}-{CLIENT_SPAN}-01\r\n"), true);
+    let (status, body) = chat(
+        gw,
+        &format!("traceparent: 00-{trace}-{CLIENT_SPAN}-01\r\n"),
+        true,
+    );
     assert_eq!(status, 200, "{body}");
     // request, tokenize, a route and an upstream span per leg, and one engine span per leg.
     let spans = col.trace(trace, 8);
     let root = one(&spans, "kvgate.request");
-    assert_eq!(root["attributes"]["kvgate.pd.path"], "disaggregated", "{root}");
+    assert_eq!(
+        root["attributes"]["kvgate.pd.path"], "disaggregated",
+        "{root}"
+    );
     let upstream = by_name(&spans, "kvgate.upstream");
     assert_eq!(upstream.len(), 2, "{spans:#?}");
     let engines = by_name(&spans, "llm_request");
@@ -363,11 +410,17 @@ fn both_pd_legs_carry_their_own_attempt_span_to_their_engine() {
             "the {leg} engine's span is under the {leg} attempt"
         );
         let want = format!("00-{trace}-{id}-01");
-        assert!(sim_traceparents(sim).contains(&want), "{leg} worker got {want}");
+        assert!(
+            sim_traceparents(sim).contains(&want),
+            "{leg} worker got {want}"
+        );
     }
     let legs: Vec<&str> = by_name(&spans, "kvgate.route")
         .iter()
         .map(|s| s["attributes"]["kvgate.route.leg"].as_str().unwrap())
         .collect();
-    assert!(legs.contains(&"prefill") && legs.contains(&"decode"), "{legs:?}");
+    assert!(
+        legs.contains(&"prefill") && legs.contains(&"decode"),
+        "{legs:?}"
+    );
 }

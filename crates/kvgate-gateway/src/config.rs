@@ -965,7 +965,10 @@ impl Config {
         }
         let t = &self.tracing;
         if !(t.sample_ratio.is_finite() && (0.0..=1.0).contains(&t.sample_ratio)) {
-            bail!("tracing.sample_ratio {} must be between 0 and 1", t.sample_ratio);
+            bail!(
+                "tracing.sample_ratio {} must be between 0 and 1",
+                t.sample_ratio
+            );
         }
         if !t.otlp_endpoint.is_empty() {
             kvgate_http::otlp::Target::parse(&t.otlp_endpoint)

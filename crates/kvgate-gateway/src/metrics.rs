@@ -720,8 +720,14 @@ impl Metrics {
             // OpenMetrics names a counter family without its samples' `_total`.
             om.push_str(
                 &classic
-                    .replace("# HELP process_cpu_seconds_total", "# HELP process_cpu_seconds")
-                    .replace("# TYPE process_cpu_seconds_total", "# TYPE process_cpu_seconds"),
+                    .replace(
+                        "# HELP process_cpu_seconds_total",
+                        "# HELP process_cpu_seconds",
+                    )
+                    .replace(
+                        "# TYPE process_cpu_seconds_total",
+                        "# TYPE process_cpu_seconds",
+                    ),
             );
         }
         om.push_str("# EOF\n");

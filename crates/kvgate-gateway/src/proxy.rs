@@ -179,7 +179,11 @@ pub(crate) async fn route_and_forward(
             ctx.trace.decided(trace_decision(
                 app,
                 &pick,
-                if leg == Leg::Decode { "decode" } else { "whole" },
+                if leg == Leg::Decode {
+                    "decode"
+                } else {
+                    "whole"
+                },
                 at,
                 now,
                 ctx.queue_wait.saturating_sub(queued_before),
@@ -192,7 +196,11 @@ pub(crate) async fn route_and_forward(
         let traced = ctx.trace.attempt_start(
             &mut p.parts.headers,
             &worker.name,
-            if leg == Leg::Decode { "decode" } else { "whole" },
+            if leg == Leg::Decode {
+                "decode"
+            } else {
+                "whole"
+            },
         );
         let out = outgoing(
             &p.parts,

@@ -132,12 +132,10 @@ impl AppState {
             admission: fleet.router.admission().clone(),
             fleet,
             upstream,
-            telemetry: Arc::new(Telemetry::new(
-                metrics.clone(),
-                &config.slo,
-                config.server.request_log,
-            )
-            .with_tracer(tracer)),
+            telemetry: Arc::new(
+                Telemetry::new(metrics.clone(), &config.slo, config.server.request_log)
+                    .with_tracer(tracer),
+            ),
             auth,
             max_body: config.server.max_body_bytes,
             draining: AtomicBool::new(false),

@@ -105,8 +105,7 @@ impl Tracer {
             cfg.sample_ratio.clamp(0.0, 1.0).to_bits(),
             Ordering::Relaxed,
         );
-        self.parent_based
-            .store(cfg.parent_based, Ordering::Relaxed);
+        self.parent_based.store(cfg.parent_based, Ordering::Relaxed);
         self.errors.store(cfg.always_errors, Ordering::Relaxed);
     }
 
@@ -129,7 +128,10 @@ impl Tracer {
         let state = parent
             .and_then(|_| {
                 kvgate_protocol::trace_context::tracestate(
-                    headers.get_all(TRACESTATE).iter().map(HeaderValue::as_bytes),
+                    headers
+                        .get_all(TRACESTATE)
+                        .iter()
+                        .map(HeaderValue::as_bytes),
                 )
             })
             .map(Arc::from);

@@ -37,9 +37,7 @@ pub enum Target {
 impl Target {
     /// `http://host:port[/base]` or `grpc://host:port`.
     pub fn parse(s: &str) -> Result<Target, String> {
-        let uri: http::Uri = s
-            .parse()
-            .map_err(|e| format!("{s:?} is not a URL: {e}"))?;
+        let uri: http::Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
         let authority = uri
             .authority()
             .cloned()
@@ -379,7 +377,9 @@ impl Sender {
                         .unwrap_or("");
                     return Err(format!(
                         "collector answered grpc-status {:?} {msg}",
-                        grpc.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("none")
+                        grpc.as_ref()
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("none")
                     ));
                 }
                 // The answer is one length-prefixed message (uncompressed).

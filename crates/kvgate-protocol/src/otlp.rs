@@ -386,7 +386,10 @@ mod tests {
         assert_eq!(s.parent_span_id, vec![2; 8]);
         assert_eq!(s.trace_state, "k=v");
         assert_eq!(s.kind, 2);
-        assert_eq!((s.start_time_unix_nano, s.end_time_unix_nano), (1_000, 5_000));
+        assert_eq!(
+            (s.start_time_unix_nano, s.end_time_unix_nano),
+            (1_000, 5_000)
+        );
         assert_eq!(s.flags, 0x301);
         assert_eq!(s.events[0].name, "first_token");
         assert_eq!(s.events[0].time_unix_nano, 2_000);

@@ -155,9 +155,15 @@ mod tests {
     fn a_valid_header_round_trips() {
         let tp = TraceParent::parse(GOOD.as_bytes()).unwrap();
         assert!(tp.sampled());
-        assert_eq!(tp.parent_id, [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]);
+        assert_eq!(
+            tp.parent_id,
+            [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]
+        );
         assert_eq!(&tp.encode()[..], GOOD.as_bytes());
-        assert_eq!(trace_id_hex(&tp.trace_id), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            trace_id_hex(&tp.trace_id),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
         let unsampled = GOOD.replace("-01", "-00");
         assert!(!TraceParent::parse(unsampled.as_bytes()).unwrap().sampled());
     }

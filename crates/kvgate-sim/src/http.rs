@@ -120,9 +120,10 @@ pub async fn route(
                 None => resp,
             }
         }
-        (&Method::GET, "/sim/traceparents") => {
-            json(StatusCode::OK, &serde_json::json!({"traceparents": sh.traces.seen()}))
-        }
+        (&Method::GET, "/sim/traceparents") => json(
+            StatusCode::OK,
+            &serde_json::json!({"traceparents": sh.traces.seen()}),
+        ),
         (&Method::GET, "/v1/models") => admin::models(&sh),
         (&Method::GET, "/health") => admin::health(&sh),
         (&Method::POST, "/tokenize") => match read_body(req).await {

@@ -161,10 +161,14 @@ pub(crate) async fn dual_dispatch(
     );
     match &heads {
         Ok((pf, df)) => {
-            ctx.trace
-                .attempt_end(ptraced, crate::trace::Ended::Status(pf.resp.status.as_u16()));
-            ctx.trace
-                .attempt_end(dtraced, crate::trace::Ended::Status(df.resp.status.as_u16()));
+            ctx.trace.attempt_end(
+                ptraced,
+                crate::trace::Ended::Status(pf.resp.status.as_u16()),
+            );
+            ctx.trace.attempt_end(
+                dtraced,
+                crate::trace::Ended::Status(df.resp.status.as_u16()),
+            );
         }
         Err(e) => {
             // The leg that failed is named in the message; the other one was dropped with it.
@@ -173,8 +177,10 @@ pub(crate) async fn dual_dispatch(
             } else {
                 (dtraced, ptraced)
             };
-            ctx.trace
-                .attempt_end(failed, crate::trace::Ended::Error(e.label().as_str(), &e.message));
+            ctx.trace.attempt_end(
+                failed,
+                crate::trace::Ended::Error(e.label().as_str(), &e.message),
+            );
             ctx.trace.attempt_end(
                 other,
                 crate::trace::Ended::Error("cancelled", "dropped with the other leg"),

@@ -143,8 +143,14 @@ pub(crate) async fn prepare_handoff(
         };
         tried.push(pick.worker.id);
         if ctx.trace.is_on() {
-            ctx.trace
-                .decided(super::trace_decision(app, &pick, "prefill", now, crate::clock::now(), Duration::ZERO));
+            ctx.trace.decided(super::trace_decision(
+                app,
+                &pick,
+                "prefill",
+                now,
+                crate::clock::now(),
+                Duration::ZERO,
+            ));
         }
         let traced = ctx
             .trace
