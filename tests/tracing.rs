@@ -159,7 +159,7 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
     let col = Collector::start(&py);
     let endpoint = format!("http://{}", col.http);
     let (_sim, sim) = start_sim_with(MODEL, &["--otlp-traces-endpoint", &endpoint]);
-    let (_gw, gw, _dir) = gateway(
+    let (_gw, gw, dir) = gateway(
         sim,
         &format!("otlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 0.0"),
     );
@@ -269,6 +269,29 @@ fn one_trace_from_client_through_router_to_engine_over_otlp_http_and_grpc() {
     );
     assert!(metric(gw, "kvgate_tracing_spans_exported_total") >= 8.0);
     assert_eq!(metric(gw, "kvgate_tracing_spans_dropped_total"), 0.0);
+
+    // Sampling reloads with the file: at ratio 1 a request without a parent is exported.
+    std::fs::write(
+        dir.path().join("kvgate.toml"),
+        format!(
+            "[tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 1.0\n"
+        ),
+    )
+    .expect("rewrite config");
+    poll_for_blocking(Duration::from_secs(20), "the config reload", || {
+        (metric(gw, "kvgate_config_reloads_total{reason=\"ok\"}") >= 1.0).then_some(())
+    });
+    let (status, _) = chat(gw, "x-request-id: after-reload\r\n", false);
+    assert_eq!(status, 200);
+    poll_for_blocking(
+        Duration::from_secs(20),
+        "the span sampled after the reload",
+        || {
+            col.spans()
+                .into_iter()
+                .find(|s| s["attributes"]["kvgate.request_id"] == "after-reload")
+        },
+    );
 
     // OTLP/gRPC: a second gateway exporting to the collector's gRPC port, sampling everything.
     let (_gw2, gw2, _dir2) = gateway(

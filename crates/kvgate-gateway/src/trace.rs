@@ -151,7 +151,7 @@ impl Tracer {
             anchor: start,
             anchor_ns,
             request_id: headers.get(X_REQUEST_ID).cloned(),
-            attrs: Vec::with_capacity(16),
+            attrs: Vec::new(),
             spans: Vec::with_capacity(6),
         })))
     }
