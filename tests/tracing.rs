@@ -343,7 +343,9 @@ fn failed_requests_are_exported_unsampled_and_a_dead_collector_costs_requests_no
             .find(|s| s["attributes"]["kvgate.request_id"] == "failing")
     });
     assert_eq!(root["status_code"], 2, "error status: {root}");
-    let spans = col.trace(root["trace_id"].as_str().unwrap(), 3);
+    // Unsampled: the request span and its attempts (the internal steps are sampled requests' only).
+    let spans = col.trace(root["trace_id"].as_str().unwrap(), 2);
+    assert!(by_name(&spans, "kvgate.route").is_empty(), "{spans:#?}");
     let up = by_name(&spans, "kvgate.upstream");
     assert!(
         !up.is_empty() && up.iter().all(|s| s["status_code"] == 2),

@@ -175,7 +175,7 @@ pub(crate) async fn route_and_forward(
                 ctx.overlap_blocks = pick.decision.overlap_blocks;
             }
         }
-        if ctx.trace.is_on() {
+        if ctx.trace.records_steps() {
             ctx.trace.decided(trace_decision(
                 app,
                 &pick,

@@ -291,6 +291,12 @@ impl Trace {
         self.0.is_some()
     }
 
+    /// Whether the internal steps (tokenize, route, queue) are recorded: sampled requests only.
+    /// An unsampled one keeps just its attempts, for the case it fails (`always_errors`).
+    pub fn records_steps(&self) -> bool {
+        self.0.as_deref().is_some_and(|t| t.sampled)
+    }
+
     /// The trace id (32 hex digits) when tracing is on.
     pub fn trace_id(&self) -> Option<String> {
         self.0
@@ -308,7 +314,7 @@ impl Trace {
 
     /// A finished internal step under the request's span.
     pub fn step(&mut self, name: &'static str, start: Instant, end: Instant, attrs: Attrs) {
-        let Some(t) = self.0.as_deref_mut() else {
+        let Some(t) = self.0.as_deref_mut().filter(|t| t.sampled) else {
             return;
         };
         let mut s = t.child(name, Kind::Internal, t.span_id);
@@ -320,7 +326,7 @@ impl Trace {
 
     /// Parse, tokenization and block hashing: `kvgate.tokenize` with the prompt's size.
     pub fn tokenized(&mut self, start: Instant, end: Instant, tokens: u32, blocks: u32) {
-        if self.0.is_some() {
+        if self.records_steps() {
             let attrs = vec![
                 ("kvgate.prompt.tokens", Value::from(tokens)),
                 ("kvgate.prompt.blocks", Value::from(blocks)),
@@ -332,7 +338,7 @@ impl Trace {
     /// A routing decision: `kvgate.route` with the policy, the chosen worker and why, and
     /// `kvgate.queue` under it when the request waited for a worker.
     pub fn decided(&mut self, d: Decided<'_>) {
-        let Some(t) = self.0.as_deref_mut() else {
+        let Some(t) = self.0.as_deref_mut().filter(|t| t.sampled) else {
             return;
         };
         let mut s = t.child("kvgate.route", Kind::Internal, t.span_id);

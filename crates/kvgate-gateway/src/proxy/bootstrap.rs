@@ -120,7 +120,7 @@ pub(crate) async fn dual_dispatch(
     ctx.decision_time = now
         .saturating_duration_since(p.t_decide)
         .saturating_sub(ctx.queue_wait);
-    if ctx.trace.is_on() {
+    if ctx.trace.records_steps() {
         let (start, queued) = (p.t_decide, ctx.queue_wait);
         let prefill_span = super::trace_decision(app, &ppick, "prefill", start, now, queued);
         ctx.trace.decided(prefill_span);

@@ -142,7 +142,7 @@ pub(crate) async fn prepare_handoff(
             Err(NoPick::NoWorker) => break,
         };
         tried.push(pick.worker.id);
-        if ctx.trace.is_on() {
+        if ctx.trace.records_steps() {
             ctx.trace.decided(super::trace_decision(
                 app,
                 &pick,
