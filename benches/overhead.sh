@@ -13,7 +13,10 @@
 #      BEFORE_SERVE (optional: an older `serve` binary, run as kvgate-rr(before) and
 #      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons),
 #      HYPER_H1=1 (also run kvgate kv with `server.http1 = "hyper"`: hyper's HTTP/1 server
-#      against kvgate's own loop, same binary, same run).
+#      against kvgate's own loop, same binary, same run),
+#      TRACING=1 (also run kvgate rr with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
+#      OTLP/HTTP to an nginx sink that answers 200: tracing's CPU per request beside tracing off;
+#      with BEFORE_SERVE, tracing off is also compared with the older binary).
 # kvgate kv runs with the approximate tokenizer, and again with the HF tokenizer when
 # TOKENIZER_JSON exists. Rounds interleave the targets, so machine noise hits all of them alike.
 set -euo pipefail
@@ -68,6 +71,26 @@ NG
 nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" & PIDS+=($!); PID[nginx]=$!; PORT[nginx]=30030
 wait_port 30030
 
+if [ -n "${TRACING:-}" ]; then
+  # The OTLP sink: its own nginx (so the nginx target's CPU is not charged for it), 200 to every POST.
+  mkdir -p "$WORK/sink/tmp"
+  cat > "$WORK/sink/nginx.conf" <<NG
+worker_processes 1;
+pid nginx.pid;
+error_log error.log warn;
+daemon off;
+events { worker_connections 256; }
+http {
+  access_log off;
+  client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
+  client_max_body_size 64m;
+  server { listen 127.0.0.1:30032; location / { return 200; } }
+}
+NG
+  nginx -p "$WORK/sink" -c "$WORK/sink/nginx.conf" & PIDS+=($!)
+  wait_port 30032
+fi
+
 start_serve() { # label port binary args...
   local label=$1 port=$2 bin=$3; shift 3
   "$bin" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
@@ -85,6 +108,14 @@ if [ -n "${HYPER_H1:-}" ]; then
   printf '[server]\nhttp1 = "hyper"\n' > "$WORK/hyper-h1.toml"
   start_serve "kvgate-kv(approx-tok,hyper-h1)" 30106 "$SERVE" --policy kv --config "$WORK/hyper-h1.toml"
   TARGETS+=("kvgate-kv(approx-tok,hyper-h1)")
+fi
+if [ -n "${TRACING:-}" ]; then
+  for r in 1.0 0.01; do
+    printf '[tracing]\notlp_endpoint = "http://127.0.0.1:30032"\nsample_ratio = %s\n' "$r" > "$WORK/trace-$r.toml"
+  done
+  start_serve "kvgate-rr(trace 100%)" 30107 "$SERVE" --policy round_robin --config "$WORK/trace-1.0.toml"
+  start_serve "kvgate-rr(trace 1%)" 30108 "$SERVE" --policy round_robin --config "$WORK/trace-0.01.toml"
+  TARGETS+=("kvgate-rr(trace 100%)" "kvgate-rr(trace 1%)")
 fi
 if [ -n "${BEFORE_SERVE:-}" ]; then
   start_serve "kvgate-kv(approx-tok,before)" 30104 "$BEFORE_SERVE" --policy kv

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Validate everything under deploy/ that a tool can check:
 #   - prometheus/prometheus.yml with `promtool check config` (which also loads alerts.yml),
-#   - prometheus/alerts.yml with `promtool check rules` and its unit tests (`promtool test rules`),
+#   - prometheus/alerts.yml and recording.yml with `promtool check rules` and their unit tests
+#     (`promtool test rules`),
 #   - grafana/kvgate-dashboard.json is valid JSON with panels and queries,
 #   - the Helm chart renders (Helm's own engine, helm/render.py) exactly to k8s/, lints clean, and
 #     renders with every option on.
@@ -24,7 +25,7 @@ fi
 
 if command -v promtool >/dev/null 2>&1; then
   major=$(promtool --version 2>&1 | sed -nE '1s/.*version ([0-9]+)\..*/\1/p')
-  cp prometheus/prometheus.yml prometheus/alerts.yml "$tmp/"
+  cp prometheus/prometheus.yml prometheus/alerts.yml prometheus/recording.yml "$tmp/"
   if [[ ${major:-0} -lt 3 ]]; then
     # scrape_protocols (2.49+) and fallback_scrape_protocol (3.0+) are unknown to older promtool;
     # check the rest of the file as Prometheus 2.x would load it.
@@ -32,10 +33,8 @@ if command -v promtool >/dev/null 2>&1; then
     sed -i -E '/^[[:space:]]*(scrape_protocols|fallback_scrape_protocol):/d' "$tmp/prometheus.yml"
   fi
   promtool check config "$tmp/prometheus.yml" || failed=1
-  promtool check rules prometheus/alerts.yml || failed=1
-  if [[ -f prometheus/alerts_test.yml ]]; then
-    (cd prometheus && promtool test rules alerts_test.yml) || failed=1
-  fi
+  promtool check rules prometheus/alerts.yml prometheus/recording.yml || failed=1
+  (cd prometheus && promtool test rules alerts_test.yml recording_test.yml) || failed=1
 else
   missing+=("promtool (Debian package prometheus)")
 fi

@@ -105,7 +105,9 @@ fn is_prometheus_3(bin: &str) -> bool {
 fn start_prometheus(bin: &str, gateway: SocketAddr, worker: SocketAddr) -> Prom {
     let dir = tempfile::tempdir().unwrap();
     let shipped = repo_root().join("deploy/prometheus");
-    std::fs::copy(shipped.join("alerts.yml"), dir.path().join("alerts.yml")).unwrap();
+    for rules in ["alerts.yml", "recording.yml"] {
+        std::fs::copy(shipped.join(rules), dir.path().join(rules)).unwrap();
+    }
     let cfg = adapt_config(
         &std::fs::read_to_string(shipped.join("prometheus.yml")).unwrap(),
         &[("kvgate", gateway), ("llm-workers", worker)],
@@ -206,7 +208,19 @@ fn real_prometheus_scrapes_kvgate_and_evaluates_the_alert_rules() {
             .filter(|r| r.as_array().is_some_and(|a| !a.is_empty()))
     });
 
-    // Every rule of alerts.yml has been evaluated against these series without an error.
+    // The measurement contract's names come out of recording.yml from the live series.
+    let contract = wait_until(Duration::from_secs(15), "llm_requests_total", || {
+        query(prom.addr, "sum(llm_requests_total{status=\"200\"})")
+            .filter(|r| r.as_array().is_some_and(|a| !a.is_empty()))
+    });
+    assert_eq!(contract[0]["value"][1], "3", "{contract}");
+    wait_until(Duration::from_secs(15), "llm_latency_bucket", || {
+        query(prom.addr, "llm_latency_bucket{le=\"+Inf\"}")
+            .filter(|r| r.as_array().is_some_and(|a| !a.is_empty()))
+    });
+
+    // Every rule of alerts.yml and recording.yml has been evaluated against these series without
+    // an error.
     let rules = wait_until(
         Duration::from_secs(15),
         "every alert rule evaluated",

@@ -3,7 +3,7 @@
 //! Every table rejects unknown keys (`deny_unknown_fields`), so a typo fails loudly with the key's
 //! name. Durations are written in milliseconds (`*_ms`) or seconds (`*_s`) so the unit is in the key.
 //! Reloadable: `[[workers]]`, `[[worker_pools]]`, `[routing]`, `[admission]`, `[retry]`, `[slo]`,
-//! `[auth]`, `[models]`, `[cache]`, `[pd]`, `[flow_control]`.
+//! `[auth]`, `[models]`, `[cache]`, `[pd]`, `[flow_control]`, and `[tracing]`'s sampling.
 //! Restart needed: `[server]` (listen address, TLS, limits), `[admin]`, `[upstream]` and
 //! `[cluster]`.
 
@@ -41,6 +41,8 @@ pub struct Config {
     pub response_pins: ResponsePinsConfig,
     /// `kvgate epp`: the Envoy ext_proc endpoint picker's listener (docs/epp.md). Restart needed.
     pub epp: EppConfig,
+    /// Distributed tracing: W3C trace context and OTLP export (off without `otlp_endpoint`).
+    pub tracing: TracingConfig,
 }
 
 /// `[epp]`: the endpoint picker (`kvgate epp`). `kvgate serve` ignores it.
@@ -64,6 +66,48 @@ impl Default for EppConfig {
             tls: None,
             fallback_endpoints: 3,
             max_message_bytes: (8 << 20) + (64 << 10),
+        }
+    }
+}
+
+/// `[tracing]`: spans of every request to an OpenTelemetry collector (docs/tracing.md). The
+/// sampling keys are reloadable; the endpoint, service name and queue bounds need a restart.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// `http://host:port[/base]` (OTLP/HTTP protobuf to `{base}/v1/traces`) or `grpc://host:port`
+    /// (OTLP/gRPC); empty = tracing off.
+    pub otlp_endpoint: String,
+    /// Share of requests without a sampled parent whose trace is exported, 0 to 1.
+    pub sample_ratio: f64,
+    /// A request with a valid `traceparent` follows its caller's sampled flag.
+    pub parent_based: bool,
+    /// Export the spans of a request that failed (5xx, 429, stream error) even when unsampled.
+    pub always_errors: bool,
+    /// The resource's `service.name`.
+    pub service_name: String,
+    /// Finished requests' span batches waiting for export; beyond it they are dropped (counted).
+    pub queue_size: usize,
+    /// Most spans per export request.
+    pub max_batch_spans: usize,
+    /// Longest a span waits for its batch to fill before it is sent.
+    pub batch_delay_ms: u64,
+    /// Time limit of one export request (connect, send, answer).
+    pub export_timeout_ms: u64,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            otlp_endpoint: String::new(),
+            sample_ratio: 1.0,
+            parent_based: true,
+            always_errors: true,
+            service_name: "kvgate".into(),
+            queue_size: 2048,
+            max_batch_spans: 512,
+            batch_delay_ms: 1000,
+            export_timeout_ms: 5000,
         }
     }
 }
@@ -1168,6 +1212,30 @@ impl Config {
             }
         }
         self.flow_control.validate()?;
+        let t = &self.tracing;
+        if !(t.sample_ratio.is_finite() && (0.0..=1.0).contains(&t.sample_ratio)) {
+            bail!(
+                "tracing.sample_ratio {} must be between 0 and 1",
+                t.sample_ratio
+            );
+        }
+        if !t.otlp_endpoint.is_empty() {
+            kvgate_http::otlp::Target::parse(&t.otlp_endpoint)
+                .map_err(|e| anyhow::anyhow!("tracing.otlp_endpoint: {e}"))?;
+        }
+        for (key, v) in [
+            ("tracing.queue_size", t.queue_size as u64),
+            ("tracing.max_batch_spans", t.max_batch_spans as u64),
+            ("tracing.batch_delay_ms", t.batch_delay_ms),
+            ("tracing.export_timeout_ms", t.export_timeout_ms),
+        ] {
+            if v == 0 {
+                bail!("{key} must be > 0");
+            }
+        }
+        if t.service_name.is_empty() {
+            bail!("tracing.service_name must not be empty");
+        }
         for k in &self.auth.keys {
             if k.key.is_empty() {
                 bail!("auth.keys: empty key");

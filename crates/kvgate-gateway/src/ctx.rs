@@ -26,6 +26,8 @@ pub struct Telemetry {
     pub slo: ArcSwap<SloConfig>,
     pub request_log: bool,
     pub tokens_served: std::sync::atomic::AtomicU64,
+    /// `[tracing]`: `None` when off (each request then costs one branch per hook).
+    pub tracer: Option<Arc<crate::trace::Tracer>>,
     unknown_model: Lbl,
     no_worker: Lbl,
 }
@@ -37,9 +39,16 @@ impl Telemetry {
             slo: ArcSwap::from_pointee(slo.clone()),
             request_log,
             tokens_served: std::sync::atomic::AtomicU64::new(0),
+            tracer: None,
             unknown_model: Lbl::from("unknown"),
             no_worker: Lbl::from("none"),
         }
+    }
+
+    /// With the tracer of `[tracing]` (`None`: tracing off).
+    pub fn with_tracer(mut self, tracer: Option<Arc<crate::trace::Tracer>>) -> Telemetry {
+        self.tracer = tracer;
+        self
     }
 }
 
@@ -57,6 +66,17 @@ pub enum Outcome {
     StreamError,
     /// The gateway answered with an error itself (see `error`).
     Rejected,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::Cancelled => "cancelled",
+            Outcome::StreamError => "stream_error",
+            Outcome::Rejected => "rejected",
+        }
+    }
 }
 
 pub struct RequestCtx {
@@ -102,6 +122,8 @@ pub struct RequestCtx {
     pub prefilled_elsewhere: bool,
     /// Responses: where the response id of the reply is recorded, pinned to `worker`.
     pub pins: Option<Arc<crate::pins::ResponsePins>>,
+    /// The request's trace and spans so far (`None` when tracing is off): `crate::trace`.
+    pub trace: crate::trace::Trace,
 }
 
 impl RequestCtx {
@@ -138,6 +160,7 @@ impl RequestCtx {
             pd_partner: None,
             prefilled_elsewhere: false,
             pins: None,
+            trace: crate::trace::Trace::default(),
         }
     }
 
@@ -235,9 +258,15 @@ impl RequestCtx {
             Outcome::Cancelled => 499,
             _ => self.status,
         };
+        // A sampled request's trace id rides on its latency samples (OpenMetrics exemplars).
+        let exemplar = self
+            .trace
+            .sampled_trace_id()
+            .map(|trace_id| crate::metrics::TraceLabel { trace_id });
         h.request(m, status).inc();
         m.by_endpoint(self.endpoint.id(), self.stream).inc();
-        h.duration(m).observe(total.as_secs_f64());
+        h.duration(m)
+            .observe(total.as_secs_f64(), exemplar.clone(), None);
         if self.worker.is_some() {
             h.worker_duration(m).observe(total.as_secs_f64());
         }
@@ -254,7 +283,7 @@ impl RequestCtx {
         // TTFT histograms describe streams only.
         if let (Some(t), false) = (ttft, !self.endpoint.generates()) {
             if self.stream {
-                h.ttft(m).observe(t.as_secs_f64());
+                h.ttft(m).observe(t.as_secs_f64(), exemplar, None);
                 if self.worker.is_some() {
                     h.worker_ttft(m).observe(t.as_secs_f64());
                 }
@@ -341,12 +370,44 @@ impl RequestCtx {
                     _ => None,
                 },
                 total_duration: total.as_nanos() as u64,
+                trace_id: self.trace.trace_id(),
             };
             if let Ok(mut s) = serde_json::to_vec(&line) {
                 s.push(b'\n');
                 use std::io::Write;
                 let _ = std::io::stdout().lock().write_all(&s);
             }
+        }
+        if self.trace.is_on() {
+            let api = self.endpoint.api();
+            self.trace.finish(crate::trace::Summary {
+                start: self.start,
+                end: now,
+                api: api.label,
+                operation: if !api.generates {
+                    "embeddings"
+                } else if api.label.contains("completions") && !api.label.contains("chat") {
+                    "text_completion"
+                } else {
+                    "chat"
+                },
+                generates: api.generates,
+                model: &self.model,
+                stream: self.stream,
+                status,
+                outcome: outcome.as_str(),
+                failed: outcome == Outcome::StreamError || status >= 500 || status == 429,
+                error: self.error.map(crate::metrics::ErrorLabel::as_str),
+                worker: self.worker.as_ref().map(|w| &w.name),
+                attempts: self.attempts,
+                prompt_tokens: prompt,
+                completion_tokens: completion,
+                cached_tokens: cached,
+                finish_reason: self.finish_reason.map(FinishReason::as_str),
+                first_token: self.first_token,
+                last_token: self.last_token,
+                token_events: self.token_events,
+            });
         }
     }
 }
@@ -393,4 +454,7 @@ struct LogLine<'a> {
     eval_count: u64,
     eval_duration: Option<u64>,
     total_duration: u64,
+    /// With `[tracing]` on: the request's trace id (32 hex digits), sampled or not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<String>,
 }

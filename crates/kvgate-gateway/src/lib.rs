@@ -27,7 +27,8 @@
 //!   per-request state and `Telemetry`, what a finished request is recorded into; `metrics.rs`,
 //!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second); `pins.rs` (the
 //!   Responses ids learned from relayed replies → their origin worker) over `ttl_map.rs` (the
-//!   bounded expiring map sessions and pins share).
+//!   bounded expiring map sessions and pins share); `trace.rs`: W3C trace context in and out, the
+//!   request's spans (carried in its ctx), sampling, OTLP export.
 //! - **Fleet.** `fleet.rs` (registry + router + monitors, the one place worker changes are
 //!   applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the KV index),
 //!   `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker, worker ids),
@@ -74,6 +75,7 @@ pub mod server;
 pub mod state;
 pub mod tls;
 pub mod ttl_map;
+pub mod trace;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

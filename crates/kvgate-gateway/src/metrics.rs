@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -170,6 +171,17 @@ pub struct ModelLabel {
     pub model: Lbl,
 }
 
+/// The exemplar of a traced request's latency: its trace id (32 hex digits), shown only in the
+/// OpenMetrics exposition (`Accept: application/openmetrics-text`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceLabel {
+    pub trace_id: String,
+}
+
+/// A latency histogram whose buckets keep the last sampled request's trace id.
+pub type XHistogram = HistogramWithExemplars<TraceLabel>;
+type XFamily<L> = Family<L, XHistogram, fn() -> XHistogram>;
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabel {
     pub worker: Lbl,
@@ -271,6 +283,13 @@ pub struct WorkerRoleLabels {
 
 /// Every value of [`WorkerRoleLabels::role`].
 pub const ROLE_LABELS: [&str; 4] = ["both", "prefill", "decode", "unknown"];
+
+/// The trace exporter (`kvgate_tracing_*`).
+pub struct TracingMetrics {
+    pub dropped: Counter,
+    pub exported: Counter,
+    pub failed: Counter,
+}
 
 /// Prefill/decode disaggregation (`kvgate_pd_*`).
 pub struct PdMetrics {
@@ -395,12 +414,15 @@ impl FlowMetrics {
 type FGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
 type FCounter = Counter<f64, std::sync::atomic::AtomicU64>;
 
+// 1 ms .. ~2 min: request duration and TTFT span prefill of long prompts.
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 fn latency_buckets() -> Histogram {
-    // 1 ms .. ~2 min: request duration and TTFT span prefill of long prompts.
-    Histogram::new([
-        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-        120.0,
-    ])
+    Histogram::new(LATENCY_BUCKETS)
+}
+fn latency_buckets_x() -> XHistogram {
+    XHistogram::new(LATENCY_BUCKETS.into_iter())
 }
 fn itl_buckets() -> Histogram {
     // Inter-token gaps: 0.5 ms .. 2 s.
@@ -442,14 +464,14 @@ pub struct Metrics {
     /// Distinguishes registries in the per-thread handle cache (tests run many apps per process).
     id: u64,
     pub requests: Family<RequestLabels, Counter>,
-    pub request_duration: HFamily<ModelLabel>,
+    pub request_duration: XFamily<ModelLabel>,
     pub decision: Histogram,
     pub queue_wait: Histogram,
     pub queue_depth: Gauge,
     pub client_connections: Gauge,
     pub connections_refused: Counter,
     pub upstream_stray: Counter,
-    pub ttft: HFamily<ModelLabel>,
+    pub ttft: XFamily<ModelLabel>,
     pub non_stream_response: HFamily<ModelLabel>,
     pub worker_ttft: HFamily<WorkerLabel>,
     pub worker_duration: HFamily<WorkerLabel>,
@@ -503,6 +525,8 @@ pub struct Metrics {
     /// Flow control (`[flow_control]`): per class and tenant.
     pub flow: FlowMetrics,
     pub epp: EppMetrics,
+    /// The trace exporter (`[tracing]`): spans dropped, exported, failed.
+    pub tracing: TracingMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
     pub worker: WorkerSignals,
 }
@@ -618,14 +642,14 @@ impl Metrics {
         }
         let m = Metrics {
             requests: reg!("kvgate_requests", "Requests finished, by model, worker and HTTP status (worker=\"none\" when none was chosen).", Family::default()),
-            request_duration: reg!("kvgate_request_duration_seconds", "Time from request arrival to the last response byte.", HFamily::new_with_constructor(latency_buckets)),
+            request_duration: reg!("kvgate_request_duration_seconds", "Time from request arrival to the last response byte.", XFamily::new_with_constructor(latency_buckets_x)),
             decision: reg!("kvgate_router_decision_seconds", "Time spent tokenizing, hashing and choosing a worker.", sub_ms_buckets()),
             queue_wait: reg!("kvgate_queue_wait_seconds", "Time requests waited in the admission queue (0 when not queued).", latency_buckets()),
             queue_depth: reg!("kvgate_queue_depth", "Requests currently waiting in the admission queue.", Gauge::default()),
             client_connections: reg!("kvgate_client_connections", "Client connections open on the data-path listener.", Gauge::default()),
             upstream_stray: reg!("kvgate_upstream_stray_responses", "Times a worker was caught writing bytes after a finished response (its connections are then not reused for 60 s).", Counter::default()),
             connections_refused: reg!("kvgate_client_connections_refused", "Client connections refused at accept because server.max_connections were open (answered 503 and closed).", Counter::default()),
-            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token of streamed requests (non-streamed ones: kvgate_non_stream_response_seconds).", HFamily::new_with_constructor(latency_buckets)),
+            ttft: reg!("kvgate_time_to_first_token_seconds", "Time from request arrival to the first generated token of streamed requests (non-streamed ones: kvgate_non_stream_response_seconds).", XFamily::new_with_constructor(latency_buckets_x)),
             non_stream_response: reg!("kvgate_non_stream_response_seconds", "Time from request arrival to the complete response of non-streamed completions and chat requests.", HFamily::new_with_constructor(latency_buckets)),
             worker_ttft: reg!("kvgate_worker_time_to_first_token_seconds", "TTFT of streamed requests, by the worker that served them.", HFamily::new_with_constructor(latency_buckets)),
             worker_duration: reg!("kvgate_worker_request_duration_seconds", "Arrival to last response byte, by the worker that served the request.", HFamily::new_with_constructor(latency_buckets)),
@@ -691,6 +715,11 @@ impl Metrics {
                 immediate: reg!("kvgate_epp_immediate_responses", "Endpoint picker: local replies sent instead of a destination (ImmediateResponse), by HTTP status (429 shed, 503 no endpoint, 400/404/413 bad request).", Family::default()),
                 served_elsewhere: reg!("kvgate_epp_served_elsewhere", "Endpoint picker: responses the gateway reported as served by another endpoint than the first pick (it fell back along the list); the request's load moved there.", Counter::default()),
                 health_checks: reg!("kvgate_epp_health_checks", "Endpoint picker: grpc.health.v1 checks answered, by service (liveness, readiness, ext_proc, other) and result (serving, not_serving, unknown).", Family::default()),
+            },
+            tracing: TracingMetrics {
+                dropped: reg!("kvgate_tracing_spans_dropped", "Spans dropped because the trace exporter's queue was full (collector slow or down).", Counter::default()),
+                exported: reg!("kvgate_tracing_spans_exported", "Spans the OTLP collector accepted.", Counter::default()),
+                failed: reg!("kvgate_tracing_spans_failed", "Spans whose export failed (collector down, refused, timed out, or rejected them).", Counter::default()),
             },
             worker: WorkerSignals {
                 running: reg!("kvgate_worker_running_requests", "Requests in the worker's running batch, as the worker reports (last successful scrape)", Family::default()),
@@ -815,7 +844,7 @@ impl Metrics {
         self.errors.get_or_create(&KindLabel { kind }).inc();
     }
 
-    /// Render the registry in the classic text format (version 0.0.4).
+    /// Render the registry in the classic text format (version 0.0.4): no exemplars.
     pub fn render(&self) -> String {
         let mut om = String::with_capacity(16 << 10);
         if prometheus_client::encoding::text::encode_registry(&mut om, &self.registry).is_err() {
@@ -826,6 +855,33 @@ impl Metrics {
             process::render(&p, &mut out);
         }
         out
+    }
+
+    /// Render the registry in the OpenMetrics text format (1.0.0), with the latency histograms'
+    /// exemplars (trace ids of sampled requests).
+    pub fn render_openmetrics(&self) -> String {
+        let mut om = String::with_capacity(16 << 10);
+        if prometheus_client::encoding::text::encode_registry(&mut om, &self.registry).is_err() {
+            return String::new();
+        }
+        if let Some(p) = process::read() {
+            let mut classic = String::new();
+            process::render(&p, &mut classic);
+            // OpenMetrics names a counter family without its samples' `_total`.
+            om.push_str(
+                &classic
+                    .replace(
+                        "# HELP process_cpu_seconds_total",
+                        "# HELP process_cpu_seconds",
+                    )
+                    .replace(
+                        "# TYPE process_cpu_seconds_total",
+                        "# TYPE process_cpu_seconds",
+                    ),
+            );
+        }
+        om.push_str("# EOF\n");
+        om
     }
 }
 
@@ -845,8 +901,8 @@ pub struct RequestHandles {
     pub model: Lbl,
     pub worker: Lbl,
     ok: OnceLock<Counter>,
-    duration: OnceLock<Histogram>,
-    ttft: OnceLock<Histogram>,
+    duration: OnceLock<XHistogram>,
+    ttft: OnceLock<XHistogram>,
     non_stream_response: OnceLock<Histogram>,
     worker_ttft: OnceLock<Histogram>,
     worker_duration: OnceLock<Histogram>,
@@ -921,11 +977,11 @@ impl RequestHandles {
             lookup()
         }
     }
-    pub fn duration(&self, m: &Metrics) -> &Histogram {
+    pub fn duration(&self, m: &Metrics) -> &XHistogram {
         self.duration
             .get_or_init(|| m.request_duration.get_or_create(&self.ml()).clone())
     }
-    pub fn ttft(&self, m: &Metrics) -> &Histogram {
+    pub fn ttft(&self, m: &Metrics) -> &XHistogram {
         self.ttft
             .get_or_init(|| m.ttft.get_or_create(&self.ml()).clone())
     }
@@ -1028,12 +1084,15 @@ fn openmetrics_to_classic(om: &str) -> String {
                 continue;
             }
         }
-        // `_created` samples are OpenMetrics-only.
+        // `_created` samples and exemplars are OpenMetrics-only.
         if !line.starts_with('#') {
             let name_end = line.find(['{', ' ']).unwrap_or(line.len());
             if line[..name_end].ends_with("_created") {
                 continue;
             }
+            out.push_str(without_exemplar(line));
+            out.push('\n');
+            continue;
         }
         out.push_str(line);
         out.push('\n');
@@ -1041,9 +1100,68 @@ fn openmetrics_to_classic(om: &str) -> String {
     out
 }
 
+/// A sample line without its OpenMetrics exemplar (` # {labels} value [timestamp]` after the
+/// sample's value); label values are skipped as quoted strings, so a `#` inside one is kept.
+fn without_exemplar(line: &str) -> &str {
+    let b = line.as_bytes();
+    let mut i = line.find(['{', ' ']).unwrap_or(b.len());
+    if b.get(i) == Some(&b'{') {
+        let mut quoted = false;
+        while i < b.len() {
+            match b[i] {
+                b'\\' if quoted => i += 1,
+                b'"' => quoted = !quoted,
+                b'}' if !quoted => break,
+                _ => {}
+            }
+            i += 1;
+        }
+    }
+    match line.get(i..).and_then(|rest| rest.find(" # ")) {
+        Some(at) => &line[..i + at],
+        None => line,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exemplars_are_openmetrics_only() {
+        let m = Metrics::new();
+        let h = m.handles(&Lbl::from("m # {x}"), &Lbl::from("w"));
+        h.ttft(&m).observe(
+            0.003,
+            Some(TraceLabel {
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            }),
+            None,
+        );
+        h.duration(&m).observe(0.2, None, None);
+        let om = m.render_openmetrics();
+        assert!(
+            om.contains(
+                "kvgate_time_to_first_token_seconds_bucket{le=\"0.005\",model=\"m # {x}\"} 1 # {trace_id=\"4bf92f3577b34da6a3ce929d0e0e4736\"} 0.003"
+            ),
+            "{om}"
+        );
+        assert!(om.ends_with("# EOF\n"), "{om}");
+        assert_eq!(om.matches("# EOF").count(), 1);
+        let classic = m.render();
+        assert!(!classic.contains("trace_id"), "{classic}");
+        assert!(
+            classic.contains(
+                "kvgate_time_to_first_token_seconds_bucket{le=\"0.005\",model=\"m # {x}\"} 1\n"
+            ),
+            "{classic}"
+        );
+        assert_eq!(
+            without_exemplar("a_bucket{le=\"1\"} 3 # {trace_id=\"ab\"} 0.5 123"),
+            "a_bucket{le=\"1\"} 3"
+        );
+        assert_eq!(without_exemplar("b 1"), "b 1");
+    }
 
     #[test]
     fn counters_are_renamed_for_the_classic_format() {
@@ -1137,7 +1255,7 @@ mod tests {
         a.handles(&model, &worker).request(&a, 200).inc();
         h.request(&a, 503).inc();
         h.prompt_tokens(&a).inc_by(7);
-        h.ttft(&a).observe(0.002);
+        h.ttft(&a).observe(0.002, None, None);
         h.finish_reason(&a, kvgate_protocol::finish::FinishReason::Length)
             .inc();
         a.by_endpoint(1, true).inc();

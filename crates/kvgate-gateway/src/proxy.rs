@@ -115,6 +115,9 @@ pub(crate) async fn route_and_forward(
     ctx: &mut RequestCtx,
     req: Request<ReqBody>,
 ) -> Result<Routed, GatewayError> {
+    if let Some(t) = &ctx.telemetry.tracer {
+        ctx.trace = t.begin(req.headers(), ctx.start);
+    }
     let auth = app.auth.load();
     let caller = auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled(), caller.as_ref()).await?;
@@ -160,6 +163,7 @@ pub(crate) async fn route_and_forward(
         } else {
             Leg::Whole
         };
+        let queued_before = ctx.queue_wait;
         let Reservation {
             pick,
             guard,
@@ -200,10 +204,33 @@ pub(crate) async fn route_and_forward(
                 ctx.overlap_blocks = pick.decision.overlap_blocks;
             }
         }
+        if ctx.trace.records_steps() {
+            ctx.trace.decided(trace_decision(
+                app,
+                &pick,
+                if leg == Leg::Decode {
+                    "decode"
+                } else {
+                    "whole"
+                },
+                at,
+                now,
+                ctx.queue_wait.saturating_sub(queued_before),
+            ));
+        }
         tried[n_tried] = pick.worker.id;
         n_tried += 1;
         ctx.attempts += 1;
         let worker = pick.worker;
+        let traced = ctx.trace.attempt_start(
+            &mut p.parts.headers,
+            &worker.name,
+            if leg == Leg::Decode {
+                "decode"
+            } else {
+                "whole"
+            },
+        );
         // Flow control: the class's priority in the body of engines that schedule by it.
         let body = match prioritized(app, &p, &worker) {
             Some(b) => &*prio_body.insert(b),
@@ -211,6 +238,7 @@ pub(crate) async fn route_and_forward(
         };
         let out = outgoing(&p.parts, &worker, body, auth.enabled());
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
+        ctx.trace.attempt_end(traced, ended(&result));
         let can_retry = |now: Instant| {
             n_tried < max_attempts
                 && p.pool
@@ -230,6 +258,7 @@ pub(crate) async fn route_and_forward(
                     handoff::decode_failed(app, ctx);
                 }
                 if retryable && can_retry(now) {
+                    ctx.trace.retried(status_reason(s));
                     app.metrics
                         .retries
                         .get_or_create(&crate::metrics::ReasonLabel {
@@ -265,6 +294,7 @@ pub(crate) async fn route_and_forward(
                     ));
                 }
                 if e.retry_safe() && can_retry(now) {
+                    ctx.trace.retried(e.label().as_str());
                     app.metrics
                         .retries
                         .get_or_create(&crate::metrics::ReasonLabel {
@@ -384,6 +414,12 @@ async fn prepare(
         ri.isl,
         max_tokens,
     )?;
+    ctx.trace.tokenized(
+        t_decide,
+        crate::clock::now(),
+        ri.isl.min(u32::MAX as u64) as u32,
+        ri.hashes.len() as u32,
+    );
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
     app.upstream.retry.on_request(ctx.start);
@@ -666,6 +702,42 @@ async fn first_bytes(
                 Err(_) => return Ok((resp, None)),
             },
         }
+    }
+}
+
+/// How an attempt ended, for its span.
+pub(crate) fn ended(r: &Result<Forwarded, GatewayError>) -> crate::trace::Ended<'_> {
+    match r {
+        Ok(f) => crate::trace::Ended::Status(f.resp.status.as_u16()),
+        Err(e) => crate::trace::Ended::Error(e.label().as_str(), &e.message),
+    }
+}
+
+/// The routing decision's span (only built when the request is traced).
+pub(crate) fn trace_decision<'a>(
+    app: &Proxy,
+    pick: &'a crate::route::router::Pick,
+    leg: &'static str,
+    start: Instant,
+    end: Instant,
+    queued: std::time::Duration,
+) -> crate::trace::Decided<'a> {
+    let policy = app.decider.router().policy();
+    let policy = match (leg, &policy.decode_policy) {
+        ("decode", Some(p)) => p.name(),
+        _ => policy.policy.name(),
+    };
+    crate::trace::Decided {
+        policy,
+        leg,
+        worker: &pick.worker.name,
+        overlap_blocks: pick.decision.overlap_blocks,
+        predicted_hit_ratio: pick.decision.predicted_hit_ratio,
+        cost: pick.decision.cost,
+        predicted_ttft_ms: pick.estimate.predicted_ms,
+        start,
+        end,
+        queued,
     }
 }
 

@@ -63,7 +63,7 @@ pub async fn route(
         "/v1/models" if get => api::models::list(&app, &req),
         "/health" if get => api::health::live(),
         "/ready" if get => api::health::ready(&app),
-        "/metrics" if get => api::metrics::render(&app),
+        "/metrics" if get => api::metrics::render(&app, req.headers()),
         "/v1/models" | "/health" | "/ready" | "/metrics" => method_not_allowed(&app, "GET"),
         path => {
             app.metrics.error(ErrorLabel::NotFound);

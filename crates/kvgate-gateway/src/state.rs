@@ -121,17 +121,31 @@ impl AppState {
             max_body: config.server.max_body_bytes,
             shutdown: shutdown.clone(),
         });
+        let counter = |c: &prometheus_client::metrics::counter::Counter| {
+            let c = c.clone();
+            Arc::new(move |n: u64| {
+                c.inc_by(n);
+            }) as Arc<dyn Fn(u64) + Send + Sync>
+        };
+        let tracer = crate::trace::Tracer::start(
+            &config.tracing,
+            kvgate_http::otlp::Hooks {
+                dropped: counter(&metrics.tracing.dropped),
+                exported: counter(&metrics.tracing.exported),
+                failed: counter(&metrics.tracing.failed),
+            },
+            shutdown.clone(),
+        )?;
         Ok(Arc::new(AppState {
             proxy,
             cluster,
             admission: fleet.router.admission().clone(),
             fleet,
             upstream,
-            telemetry: Arc::new(Telemetry::new(
-                metrics.clone(),
-                &config.slo,
-                config.server.request_log,
-            )),
+            telemetry: Arc::new(
+                Telemetry::new(metrics.clone(), &config.slo, config.server.request_log)
+                    .with_tracer(tracer),
+            ),
             auth,
             max_body: config.server.max_body_bytes,
             draining: AtomicBool::new(false),
@@ -156,6 +170,9 @@ impl AppState {
         self.telemetry.slo.store(Arc::new(config.slo.clone()));
         self.decider.set_pd(&config.pd);
         self.auth.store(Arc::new(Auth::from_config(&config.auth)));
+        if let Some(t) = &self.telemetry.tracer {
+            t.set_sampling(&config.tracing);
+        }
         Ok(())
     }
 

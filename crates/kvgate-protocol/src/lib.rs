@@ -11,6 +11,9 @@
 //! - `pd`: the prefill/decode handoff protocols by name.
 //! - `trtllm`: TensorRT-LLM `/kv_cache_events` JSON and iteration stats.
 //! - `prom_text`: a tolerant Prometheus text-format parser for scraping workers.
+//! - `trace_context`: W3C `traceparent` / `tracestate` parsing and generation.
+//! - `otlp`: the OTLP trace messages kvgate exports (protobuf via prost derive), and plain span
+//!   records turned into them off the request path.
 #![forbid(unsafe_code)]
 
 pub mod agent;
@@ -23,8 +26,10 @@ pub mod fuzz {
 }
 pub mod kv_events;
 pub mod openai;
+pub mod otlp;
 pub mod pd;
 pub mod prom_text;
 pub mod sse;
+pub mod trace_context;
 pub mod trtllm;
 pub mod usage;

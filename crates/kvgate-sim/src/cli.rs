@@ -111,6 +111,11 @@ pub struct SimArgs {
     /// Serve an emulated dcgm-exporter at /dcgm/metrics whose figures follow the simulated load.
     #[arg(long)]
     pub dcgm: bool,
+    /// Export an engine span per request to this OTLP collector (`http://host:port` base for
+    /// OTLP/HTTP, `grpc://host:port` for OTLP/gRPC), as vLLM's `--otlp-traces-endpoint`; the span's
+    /// parent is the request's `traceparent`.
+    #[arg(long)]
+    pub otlp_traces_endpoint: Option<String>,
     /// Report speculative decoding with N draft tokens per decode step (`vllm:spec_decode_*`
     /// counters, a fixed pattern of acceptances; timing unchanged). 0 = off, as in vLLM.
     #[arg(long, default_value_t = 0)]
@@ -205,6 +210,7 @@ impl SimArgs {
             tokenizer: self.tokenizer.clone(),
             tokenizer_chatml: self.tokenizer_chatml,
             dcgm: self.dcgm,
+            otlp_traces_endpoint: self.otlp_traces_endpoint.clone(),
             spec_tokens: self.spec_tokens,
             faults: Faults {
                 fail_rate: self.fail_rate,

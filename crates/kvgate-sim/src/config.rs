@@ -302,6 +302,9 @@ pub struct SimConfig {
     pub tokenizer_chatml: bool,
     /// Serve an emulated dcgm-exporter at `/dcgm/metrics` (figures follow the simulated load).
     pub dcgm: bool,
+    /// OTLP collector for engine spans (`--otlp-traces-endpoint`); `None` = no export (the
+    /// `traceparent`s received are still recorded at `/sim/traceparents`).
+    pub otlp_traces_endpoint: Option<String>,
     /// Speculative tokens per decode step (vLLM `num_speculative_tokens`); > 0 adds the
     /// `vllm:spec_decode_*` counters. Counters only: the timing model is unchanged.
     pub spec_tokens: u32,
@@ -337,6 +340,7 @@ impl Default for SimConfig {
             tokenizer: None,
             tokenizer_chatml: false,
             dcgm: false,
+            otlp_traces_endpoint: None,
             spec_tokens: 0,
             faults: Faults::default(),
             pd: PdConfig::default(),
@@ -380,6 +384,10 @@ impl SimConfig {
 
     /// Rejects configurations the engine cannot run.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if let Some(e) = &self.otlp_traces_endpoint {
+            kvgate_http::otlp::Target::parse(e)
+                .map_err(|why| anyhow::anyhow!("--otlp-traces-endpoint: {why}"))?;
+        }
         anyhow::ensure!(self.block_size > 0, "block_size must be > 0");
         anyhow::ensure!(self.num_gpu_blocks >= 2, "num_gpu_blocks must be >= 2");
         anyhow::ensure!(self.max_num_seqs > 0, "max_num_seqs must be > 0");

@@ -6,6 +6,7 @@ pub(crate) mod bootstrap;
 mod completions;
 mod generate;
 mod messages;
+pub(crate) mod otel;
 mod pd;
 mod pooling;
 mod responses;
@@ -136,13 +137,19 @@ pub async fn route(
         "/sim/cache",
         "/sim/kv/read",
         "/sim/bootstrap",
+        "/sim/traceparents",
     ];
     Ok(match (&method, path.as_str()) {
         (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
             let chat = path == "/v1/chat/completions";
-            match read_body(req).await {
-                Ok(b) => return completions::handle(sh, b, chat).await,
+            let span = sh.traces.arrived(req.headers(), &path);
+            let resp = match read_body(req).await {
+                Ok(b) => completions::handle(sh, b, chat).await?,
                 Err(r) => r,
+            };
+            match span {
+                Some(s) => s.wrap(resp),
+                None => resp,
             }
         }
         (&Method::POST, "/v1/responses") => match read_body(req).await {
@@ -176,6 +183,10 @@ pub async fn route(
             Ok(b) => messages::count_tokens(&sh, &b),
             Err(r) => r,
         },
+        (&Method::GET, "/sim/traceparents") => json(
+            StatusCode::OK,
+            &serde_json::json!({"traceparents": sh.traces.seen()}),
+        ),
         (&Method::GET, "/v1/models") => admin::models(&sh),
         (&Method::GET, "/health") => admin::health(&sh),
         (&Method::POST, "/tokenize" | "/v1/tokenize") => match read_body(req).await {

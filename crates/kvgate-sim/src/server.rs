@@ -44,6 +44,8 @@ pub struct Shared {
     pub rooms: crate::http::bootstrap::Rooms,
     /// Stored Responses-API responses: this worker's own, as vLLM keeps them per process.
     pub responses: crate::http::ResponseStore,
+    /// `traceparent`s received, and the engine span exporter (`--otlp-traces-endpoint`).
+    pub traces: crate::http::otel::Traces,
 }
 
 impl Shared {
@@ -105,7 +107,13 @@ impl SimWorker {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
         let created = started as u64;
+        let traces = crate::http::otel::Traces::new(
+            config.otlp_traces_endpoint.as_deref(),
+            &config.model,
+            http_cancel.clone(),
+        )?;
         let shared = Arc::new(Shared {
+            traces,
             rng: Mutex::new(fastrand::Rng::with_seed(config.seed ^ 0x00fa_0175)),
             energy: Mutex::new(crate::dcgm::EnergyMeter::default()),
             rooms: Default::default(),

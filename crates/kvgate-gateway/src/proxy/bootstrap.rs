@@ -120,6 +120,13 @@ pub(crate) async fn dual_dispatch(
     ctx.decision_time = now
         .saturating_duration_since(p.t_decide)
         .saturating_sub(ctx.queue_wait);
+    if ctx.trace.records_steps() {
+        let (start, queued) = (p.t_decide, ctx.queue_wait);
+        let prefill_span = super::trace_decision(app, &ppick, "prefill", start, now, queued);
+        ctx.trace.decided(prefill_span);
+        let decode_span = super::trace_decision(app, &dpick, "decode", start, now, queued);
+        ctx.trace.decided(decode_span);
+    }
     app.metrics
         .decision
         .observe(ctx.decision_time.as_secs_f64());
@@ -133,13 +140,53 @@ pub(crate) async fn dual_dispatch(
     // end of the client's stream.
     let pguard = app.decider.place(ppick, prefill, &p.ri, now).guard;
     let (pw, dw) = (pguard.worker.clone(), dpick.worker);
-    let pout = outgoing(&p.parts, &pw, &both, auth_enabled);
-    let dout = outgoing(&p.parts, &dw, &both, auth_enabled);
+    // Each leg's `traceparent` names its own attempt span: each gets its own copy of the headers.
+    let (mut ph, mut dh) = (None, None);
+    let ptraced = ctx
+        .trace
+        .attempt_start_copy(&p.parts.headers, &mut ph, &pw.name, "prefill");
+    let dtraced = ctx
+        .trace
+        .attempt_start_copy(&p.parts.headers, &mut dh, &dw.name, "decode");
+    let mut pout = outgoing(&p.parts, &pw, &both, auth_enabled);
+    let mut dout = outgoing(&p.parts, &dw, &both, auth_enabled);
+    if let (Some(ph), Some(dh)) = (&ph, &dh) {
+        pout.headers = ph;
+        dout.headers = dh;
+    }
     let started = crate::clock::now();
     let heads = tokio::try_join!(
         leg(app, conns, ctx.stream, "prefill", &pw, &pout),
         leg(app, conns, ctx.stream, "decode", &dw, &dout),
     );
+    match &heads {
+        Ok((pf, df)) => {
+            ctx.trace.attempt_end(
+                ptraced,
+                crate::trace::Ended::Status(pf.resp.status.as_u16()),
+            );
+            ctx.trace.attempt_end(
+                dtraced,
+                crate::trace::Ended::Status(df.resp.status.as_u16()),
+            );
+        }
+        Err(e) => {
+            // The leg that failed is named in the message; the other one was dropped with it.
+            let (failed, other) = if e.message.starts_with("prefill") {
+                (ptraced, dtraced)
+            } else {
+                (dtraced, ptraced)
+            };
+            ctx.trace.attempt_end(
+                failed,
+                crate::trace::Ended::Error(e.label().as_str(), &e.message),
+            );
+            ctx.trace.attempt_end(
+                other,
+                crate::trace::Ended::Error("cancelled", "dropped with the other leg"),
+            );
+        }
+    }
     let (pfwd, dfwd) = match heads {
         Ok(h) => h,
         Err(e) => {

@@ -28,7 +28,14 @@ const MAX_PREFILL_ANSWER: usize = 4 << 20;
 /// Prefill workers tried per request before falling back to the decode worker.
 const MAX_PREFILL_ATTEMPTS: usize = 2;
 
-pub(super) fn decision(app: &Proxy, ctx: &RequestCtx, path: &'static str, reason: &'static str) {
+pub(super) fn decision(
+    app: &Proxy,
+    ctx: &mut RequestCtx,
+    path: &'static str,
+    reason: &'static str,
+) {
+    ctx.trace.attr("kvgate.pd.path", path);
+    ctx.trace.attr("kvgate.pd.reason", reason);
     app.metrics
         .pd
         .decisions
@@ -135,6 +142,19 @@ pub(crate) async fn prepare_handoff(
             Err(NoPick::NoWorker) => break,
         };
         tried.push(pick.worker.id);
+        if ctx.trace.records_steps() {
+            ctx.trace.decided(super::trace_decision(
+                app,
+                &pick,
+                "prefill",
+                now,
+                crate::clock::now(),
+                Duration::ZERO,
+            ));
+        }
+        let traced = ctx
+            .trace
+            .attempt_start(&mut p.parts.headers, &pick.worker.name, "prefill");
         let started = crate::clock::now();
         let result = prefill_leg(
             app,
@@ -147,6 +167,16 @@ pub(crate) async fn prepare_handoff(
             trtllm,
         )
         .await;
+        ctx.trace.attempt_end(
+            traced,
+            match &result {
+                LegResult::Failed => crate::trace::Ended::Error(
+                    "prefill_error",
+                    "the prefill leg failed or timed out",
+                ),
+                _ => crate::trace::Ended::Status(200),
+            },
+        );
         if matches!(result, LegResult::Params(..)) {
             // The prefill worker's answer (its one token) is its time to first token: it teaches
             // that worker's prefill speed, and its prediction error is the worker's.
