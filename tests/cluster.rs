@@ -513,3 +513,56 @@ fn route_messages_count_blocks_beyond_the_cached_prefix() {
     );
     assert_eq!(second_blocks, second.len() - shared);
 }
+
+/// Issue 30: chained Responses over two replicas and three sims with the store on. Each turn goes
+/// to the other replica than the one that produced the previous response: the id's worker is
+/// known there only through the `pin` message, and a follow-up on another worker would be 404.
+#[test]
+fn chained_responses_never_404_across_replicas() {
+    if nats_missing() {
+        return;
+    }
+    let port = free_port();
+    let _nats = nats(port);
+    let sims = Sims::start_with_env(
+        3,
+        "sim-model",
+        &[],
+        &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")],
+    );
+    let a = replica("ra", port, &sims.urls);
+    let b = replica("rb", port, &sims.urls);
+    until("both replicas see each other", || {
+        sample(&metrics(a.addr), "kvgate_cluster_peers ") >= 1.0
+            && sample(&metrics(b.addr), "kvgate_cluster_peers ") >= 1.0
+    });
+    let replicas = [a.addr, b.addr];
+    let (mut ok, mut not_found) = (0, 0);
+    for conv in 0..40 {
+        let mut prev: Option<String> = None;
+        for turn in 0..5 {
+            let mut body = serde_json::json!({"model": "sim-model", "max_output_tokens": 2,
+                "store": true, "input": format!("conversation {conv} turn {turn}")});
+            if let Some(p) = &prev {
+                body["previous_response_id"] = serde_json::json!(p);
+            }
+            let (status, text) = http(
+                replicas[(conv + turn) % 2],
+                "POST",
+                "/v1/responses",
+                &body.to_string(),
+            )
+            .expect("request");
+            match status {
+                200 => ok += 1,
+                404 => not_found += 1,
+                s => panic!("{s}: {text}"),
+            }
+            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+            prev = v["id"].as_str().map(str::to_owned);
+        }
+    }
+    assert_eq!((ok, not_found), (200, 0));
+    assert!(sample(&metrics(a.addr), "kvgate_response_pins ") >= 200.0);
+    assert!(sample(&metrics(b.addr), "kvgate_response_pins ") >= 200.0);
+}

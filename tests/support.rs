@@ -41,11 +41,23 @@ pub struct Sims {
 
 impl Sims {
     pub fn start(workers: usize, model: &str, extra: &[&str]) -> Sims {
+        Self::start_with_env(workers, model, extra, &[])
+    }
+
+    /// [`Sims::start`] with environment variables set for the sim (e.g.
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`).
+    pub fn start_with_env(
+        workers: usize,
+        model: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Sims {
         use std::io::BufRead;
         let mut child = std::process::Command::new(kvgate_bin())
             .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
             .args(["--model", model, "--speedup", "20"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()

@@ -212,6 +212,22 @@ impl Cluster {
         self.publish(Message::Free { request });
     }
 
+    /// A Responses id learned from `worker`'s reply (peers pin its later uses there too).
+    pub fn pin(&self, id: &str, worker: &str) {
+        self.publish(Message::Pin {
+            id: id.to_owned(),
+            worker: worker.to_owned(),
+        });
+    }
+
+    /// Session `key` was routed to `worker`.
+    pub fn session(&self, key: u64, worker: &str) {
+        self.publish(Message::Session {
+            key,
+            worker: worker.to_owned(),
+        });
+    }
+
     pub fn health(&self, worker: &str, open: bool) {
         self.publish(Message::Health {
             worker: worker.to_owned(),

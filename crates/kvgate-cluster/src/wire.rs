@@ -51,6 +51,11 @@ pub enum Message {
     RateUsage { keys: Vec<(u64, u32)> },
     /// A snapshot reply: the sender's approximate index entries and its own in-flight requests.
     Snapshot(Snapshot),
+    /// An OpenAI Responses id the sender learned from `worker`'s reply: that worker stores it,
+    /// so every replica sends the id's later uses there.
+    Pin { id: String, worker: String },
+    /// Session `key` (a hash of the client's session id) was last routed to `worker`.
+    Session { key: u64, worker: String },
 }
 
 /// What a replica sends a joining peer.
@@ -81,10 +86,12 @@ pub enum Kind {
     Heartbeat,
     RateUsage,
     Snapshot,
+    Pin,
+    Session,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Route,
         Kind::PrefillDone,
         Kind::Free,
@@ -92,6 +99,8 @@ impl Kind {
         Kind::Heartbeat,
         Kind::RateUsage,
         Kind::Snapshot,
+        Kind::Pin,
+        Kind::Session,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -103,6 +112,8 @@ impl Kind {
             Kind::Heartbeat => "heartbeat",
             Kind::RateUsage => "rate_usage",
             Kind::Snapshot => "snapshot",
+            Kind::Pin => "pin",
+            Kind::Session => "session",
         }
     }
 
@@ -115,6 +126,9 @@ impl Kind {
             Kind::Heartbeat => 5,
             Kind::RateUsage => 6,
             Kind::Snapshot => 7,
+            // Added in place (same wire version): an older peer drops them as `unknown_kind`.
+            Kind::Pin => 8,
+            Kind::Session => 9,
         }
     }
 
@@ -133,6 +147,8 @@ impl Message {
             Message::Heartbeat { .. } => Kind::Heartbeat,
             Message::RateUsage { .. } => Kind::RateUsage,
             Message::Snapshot(_) => Kind::Snapshot,
+            Message::Pin { .. } => Kind::Pin,
+            Message::Session { .. } => Kind::Session,
         }
     }
 }
@@ -223,6 +239,14 @@ pub fn encode(env: &Envelope, max_bytes: usize) -> Result<Bytes, DropReason> {
                 b.put_u32_le(*n);
             }
         }
+        Message::Pin { id, worker } => {
+            put_str16(&mut b, id);
+            put_str16(&mut b, worker);
+        }
+        Message::Session { key, worker } => {
+            b.put_u64_le(*key);
+            put_str16(&mut b, worker);
+        }
         Message::Snapshot(s) => {
             b.put_u32_le(s.approx.len() as u32);
             for (w, hs) in &s.approx {
@@ -300,6 +324,14 @@ fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
             }
             Message::RateUsage { keys }
         }
+        Kind::Pin => Message::Pin {
+            id: r.str16()?,
+            worker: r.str16()?,
+        },
+        Kind::Session => Message::Session {
+            key: r.u64()?,
+            worker: r.str16()?,
+        },
         Kind::Snapshot => {
             let n = r.count(6)?;
             let mut approx = Vec::with_capacity(n);

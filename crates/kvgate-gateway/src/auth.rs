@@ -1,4 +1,4 @@
-//! Client API keys: `Authorization: Bearer <key>`, compared in constant time against every
+//! Client API keys: `Authorization: Bearer <key>` or `x-api-key: <key>`, compared in constant time against every
 //! configured key, with an optional per-key token-bucket rate limit. Worker credentials are separate
 //! (`workers[].api_key`) and client keys are never forwarded when auth is on.
 
@@ -96,6 +96,8 @@ impl Auth {
         if self.keys.is_empty() {
             return Ok(());
         }
+        // `Authorization: Bearer` (OpenAI SDKs, anthropic ≥ 2.x) or `x-api-key` (Anthropic
+        // clients): either carries one of our keys.
         let presented = headers
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -103,11 +105,12 @@ impl Auth {
                 v.strip_prefix("Bearer ")
                     .or_else(|| v.strip_prefix("bearer "))
             })
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .map(str::trim);
         let Some(presented) = presented else {
             return Err(GatewayError::new(
                 ErrorKind::Unauthorized,
-                "missing API key: send 'Authorization: Bearer <key>'",
+                "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             ));
         };
         // Compare against every key without early exit, so timing does not reveal which matched.

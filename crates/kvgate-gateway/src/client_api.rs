@@ -6,12 +6,49 @@
 //! one more entry in [`APIS`].
 //!
 //! - `openai.rs`: `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+//! - `agent.rs`: OpenAI Responses (`/v1/responses`, and `/v1/responses/{id}…` pinned to the
+//!   worker that stored the id) and Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`).
+//! - `passthrough.rs`: the pooling and tokenizer endpoints vLLM and SGLang serve (rerank, score,
+//!   classify, pooling, tokenize, detokenize): routed by model and load, bodies passed unread.
 
+mod agent;
 mod openai;
+mod passthrough;
 
+use kvgate_protocol::agent::AgentRequest;
 use kvgate_protocol::openai::{RequestError, RequestView};
 
+pub use agent::{stored_response_id, COUNT_TOKENS, MESSAGES, RESPONSES, STORED_RESPONSE};
 pub use openai::{CHAT, COMPLETIONS, EMBEDDINGS};
+pub use passthrough::{CLASSIFY, DETOKENIZE, POOLING, RERANK, SCORE, TOKENIZE};
+
+/// How a body sent to an API is read for routing.
+#[derive(Clone, Copy)]
+pub enum Front {
+    /// OpenAI chat / completions / embeddings: the borrowed [`RequestView`].
+    OpenAi(for<'a> fn(&'a [u8]) -> Result<RequestView<'a>, RequestError>),
+    /// Responses / Messages: the conversation vLLM renders ([`AgentRequest`]), rendered through
+    /// the chat path. `prefix`: route on its prompt (false: count_tokens, by model and load).
+    Agent {
+        parse: fn(&[u8]) -> Result<AgentRequest, RequestError>,
+        prefix: bool,
+    },
+    /// Only `model` is read (optional when one model is served); routed by load.
+    Passthrough,
+    /// `/v1/responses/{id}[/cancel|/input_items]`: pinned to the worker that stored the id.
+    StoredResponse,
+}
+
+impl std::fmt::Debug for Front {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Front::OpenAi(_) => "OpenAi",
+            Front::Agent { .. } => "Agent",
+            Front::Passthrough => "Passthrough",
+            Front::StoredResponse => "StoredResponse",
+        })
+    }
+}
 
 /// Which field of the routing view holds the prompt the worker will cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +68,12 @@ pub enum ResponseShape {
     /// OpenAI chat/completions: `data: {...}` chunks, `[DONE]`, usage in the last chunk; a
     /// non-streamed JSON body with `usage` and `choices[].finish_reason`.
     OpenAi,
+    /// OpenAI Responses: `event: response.*` events (first `response.*.delta` is the first
+    /// token, usage in `response.completed`); a JSON `response` object. Its id is pinned.
+    Responses,
+    /// Anthropic Messages: `message_start` … `message_stop` (first `content_block_delta`, usage
+    /// merged from `message_start` and `message_delta`); a JSON `message` object.
+    Messages,
 }
 
 /// How the gateway's own errors are rendered for this API's clients.
@@ -38,6 +81,11 @@ pub enum ResponseShape {
 pub enum ErrorShape {
     /// `{"error": {"message", "type", "param", "code"}}`; mid-stream, a `data:` event of it.
     OpenAi,
+    /// OpenAI Responses: the same JSON; mid-stream, an `event: error` with `{"type":"error",…}`.
+    Responses,
+    /// Anthropic: `{"type":"error","error":{"type","message"}}` (shed requests: 529
+    /// `overloaded_error`); mid-stream, an `event: error` of it.
+    Anthropic,
 }
 
 /// One client API.
@@ -45,8 +93,10 @@ pub enum ErrorShape {
 pub struct ClientApi {
     /// The `endpoint` label (`kvgate_requests_by_endpoint_total`, the request log).
     pub label: &'static str,
-    /// Its route (`POST`).
+    /// Its route (`POST`; [`Front::StoredResponse`]: the prefix of its routes).
     pub path: &'static str,
+    /// Other paths of the same API (vLLM and SGLang name some endpoints more than one way).
+    pub aliases: &'static [&'static str],
     /// Its position in [`APIS`] (per-API metric series are resolved once into a table).
     pub id: usize,
     /// Whether it generates tokens: TTFT, ITL, completion tokens, finish reasons and the SLO are
@@ -57,16 +107,30 @@ pub struct ClientApi {
     /// Whether a stream that did not ask for usage gets it requested (and the extra usage event
     /// stripped from the client's stream).
     pub splices_usage: bool,
-    /// The field a request must carry to be routed.
+    /// The field a request must carry to be routed (OpenAI APIs).
     pub prompt: PromptField,
-    /// Parse a body into the routing view.
-    pub parse: for<'a> fn(&'a [u8]) -> Result<RequestView<'a>, RequestError>,
+    /// How its body is read.
+    pub front: Front,
     pub response: ResponseShape,
     pub errors: ErrorShape,
 }
 
 /// Every API the data path serves, by [`ClientApi::id`].
-pub static APIS: [&ClientApi; 3] = [&CHAT, &COMPLETIONS, &EMBEDDINGS];
+pub static APIS: [&ClientApi; 13] = [
+    &CHAT,
+    &COMPLETIONS,
+    &EMBEDDINGS,
+    &RESPONSES,
+    &MESSAGES,
+    &COUNT_TOKENS,
+    &STORED_RESPONSE,
+    &RERANK,
+    &SCORE,
+    &CLASSIFY,
+    &POOLING,
+    &TOKENIZE,
+    &DETOKENIZE,
+];
 
 /// A request's API: a copyable handle on its [`ClientApi`].
 #[derive(Clone, Copy)]
@@ -76,10 +140,20 @@ impl Endpoint {
     pub const CHAT: Endpoint = Endpoint(&CHAT);
     pub const COMPLETIONS: Endpoint = Endpoint(&COMPLETIONS);
     pub const EMBEDDINGS: Endpoint = Endpoint(&EMBEDDINGS);
+    pub const RESPONSES: Endpoint = Endpoint(&RESPONSES);
+    pub const MESSAGES: Endpoint = Endpoint(&MESSAGES);
+    pub const COUNT_TOKENS: Endpoint = Endpoint(&COUNT_TOKENS);
+    pub const STORED_RESPONSE: Endpoint = Endpoint(&STORED_RESPONSE);
 
-    /// The API served at `path`, if any.
+    /// The API served at `path`, if any (`/v1/responses/{id}…`: [`Endpoint::STORED_RESPONSE`]).
     pub fn by_path(path: &str) -> Option<Endpoint> {
-        APIS.iter().find(|a| a.path == path).map(|a| Endpoint(a))
+        if let Some(api) = APIS.iter().find(|a| {
+            !matches!(a.front, Front::StoredResponse)
+                && (a.path == path || a.aliases.contains(&path))
+        }) {
+            return Some(Endpoint(api));
+        }
+        agent::stored_response_id(path).map(|_| Endpoint::STORED_RESPONSE)
     }
 
     pub fn api(self) -> &'static ClientApi {
@@ -102,10 +176,45 @@ impl Endpoint {
         self.0.generates
     }
 
-    /// Parse `body` into the routing view ([`ClientApi::parse`]).
+    /// Parse `body` into the routing view: the API's own for the OpenAI APIs, the fields
+    /// without `messages` for the others.
     pub fn parse(self, body: &[u8]) -> Result<RequestView<'_>, RequestError> {
-        (self.0.parse)(body)
+        match self.0.front {
+            Front::OpenAi(parse) => parse(body),
+            _ => RequestView::parse_without_messages(body),
+        }
     }
+}
+
+/// A request's session, hashed (its `RouteInput::affinity`): the first of `headers` (names, in
+/// order) the request carries, else the body's `prompt_cache_key`, else the session inside
+/// Anthropic `metadata.user_id` (Claude Code's; any other user id as it is).
+pub fn session_key(
+    req_headers: &http::HeaderMap,
+    headers: &[String],
+    prompt_cache_key: Option<&str>,
+    user_id: Option<&str>,
+) -> Option<u64> {
+    let from_header = headers.iter().find_map(|name| {
+        req_headers
+            .get(name.as_str())
+            .map(|v| v.as_bytes())
+            .filter(|v| !v.is_empty())
+    });
+    let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_64(b);
+    if let Some(v) = from_header {
+        return Some(hash(v));
+    }
+    if let Some(k) = prompt_cache_key.filter(|k| !k.is_empty()) {
+        return Some(hash(k.as_bytes()));
+    }
+    let user = user_id.filter(|u| !u.is_empty())?;
+    Some(
+        match kvgate_protocol::agent::messages::session_of_user_id(user) {
+            Some(s) => hash(s.as_bytes()),
+            None => hash(user.as_bytes()),
+        },
+    )
 }
 
 impl PartialEq for Endpoint {
@@ -136,12 +245,65 @@ mod tests {
     fn every_api_is_found_by_its_path_and_knows_its_place() {
         for (i, api) in APIS.iter().enumerate() {
             assert_eq!(api.id, i, "{}", api.label);
-            let e = Endpoint::by_path(api.path).unwrap();
+            let path = match api.front {
+                Front::StoredResponse => format!("{}resp_1", api.path),
+                _ => api.path.to_owned(),
+            };
+            let e = Endpoint::by_path(&path).unwrap();
             assert_eq!(e.label(), api.label);
+            for alias in api.aliases {
+                assert_eq!(Endpoint::by_path(alias).unwrap().label(), api.label);
+            }
         }
         assert!(Endpoint::by_path("/v1/nope").is_none());
+        for (path, label) in [
+            ("/v2/rerank", "rerank"),
+            ("/score", "score"),
+            ("/v1/tokenize", "tokenize"),
+            ("/v1/responses/resp_1", "responses_stored"),
+            ("/v1/responses/resp_1/cancel", "responses_stored"),
+            ("/v1/messages/count_tokens", "messages_count_tokens"),
+        ] {
+            assert_eq!(
+                Endpoint::by_path(path).map(Endpoint::label),
+                Some(label),
+                "{path}"
+            );
+        }
+        assert!(Endpoint::by_path("/v1/responses/").is_none());
         let labels: std::collections::HashSet<_> = APIS.iter().map(|a| a.label).collect();
         assert_eq!(labels.len(), APIS.len(), "labels are distinct");
+    }
+
+    #[test]
+    fn sessions_come_from_headers_then_the_body() {
+        let names: Vec<String> = ["x-claude-code-session-id", "session-id"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let mut h = http::HeaderMap::new();
+        let body_only = session_key(&h, &names, Some("pck"), None);
+        assert_eq!(body_only, Some(xxhash_rust::xxh3::xxh3_64(b"pck")));
+        h.insert("session-id", "s1".parse().unwrap());
+        let codex = session_key(&h, &names, Some("pck"), None);
+        assert_eq!(codex, Some(xxhash_rust::xxh3::xxh3_64(b"s1")));
+        h.insert("x-claude-code-session-id", "cc".parse().unwrap());
+        assert_eq!(
+            session_key(&h, &names, None, None),
+            Some(xxhash_rust::xxh3::xxh3_64(b"cc")),
+            "earlier names win"
+        );
+        // Claude Code's user id: two requests of one session share the key.
+        let e = http::HeaderMap::new();
+        let a = session_key(
+            &e,
+            &names,
+            None,
+            Some(r#"{"device_id":"d","session_id":"S"}"#),
+        );
+        let b = session_key(&e, &names, None, Some("user_x_account_y_session_S"));
+        assert_eq!(a, b);
+        assert_eq!(session_key(&e, &names, None, None), None);
     }
 
     #[test]

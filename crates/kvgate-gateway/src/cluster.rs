@@ -1,7 +1,8 @@
 //! Cluster mode (`[cluster]`): this replica's side of kvgate-cluster. Peers' messages are applied
 //! here — routing decisions to the KV index, load deltas to the router's per-replica
 //! [`kvgate_core::RemoteLoads`] (never to our own accounting), breaker verdicts to the workers'
-//! breakers, API-key usage to the rate-limit buckets — and our breaker transitions are published
+//! breakers, API-key usage to the rate-limit buckets, response pins and session → worker
+//! bindings to their tables — and our breaker transitions are published
 //! from a watcher on the heartbeat period. The router publishes its own decisions and load deltas
 //! (`router.rs`); nothing here is on the request path.
 
@@ -23,6 +24,7 @@ use crate::route::router::note_routed;
 pub struct GatewayPeers {
     fleet: Arc<WorkerFleet>,
     auth: Arc<ArcSwap<Auth>>,
+    pins: Arc<crate::pins::ResponsePins>,
     metrics: kvgate_cluster::ClusterMetrics,
 }
 
@@ -99,6 +101,24 @@ impl Sink for GatewayPeers {
                 router.with_remote(|r| r.heard(from, now));
             }
             Message::Heartbeat { .. } => router.with_remote(|r| r.heard(from, now)),
+            Message::Pin { id, worker } => {
+                let fleet = self.fleet.registry.snapshot();
+                let w = fleet
+                    .workers
+                    .iter()
+                    .find(|w| &*w.name == worker)
+                    .ok_or(DropReason::UnknownWorker)?;
+                self.pins.learn_from_peer(id, &w.name, now);
+            }
+            Message::Session { key, worker } => {
+                let fleet = self.fleet.registry.snapshot();
+                let w = fleet
+                    .workers
+                    .iter()
+                    .find(|w| &*w.name == worker)
+                    .ok_or(DropReason::UnknownWorker)?;
+                router.peer_session(*key, w.stable_id, now);
+            }
             Message::RateUsage { keys } => {
                 let auth = self.auth.load();
                 for (key, n) in keys {
@@ -222,11 +242,13 @@ pub fn start(
     provisional_window: Duration,
     fleet: Arc<WorkerFleet>,
     auth: Arc<ArcSwap<Auth>>,
+    pins: Arc<crate::pins::ResponsePins>,
     metrics: kvgate_cluster::ClusterMetrics,
 ) -> anyhow::Result<Arc<Cluster>> {
     let sink = Arc::new(GatewayPeers {
         fleet: fleet.clone(),
         auth: auth.clone(),
+        pins: pins.clone(),
         metrics: metrics.clone(),
     });
     let interval = cfg.heartbeat_interval;
@@ -235,6 +257,7 @@ pub fn start(
         .router
         .with_remote(|r| r.set_provisional_window(provisional_window));
     fleet.router.set_cluster(cluster.clone());
+    pins.set_cluster(cluster.clone());
     tracing::info!(replica = cluster.replica_id(), "cluster mode on");
     let c = cluster.clone();
     let shutdown = fleet.shutdown.clone();

@@ -36,6 +36,8 @@ pub struct Config {
     pub worker_pools: Vec<WorkerPoolConfig>,
     /// Replica sync over NATS (off without `nats_url`). Restart needed.
     pub cluster: ClusterSection,
+    /// Responses API: response id → origin worker. Restart needed.
+    pub response_pins: ResponsePinsConfig,
 }
 
 /// `[cluster]`: N gateway replicas share routing state over NATS (docs/cluster.md).
@@ -183,6 +185,36 @@ pub struct ApiKeyConfig {
     pub burst: Option<f64>,
 }
 
+/// `routing.session_headers` by default: the agent clients' own (Claude Code, Codex, OpenCode)
+/// and the generic one.
+pub const DEFAULT_SESSION_HEADERS: [&str; 5] = [
+    "x-claude-code-session-id",
+    "session-id",
+    "thread-id",
+    "x-session-affinity",
+    "x-session-id",
+];
+
+/// `[response_pins]`: OpenAI Responses ids learned from the replies kvgate relays, each pinned
+/// to the worker that stored it (vLLM and SGLang keep stored responses in that process only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResponsePinsConfig {
+    /// How long a learned id stays pinned after it was learned.
+    pub ttl_s: u64,
+    /// Most ids remembered (the oldest are forgotten first).
+    pub max_entries: usize,
+}
+
+impl Default for ResponsePinsConfig {
+    fn default() -> Self {
+        ResponsePinsConfig {
+            ttl_s: 24 * 3600,
+            max_entries: 1_000_000,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoutingConfig {
@@ -238,6 +270,16 @@ pub struct RoutingConfig {
     /// `latency` policy: among workers predicted to meet `[slo] ttft_ms` / `itl_ms`, prefer the
     /// longest cached prefix (otherwise the fastest).
     pub slo_routing: bool,
+    /// Request headers naming a session, first present wins (then the body's `prompt_cache_key`,
+    /// then the session in Anthropic `metadata.user_id`): the request's affinity key.
+    pub session_headers: Vec<String>,
+    /// A session's later requests prefer the worker of its last one for this long after it.
+    pub session_ttl_s: u64,
+    /// The session term of the `kv` cost: the session's last worker counts this many extra
+    /// prompt blocks as cached (capped at the prompt's length; 0 = off). Soft: load still wins.
+    pub session_affinity_blocks: u32,
+    /// Most sessions remembered (the oldest are forgotten first).
+    pub session_max_entries: usize,
 }
 
 impl Default for RoutingConfig {
@@ -266,6 +308,13 @@ impl Default for RoutingConfig {
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,
+            session_headers: DEFAULT_SESSION_HEADERS
+                .iter()
+                .map(|h| (*h).to_owned())
+                .collect(),
+            session_ttl_s: 1800,
+            session_affinity_blocks: 32,
+            session_max_entries: 100_000,
         }
     }
 }

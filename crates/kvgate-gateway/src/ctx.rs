@@ -96,6 +96,8 @@ pub struct RequestCtx {
     pub pd: Option<crate::pd::Prefilled>,
     /// SGLang: the prefill leg still draining beside the decode worker's answer.
     pub pd_partner: Option<crate::pd::Partner>,
+    /// Responses: where the response id of the reply is recorded, pinned to `worker`.
+    pub pins: Option<Arc<crate::pins::ResponsePins>>,
 }
 
 impl RequestCtx {
@@ -130,6 +132,16 @@ impl RequestCtx {
             finished: false,
             pd: None,
             pd_partner: None,
+            pins: None,
+        }
+    }
+
+    /// The worker's reply named its response `id` (Responses): later uses of the id go there.
+    pub fn learn_response_id(&mut self, id: &str) {
+        if let (Some(pins), Some(w), true) =
+            (&self.pins, &self.worker, (200..300).contains(&self.status))
+        {
+            pins.learn(id, &w.name, crate::clock::now());
         }
     }
 
@@ -311,6 +323,7 @@ impl RequestCtx {
                 prompt_tokens: prompt,
                 completion_tokens: completion,
                 cached_tokens: cached,
+                finish_reason: self.finish_reason.map(FinishReason::as_str),
                 prompt_eval_count: prompt,
                 prompt_eval_duration: ttft.map(|t| t.as_nanos() as u64),
                 eval_count: completion,
@@ -365,6 +378,7 @@ struct LogLine<'a> {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: Option<u64>,
+    finish_reason: Option<&'static str>,
     prompt_eval_count: u64,
     prompt_eval_duration: Option<u64>,
     eval_count: u64,

@@ -12,6 +12,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use kvgate_protocol::error::{types, OpenAiError};
 
 use crate::body::GwBody;
+use crate::client_api::ErrorShape;
 use crate::metrics::ErrorLabel;
 
 /// Which side of the proxy failed.
@@ -60,6 +61,9 @@ pub enum ErrorKind {
     ShuttingDown,
     /// `server.max_connections` are open: the connection is answered and closed (503).
     TooManyConnections,
+    /// A Responses id that kvgate did not see stored, or whose origin worker is gone: the
+    /// backend's own 404, with `x-should-retry: false` (`param` names the field that carried it).
+    ResponseNotFound { param: Option<&'static str> },
 }
 
 impl From<crate::route::Refusal> for GatewayError {
@@ -109,7 +113,8 @@ impl GatewayError {
             | HeadersTooLarge
             | RequestTimeout
             | BadRequest { .. }
-            | ModelNotFound => Side::Client,
+            | ModelNotFound
+            | ResponseNotFound { .. } => Side::Client,
             UpstreamConnect | UpstreamIo | UpstreamTimeout => Side::Upstream,
             NoWorker | QueueFull | QueueTimeout | ShuttingDown | TooManyConnections => {
                 Side::Internal
@@ -146,6 +151,7 @@ impl GatewayError {
             UpstreamTimeout => ErrorLabel::UpstreamTimeout,
             ShuttingDown => ErrorLabel::ShuttingDown,
             TooManyConnections => ErrorLabel::TooManyConnections,
+            ResponseNotFound { .. } => ErrorLabel::ResponseNotFound,
         }
     }
 
@@ -244,6 +250,8 @@ impl GatewayError {
                 Some("too_many_connections"),
                 Some(1),
             ),
+            // What vLLM and OpenAI answer for an unknown id (no code).
+            ResponseNotFound { .. } => (StatusCode::NOT_FOUND, types::INVALID_REQUEST, None, None),
         }
     }
 
@@ -255,7 +263,7 @@ impl GatewayError {
     pub fn json(&self) -> bytes::Bytes {
         let (_, typ, code, _) = self.wire();
         let param = match self.kind {
-            ErrorKind::BadRequest { param } => param,
+            ErrorKind::BadRequest { param } | ErrorKind::ResponseNotFound { param } => param,
             ErrorKind::ModelNotFound => Some("model"),
             _ => None,
         };
@@ -271,8 +279,53 @@ impl GatewayError {
 
     /// The one mapping from a failure to an HTTP response (status + OpenAI error JSON).
     pub fn into_response(self) -> Response<GwBody> {
-        let (status, _, _, retry_after) = self.wire();
-        let body = self.json();
+        self.into_response_for(ErrorShape::OpenAi)
+    }
+
+    /// Anthropic's status and `error.type` for this failure: requests shed for load get 529
+    /// `overloaded_error` (the SDKs retry it), the rest the type of their status.
+    fn anthropic(&self) -> (StatusCode, &'static str) {
+        use ErrorKind::*;
+        let status = match self.kind {
+            QueueFull | QueueTimeout | NoWorker | ShuttingDown | TooManyConnections => {
+                return (
+                    StatusCode::from_u16(529).expect("529 is a valid status"),
+                    "overloaded_error",
+                )
+            }
+            _ => self.status(),
+        };
+        let typ = match status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            504 => "timeout_error",
+            s if s >= 500 => "api_error",
+            _ => "invalid_request_error",
+        };
+        (status, typ)
+    }
+
+    /// The error body in `shape` (Anthropic: `{"type":"error","error":{"type","message"}}`).
+    pub fn json_for(&self, shape: ErrorShape) -> bytes::Bytes {
+        match shape {
+            ErrorShape::OpenAi | ErrorShape::Responses => self.json(),
+            ErrorShape::Anthropic => {
+                kvgate_protocol::error::anthropic_error_json(self.anthropic().1, &self.message)
+            }
+        }
+    }
+
+    /// [`Self::into_response`] in the error shape of the request's API.
+    pub fn into_response_for(self, shape: ErrorShape) -> Response<GwBody> {
+        let (mut status, _, _, retry_after) = self.wire();
+        if shape == ErrorShape::Anthropic {
+            status = self.anthropic().0;
+        }
+        let no_retry = matches!(self.kind, ErrorKind::ResponseNotFound { .. });
+        let body = self.json_for(shape);
         let mut resp = Response::new(GwBody::full(body));
         *resp.status_mut() = status;
         let h = resp.headers_mut();
@@ -285,6 +338,10 @@ impl GatewayError {
         }
         if status == StatusCode::UNAUTHORIZED {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if no_retry {
+            // Final: the SDKs (and proxies that honour it) must not try this id elsewhere.
+            h.insert("x-should-retry", HeaderValue::from_static("false"));
         }
         resp
     }
@@ -378,6 +435,47 @@ mod tests {
             };
             assert_eq!(j["error"]["param"].as_str(), param, "{kind:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn anthropic_shape_and_overload() {
+        let r = GatewayError::new(ErrorKind::QueueFull, "busy")
+            .into_response_for(ErrorShape::Anthropic);
+        assert_eq!(r.status().as_u16(), 529);
+        assert!(r.headers().contains_key(header::RETRY_AFTER));
+        let j = body_json(r).await;
+        assert_eq!(j["type"], "error");
+        assert_eq!(j["error"]["type"], "overloaded_error");
+        assert_eq!(j["error"]["message"], "busy");
+        let r = GatewayError::new(
+            ErrorKind::BadRequest {
+                param: Some("messages"),
+            },
+            "bad",
+        )
+        .into_response_for(ErrorShape::Anthropic);
+        assert_eq!(r.status().as_u16(), 400);
+        assert_eq!(body_json(r).await["error"]["type"], "invalid_request_error");
+        // OpenAI APIs keep 429 for the same refusal.
+        let r = GatewayError::new(ErrorKind::QueueFull, "busy")
+            .into_response_for(ErrorShape::Responses);
+        assert_eq!(r.status().as_u16(), 429);
+    }
+
+    #[tokio::test]
+    async fn unknown_response_ids_are_404_without_retry() {
+        let r = GatewayError::new(
+            ErrorKind::ResponseNotFound {
+                param: Some("previous_response_id"),
+            },
+            "Response with id 'resp_x' not found.",
+        )
+        .into_response_for(ErrorShape::Responses);
+        assert_eq!(r.status().as_u16(), 404);
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        let j = body_json(r).await;
+        assert_eq!(j["error"]["type"], "invalid_request_error");
+        assert_eq!(j["error"]["param"], "previous_response_id");
     }
 
     #[test]

@@ -25,7 +25,9 @@
 //! - **Observation.** `observer.rs`: the response observer (push-style `Observation`, fed by the
 //!   proxy's `ObservedBody`: TTFT, ITL, usage, finish reason, mid-stream errors); `ctx.rs`:
 //!   per-request state and `Telemetry`, what a finished request is recorded into; `metrics.rs`,
-//!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second).
+//!   `cost.rs` (worker cost, GPU-seconds and idle cost, accrued every second); `pins.rs` (the
+//!   Responses ids learned from relayed replies → their origin worker) over `ttl_map.rs` (the
+//!   bounded expiring map sessions and pins share).
 //! - **Fleet.** `fleet.rs` (registry + router + monitors, the one place worker changes are
 //!   applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the KV index),
 //!   `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker, worker ids),
@@ -60,6 +62,7 @@ pub mod metrics;
 pub mod mock;
 pub mod observer;
 pub mod pd;
+pub mod pins;
 pub mod prompt;
 pub mod proxy;
 pub mod registry;
@@ -68,6 +71,7 @@ pub mod route;
 pub mod server;
 pub mod state;
 pub mod tls;
+pub mod ttl_map;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

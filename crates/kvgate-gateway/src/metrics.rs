@@ -60,10 +60,12 @@ pub enum ErrorLabel {
     UpstreamOom,
     ShuttingDown,
     TooManyConnections,
+    /// A Responses id kvgate has not pinned, or whose worker is gone (404, not retried).
+    ResponseNotFound,
 }
 
 impl ErrorLabel {
-    pub const ALL: [ErrorLabel; 21] = [
+    pub const ALL: [ErrorLabel; 22] = [
         ErrorLabel::Unauthorized,
         ErrorLabel::RateLimited,
         ErrorLabel::NotFound,
@@ -85,6 +87,7 @@ impl ErrorLabel {
         ErrorLabel::UpstreamOom,
         ErrorLabel::ShuttingDown,
         ErrorLabel::TooManyConnections,
+        ErrorLabel::ResponseNotFound,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -110,6 +113,7 @@ impl ErrorLabel {
             ErrorLabel::UpstreamOom => "upstream_oom",
             ErrorLabel::ShuttingDown => "shutting_down",
             ErrorLabel::TooManyConnections => "too_many_connections",
+            ErrorLabel::ResponseNotFound => "response_not_found",
         }
     }
 }
@@ -187,6 +191,12 @@ pub struct WorkerInfo {
     pub tensor_parallelism: String,
     /// Configured `model_version` (empty when unset).
     pub model_version: String,
+}
+
+/// A client API's `endpoint` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabel {
+    pub endpoint: &'static str,
 }
 
 /// A request's endpoint (`chat`, `completions`, `embeddings`) and whether it streamed.
@@ -343,6 +353,10 @@ pub struct Metrics {
     pub worker_healthy: Family<WorkerLabel, Gauge>,
     pub worker_breaker: Family<WorkerLabel, Gauge>,
     pub index_blocks: Gauge,
+    /// Responses / Messages requests routed on an approximate rendering of their prompt.
+    pub agent_approximate: Family<EndpointLabel, Counter>,
+    /// Response ids pinned to their origin worker (`pins.rs`).
+    pub response_pins: Gauge,
     pub index_predicted_blocks: Gauge,
     pub cache_entries: Family<CacheLabel, Gauge>,
     pub cache_bytes: Family<CacheLabel, Gauge>,
@@ -511,6 +525,8 @@ impl Metrics {
             ttft_prediction_error: reg!("kvgate_ttft_prediction_error_ratio", "|predicted - observed| / observed TTFT (from dispatch) of streamed requests, per request; in PD pools per prefill leg (a disaggregated request's decode leg is not counted).", error_ratio_buckets()),
             worker_healthy: reg!("kvgate_worker_routable", "1 when the worker is healthy, not draining, its breaker is not open and its role is known (role = auto).", Family::default()),
             worker_breaker: reg!("kvgate_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", Family::default()),
+            agent_approximate: reg!("kvgate_agent_render_approximate", "Responses / Messages requests whose prompt kvgate could not render exactly as vLLM does (a shape without a chat form, a template refusing the conversation): routed on the approximate text instead.", Family::default()),
+            response_pins: reg!("kvgate_response_pins", "Responses ids pinned to the worker that stored them (bounded by [response_pins]).", Gauge::default()),
             index_blocks: reg!("kvgate_index_blocks", "Blocks in the router's KV index (all workers), predicted ones included.", Gauge::default()),
             index_predicted_blocks: reg!("kvgate_index_predicted_blocks", "Index entries predicted on route for workers with KV events and not yet confirmed by their events (they lapse after routing.predicted_ttl_s).", Gauge::default()),
             cache_entries: reg!("kvgate_cache_entries", "Entries in each of the gateway's bounded caches (tokenizer_segments, tokenizer_words: summed over the models' tokenizers; kv_index: (block, worker) pairs).", Family::default()),
@@ -529,7 +545,7 @@ impl Metrics {
             gpu_seconds: reg!("kvgate_worker_gpu_seconds", "GPU-seconds accrued (gpus x time in the fleet); every replica accrues the full figure.", Family::default()),
             idle_cost_dollars: reg!("kvgate_worker_idle_cost_dollars", "Part of kvgate_cost_dollars accrued while the worker ran nothing (engine-reported running+waiting = 0, else nothing in flight through this gateway).", Family::default()),
             config_reloads: reg!("kvgate_config_reloads", "Configuration reload attempts by result.", Family::default()),
-            requests_by_endpoint: reg!("kvgate_requests_by_endpoint", "Requests finished, by endpoint (chat, completions, embeddings) and whether the client asked for a stream.", Family::default()),
+            requests_by_endpoint: reg!("kvgate_requests_by_endpoint", "Requests finished, by endpoint (chat, completions, embeddings, responses, messages, …) and whether the client asked for a stream.", Family::default()),
             by_endpoint: Default::default(),
             finish_reasons: reg!("kvgate_finish_reasons", "Successful completions/chat responses by model and finish_reason (stop, length, tool_calls, content_filter, other; first choice).", Family::default()),
             worker_recovery: reg!("kvgate_worker_recovery_seconds", "Worker outages (MTTR): its first failed health probe to the probe that found it healthy again.", HFamily::new_with_constructor(recovery_buckets)),

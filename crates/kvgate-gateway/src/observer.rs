@@ -19,9 +19,10 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use kvgate_protocol::error::{types, OpenAiError};
 use kvgate_protocol::finish::find_finish_reason;
-use kvgate_protocol::sse::Relay;
+use kvgate_protocol::sse::{Dialect, Relay};
 use kvgate_protocol::usage::{find_usage, merge_pd_usage, Usage};
 
+use crate::client_api::{ErrorShape, ResponseShape};
 use crate::metrics::ErrorLabel;
 
 use crate::ctx::{Outcome, RequestCtx};
@@ -77,7 +78,18 @@ enum Scan {
     /// A disaggregated request's JSON document: held whole and delivered at its end with the
     /// prefill leg's prompt and cached tokens merged into `usage` (`crate::pd`).
     JsonPd { doc: Vec<u8>, prefill: Usage },
+    /// A Responses / Messages JSON document, kept (up to `AGENT_DOC_MAX`) to read its id, usage
+    /// and finish reason at its end; passed on chunk by chunk as it arrives.
+    JsonAgent {
+        doc: Vec<u8>,
+        dialect: Dialect,
+        /// The document outgrew the bound: only its tail is kept (usage still found there).
+        tail_only: bool,
+    },
 }
+
+/// Responses / Messages JSON bodies larger than this are read from their tail only.
+const AGENT_DOC_MAX: usize = 4 << 20;
 
 impl Observation {
     /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
@@ -85,9 +97,19 @@ impl Observation {
     /// takes the prefill leg's prompt and cached tokens.
     pub fn new(ctx: RequestCtx, sse: bool) -> Observation {
         let pd_usage = ctx.pd.as_ref().and_then(|p| p.usage);
+        let dialect = match ctx.endpoint.api().response {
+            ResponseShape::OpenAi => Dialect::OpenAi,
+            ResponseShape::Responses => Dialect::Responses,
+            ResponseShape::Messages => Dialect::Messages,
+        };
         let scan = match (sse, pd_usage) {
-            (true, None) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT)),
+            (true, None) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT).with_dialect(dialect)),
             (true, Some(u)) => Scan::Sse(Relay::new(ctx.strip_usage, MAX_EVENT).with_pd_usage(u)),
+            (false, _) if dialect != Dialect::OpenAi => Scan::JsonAgent {
+                doc: Vec::new(),
+                dialect,
+                tail_only: false,
+            },
             (false, None) => Scan::Json { tail: Vec::new() },
             (false, Some(prefill)) => Scan::JsonPd {
                 doc: Vec::new(),
@@ -116,6 +138,14 @@ impl Observation {
                 }
             }
             Scan::JsonPd { doc, .. } => doc.extend_from_slice(data),
+            Scan::JsonAgent { doc, tail_only, .. } => {
+                doc.extend_from_slice(data);
+                if doc.len() > AGENT_DOC_MAX {
+                    *tail_only = true;
+                    let excess = doc.len() - TAIL_KEEP;
+                    doc.drain(..excess);
+                }
+            }
             Scan::Sse(relay) => {
                 let now = at.unwrap_or_else(Instant::now);
                 let ctx = &mut self.ctx;
@@ -133,6 +163,9 @@ impl Observation {
                         ctx.on_token(now);
                     }
                 });
+                if let Some(id) = relay.take_response_id() {
+                    ctx.learn_response_id(&id);
+                }
             }
         }
     }
@@ -141,7 +174,7 @@ impl Observation {
     pub fn take_out(&mut self) -> Option<Bytes> {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_out().map(Bytes::from),
-            Scan::Json { .. } => None,
+            Scan::Json { .. } | Scan::JsonAgent { .. } => None,
             Scan::JsonPd { .. } => Some(Bytes::new()),
         }
     }
@@ -150,7 +183,7 @@ impl Observation {
     pub fn take_held(&mut self) -> Option<Bytes> {
         match &mut self.scan {
             Scan::Sse(relay) => relay.take_held().map(Bytes::from),
-            Scan::Json { .. } => None,
+            Scan::Json { .. } | Scan::JsonAgent { .. } => None,
             Scan::JsonPd { doc, prefill } => (!doc.is_empty())
                 .then(|| Bytes::from(merge_pd_usage(doc, prefill).unwrap_or_else(|| doc.clone()))),
         }
@@ -158,6 +191,28 @@ impl Observation {
 
     /// The worker's body ended normally.
     pub fn finish_ok(&mut self) {
+        if let Scan::JsonAgent {
+            doc,
+            dialect,
+            tail_only,
+        } = &self.scan
+        {
+            let (id, usage, finish) = if *tail_only {
+                (None, find_usage(doc), None)
+            } else {
+                kvgate_protocol::sse::agent::whole_body(*dialect, doc)
+            };
+            if usage.is_some() {
+                self.ctx.usage = usage;
+            }
+            if finish.is_some() {
+                self.ctx.finish_reason = finish;
+            }
+            if let (Some(id), Dialect::Responses) = (id, dialect) {
+                self.ctx.learn_response_id(&id);
+            }
+            self.ctx.on_token(crate::clock::now());
+        }
         if let Scan::Json { tail } | Scan::JsonPd { doc: tail, .. } = &self.scan {
             if let Some(u) = find_usage(tail) {
                 self.ctx.usage = Some(u);
@@ -183,9 +238,29 @@ impl Observation {
     pub fn fail_stream(&mut self, why: &str) -> Bytes {
         self.ctx.error = Some(ErrorLabel::UpstreamStream);
         self.ctx.finish(Outcome::StreamError);
-        OpenAiError::new(502, types::SERVER, why.to_owned())
-            .with_code("upstream_stream_error")
-            .to_sse_event()
+        match self.ctx.endpoint.api().errors {
+            ErrorShape::OpenAi => OpenAiError::new(502, types::SERVER, why.to_owned())
+                .with_code("upstream_stream_error")
+                .to_sse_event(),
+            // The Responses stream's own error event.
+            ErrorShape::Responses => {
+                let ev = serde_json::json!({
+                    "type": "error",
+                    "code": "upstream_stream_error",
+                    "message": why,
+                    "param": null,
+                });
+                Bytes::from(format!("event: error\ndata: {ev}\n\n"))
+            }
+            // Anthropic's mid-stream error (clients dispatch on the `event:` line).
+            ErrorShape::Anthropic => {
+                let body = kvgate_protocol::error::anthropic_error_json("api_error", why);
+                let mut out = b"event: error\ndata: ".to_vec();
+                out.extend_from_slice(&body);
+                out.extend_from_slice(b"\n\n");
+                Bytes::from(out)
+            }
+        }
     }
 
     /// A JSON body failed mid-way (`kind`): the request ends as a stream error (the client sees

@@ -19,10 +19,11 @@ use kvgate_core::WorkerId;
 use kvgate_protocol::openai::splice_include_usage;
 
 use crate::body::{GwBody, ReqBody};
+use crate::client_api::{session_key, Front, ResponseShape};
 use crate::ctx::{Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::ObservedBody;
-use crate::prompt::route_input_offloaded;
+use crate::prompt::{route_input_offloaded, RouteInput};
 use crate::route::router::Leg;
 use crate::route::Reservation;
 use kvgate_http::client;
@@ -39,6 +40,8 @@ pub struct Proxy {
     pub upstream: Arc<crate::forward::Upstream>,
     pub metrics: Arc<crate::metrics::Metrics>,
     pub auth: Arc<arc_swap::ArcSwap<crate::auth::Auth>>,
+    /// Responses ids → the worker that stored them (`pins.rs`).
+    pub pins: Arc<crate::pins::ResponsePins>,
     /// `server.max_body_bytes`.
     pub max_body: usize,
     pub shutdown: tokio_util::sync::CancellationToken,
@@ -76,10 +79,12 @@ pub(crate) enum Routed {
 
 /// Answer with a gateway error, recording it.
 pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
-    ctx.status = e.status().as_u16();
     ctx.error = Some(e.label());
+    // In the request's API's own error shape (and status: Anthropic's 529 for shed requests).
+    let resp = e.into_response_for(ctx.endpoint.api().errors);
+    ctx.status = resp.status().as_u16();
     ctx.finish(Outcome::Rejected);
-    e.into_response()
+    resp
 }
 
 /// A request read, parsed and tokenized: everything the attempts need.
@@ -93,6 +98,9 @@ pub(crate) struct Prepared {
     pub(crate) ri: crate::prompt::RouteInput,
     /// When the routing decision started (after the body was read).
     t_decide: Instant,
+    /// The request uses a stored response: `pool` is its origin worker alone, and a failure there
+    /// is the answer (another worker does not have the response).
+    pinned: bool,
 }
 
 /// Everything from auth to the worker's response head; the caller owns `ctx` and turns the result
@@ -110,7 +118,16 @@ pub(crate) async fn route_and_forward(
     let auth = app.auth.load();
     auth.check(req.headers(), ctx.start)?;
     let mut p = prepare(app, ctx, req, auth.enabled()).await?;
-    if ctx.endpoint.api().splits && crate::pd::applies(&p.pool) {
+    let api = ctx.endpoint.api();
+    if !api.splits && api.generates && crate::pd::applies(&p.pool) {
+        // The handoff bodies are chat/completions ones: other generating APIs (Responses,
+        // Messages) run whole on a decode-capable worker of a disaggregated pool.
+        p.pool = Arc::new(crate::pd::sub_pool(
+            &p.pool,
+            crate::config::WorkerRole::can_decode,
+        ));
+    }
+    if api.splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
         if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
             // SGLang: both legs ran at once (the decode worker's answer); TensorRT-LLM: the
@@ -118,11 +135,14 @@ pub(crate) async fn route_and_forward(
             return Ok(r);
         }
     }
-    let max_attempts = (app
-        .upstream
-        .max_attempts
-        .load(std::sync::atomic::Ordering::Relaxed) as usize)
-        .clamp(1, MAX_ATTEMPTS);
+    let max_attempts = if p.pinned {
+        1
+    } else {
+        (app.upstream
+            .max_attempts
+            .load(std::sync::atomic::Ordering::Relaxed) as usize)
+            .clamp(1, MAX_ATTEMPTS)
+    };
     let mut tried = [WorkerId(0); MAX_ATTEMPTS];
     let mut n_tried = 0usize;
     loop {
@@ -153,7 +173,15 @@ pub(crate) async fn route_and_forward(
                 leg,
                 &mut ctx.queue_wait,
             )
-            .await?;
+            .await
+            .map_err(|r| match r {
+                // The stored response's worker left the routable set meanwhile: it is gone.
+                crate::route::Refusal::NoWorker(why) if p.pinned => GatewayError::new(
+                    ErrorKind::ResponseNotFound { param: None },
+                    format!("the worker that stored this response is not available: {why}"),
+                ),
+                other => other.into(),
+            })?;
         if n_tried == 0 {
             ctx.decision_time = now
                 .saturating_duration_since(p.t_decide)
@@ -210,6 +238,11 @@ pub(crate) async fn route_and_forward(
                     continue;
                 }
                 // Success, or nowhere else to go: the worker's own response goes to the client.
+                if p.pinned && p.parts.method == http::Method::DELETE && s.is_success() {
+                    if let Some(id) = crate::client_api::stored_response_id(p.parts.uri.path()) {
+                        app.pins.forget(id);
+                    }
+                }
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
                 return Ok(Routed::Worker(fwd));
@@ -217,6 +250,19 @@ pub(crate) async fn route_and_forward(
             Err(e) => {
                 worker.state.record_outcome(false, now);
                 handoff::decode_failed(app, ctx);
+                if p.pinned && matches!(e.kind, ErrorKind::UpstreamConnect | ErrorKind::UpstreamIo)
+                {
+                    // The worker that stored the response is gone (refuses connections, or
+                    // drops them unanswered), and the response with it.
+                    ctx.worker = Some(worker);
+                    return Err(GatewayError::new(
+                        ErrorKind::ResponseNotFound { param: None },
+                        format!(
+                            "the worker that stored this response is gone: {}",
+                            e.message
+                        ),
+                    ));
+                }
                 if e.retry_safe() && can_retry(now) {
                     app.metrics
                         .retries
@@ -255,45 +301,69 @@ async fn prepare(
     .await?;
 
     let t_decide = crate::clock::now();
-    let view = crate::prompt::parse_view(&bytes, ctx.endpoint).map_err(|e| {
+    let bad = |e: kvgate_protocol::openai::RequestError| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-    })?;
-    ctx.stream = view.stream;
-    // A stream whose client did not ask for usage: ask the worker anyway, so tokens and cached
-    // tokens are counted, and strip the extra usage-only event from the client's stream.
-    let spliced = (view.stream && ctx.endpoint.api().splices_usage)
-        .then(|| splice_include_usage(&bytes, &view))
-        .flatten()
-        .map(Bytes::from);
-    ctx.strip_usage = spliced.is_some();
-    let fleet = app.fleet.registry.load_full();
-    let Some(pool) = fleet.pool(&view.model).cloned() else {
-        return Err(GatewayError::new(
-            ErrorKind::ModelNotFound,
-            format!(
-                "The model `{}` does not exist or no worker serves it.",
-                view.model
-            ),
-        ));
     };
-    ctx.model = pool.model.clone();
-    let ri = route_input_offloaded(
-        &bytes,
-        &view,
-        ctx.endpoint,
-        pool.block_size,
-        &pool.tokenizer,
-    )
-    .await
-    .map_err(|e| {
-        let param = match &e {
-            kvgate_tokenize::TokenizeError::Request(r) => r.param(),
-            _ => Some("messages"),
-        };
-        GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-    })?;
-    drop(view);
+    let fleet = app.fleet.registry.load_full();
+    let session_headers = app.decider.router().policy().session_headers.clone();
+    let mut pinned = false;
+    let (pool, ri, spliced) = match ctx.endpoint.api().front {
+        Front::OpenAi(_) => {
+            let (pool, mut ri, spliced) = prepare_openai(app, ctx, &bytes, &fleet).await?;
+            ri.affinity = session_key(&parts.headers, &session_headers, None, None).or(ri.affinity);
+            (pool, ri, spliced)
+        }
+        Front::Agent { parse, prefix } => {
+            let agent = parse(&bytes).map_err(bad)?;
+            ctx.stream = agent.stream;
+            if ctx.endpoint.api().response == ResponseShape::Responses {
+                ctx.pins = Some(app.pins.clone());
+            }
+            let pool = match agent.previous_response_id.as_deref() {
+                Some(prev) => {
+                    pinned = true;
+                    pinned_pool(app, &fleet, prev, "previous_response_id").await?
+                }
+                None => model_pool(&fleet, &agent.model)?,
+            };
+            ctx.model = pool.model.clone();
+            let mut ri = if prefix && !pinned {
+                agent_route_input(app, ctx, &agent, &pool).await
+            } else {
+                RouteInput::default()
+            };
+            ri.affinity = session_key(
+                &parts.headers,
+                &session_headers,
+                agent.prompt_cache_key.as_deref(),
+                agent.user_id.as_deref(),
+            );
+            (pool, ri, None)
+        }
+        Front::Passthrough => {
+            let pool = passthrough_pool(&fleet, &bytes).map_err(bad)?;
+            ctx.model = pool.model.clone();
+            let ri = RouteInput {
+                affinity: session_key(&parts.headers, &session_headers, None, None),
+                ..RouteInput::default()
+            };
+            (pool, ri, None)
+        }
+        Front::StoredResponse => {
+            let id = crate::client_api::stored_response_id(parts.uri.path()).unwrap_or_default();
+            // `GET …?stream=true&starting_after=N` resumes a background stream.
+            ctx.stream = parts
+                .uri
+                .query()
+                .is_some_and(|q| q.split('&').any(|kv| kv == "stream=true"));
+            pinned = true;
+            let pool = pinned_pool(app, &fleet, id, "response_id").await?;
+            ctx.model = pool.model.clone();
+            (pool, RouteInput::default(), None)
+        }
+    };
+    ctx.strip_usage = spliced.is_some();
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
     app.upstream.retry.on_request(ctx.start);
@@ -304,7 +374,170 @@ async fn prepare(
         pool,
         ri,
         t_decide,
+        pinned,
     })
+}
+
+/// The OpenAI APIs: the borrowed view (400 on a bad body), the model's pool, the prompt's tokens
+/// and hashes, and the body with `stream_options.include_usage` spliced in when the gateway asks
+/// for usage on the client's behalf.
+async fn prepare_openai(
+    _app: &Arc<Proxy>,
+    ctx: &mut RequestCtx,
+    bytes: &Bytes,
+    fleet: &crate::registry::Fleet,
+) -> Result<(Arc<crate::registry::Pool>, RouteInput, Option<Bytes>), GatewayError> {
+    let view = crate::prompt::parse_view(bytes, ctx.endpoint).map_err(|e| {
+        let param = e.param();
+        GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
+    })?;
+    ctx.stream = view.stream;
+    // A stream whose client did not ask for usage: ask the worker anyway, so tokens and cached
+    // tokens are counted, and strip the extra usage-only event from the client's stream.
+    let spliced = (view.stream && ctx.endpoint.api().splices_usage)
+        .then(|| splice_include_usage(bytes, &view))
+        .flatten()
+        .map(Bytes::from);
+    let pool = model_pool(fleet, &view.model)?;
+    ctx.model = pool.model.clone();
+    let ri = route_input_offloaded(bytes, &view, ctx.endpoint, pool.block_size, &pool.tokenizer)
+        .await
+        .map_err(|e| {
+            let param = match &e {
+                kvgate_tokenize::TokenizeError::Request(r) => r.param(),
+                _ => Some("messages"),
+            };
+            GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
+        })?;
+    drop(view);
+    Ok((pool, ri, spliced))
+}
+
+/// A Responses / Messages request's prompt, rendered as vLLM renders it (its chat conversation
+/// through the model's chat template), tokenized and hashed like chat. A shape that cannot be
+/// rendered exactly, or a conversation the template refuses, routes on the approximate text and
+/// counts in `kvgate_agent_render_approximate_total`; it never fails the request.
+async fn agent_route_input(
+    app: &Arc<Proxy>,
+    ctx: &RequestCtx,
+    agent: &kvgate_protocol::agent::AgentRequest,
+    pool: &crate::registry::Pool,
+) -> RouteInput {
+    let approximate = || {
+        app.metrics
+            .agent_approximate
+            .get_or_create(&crate::metrics::EndpointLabel {
+                endpoint: ctx.endpoint.label(),
+            })
+            .inc()
+    };
+    if !agent.exact {
+        approximate();
+    }
+    let chat = Bytes::from(agent.chat_body());
+    let rendered = match kvgate_protocol::openai::RequestView::parse(&chat) {
+        Ok(view) => route_input_offloaded(
+            &chat,
+            &view,
+            crate::ctx::Endpoint::CHAT,
+            pool.block_size,
+            &pool.tokenizer,
+        )
+        .await
+        .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match rendered {
+        Ok(ri) => ri,
+        Err(why) => {
+            if agent.exact {
+                approximate();
+            }
+            tracing::debug!(error = %why, "agent prompt not rendered; routing on its text");
+            let text = agent.flat_text();
+            let tokens = pool.tokenizer.tokenizer().encode(&text);
+            let mut hashes = Vec::new();
+            let seed = kvgate_core::hash_seed(None, agent.cache_salt.as_deref());
+            kvgate_core::block_hashes_into(&tokens, pool.block_size as usize, seed, &mut hashes);
+            RouteInput {
+                hashes,
+                isl: tokens.len() as u64,
+                affinity: None,
+            }
+        }
+    }
+}
+
+fn model_pool(
+    fleet: &crate::registry::Fleet,
+    model: &str,
+) -> Result<Arc<crate::registry::Pool>, GatewayError> {
+    fleet.pool(model).cloned().ok_or_else(|| {
+        GatewayError::new(
+            ErrorKind::ModelNotFound,
+            format!("The model `{model}` does not exist or no worker serves it."),
+        )
+    })
+}
+
+/// A pass-through body's pool: its `model`, or the only model served when it names none (vLLM's
+/// `/tokenize` and `/score` make `model` optional).
+fn passthrough_pool(
+    fleet: &crate::registry::Fleet,
+    body: &[u8],
+) -> Result<Arc<crate::registry::Pool>, kvgate_protocol::openai::RequestError> {
+    use kvgate_protocol::openai::RequestError;
+    #[derive(serde::Deserialize)]
+    struct Model {
+        model: Option<String>,
+    }
+    let m: Model = serde_json::from_slice(body).map_err(|e| RequestError::Json(e.to_string()))?;
+    match m.model {
+        Some(name) => model_pool(fleet, &name).map_err(|_| RequestError::Invalid {
+            param: "model",
+            message: format!("The model `{name}` does not exist or no worker serves it."),
+        }),
+        None => {
+            let mut pools = fleet.pools.values();
+            match (pools.next(), pools.next()) {
+                (Some(p), None) => Ok(p.clone()),
+                _ => Err(RequestError::Missing("model")),
+            }
+        }
+    }
+}
+
+/// The worker that stored response `id`, alone in a pool: 404 (`x-should-retry: false`) when the
+/// id was never seen here, or its worker is gone or not routable. Never another worker: it would
+/// not have the response either.
+async fn pinned_pool(
+    app: &Proxy,
+    fleet: &crate::registry::Fleet,
+    id: &str,
+    param: &'static str,
+) -> Result<Arc<crate::registry::Pool>, GatewayError> {
+    let not_found = || {
+        GatewayError::new(
+            ErrorKind::ResponseNotFound { param: Some(param) },
+            format!("Response with id '{id}' not found."),
+        )
+    };
+    let origin = app.pins.origin_or_wait(id).await.ok_or_else(not_found)?;
+    let now = crate::clock::now();
+    for pool in fleet.pools.values() {
+        if let Some(w) = pool.workers.iter().find(|w| w.name == origin) {
+            if !w.state.routable(now) {
+                return Err(not_found());
+            }
+            return Ok(Arc::new(crate::registry::Pool::new(
+                pool.model.clone(),
+                vec![w.clone()],
+                pool.block_size,
+                pool.tokenizer.clone(),
+            )));
+        }
+    }
+    Err(not_found())
 }
 
 /// The client's request as sent to `worker`: its method, path and headers (client credentials

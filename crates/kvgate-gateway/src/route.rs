@@ -30,7 +30,10 @@ use admission::{Generation, WaitError};
 use router::{DispatchGuard, Leg, NoPick, Pick, Router};
 
 /// What routing needs of one request: its prompt's chained block hashes, its length in tokens
-/// and its affinity key (consistent hashing). Built by each client API from its own request shape.
+/// and its affinity key: the session it belongs to (a session header, `prompt_cache_key`, the
+/// session of Anthropic `metadata.user_id`), hashed. `consistent_hash` routes on the key; the cost
+/// policies prefer the session's last worker by `routing.session_affinity_blocks`. Built by each
+/// client API from its own request shape.
 #[derive(Debug, Default)]
 pub struct RouteInput {
     pub hashes: Vec<u64>,
@@ -159,6 +162,7 @@ impl Decider {
         })?;
         let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
+        router.note_session(input.affinity, &pick.worker, now);
         Ok(Reservation {
             pick,
             guard,
@@ -183,6 +187,7 @@ impl Decider {
         let guard = self
             .router
             .dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
+        self.router.note_session(input.affinity, &pick.worker, now);
         Reservation {
             pick,
             guard,

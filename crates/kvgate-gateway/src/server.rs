@@ -38,7 +38,18 @@ pub async fn route(
     let start = crate::clock::now();
     let endpoint = Endpoint::by_path(req.uri().path());
     if let Some(ep) = endpoint {
-        if req.method() != Method::POST {
+        if ep == Endpoint::STORED_RESPONSE {
+            // GET (retrieve, resume a stream, input items) and DELETE on the id; POST …/cancel.
+            let cancel = req.uri().path().ends_with("/cancel");
+            let allowed = match *req.method() {
+                Method::POST => cancel,
+                Method::GET | Method::DELETE => !cancel,
+                _ => false,
+            };
+            if !allowed {
+                return method_not_allowed(&app, if cancel { "POST" } else { "GET, DELETE" });
+            }
+        } else if req.method() != Method::POST {
             return method_not_allowed(&app, "POST");
         }
         let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);

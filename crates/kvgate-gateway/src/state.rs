@@ -86,12 +86,17 @@ impl AppState {
             shutdown.clone(),
         )?;
         let auth = Arc::new(ArcSwap::from_pointee(Auth::from_config(&config.auth)));
+        let pins = Arc::new(crate::pins::ResponsePins::new(
+            &config.response_pins,
+            metrics.response_pins.clone(),
+        ));
         let cluster = match crate::cluster::config(&config.cluster)? {
             Some(c) => Some(crate::cluster::start(
                 c,
                 std::time::Duration::from_millis(config.cluster.provisional_window_ms),
                 fleet.clone(),
                 auth.clone(),
+                pins.clone(),
                 metrics.cluster.clone(),
             )?),
             None => None,
@@ -108,6 +113,7 @@ impl AppState {
             upstream: upstream.clone(),
             metrics: metrics.clone(),
             auth: auth.clone(),
+            pins,
             max_body: config.server.max_body_bytes,
             shutdown: shutdown.clone(),
         });

@@ -1,4 +1,5 @@
-//! The OpenAI error JSON shape: `{"error":{"message","type","param","code"}}`.
+//! The OpenAI error JSON shape: `{"error":{"message","type","param","code"}}` (and Anthropic's,
+//! [`anthropic_error_json`]).
 //!
 //! Every error the gateway answers with is written by [`OpenAiError`], as a JSON body or as the
 //! SSE event that ends a stream which failed after its first byte, so clients (the official SDKs
@@ -100,6 +101,30 @@ impl OpenAiError {
         out.extend_from_slice(b"\n\n");
         Bytes::from(out)
     }
+}
+
+/// Anthropic's error body: `{"type":"error","error":{"type":…,"message":…}}`.
+pub fn anthropic_error_json(typ: &str, message: &str) -> Bytes {
+    #[derive(Serialize)]
+    struct Body<'e> {
+        #[serde(rename = "type")]
+        type_: &'static str,
+        error: Inner<'e>,
+    }
+    #[derive(Serialize)]
+    struct Inner<'e> {
+        #[serde(rename = "type")]
+        type_: &'e str,
+        message: &'e str,
+    }
+    let body = Body {
+        type_: "error",
+        error: Inner {
+            type_: typ,
+            message,
+        },
+    };
+    Bytes::from(serde_json::to_vec(&body).expect("strings serialize"))
 }
 
 impl std::fmt::Display for OpenAiError {

@@ -20,6 +20,14 @@ fn samples() -> Vec<Message> {
         Message::RateUsage {
             keys: vec![(42, 5), (43, 1)],
         },
+        Message::Pin {
+            id: "resp_0123abcd".into(),
+            worker: "w3".into(),
+        },
+        Message::Session {
+            key: u64::MAX - 1,
+            worker: "w-é".into(),
+        },
         Message::Snapshot(Snapshot {
             approx: vec![("w1".into(), vec![5, 6]), ("w2".into(), vec![])],
             inflight: vec![InflightEntry {

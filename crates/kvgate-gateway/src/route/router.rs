@@ -43,6 +43,13 @@ pub struct RoutePolicy {
     pub latency: LatencyConfig,
     /// How the latency model learns (`routing.latency_relax_after`).
     pub learn: LearnConfig,
+    /// `routing.session_affinity_blocks`: the session term of the cost (0 = off).
+    pub session_blocks: u32,
+    /// `routing.session_ttl_s` / `session_max_entries`.
+    pub session_ttl: std::time::Duration,
+    pub session_max: usize,
+    /// `routing.session_headers`, lower-cased: the front ends read a request's session from them.
+    pub session_headers: Vec<String>,
 }
 
 /// The speed a worker kind starts from before it has been observed (1 = the Dynamo/sim curve).
@@ -138,6 +145,14 @@ impl RoutePolicy {
                 relax_after: cfg.latency_relax_after,
                 ..LearnConfig::default()
             },
+            session_blocks: cfg.session_affinity_blocks,
+            session_ttl: std::time::Duration::from_secs(cfg.session_ttl_s),
+            session_max: cfg.session_max_entries,
+            session_headers: cfg
+                .session_headers
+                .iter()
+                .map(|h| h.trim().to_ascii_lowercase())
+                .collect(),
         })
     }
 }
@@ -157,6 +172,9 @@ pub struct Router {
     cluster: OnceLock<Arc<Cluster>>,
     /// The busy-fleet queue every released load wakes.
     admission: Arc<Admission>,
+    /// Session affinity: a request's affinity key → the `stable_id` of the worker its session's
+    /// last request went to (docs/routing.md, "Sessions").
+    sessions: crate::ttl_map::TtlMap<u64, u64>,
 }
 
 /// Which part of a request a worker is chosen for.
@@ -231,7 +249,9 @@ thread_local! {
 impl Router {
     pub fn new(policy: RoutePolicy, admission: Arc<Admission>) -> Self {
         let learn = policy.learn;
+        let sessions = crate::ttl_map::TtlMap::new(policy.session_ttl, policy.session_max);
         Router {
+            sessions,
             admission,
             policy: ArcSwap::from_pointee(policy),
             index: RwLock::new(KvIndex::new()),
@@ -284,7 +304,40 @@ impl Router {
     /// A reloaded policy; the latency model keeps what it learned, with the new learning settings.
     pub fn set_policy(&self, policy: RoutePolicy) {
         self.latency.lock().set_learn(policy.learn);
+        self.sessions
+            .set_limits(policy.session_ttl, policy.session_max);
         self.policy.store(Arc::new(policy));
+    }
+
+    /// A request of session `key` went to `worker`: the session's next requests prefer it.
+    /// In cluster mode the peers hear of it when the session is new, moved, or half its TTL old
+    /// (so their entry lives as long as ours).
+    pub fn note_session(&self, key: Option<u64>, worker: &Worker, now: Instant) {
+        let Some(k) = key else { return };
+        let rp = self.policy.load();
+        if rp.session_blocks == 0 {
+            return;
+        }
+        let before = self.sessions.get_with_time(&k, now);
+        self.sessions.insert(k, worker.stable_id, now);
+        if let Some(c) = self.cluster.get() {
+            let fresh = before.is_some_and(|(sid, at)| {
+                sid == worker.stable_id && now.saturating_duration_since(at) < rp.session_ttl / 2
+            });
+            if !fresh {
+                c.session(k, &worker.name);
+            }
+        }
+    }
+
+    /// A peer routed session `key` to the worker with `stable_id`.
+    pub fn peer_session(&self, key: u64, stable_id: u64, now: Instant) {
+        self.sessions.insert(key, stable_id, now);
+    }
+
+    /// Sessions remembered (`kvgate_sessions`).
+    pub fn sessions_len(&self) -> usize {
+        self.sessions.len()
     }
 
     /// Cluster mode on: our decisions and load deltas are published there from now on.
@@ -403,9 +456,15 @@ impl Router {
                 rng,
             } = s;
             let rng = rng.get_or_insert_with(fastrand::Rng::new);
-            let kv = policy
-                .as_kv()
-                .filter(|kv| bounded && !(kv.config().temperature > 0.0));
+            // The session's last worker (`Router::note_session`), when the cost has a session
+            // term: the exhaustive scan below adds it.
+            let preferred = affinity_key
+                .filter(|_| rp.session_blocks > 0 && policy.uses_overlap())
+                .and_then(|k| self.sessions.get(&k, now));
+            let kv = policy.as_kv().filter(|kv| {
+                let sampling = kv.config().temperature > 0.0;
+                bounded && preferred.is_none() && !sampling
+            });
             if let Some(kv) = kv {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
@@ -474,6 +533,16 @@ impl Router {
             if policy.uses_overlap() {
                 let index = self.index.read();
                 score_candidates(&index, &self.active, hashes, now, scores, candidates);
+                if let Some(sid) = preferred {
+                    // Soft: the session's worker counts as holding a few more of the prompt's
+                    // blocks (it likely does: its last request carried this prefix); its load
+                    // terms still count in full, so a hot worker still loses.
+                    let cap = hashes.len() as u32;
+                    for c in candidates.iter_mut().filter(|c| c.stable_id == sid) {
+                        c.overlap_blocks =
+                            c.overlap_blocks.saturating_add(rp.session_blocks).min(cap);
+                    }
+                }
             } else {
                 self.active.fill_loads(hashes, candidates);
             }

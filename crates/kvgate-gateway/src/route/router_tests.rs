@@ -268,3 +268,73 @@ fn a_reused_worker_id_starts_with_no_load() {
         .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
 }
+
+/// The session term: a session's later requests go to its last worker when costs are otherwise
+/// even, but not when that worker is loaded (soft), and not at all with the term off.
+#[test]
+fn a_session_prefers_its_last_worker_softly() {
+    let mut c = Config::default();
+    for i in 0..3 {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec!["m".into()];
+        c.workers.push(w);
+    }
+    c.routing.policy = "kv".into();
+    let cfg = Arc::new(c);
+    let (reg, _) = Registry::new(cfg.clone()).unwrap();
+    let router = router(&cfg, &reg);
+    let fleet = reg.snapshot();
+    let pool = fleet.pool("m").cloned().unwrap();
+    let now = Instant::now();
+    let session = Some(42u64);
+    // New prompts (no overlap anywhere): each picks by tie-break on its own first block.
+    let fresh = |i: u64| -> Vec<u64> { (0..4).map(|b| i * 100 + b + 1).collect() };
+    let first = router
+        .select(&pool, &fresh(1), 64, session, &[], now)
+        .unwrap();
+    router.note_session(session, &first.worker, now);
+    for i in 2..12 {
+        let pick = router
+            .select(&pool, &fresh(i), 64, session, &[], now)
+            .unwrap();
+        assert_eq!(pick.worker.name, first.worker.name, "prompt {i}");
+    }
+    // Without the session key, new prompts spread over the workers.
+    let spread: std::collections::HashSet<_> = (2..40)
+        .map(|i| {
+            router
+                .select(&pool, &fresh(i), 64, None, &[], now)
+                .unwrap()
+                .worker
+                .name
+                .clone()
+        })
+        .collect();
+    assert!(spread.len() > 1, "{spread:?}");
+    // A loaded session worker loses to idle ones: the term is worth 4 blocks here, the load more.
+    let mut guards = Vec::new();
+    for j in 0..6 {
+        let hashes: Vec<u64> = (0..8).map(|b| 9_000 + j * 100 + b).collect();
+        let decision = Decision::for_candidate(
+            &RouteRequest {
+                hashes: &hashes,
+                isl_tokens: 128,
+                block_size: 16,
+                affinity_key: None,
+            },
+            &Candidate::new(first.worker.id),
+            0.0,
+        );
+        let pick = Pick {
+            worker: first.worker.clone(),
+            decision,
+            estimate: first.estimate,
+        };
+        guards.push(router.dispatch(&pick, &hashes, 128, 16, now));
+    }
+    let pick = router
+        .select(&pool, &fresh(99), 64, session, &[], now)
+        .unwrap();
+    assert_ne!(pick.worker.name, first.worker.name);
+    drop(guards);
+}

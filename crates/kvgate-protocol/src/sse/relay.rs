@@ -20,7 +20,8 @@ pub struct Relay {
     saw_done: bool,
     max: usize,
     dialect: Dialect,
-    agent: AgentState,
+    /// Responses / Messages streams only (boxed: OpenAI streams carry none).
+    agent: Option<Box<AgentState>>,
 }
 
 struct Strip {
@@ -57,19 +58,20 @@ impl Relay {
             saw_done: false,
             max: max_event_bytes,
             dialect: Dialect::OpenAi,
-            agent: AgentState::default(),
+            agent: None,
         }
     }
 
     /// Read the events as `dialect`'s (`sse/agent.rs`); OpenAI chunks by default.
     pub fn with_dialect(mut self, dialect: Dialect) -> Self {
         self.dialect = dialect;
+        self.agent = (dialect != Dialect::OpenAi).then(Box::default);
         self
     }
 
     /// Responses: the id announced by `response.created`, once.
     pub fn take_response_id(&mut self) -> Option<String> {
-        self.agent.response_id.take()
+        self.agent.as_mut()?.response_id.take()
     }
 
     /// Prefill/decode disaggregation: the usage-only event the client gets takes prompt and
@@ -115,10 +117,10 @@ impl Relay {
         scanner.feed(chunk, |ev| {
             let info = if ev.oversized {
                 ChunkInfo::default()
-            } else if *dialect == Dialect::OpenAi {
-                ChunkInfo::scan(ev.data)
-            } else {
+            } else if let Some(agent) = agent.as_deref_mut() {
                 super::agent::scan(*dialect, ev.event, ev.data, agent)
+            } else {
+                ChunkInfo::scan(ev.data)
             };
             *saw_done |= info.done;
             on_event(&info);
