@@ -983,6 +983,108 @@ fn check_sim_fidelity(engine: &Engine, sub: &Subscriber, dir: &Path) {
         }
     }
 
+    // Agent APIs (issue 30): the same Responses / Messages bodies prompt the same number of tokens
+    // on both (the sim renders them through kvgate-protocol's `agent` conversion), and their
+    // answers and event streams have vLLM's shape. Neither side stores responses here.
+    let sys_agent = format!("Agent. {}", words(13, 60));
+    let tool_turn = json!([
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "run the tests"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "run", "arguments": "{\"cmd\": \"make\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "all 12 passed"}
+    ]);
+    let anthropic_msgs = json!([
+        {"role": "user", "content": "run the tests"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Running."},
+            {"type": "tool_use", "id": "toolu_1", "name": "run", "input": {"cmd": "make é"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "all 12 passed"}]}
+    ]);
+    let anthropic_system = json!([
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.90; cc_entrypoint=cli; cch=a1b2c;"},
+        {"type": "text", "text": sys_agent}
+    ]);
+    let responses_body = |stream: bool| {
+        json!({"model": MODEL, "instructions": sys_agent, "input": tool_turn,
+               "max_output_tokens": 2, "ignore_eos": true, "temperature": 0, "stream": stream})
+    };
+    let messages_body = |stream: bool| {
+        json!({"model": MODEL, "system": anthropic_system, "messages": anthropic_msgs,
+               "max_tokens": 2, "ignore_eos": true, "temperature": 0, "stream": stream})
+    };
+    let anthropic_input = |u: &Value| {
+        [
+            "input_tokens",
+            "cache_read_input_tokens",
+            "cache_creation_input_tokens",
+        ]
+        .iter()
+        .map(|k| u[*k].as_u64().unwrap_or(0))
+        .sum::<u64>()
+    };
+    let (se, re) = post(engine.http, "/v1/responses", &responses_body(false));
+    let (ss, rs) = post(http, "/v1/responses", &responses_body(false));
+    if (se, ss) != (200, 200)
+        || re["usage"]["input_tokens"] != rs["usage"]["input_tokens"]
+        || keys(&re) != keys(&rs)
+        || keys(&re["usage"]) != keys(&rs["usage"])
+        || keys(&re["usage"]["input_tokens_details"]) != keys(&rs["usage"]["input_tokens_details"])
+        || re["status"] != rs["status"]
+    {
+        must.push(format!("/v1/responses: engine {se} {re}, sim {ss} {rs}"));
+    }
+    let (se, me) = post(engine.http, "/v1/messages", &messages_body(false));
+    let (ss, ms) = post(http, "/v1/messages", &messages_body(false));
+    if (se, ss) != (200, 200)
+        || anthropic_input(&me["usage"]) != anthropic_input(&ms["usage"])
+        || keys(&me) != keys(&ms)
+        || keys(&me["usage"]) != keys(&ms["usage"])
+        || me["stop_reason"] != ms["stop_reason"]
+    {
+        must.push(format!("/v1/messages: engine {se} {me}, sim {ss} {ms}"));
+    }
+    let mut count_body = messages_body(false);
+    for k in ["max_tokens", "ignore_eos", "temperature", "stream"] {
+        count_body.as_object_mut().unwrap().remove(k);
+    }
+    let (se, ce) = post(engine.http, "/v1/messages/count_tokens", &count_body);
+    let (ss, cs) = post(http, "/v1/messages/count_tokens", &count_body);
+    if se != ss || ce != cs || ce["input_tokens"].as_u64() != Some(anthropic_input(&me["usage"])) {
+        must.push(format!("count_tokens: engine {se} {ce}, sim {ss} {cs}"));
+    }
+    // Event names in order, runs of deltas collapsed (vLLM's detokenizer may merge tokens).
+    let event_names = |text: &str| {
+        let mut names: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("event: "))
+            .map(str::to_owned)
+            .collect();
+        names.dedup();
+        names
+    };
+    for (path, body) in [
+        ("/v1/responses", responses_body(true)),
+        ("/v1/messages", messages_body(true)),
+    ] {
+        let (se, te) = http_req(engine.http, path, &body);
+        let (ss, ts) = http_req(http, path, &body);
+        if se != ss || event_names(&te).is_empty() || event_names(&te) != event_names(&ts) {
+            must.push(format!(
+                "{path} stream events: engine {se} {:?}, sim {ss} {:?}",
+                event_names(&te),
+                event_names(&ts)
+            ));
+        }
+    }
+    // Store off on both: a chain is vLLM's 404, word for word.
+    let chain =
+        json!({"model": MODEL, "input": "more", "previous_response_id": "resp_0123456789abcdef"});
+    let (se, ve) = post(engine.http, "/v1/responses", &chain);
+    let (ss, vs) = post(http, "/v1/responses", &chain);
+    if (se, &ve) != (ss, &vs) || se != 404 {
+        must.push(format!(
+            "unknown previous_response_id: engine {se} {ve}, sim {ss} {vs}"
+        ));
+    }
+
     // Metrics: every vLLM series kvgate reads exists on both with the same label names.
     let sim_metrics = http_maybe(http, "GET", "/metrics")
         .map(|(_, b)| b)

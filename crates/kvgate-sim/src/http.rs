@@ -81,15 +81,16 @@ pub fn invalid(message: impl Into<String>, param: &str) -> Response<Body> {
     )
 }
 
-/// Starlette's 405 through vLLM's HTTP-exception handler (a known path, another method).
-fn method_not_allowed() -> Response<Body> {
-    json(
+/// Starlette's own 405 for a known path and another method, as vLLM 0.32 answers it (checked on
+/// the real engine: `{"detail": "Method Not Allowed"}` with `allow`).
+fn method_not_allowed(allow: &'static str) -> Response<Body> {
+    let mut r = json(
         StatusCode::METHOD_NOT_ALLOWED,
-        &serde_json::json!({"error": {
-            "message": "Method Not Allowed", "type": "Method Not Allowed", "param": null,
-            "code": 405
-        }}),
-    )
+        &serde_json::json!({"detail": "Method Not Allowed"}),
+    );
+    r.headers_mut()
+        .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+    r
 }
 
 async fn read_body(req: Request<hyper::body::Incoming>) -> Result<Bytes, Response<Body>> {
@@ -165,9 +166,9 @@ pub async fn route(
                 (_, None) if !rest.is_empty() && !rest.contains('/') => match *m {
                     Method::GET => responses::retrieve(&sh, rest, req.uri().query()),
                     Method::DELETE => responses::delete(&sh, rest),
-                    _ => method_not_allowed(),
+                    _ => method_not_allowed("GET, DELETE"),
                 },
-                (_, Some(id)) if !id.is_empty() && !id.contains('/') => method_not_allowed(),
+                (_, Some(id)) if !id.is_empty() && !id.contains('/') => method_not_allowed("POST"),
                 _ => error(
                     StatusCode::NOT_FOUND,
                     format!("no route for {method} {p}"),

@@ -125,6 +125,15 @@ async fn responses_answer_in_vllms_shape_with_cached_tokens_on_a_repeat() {
         "a repeat finds every full block cached"
     );
     assert_eq!(b["usage"]["input_tokens_details"]["cache_write_tokens"], 0);
+    // vLLM 0.32 leaves the per-turn arrays empty for a single-turn context (real engine).
+    assert_eq!(
+        u["input_tokens_details"]["input_tokens_per_turn"],
+        json!([])
+    );
+    assert_eq!(
+        u["output_tokens_details"]["output_tokens_per_turn"],
+        json!([])
+    );
     assert_ne!(a["id"], b["id"]);
     w.shutdown().await;
 }
@@ -317,6 +326,25 @@ async fn stored_responses_live_in_their_worker_and_chains_prepend_the_history() 
         cached >= p1 / 16 * 16 - 16,
         "turn 1's blocks are reused: {cached} of {p1}"
     );
+
+    // Streaming a response that is not a background stream: 200 and an empty event stream.
+    let (st, text) = call(
+        &c,
+        "GET",
+        &format!("{}/v1/responses/{id}?stream=true", a.base_url()),
+        None,
+    )
+    .await;
+    assert_eq!((st, text.as_str()), (200, ""));
+    // Another method on the path: Starlette's 405, as vLLM answers it.
+    let (st, e) = json_call(
+        &c,
+        "PUT",
+        &format!("{}/v1/responses/{id}", a.base_url()),
+        None,
+    )
+    .await;
+    assert_eq!((st, e), (405, json!({"detail": "Method Not Allowed"})));
 
     // Cancel: a finished response cannot be; DELETE removes it.
     let (st, e) = json_call(

@@ -162,9 +162,7 @@ impl ChatTemplate {
         };
         let mut messages: Value = serde_json::from_str(messages_json)
             .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
-        if !parts_content {
-            messages = flatten_content(messages)?;
-        }
+        messages = normalize_content(messages, *parts_content)?;
         let tools: Value = match tools_json {
             Some(t) => serde_json::from_str(t)
                 .map_err(|e| TokenizeError::Template(format!("tools: {e}")))?,
@@ -229,50 +227,74 @@ fn walks_content_parts(source: &str) -> bool {
     .any(|p| source.contains(p))
 }
 
-/// Replaces list `content` by its text parts joined with `\n`, keeping key order.
-fn flatten_content(messages: Value) -> Result<Value, TokenizeError> {
+/// The content every message has when vLLM hands it to the template: a missing or null `content`
+/// (an assistant message with only `tool_calls`) becomes `""` — or `[]` for a template that walks
+/// content parts — as vLLM's `_parse_chat_message_content` makes it (templates that concatenate
+/// `message['content']` would fail on an undefined value); and, unless `parts` (vLLM's "string"
+/// content format), list content becomes its text parts joined with `\n`. Key order is kept.
+fn normalize_content(messages: Value, parts: bool) -> Result<Value, TokenizeError> {
     use minijinja::value::ValueKind;
     let err = |e: minijinja::Error| TokenizeError::Template(format!("messages: {e}"));
     if messages.kind() != ValueKind::Seq {
         return Ok(messages);
     }
-    // Almost every request has string content: then nothing is rebuilt.
-    let has_parts = messages.try_iter().map_err(err)?.any(|m| {
+    let absent = |c: &Value| matches!(c.kind(), ValueKind::Undefined | ValueKind::None);
+    let needs = |m: &Value| {
         m.kind() == ValueKind::Map
             && m.get_attr("content")
-                .is_ok_and(|c| c.kind() == ValueKind::Seq)
-    });
-    if !has_parts {
+                .is_ok_and(|c| absent(&c) || (!parts && c.kind() == ValueKind::Seq))
+    };
+    // Almost every request has string content: then nothing is rebuilt.
+    if !messages.try_iter().map_err(err)?.any(|m| needs(&m)) {
         return Ok(messages);
     }
     let mut out = Vec::new();
     for m in messages.try_iter().map_err(err)? {
-        let content = m.get_attr("content").map_err(err)?;
-        if m.kind() != ValueKind::Map || content.kind() != ValueKind::Seq {
+        if !needs(&m) {
             out.push(m);
             continue;
         }
-        let mut text = String::new();
-        for part in content.try_iter().map_err(err)? {
-            if let Some(t) = part
-                .get_attr("text")
-                .ok()
-                .and_then(|t| t.as_str().map(str::to_owned))
-            {
-                if !text.is_empty() {
-                    text.push('\n');
-                }
-                text.push_str(&t);
+        let content = m.get_attr("content").map_err(err)?;
+        let new = if absent(&content) {
+            if parts {
+                Value::from(Vec::<Value>::new())
+            } else {
+                Value::from("")
             }
-        }
+        } else {
+            let mut text = String::new();
+            for part in content.try_iter().map_err(err)? {
+                if let Some(t) = part
+                    .get_attr("text")
+                    .ok()
+                    .and_then(|t| t.as_str().map(str::to_owned))
+                {
+                    if !text.is_empty() {
+                        text.push('\n');
+                    }
+                    text.push_str(&t);
+                }
+            }
+            Value::from(text)
+        };
         let mut fields = Vec::new();
+        let mut seen = false;
         for k in m.try_iter().map_err(err)? {
             let v = if k.as_str() == Some("content") {
-                Value::from(text.clone())
+                seen = true;
+                new.clone()
             } else {
                 m.get_item(&k).map_err(err)?
             };
             fields.push((k, v));
+        }
+        if !seen {
+            // vLLM builds `{"role", "content"}` first, then adds `tool_calls`.
+            let at = fields
+                .iter()
+                .position(|(k, _)| k.as_str() == Some("role"))
+                .map_or(0, |i| i + 1);
+            fields.insert(at, (Value::from("content"), new));
         }
         out.push(fields.into_iter().collect());
     }

@@ -19,7 +19,7 @@ use http::{Response, StatusCode};
 use kvgate_protocol::agent::{self, Message};
 use serde_json::{json, Value};
 
-use super::stream::{broken_body, sse_response, EventStream, Frames};
+use super::stream::{sse_response, EventStream, Frames};
 use super::{error, json as json_resp, Body};
 use crate::server::Shared;
 use run::{Echo, Run};
@@ -330,8 +330,9 @@ pub fn retrieve(sh: &Shared, id: &str, q: Option<&str>) -> Response<Body> {
             let from = after.map_or(0, |n| n as usize + 1);
             sse_response(log.follow(from))
         }
-        // vLLM's resume generator raises "Unknown response_id" after the 200 went out.
-        None => sse_response(broken_body("Unknown response_id: not a background stream")),
+        // vLLM's resume generator raises "Unknown response_id" after the 200 went out, and the
+        // client gets an empty event stream (checked on the real engine).
+        None => sse_response(super::full("")),
     }
 }
 

@@ -132,28 +132,3 @@ impl http_body::Body for ChannelBody {
             .map(|b| b.map(|b| Ok(Frame::data(b))))
     }
 }
-
-/// A body that fails at once: the status line is sent, then the connection is cut (what a client
-/// of a Python server sees when a streaming generator raises before its first event).
-pub fn broken_body(why: &'static str) -> Body {
-    FailBody(Some(why)).boxed_unsync()
-}
-
-struct FailBody(Option<&'static str>);
-
-impl http_body::Body for FailBody {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
-        Poll::Ready(
-            self.get_mut()
-                .0
-                .take()
-                .map(|w| Err(std::io::Error::other(w))),
-        )
-    }
-}

@@ -181,3 +181,35 @@ fn strftime_subset() {
     let year: i32 = t.render("[]", false).unwrap().parse().unwrap();
     assert!(year >= 2024);
 }
+
+#[test]
+fn a_message_without_content_reaches_the_template_as_vllm_hands_it() {
+    // SmolLM2-style concatenation fails on an undefined content; vLLM passes "" (string format).
+    let src = "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '|' }}{% endfor %}";
+    let t = ChatTemplate::from_source(src, SpecialTokens::default()).unwrap();
+    let calls = r#"[{"role":"user","content":"run it"},
+        {"role":"assistant","tool_calls":[{"id":"c1","type":"function","function":{"name":"run","arguments":"{}"}}]},
+        {"role":"assistant","content":null},
+        {"role":"tool","tool_call_id":"c1","content":"done"}]"#;
+    assert_eq!(
+        t.render(calls, false).unwrap(),
+        "<user>run it|<assistant>|<assistant>|<tool>done|"
+    );
+    // The key order vLLM builds: role, content, then tool_calls.
+    let keys = ChatTemplate::from_source(
+        "{% for m in messages %}{% for k in m %}{{ k }},{% endfor %};{% endfor %}",
+        SpecialTokens::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        keys.render(calls, false).unwrap(),
+        "role,content,;role,content,tool_calls,;role,content,;role,tool_call_id,content,;"
+    );
+    // A template that walks content parts gets an empty list.
+    let parts = ChatTemplate::from_source(
+        "{% for m in messages %}{{ m['content'] | length }}{% if m['content'] is string %}s{% endif %},{% endfor %}",
+        SpecialTokens::default(),
+    )
+    .unwrap();
+    assert_eq!(parts.render(calls, false).unwrap(), "6s,0,0,4s,");
+}

@@ -75,18 +75,20 @@ impl Echo {
     }
 }
 
-/// vLLM's `ResponseUsage` for one turn (no tools run by the server, no reasoning parser).
+/// vLLM's `ResponseUsage` for one turn (no tools run by the server, no reasoning parser). The
+/// `*_per_turn` arrays are empty: vLLM 0.32 fills them only for its multi-turn contexts (checked
+/// on the real engine).
 pub fn usage(prompt: usize, cached: usize, created: usize, output: usize) -> Value {
     json!({
         "input_tokens": prompt,
         "input_tokens_details": {
             "cached_tokens": cached, "cache_write_tokens": created,
-            "input_tokens_per_turn": [prompt], "cached_tokens_per_turn": [cached],
+            "input_tokens_per_turn": [], "cached_tokens_per_turn": [],
         },
         "output_tokens": output,
         "output_tokens_details": {
             "reasoning_tokens": 0, "tool_output_tokens": 0,
-            "output_tokens_per_turn": [output], "tool_output_tokens_per_turn": [0],
+            "output_tokens_per_turn": [], "tool_output_tokens_per_turn": [],
         },
         "total_tokens": prompt + output,
     })
