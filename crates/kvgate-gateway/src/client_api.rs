@@ -195,12 +195,25 @@ pub fn session_key(
     prompt_cache_key: Option<&str>,
     user_id: Option<&str>,
 ) -> Option<u64> {
-    let from_header = headers.iter().find_map(|name| {
-        req_headers
-            .get(name.as_str())
+    // One pass over the request's header names (a handful) rather than a lookup per configured
+    // name (each would parse and hash it); the configured order decides between two present.
+    let mut best: Option<(usize, &[u8])> = None;
+    for name in req_headers.keys() {
+        let Some(i) = headers.iter().position(|h| h == name.as_str()) else {
+            continue;
+        };
+        if best.is_some_and(|(j, _)| j < i) {
+            continue;
+        }
+        if let Some(v) = req_headers
+            .get(name)
             .map(|v| v.as_bytes())
             .filter(|v| !v.is_empty())
-    });
+        {
+            best = Some((i, v));
+        }
+    }
+    let from_header = best.map(|(_, v)| v);
     let hash = |b: &[u8]| xxhash_rust::xxh3::xxh3_64(b);
     if let Some(v) = from_header {
         return Some(hash(v));

@@ -152,10 +152,11 @@ impl Decider {
         let router = &self.router;
         let adm = router.admission();
         let ticket = adm.admit(&input.flow, pool_key(pool), at);
-        let (class, tenant, tokens) = (
+        let (class, tenant, tokens, fair) = (
             ticket.class.name.clone(),
             ticket.tenant_label.clone(),
             ticket.tokens,
+            ticket.fair,
         );
         let waited_before = *queue_wait;
         let bypass = self.bypasses_busy(&ticket, pool);
@@ -185,13 +186,16 @@ impl Decider {
             Ok(_) => "admitted",
             Err(r) => refusal_outcome(r),
         };
-        self.metrics.flow.record(
-            &class,
-            &tenant,
-            outcome,
-            queue_wait.saturating_sub(waited_before),
-            result.is_ok().then_some(tokens),
-        );
+        // `kvgate_flow_*` are flow control's (on); off, `kvgate_queue_wait_seconds` has the wait.
+        if fair {
+            self.metrics.flow.record(
+                &class,
+                &tenant,
+                outcome,
+                queue_wait.saturating_sub(waited_before),
+                result.is_ok().then_some(tokens),
+            );
+        }
         let pick = result
             .map_err(|e| match e {
                 Refusal::NoWorker(_) => {

@@ -156,12 +156,18 @@ pub struct Ticket<'a> {
     rank: Rank,
     finish: f64,
     done: bool,
+    /// Flow control on: the ticket was charged to its class's fair-share clock (off: one FIFO
+    /// queue by arrival, no clock kept).
+    pub fair: bool,
 }
 
 impl Ticket<'_> {
     /// The request got a worker: its class's virtual time moves to its tag.
     pub fn admitted(mut self) {
         self.done = true;
+        if !self.fair {
+            return;
+        }
         let mut q = self.adm.queue.lock();
         if let Some(c) = q.clocks.get_mut(&self.class.name) {
             let start = self.start();
@@ -189,7 +195,7 @@ impl Ticket<'_> {
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        if self.done {
+        if self.done || !self.fair {
             return;
         }
         let start = self.start();
@@ -279,9 +285,14 @@ impl Admission {
         let weight = policy.weight(key.tenant.as_deref());
         let objective_ms = policy.objective(key, &class);
         let tenant_label = policy.tenant_label(key.tenant.as_deref());
+        let fair = policy.enabled;
         drop(policy);
         let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
-        let (start, finish) = {
+        // Off: every request in one class with no tenant, so the clock's tags only grow with
+        // arrival; equal tags rank by arrival (`id`) alike, without the lock and the maps.
+        let (start, finish) = if !fair {
+            (0.0, 0.0)
+        } else {
             let mut q = self.queue.lock();
             let c = q.clocks.entry(class.name.clone()).or_default();
             let last = c.finish.get(&key.tenant).copied().unwrap_or(0.0);
@@ -316,6 +327,7 @@ impl Admission {
             pool,
             finish,
             done: false,
+            fair,
         }
     }
 

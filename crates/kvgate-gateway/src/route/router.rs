@@ -51,7 +51,7 @@ pub struct RoutePolicy {
     pub session_ttl: std::time::Duration,
     pub session_max: usize,
     /// `routing.session_headers`, lower-cased: the front ends read a request's session from them.
-    pub session_headers: Vec<String>,
+    pub session_headers: Arc<[String]>,
 }
 
 /// The speed a worker kind starts from before it has been observed (1 = the Dynamo/sim curve).
