@@ -313,12 +313,14 @@ impl GatewayError {
         self.into_response_for(ErrorShape::OpenAi)
     }
 
-    /// Anthropic's status and `error.type` for this failure: requests shed for load get 529
-    /// `overloaded_error` (the SDKs retry it), the rest the type of their status.
+    /// Anthropic's status and `error.type` for this failure: requests shed for load (flow
+    /// control's sheds included) get 529 `overloaded_error` (the SDKs retry it), the rest the
+    /// type of their status.
     fn anthropic(&self) -> (StatusCode, &'static str) {
         use ErrorKind::*;
         let status = match self.kind {
-            QueueFull | QueueTimeout | NoWorker | ShuttingDown | TooManyConnections => {
+            QueueFull | QueueTimeout | NoWorker | ShuttingDown | TooManyConnections | Shed
+            | ObjectiveUnreachable => {
                 return (
                     StatusCode::from_u16(529).expect("529 is a valid status"),
                     "overloaded_error",
@@ -478,6 +480,12 @@ mod tests {
         assert_eq!(j["type"], "error");
         assert_eq!(j["error"]["type"], "overloaded_error");
         assert_eq!(j["error"]["message"], "busy");
+        // Flow control's sheds are load sheds too.
+        for kind in [ErrorKind::Shed, ErrorKind::ObjectiveUnreachable] {
+            let r = GatewayError::new(kind, "shed").into_response_for(ErrorShape::Anthropic);
+            assert_eq!(r.status().as_u16(), 529, "{kind:?}");
+            assert_eq!(body_json(r).await["error"]["type"], "overloaded_error");
+        }
         let r = GatewayError::new(
             ErrorKind::BadRequest {
                 param: Some("messages"),
