@@ -482,8 +482,9 @@ mod tests {
         assert_eq!(j["error"]["message"], "busy");
         // Flow control's sheds are load sheds too.
         for kind in [ErrorKind::Shed, ErrorKind::ObjectiveUnreachable] {
+            let name = format!("{kind:?}");
             let r = GatewayError::new(kind, "shed").into_response_for(ErrorShape::Anthropic);
-            assert_eq!(r.status().as_u16(), 529, "{kind:?}");
+            assert_eq!(r.status().as_u16(), 529, "{name}");
             assert_eq!(body_json(r).await["error"]["type"], "overloaded_error");
         }
         let r = GatewayError::new(
