@@ -537,32 +537,49 @@ fn chained_responses_never_404_across_replicas() {
             && sample(&metrics(b.addr), "kvgate_cluster_peers ") >= 1.0
     });
     let replicas = [a.addr, b.addr];
-    let (mut ok, mut not_found) = (0, 0);
-    for conv in 0..40 {
-        let mut prev: Option<String> = None;
-        for turn in 0..5 {
-            let mut body = serde_json::json!({"model": "sim-model", "max_output_tokens": 2,
-                "store": true, "input": format!("conversation {conv} turn {turn}")});
-            if let Some(p) = &prev {
-                body["previous_response_id"] = serde_json::json!(p);
-            }
-            let (status, text) = http(
-                replicas[(conv + turn) % 2],
-                "POST",
-                "/v1/responses",
-                &body.to_string(),
-            )
-            .expect("request");
-            match status {
-                200 => ok += 1,
-                404 => not_found += 1,
-                s => panic!("{s}: {text}"),
-            }
-            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
-            prev = v["id"].as_str().map(str::to_owned);
-        }
-    }
-    assert_eq!((ok, not_found), (200, 0));
-    assert!(sample(&metrics(a.addr), "kvgate_response_pins ") >= 200.0);
-    assert!(sample(&metrics(b.addr), "kvgate_response_pins ") >= 200.0);
+    // Under load: 200 conversations of 5 turns, 10 at a time, each turn on the other replica.
+    const CONVERSATIONS: usize = 200;
+    const PARALLEL: usize = 10;
+    let results: Vec<(usize, usize)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..PARALLEL)
+            .map(|t| {
+                s.spawn(move || {
+                    let (mut ok, mut not_found) = (0, 0);
+                    for conv in (t..CONVERSATIONS).step_by(PARALLEL) {
+                        let mut prev: Option<String> = None;
+                        for turn in 0..5 {
+                            let mut body = serde_json::json!({"model": "sim-model",
+                                "max_output_tokens": 2, "store": true,
+                                "input": format!("conversation {conv} turn {turn}")});
+                            if let Some(p) = &prev {
+                                body["previous_response_id"] = serde_json::json!(p);
+                            }
+                            let (status, text) = http(
+                                replicas[(conv + turn) % 2],
+                                "POST",
+                                "/v1/responses",
+                                &body.to_string(),
+                            )
+                            .expect("request");
+                            match status {
+                                200 => ok += 1,
+                                404 => not_found += 1,
+                                s => panic!("{s}: {text}"),
+                            }
+                            let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+                            prev = v["id"].as_str().map(str::to_owned);
+                        }
+                    }
+                    (ok, not_found)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ok: usize = results.iter().map(|r| r.0).sum();
+    let not_found: usize = results.iter().map(|r| r.1).sum();
+    assert_eq!((ok, not_found), (CONVERSATIONS * 5, 0));
+    let pins = (CONVERSATIONS * 5) as f64;
+    assert!(sample(&metrics(a.addr), "kvgate_response_pins ") >= pins);
+    assert!(sample(&metrics(b.addr), "kvgate_response_pins ") >= pins);
 }
