@@ -19,6 +19,7 @@ use std::path::Path;
 use minijinja::{Environment, Value};
 
 use crate::TokenizeError;
+use kvgate_protocol::agent::messages::{strip_billing_line, BILLING_HEADER};
 
 pub use config::SpecialTokens;
 
@@ -162,6 +163,9 @@ impl ChatTemplate {
         };
         let mut messages: Value = serde_json::from_str(messages_json)
             .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
+        if messages_json.contains(BILLING_HEADER) {
+            messages = strip_system_billing(messages)?;
+        }
         messages = normalize_content(messages, *parts_content)?;
         let tools: Value = match tools_json {
             Some(t) => serde_json::from_str(t)
@@ -225,6 +229,76 @@ fn walks_content_parts(source: &str) -> bool {
     ]
     .iter()
     .any(|p| source.contains(p))
+}
+
+/// vLLM 0.32's chat path drops Claude Code's per-request billing line from `system` messages'
+/// text parts ([`strip_billing_line`]) before templating: the same here, keys kept in order.
+fn strip_system_billing(messages: Value) -> Result<Value, TokenizeError> {
+    use minijinja::value::ValueKind;
+    let err = |e: minijinja::Error| TokenizeError::Template(format!("messages: {e}"));
+    if messages.kind() != ValueKind::Seq {
+        return Ok(messages);
+    }
+    // A map value with `key`'s value replaced by `v`, key order kept.
+    let with = |m: &Value, key: &str, v: Value| -> Result<Value, TokenizeError> {
+        let mut fields = Vec::new();
+        for k in m.try_iter().map_err(err)? {
+            let x = if k.as_str() == Some(key) {
+                v.clone()
+            } else {
+                m.get_item(&k).map_err(err)?
+            };
+            fields.push((k, x));
+        }
+        Ok(fields.into_iter().collect())
+    };
+    let mut out = Vec::new();
+    for m in messages.try_iter().map_err(err)? {
+        let system = m.kind() == ValueKind::Map
+            && m.get_attr("role").ok().and_then(|r| r.as_str().map(str::to_owned))
+                == Some("system".to_owned());
+        let content = if system {
+            m.get_attr("content").map_err(err)?
+        } else {
+            Value::UNDEFINED
+        };
+        let new_content = match content.kind() {
+            ValueKind::String => {
+                let t = content.as_str().unwrap_or_default();
+                match strip_billing_line(t) {
+                    Some(kept) if kept.len() == t.len() => None,
+                    kept => Some(Value::from(kept.unwrap_or(""))),
+                }
+            }
+            ValueKind::Seq => {
+                let mut parts = Vec::new();
+                let mut changed = false;
+                for p in content.try_iter().map_err(err)? {
+                    let text = p
+                        .get_attr("type")
+                        .ok()
+                        .filter(|t| t.as_str() == Some("text"))
+                        .and_then(|_| p.get_attr("text").ok())
+                        .and_then(|t| t.as_str().map(str::to_owned));
+                    match text.as_deref().map(|t| (t, strip_billing_line(t))) {
+                        Some((_, None)) => changed = true,
+                        Some((t, Some(kept))) if kept.len() != t.len() => {
+                            changed = true;
+                            parts.push(with(&p, "text", Value::from(kept))?);
+                        }
+                        _ => parts.push(p),
+                    }
+                }
+                changed.then(|| Value::from(parts))
+            }
+            _ => None,
+        };
+        match new_content {
+            Some(c) => out.push(with(&m, "content", c)?),
+            None => out.push(m),
+        }
+    }
+    Ok(Value::from(out))
 }
 
 /// The content every message has when vLLM hands it to the template: a missing or null `content`

@@ -36,6 +36,20 @@ use crate::openai::RequestError;
 /// The prefix of Claude Code's attribution block in `system`.
 pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
+/// vLLM 0.32's chat path (`_strip_claude_code_billing_header`, applied to `system` messages'
+/// text parts; a string content is one part): a part that starts with [`BILLING_HEADER`] loses
+/// its first line, and is dropped (`None`) when nothing follows it. Other text is returned as is.
+/// (The header's `cch` changes on every request: kept, it would end the prefix cache there.)
+pub fn strip_billing_line(text: &str) -> Option<&str> {
+    if !text.starts_with(BILLING_HEADER) {
+        return Some(text);
+    }
+    match text.split_once('\n') {
+        Some((_, rest)) if !rest.is_empty() => Some(rest),
+        _ => None,
+    }
+}
+
 /// Parses a `/v1/messages` body: `model`, `messages` and `max_tokens` are required.
 pub fn parse(body: &[u8]) -> Result<AgentRequest, RequestError> {
     let f = Fields::parse(body)?;

@@ -1,6 +1,7 @@
 //! The ChatML fallback, rendered without Jinja: it is the hot path for every model that has no
 //! template configured.
 
+use kvgate_protocol::agent::messages::strip_billing_line;
 use kvgate_protocol::openai::{parse_messages, ChatMessage, MessageContent};
 use serde_json::value::RawValue;
 
@@ -24,6 +25,28 @@ fn content_len(c: &MessageContent<'_>) -> usize {
             .iter()
             .map(|p| p.text.as_ref().map_or(0, |t| t.len() + 1))
             .sum(),
+    }
+}
+
+/// A system message's text as vLLM renders it: each text part (a string content is one) without
+/// Claude Code's billing line ([`strip_billing_line`]), the parts left joined by `\n`.
+fn push_system_text(c: &MessageContent<'_>, out: &mut String) {
+    match c {
+        MessageContent::Text(t) => out.push_str(strip_billing_line(t).unwrap_or("")),
+        MessageContent::Parts(parts) => {
+            let mut first = true;
+            for t in parts
+                .iter()
+                .filter_map(|p| p.text.as_deref())
+                .filter_map(strip_billing_line)
+            {
+                if !first {
+                    out.push('\n');
+                }
+                out.push_str(t);
+                first = false;
+            }
+        }
     }
 }
 
@@ -51,8 +74,11 @@ pub(crate) fn render_messages_into(
         out.push_str("<|im_start|>");
         out.push_str(&m.role);
         out.push('\n');
-        if let Some(c) = &m.content {
-            out.push_str(&c.text());
+        match &m.content {
+            // vLLM drops Claude Code's per-request billing line from system text (chat path).
+            Some(c) if m.role == "system" => push_system_text(c, out),
+            Some(c) => out.push_str(&c.text()),
+            None => {}
         }
         out.push_str("<|im_end|>\n");
     }

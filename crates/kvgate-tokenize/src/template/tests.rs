@@ -213,3 +213,38 @@ fn a_message_without_content_reaches_the_template_as_vllm_hands_it() {
     .unwrap();
     assert_eq!(parts.render(calls, false).unwrap(), "6s,0,0,4s,");
 }
+
+/// vLLM 0.32's chat path drops Claude Code's per-request billing line from system text parts
+/// (only there): the Jinja path and the native ChatML path alike, string and list content.
+#[test]
+fn the_billing_line_is_dropped_from_system_messages_only() {
+    let src = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}";
+    let j = ChatTemplate::from_source(src, SpecialTokens::default()).unwrap();
+    let native = ChatTemplate::chatml();
+    let cases = [
+        // The header line with more after it: the rest stays.
+        (
+            r#"[{"role":"system","content":"x-anthropic-billing-header: cc_version=1; cch=abcde;\nYou are terse."},{"role":"user","content":"hi"}]"#,
+            "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n",
+        ),
+        // The header alone: the part goes, the message stays (empty).
+        (
+            r#"[{"role":"system","content":"x-anthropic-billing-header: cch=1;"}]"#,
+            "<|im_start|>system\n<|im_end|>\n",
+        ),
+        // Parts: the header part dropped, the others joined.
+        (
+            r#"[{"role":"system","content":[{"type":"text","text":"x-anthropic-billing-header: cch=2;"},{"type":"text","text":"A"},{"type":"text","text":"B"}]}]"#,
+            "<|im_start|>system\nA\nB<|im_end|>\n",
+        ),
+        // Not a system message: kept as sent.
+        (
+            r#"[{"role":"user","content":"x-anthropic-billing-header: cch=3;\nq"}]"#,
+            "<|im_start|>user\nx-anthropic-billing-header: cch=3;\nq<|im_end|>\n",
+        ),
+    ];
+    for (msgs, want) in cases {
+        assert_eq!(j.render(msgs, false).unwrap(), want, "jinja: {msgs}");
+        assert_eq!(native.render(msgs, false).unwrap(), want, "native: {msgs}");
+    }
+}

@@ -264,3 +264,20 @@ fn the_chat_body_parses_as_chat() {
     assert_eq!(view.messages.as_ref().unwrap().len(), 4);
     assert_eq!(view.max_output_tokens(), Some(9));
 }
+
+#[test]
+fn the_billing_line_is_stripped_as_vllm_strips_it() {
+    use super::strip_billing_line;
+    assert_eq!(strip_billing_line("You are terse."), Some("You are terse."));
+    assert_eq!(strip_billing_line("x-anthropic-billing-header: cch=1;"), None);
+    assert_eq!(strip_billing_line("x-anthropic-billing-header: cch=1;\n"), None);
+    assert_eq!(
+        strip_billing_line("x-anthropic-billing-header: cch=1;\nrest\nmore"),
+        Some("rest\nmore")
+    );
+    // Only at the start.
+    assert_eq!(
+        strip_billing_line(" x-anthropic-billing-header: cch=1;\nrest"),
+        Some(" x-anthropic-billing-header: cch=1;\nrest")
+    );
+}
