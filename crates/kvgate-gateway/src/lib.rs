@@ -74,8 +74,8 @@ pub mod route;
 pub mod server;
 pub mod state;
 pub mod tls;
-pub mod ttl_map;
 pub mod trace;
+pub mod ttl_map;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

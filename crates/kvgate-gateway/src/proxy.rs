@@ -442,7 +442,15 @@ async fn prepare_openai(
     ctx: &mut RequestCtx,
     bytes: &Bytes,
     fleet: &crate::registry::Fleet,
-) -> Result<(Arc<crate::registry::Pool>, RouteInput, Option<Bytes>, Option<u64>), GatewayError> {
+) -> Result<
+    (
+        Arc<crate::registry::Pool>,
+        RouteInput,
+        Option<Bytes>,
+        Option<u64>,
+    ),
+    GatewayError,
+> {
     let view = crate::prompt::parse_view(bytes, ctx.endpoint).map_err(|e| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())

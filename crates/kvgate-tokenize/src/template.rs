@@ -255,7 +255,9 @@ fn strip_system_billing(messages: Value) -> Result<Value, TokenizeError> {
     let mut out = Vec::new();
     for m in messages.try_iter().map_err(err)? {
         let system = m.kind() == ValueKind::Map
-            && m.get_attr("role").ok().and_then(|r| r.as_str().map(str::to_owned))
+            && m.get_attr("role")
+                .ok()
+                .and_then(|r| r.as_str().map(str::to_owned))
                 == Some("system".to_owned());
         let content = if system {
             m.get_attr("content").map_err(err)?

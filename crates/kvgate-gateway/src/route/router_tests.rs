@@ -261,12 +261,32 @@ fn a_reused_worker_id_starts_with_no_load() {
     // on the bounded path (it must be in the load order again).
     // (A two-worker pool takes the exhaustive scan by default: the bounded path is asked for.)
     let p = router
-        .select_with(&pool, &[5, 6, 7], 48, None, &[busy], now, Leg::Whole, true, false)
+        .select_with(
+            &pool,
+            &[5, 6, 7],
+            48,
+            None,
+            &[busy],
+            now,
+            Leg::Whole,
+            true,
+            false,
+        )
         .unwrap();
     assert_eq!(p.worker.id, other);
     let _g = router.dispatch(&p, &[5, 6, 7], 48, 16, now);
     let fresh = router
-        .select_with(&pool, &[8, 8, 8, 8], 64, None, &[], now, Leg::Whole, true, false)
+        .select_with(
+            &pool,
+            &[8, 8, 8, 8],
+            64,
+            None,
+            &[],
+            now,
+            Leg::Whole,
+            true,
+            false,
+        )
         .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
 }

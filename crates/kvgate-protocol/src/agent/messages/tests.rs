@@ -269,8 +269,14 @@ fn the_chat_body_parses_as_chat() {
 fn the_billing_line_is_stripped_as_vllm_strips_it() {
     use super::strip_billing_line;
     assert_eq!(strip_billing_line("You are terse."), Some("You are terse."));
-    assert_eq!(strip_billing_line("x-anthropic-billing-header: cch=1;"), None);
-    assert_eq!(strip_billing_line("x-anthropic-billing-header: cch=1;\n"), None);
+    assert_eq!(
+        strip_billing_line("x-anthropic-billing-header: cch=1;"),
+        None
+    );
+    assert_eq!(
+        strip_billing_line("x-anthropic-billing-header: cch=1;\n"),
+        None
+    );
     assert_eq!(
         strip_billing_line("x-anthropic-billing-header: cch=1;\nrest\nmore"),
         Some("rest\nmore")
