@@ -443,17 +443,7 @@ impl Router {
         now: Instant,
         leg: Leg,
     ) -> Result<Pick, NoPick> {
-        self.select_with(
-            pool,
-            hashes,
-            isl,
-            affinity_key,
-            exclude,
-            now,
-            leg,
-            pool.workers.len() >= BOUNDED_FROM_WORKERS,
-            false,
-        )
+        self.select_for(pool, hashes, isl, affinity_key, exclude, now, leg, false)
     }
 
     /// [`Router::select_leg`]; `past_busy`: the request may go past the busy bound and
