@@ -310,26 +310,6 @@ fn not_found(id: &str) -> (u16, &'static str, String) {
     )
 }
 
-/// `$KVGATE_PYTHON` (or python3) when it has both SDKs; `None` (after `skipped: …`) without them
-/// locally, a failure under `CI`.
-fn python_with_sdks() -> Option<String> {
-    let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = std::process::Command::new(&py)
-        .args(["-c", "import openai, anthropic"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        return Some(py);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!("{py} cannot import openai and anthropic (CI must provide them via KVGATE_PYTHON)");
-    }
-    eprintln!("skipped: the SDK part ({py} lacks openai or anthropic; set KVGATE_PYTHON)");
-    None
-}
-
 /// A shed request as each SDK reports it.
 const SHED_SCRIPT: &str = r#"
 import json, sys, openai, anthropic
@@ -702,7 +682,7 @@ fn sessions_stick_to_their_worker_and_shed_requests_get_each_apis_status() {
     );
     let gw_addr = gw.addr;
     // The SDK script starts first (importing the SDKs takes seconds here) and waits for a line.
-    let sdk = python_with_sdks().map(|py| {
+    let sdk = kvgate_system_tests::python_with("openai, anthropic").map(|py| {
         let mut child = std::process::Command::new(&py)
             .args(["-c", SHED_SCRIPT, &format!("http://{gw_addr}"), MODEL])
             .stdin(std::process::Stdio::piped())

@@ -6,30 +6,11 @@
 //! Needs Python with `openai` and `anthropic` ($KVGATE_PYTHON): skipped locally without them, a
 //! failure in CI.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use kvgate_system_tests::{Gateway, Sims};
 
 const MODEL: &str = "sim-model";
-
-fn python_with_sdks() -> Option<String> {
-    let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import openai, anthropic"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if ok {
-        return Some(py);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!("{py} cannot import openai and anthropic (CI must provide them via KVGATE_PYTHON)");
-    }
-    eprintln!("skipped: {py} lacks the openai or anthropic package (set KVGATE_PYTHON)");
-    None
-}
 
 const SDK_SCRIPT: &str = r#"
 import json, sys, openai, anthropic
@@ -89,7 +70,7 @@ print(json.dumps(out))
 
 #[test]
 fn openai_and_anthropic_sdks_through_kvgate_serve_and_three_sims() {
-    let Some(py) = python_with_sdks() else {
+    let Some(py) = kvgate_system_tests::python_with("openai, anthropic") else {
         return;
     };
     let sims = Sims::start_with_env(3, MODEL, &[], &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")]);

@@ -8,25 +8,6 @@ use std::process::{Command, Stdio};
 use kvgate_system_tests::{Proc, Sims};
 use std::time::{Duration, Instant};
 
-fn python_with_openai() -> Option<String> {
-    let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import openai"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if ok {
-        return Some(py);
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!("{py} cannot import openai (CI must provide it via KVGATE_PYTHON)");
-    }
-    eprintln!("skipped: {py} has no openai package (set KVGATE_PYTHON)");
-    None
-}
-
 /// Read lines from `r` until `f` returns Some, or panic after `within`.
 fn wait_line<R: BufRead>(
     r: &mut R,
@@ -77,7 +58,7 @@ print(json.dumps(out))
 
 #[test]
 fn openai_sdk_through_kvgate_serve_and_three_sims() {
-    let Some(py) = python_with_openai() else {
+    let Some(py) = kvgate_system_tests::python_with("openai") else {
         return;
     };
     let bin = kvgate_system_tests::kvgate_bin();

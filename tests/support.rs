@@ -334,3 +334,24 @@ pub fn parse_responses(mut bytes: &[u8]) -> Vec<RawResponse> {
     }
     out
 }
+
+/// `$KVGATE_PYTHON` (else `python3`) when it can `import` every module of `modules` (a Python
+/// import list, e.g. `"openai, anthropic"`); `None` after `skipped: …` locally, a panic under `CI`
+/// (which must provide them through `KVGATE_PYTHON`).
+pub fn python_with(modules: &str) -> Option<String> {
+    let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = std::process::Command::new(&py)
+        .args(["-c", &format!("import {modules}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Some(py);
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("{py} cannot import {modules} (CI must provide them via KVGATE_PYTHON)");
+    }
+    eprintln!("skipped: {py} cannot import {modules} (set KVGATE_PYTHON)");
+    None
+}
