@@ -267,6 +267,55 @@ async fn v1alpha2_pools_and_a_missing_crd() {
     api.stop().await;
 }
 
+#[tokio::test]
+async fn an_https_api_server_with_its_ca() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let tls = kvgate_gateway::config::TlsConfig {
+        cert: fixtures.join("cert.pem"),
+        key: fixtures.join("key.pem"),
+    };
+    let api = MockKube::start_with(V1, "v1", "ml", Some(&tls))
+        .await
+        .unwrap();
+    assert!(api.url().starts_with("https://127.0.0.1:"));
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "t").unwrap();
+    api.set_pool(MockKube::pool_v1("llama", &[("app", "vllm")], &[8000]));
+    api.put_pod(MockKube::pod("p0", &[("app", "vllm")], "10.0.0.1", true));
+
+    // Trusting the server's certificate (the service account's ca.crt in a pod): members.
+    let mut s = settings(&api, V1, &token);
+    s.ca_file = Some(fixtures.join("cert.pem"));
+    let (report, seen) = recorder();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(kube::watch(s.clone(), report, stop.clone()));
+    members_become(&seen, &["10.0.0.1:8000"]).await;
+    stop.cancel();
+    task.await.unwrap();
+
+    // Trusting another CA (the system bundle): the handshake fails, counted, no members.
+    s.ca_file = None;
+    let system = [
+        "/etc/ssl/certs/ca-certificates.crt",
+        "/etc/pki/tls/certs/ca-bundle.crt",
+    ]
+    .into_iter()
+    .map(Path::new)
+    .find(|p| p.is_file());
+    if let Some(system) = system {
+        s.ca_file = Some(system.to_path_buf());
+        let (report, seen) = recorder();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(kube::watch(s, report, stop.clone()));
+        assert!(eventually(PATIENCE, || errors(&seen, "api") >= 2).await);
+        assert_eq!(last_members(&seen), None);
+        stop.cancel();
+        task.await.unwrap();
+    }
+    api.stop().await;
+}
+
 /// Mock workers on one port of several loopback addresses (pods have one IP each and share the
 /// pool's target port).
 async fn workers_on_loopback(n: u8) -> (u16, Vec<MockHandle>) {

@@ -143,6 +143,7 @@ fn line(v: &Value) -> Bytes {
 /// A running mock API server.
 pub struct MockKube {
     pub addr: SocketAddr,
+    https: bool,
     group: String,
     version: String,
     namespace: String,
@@ -154,6 +155,17 @@ pub struct MockKube {
 impl MockKube {
     /// Serve InferencePools of `group`/`version` and pods in `namespace` on 127.0.0.1:0.
     pub async fn start(group: &str, version: &str, namespace: &str) -> anyhow::Result<MockKube> {
+        Self::start_with(group, version, namespace, None).await
+    }
+
+    /// [`MockKube::start`] over TLS with this certificate (`url()` is then `https://`).
+    pub async fn start_with(
+        group: &str,
+        version: &str,
+        namespace: &str,
+        tls: Option<&crate::config::TlsConfig>,
+    ) -> anyhow::Result<MockKube> {
+        let acceptor = tls.map(crate::tls::acceptor).transpose()?;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State {
@@ -173,6 +185,7 @@ impl MockKube {
                     r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
                 };
                 let (s, st, base) = (s.clone(), st.clone(), base.clone());
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let r = handle(&s, &base, req);
@@ -180,16 +193,31 @@ impl MockKube {
                     });
                     let builder =
                         hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                    let conn = builder.serve_connection(TokioIo::new(stream), svc);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = st.cancelled() => {}
+                    match acceptor {
+                        None => {
+                            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+                            tokio::select! {
+                                _ = conn => {}
+                                _ = st.cancelled() => {}
+                            }
+                        }
+                        Some(a) => {
+                            let Ok(tls) = a.accept(stream).await else {
+                                return;
+                            };
+                            let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                            tokio::select! {
+                                _ = conn => {}
+                                _ = st.cancelled() => {}
+                            }
+                        }
                     }
                 });
             }
         });
         Ok(MockKube {
             addr,
+            https: tls.is_some(),
             group: group.into(),
             version: version.into(),
             namespace: namespace.into(),
@@ -199,9 +227,10 @@ impl MockKube {
         })
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (`https://` over TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.https { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// A v1 InferencePool object.

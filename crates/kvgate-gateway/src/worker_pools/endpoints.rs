@@ -347,10 +347,8 @@ pub mod yaml {
             match bytes[i] {
                 b'\'' if !double => single = !single,
                 b'"' if !single && (i == 0 || bytes[i - 1] != b'\\') => double = !double,
-                b':' if !single && !double => {
-                    if i + 1 == bytes.len() || bytes[i + 1] == b' ' {
-                        return Some((t[..i].trim_end(), t[i + 1..].trim()));
-                    }
+                b':' if !single && !double && (i + 1 == bytes.len() || bytes[i + 1] == b' ') => {
+                    return Some((t[..i].trim_end(), t[i + 1..].trim()));
                 }
                 b'{' | b'[' if i == 0 => return None,
                 _ => {}
