@@ -276,6 +276,8 @@ async fn reflect(
                 }
             };
             let idle = s.watch_timeout + Duration::from_secs(30);
+            let opened = tokio::time::Instant::now();
+            let mut events = 0u64;
             loop {
                 let ev = tokio::select! {
                     _ = stop.cancelled() => return,
@@ -283,7 +285,18 @@ async fn reflect(
                 };
                 let ev = match ev {
                     Ok(Some(ev)) => ev,
-                    Ok(None) => break,
+                    Ok(None) => {
+                        // The server's timeout ends a watch after minutes; one that ends at once
+                        // and empty (a proxy in the way, a server shedding load) is retried with
+                        // backoff, not in a tight loop.
+                        if events == 0
+                            && opened.elapsed() < Duration::from_secs(1)
+                            && !backoff.wait(stop).await
+                        {
+                            return;
+                        }
+                        break;
+                    }
                     Err(e) => {
                         tracing::warn!(path, error = %e, "Kubernetes watch broke; resuming");
                         report(Event::Error(e.kind()));
@@ -293,6 +306,7 @@ async fn reflect(
                         break;
                     }
                 };
+                events += 1;
                 let kind = ev
                     .get("type")
                     .and_then(Value::as_str)
