@@ -1,4 +1,4 @@
-//! `kvgate serve` following a Kubernetes InferencePool: a scripted API server
+//! `kvgate serve` (and `kvgate epp`) following a Kubernetes InferencePool: a scripted API server
 //! (`kvgate_gateway::mock::kube::MockKube`, in this test's process) lists and watches the pool and
 //! its pods; the pods are `kvgate sim` workers on 127.0.0.1, 127.0.0.2 and 127.0.0.3, all on the
 //! pool's one target port (as pods share a container port), each publishing KV events on the
@@ -57,6 +57,34 @@ fn pods() -> (u16, Vec<Proc>) {
     panic!("no port free on three loopback addresses");
 }
 
+/// `kvgate epp --config` with `config` (and an ext_proc listener on port 0): its HTTP listener.
+fn start_epp(config: &str) -> (Proc, std::net::SocketAddr, tempfile::NamedTempFile) {
+    use std::io::Write;
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    write!(file, "{config}\n[epp]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    let mut child = Command::new(kvgate_bin())
+        .args(["epp", "--config"])
+        .arg(file.path())
+        .args(["--log", "warn"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvgate epp starts");
+    let err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let proc = Proc(child);
+    let mut lines = err.lines();
+    let addr = loop {
+        let Some(Ok(l)) = lines.next() else {
+            panic!("kvgate epp exited before listening")
+        };
+        if let Some(a) = l.trim().strip_prefix("kvgate serve: listening on http://") {
+            break a.parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (proc, addr, file)
+}
+
 fn chat(addr: std::net::SocketAddr, i: usize) {
     // Long enough for several full KV blocks (the sims publish BlockStored for full blocks only).
     let words = "the pods of an inference pool come and go ".repeat(20);
@@ -98,7 +126,7 @@ fn serve_follows_the_inference_pool_pods() {
     api.put_pod(MockKube::pod("sim-1", &app, "127.0.0.2", true));
     api.put_pod(MockKube::pod("sim-2", &app, "127.0.0.3", false));
 
-    let gw = Gateway::from_config(&format!(
+    let config = format!(
         r#"[server]
 listen = "127.0.0.1:0"
 request_log = false
@@ -117,16 +145,24 @@ kv_events_port = {kv}
         api = api.url(),
         token = token.display(),
         kv = port + 1000,
-    ));
+    );
+    let gw = Gateway::from_config(&config);
+    // The endpoint picker follows the same pool with the same code (checked by its members).
+    let (_epp, epp_http, _epp_config) = start_epp(&config);
     let metrics = || http(gw.addr, "GET", "/metrics", None).1;
-    let members = |n: f64| {
+    let members_of = |addr, n: f64| {
         eventually_blocking(Duration::from_secs(30), || {
-            sample(&metrics(), "kvgate_pool_members{pool=\"llama\"}") == Some(n)
+            sample(
+                &http(addr, "GET", "/metrics", None).1,
+                "kvgate_pool_members{pool=\"llama\"}",
+            ) == Some(n)
         })
     };
+    let members = |n: f64| members_of(gw.addr, n);
     let w = |ip: &str| format!("llama-{ip}:{port}");
 
     assert!(members(2.0), "{}", metrics());
+    assert!(members_of(epp_http, 2.0));
     for i in 0..6 {
         chat(gw.addr, i);
     }
@@ -180,9 +216,19 @@ kv_events_port = {kv}
     assert_eq!(served(&m, &w("127.0.0.1")), before, "{m}");
     assert!(served(&m, &w("127.0.0.3")) > 0.0, "{m}");
 
-    // The pool deleted: no members, requests get the front door's 404/503, not a dead pod.
+    // The pool deleted: no members; requests get the front door's 404/503 (the sims still run).
     api.delete_pool("llama");
     assert!(members(0.0), "{}", metrics());
+    assert!(members_of(epp_http, 0.0));
+    let (status, text) = http(
+        gw.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}]}}"#
+        )),
+    );
+    assert!(status == 404 || status == 503, "{status} {text}");
 
     drop(gw);
     rt.block_on(api.stop());
