@@ -547,3 +547,96 @@ async fn inference_pool_in_a_gateway() {
         w.stop().await;
     }
 }
+
+#[tokio::test]
+async fn a_member_removed_mid_request_releases_its_state_when_the_request_ends() {
+    // A stream far longer than the test: it ends when the client leaves.
+    let slow = MockWorker::builder()
+        .ttft(Duration::from_millis(10))
+        .itl(Duration::from_millis(20))
+        .tokens(100_000)
+        .spawn()
+        .await
+        .unwrap();
+    let mut others = Vec::new();
+    for _ in 0..3 {
+        others.push(MockWorker::builder().spawn().await.unwrap());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("endpoints.json");
+    write_endpoints(&path, &[&slow]);
+    let mut cfg = config_for(&[], "round_robin");
+    cfg.upstream.monitor = false;
+    cfg.worker_pools.push(pool_entry(&format!(
+        "[[worker_pools]]\nfile = \"{}\"\nname = \"eps\"\nrefresh_s = 1\nmodels = [\"mock-model\"]\n",
+        path.display()
+    )));
+    let gw = gateway(cfg).await;
+    assert!(eventually(PATIENCE, || fleet_names(&gw) == names("eps", &[&slow])).await);
+    let slow_id = gw.app.fleet.registry.snapshot().workers[0].id;
+    let slow_state = Arc::downgrade(&gw.app.fleet.registry.snapshot().workers[0].state);
+
+    // A streamed request on the slow member; the member leaves the file meanwhile.
+    let url = format!("{}/v1/chat/completions", gw.url());
+    let req =
+        tokio::spawn(async move { post(&client(), &url, chat_body("s", "long", true)).await });
+    assert!(eventually(PATIENCE, || slow.active_streams() == 1).await);
+    write_endpoints(&path, &[&others[0]]);
+    assert!(eventually(PATIENCE, || fleet_names(&gw) == names("eps", &[&others[0]])).await);
+    // While the request holds the removed member's state, its id is not given away.
+    write_endpoints(&path, &[&others[0], &others[1]]);
+    assert!(eventually(PATIENCE, || fleet_names(&gw).len() == 2).await);
+    let id1 = gw.app.fleet.registry.snapshot().workers[1].id;
+    assert_ne!(
+        id1, slow_id,
+        "an in-flight request still holds the removed worker"
+    );
+    assert_eq!(
+        slow.active_streams(),
+        1,
+        "still streaming from the removed member"
+    );
+
+    // The client leaves: the gateway lets go of the removed member's state.
+    req.abort();
+    let _ = req.await;
+    assert!(eventually(PATIENCE, || slow.active_streams() == 0).await);
+    assert!(
+        eventually(PATIENCE, || slow_state.strong_count() == 1).await,
+        "holders of the removed worker's state: {}",
+        slow_state.strong_count()
+    );
+
+    // Released: the next member takes the id, and no series of it is left.
+    write_endpoints(&path, &[&others[0], &others[1], &others[2]]);
+    assert!(eventually(PATIENCE, || fleet_names(&gw).len() == 3).await);
+    let f = gw.app.fleet.registry.snapshot();
+    let w2 = f
+        .workers
+        .iter()
+        .find(|w| w.cfg.url == others[2].url())
+        .unwrap();
+    assert_eq!(
+        w2.id, slow_id,
+        "the ended request released the removed worker"
+    );
+    assert!(f
+        .workers
+        .iter()
+        .all(|w| w.state.inflight.load(std::sync::atomic::Ordering::Relaxed) == 0));
+    drop(f);
+    let text = metrics(&gw).await;
+    assert!(
+        !text.contains(&format!(
+            "kvgate_inflight_requests{{worker=\"eps-{}\"}}",
+            slow.addr
+        )),
+        "{text}"
+    );
+
+    gw.shutdown().await;
+    slow.stop().await;
+    for w in others {
+        w.stop().await;
+    }
+}
