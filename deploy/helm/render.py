@@ -105,6 +105,29 @@ def main():
             sys.exit(f"all-options render: deployment lacks {needle!r}")
     if "[server.tls]" not in full["configmap.yaml"]:
         sys.exit("all-options render: config lacks [server.tls]")
+    # EPP mode watching its InferencePool: RBAC to read pods and inferencepools, the service
+    # account's token mounted, and the pool entry in the config (valid TOML).
+    if "Role" not in full_kinds or "RoleBinding" not in full_kinds:
+        sys.exit("all-options render (epp.inferencePool.watch): no Role/RoleBinding")
+    role = helm.values_from_yaml(full["role.yaml"])
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): sorted(r["verbs"]) for r in role["rules"]}
+    for key in ((("",), ("pods",)), (("inference.networking.k8s.io",), ("inferencepools",))):
+        if rules.get(key) != ["get", "list", "watch"]:
+            sys.exit(f"all-options render: Role must allow get/list/watch on {key}: {rules}")
+    binding = helm.values_from_yaml(full["rolebinding.yaml"])
+    sa = helm.values_from_yaml(full["serviceaccount.yaml"])
+    if binding["roleRef"]["name"] != role["metadata"]["name"] or binding["subjects"][0]["name"] != sa["metadata"]["name"]:
+        sys.exit("all-options render: the RoleBinding does not bind the Role to kvgate's service account")
+    if "automountServiceAccountToken: true" not in dep or sa.get("automountServiceAccountToken") is not True:
+        sys.exit("all-options render: the watch needs the service account token mounted")
+    if "automountServiceAccountToken: false" not in render()["deployment.yaml"] or "Role" in default_kinds:
+        sys.exit("default render: no Kubernetes API access without epp.inferencePool.watch")
+    import tomllib
+    toml_text = helm.values_from_yaml(full["configmap.yaml"])["data"]["kvgate.toml"]
+    pools = tomllib.loads(toml_text).get("worker_pools", [])
+    pool = helm.values_from_yaml(full["inferencepool.yaml"])
+    if not any(p.get("inference_pool") == pool["metadata"]["name"] and p.get("models") == ["llama-8b"] for p in pools):
+        sys.exit(f"all-options render: config lacks the InferencePool's [[worker_pools]] entry: {pools}")
     # The prefill/decode example values render, and their config reaches the ConfigMap.
     pd = render(helm.values_from_yaml((HERE / "pd-values.yaml").read_text()))
     parse_all(pd, "pd-values render")

@@ -219,8 +219,9 @@ async fn run_with(
     };
     overrides(&mut config);
     config.validate()?;
-    if config.workers.is_empty() {
-        anyhow::bail!("no workers: pass --worker URL (repeatable) or list [[workers]] in --config");
+    // A discovered pool (DNS, endpoints file, InferencePool) may start empty and fill later.
+    if config.workers.is_empty() && config.worker_pools.is_empty() {
+        anyhow::bail!("no workers: pass --worker URL (repeatable), or list [[workers]] or [[worker_pools]] in --config");
     }
     let drain_delay_s = config.server.drain_delay_s;
     let gw = Gateway::start(StartOptions {

@@ -890,14 +890,41 @@ pub struct WorkerConfig {
     pub bootstrap_port: Option<u16>,
 }
 
-/// A worker pool discovered through DNS: every address `dns` resolves to becomes a worker
-/// (`http://addr`, named `{name}-{addr}`), added and removed as the records change.
+/// A worker pool whose members are discovered: every address `dns` resolves to, every endpoint
+/// of an llm-d endpoints `file`, or every Ready pod × target port of a Kubernetes
+/// `inference_pool` becomes a worker (`http://addr`, named `{name}-{addr}`), added and removed as
+/// the source changes (`worker_pools.rs`). Exactly one of the three sources is set.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerPoolConfig {
     /// `host:port` to resolve, e.g. `vllm-headless.default.svc.cluster.local:8000`.
+    #[serde(default)]
     pub dns: String,
-    /// Prefix of the workers' names; default: the host part of `dns`.
+    /// An llm-d file-discovery endpoints file (YAML or JSON), re-read when it changes.
+    #[serde(default)]
+    pub file: Option<std::path::PathBuf>,
+    /// The name of a Kubernetes InferencePool whose Ready pods are the members.
+    #[serde(default)]
+    pub inference_pool: Option<String>,
+    /// The InferencePool's API group: `inference.networking.k8s.io` (v1) or
+    /// `inference.networking.x-k8s.io` (v1alpha2).
+    #[serde(default = "default_inference_pool_group")]
+    pub inference_pool_group: String,
+    /// The InferencePool's namespace; default: the service account's, else `default`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// The Kubernetes API server's URL; default: in-cluster (`KUBERNETES_SERVICE_HOST`/`_PORT`).
+    #[serde(default)]
+    pub api_server: Option<String>,
+    /// File holding the bearer token for the API server (re-read at every connection); default:
+    /// the in-cluster service account's token (none if that file does not exist).
+    #[serde(default)]
+    pub token_file: Option<std::path::PathBuf>,
+    /// PEM CA bundle for an https API server; default: the in-cluster service account's `ca.crt`.
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Prefix of the workers' names; default: the host part of `dns`, the file's stem, or the
+    /// InferencePool's name.
     #[serde(default)]
     pub name: Option<String>,
     /// URL scheme of the workers; only `http` (an https certificate names a host, not the
@@ -913,7 +940,7 @@ pub struct WorkerPoolConfig {
     /// Port of each address's KV-event replay endpoint (`tcp://addr-ip:port`); needs `kv_events_port`.
     #[serde(default)]
     pub kv_replay_port: Option<u16>,
-    /// Seconds between lookups.
+    /// Seconds between DNS lookups, or between checks of `file` for a change.
     #[serde(default = "default_refresh_s")]
     pub refresh_s: u64,
     /// Models served; empty = discovered from each worker's `/v1/models`.
@@ -964,21 +991,70 @@ fn default_refresh_s() -> u64 {
     5
 }
 
+/// GAIE's InferencePool v1 group (`inference.networking.x-k8s.io` is v1alpha2).
+pub const INFERENCE_POOL_GROUP_V1: &str = "inference.networking.k8s.io";
+/// The v1alpha2 InferencePool's group (GAIE before v1.0).
+pub const INFERENCE_POOL_GROUP_V1ALPHA2: &str = "inference.networking.x-k8s.io";
+
+fn default_inference_pool_group() -> String {
+    INFERENCE_POOL_GROUP_V1.into()
+}
+
+/// Where a discovered pool's members come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolSource<'a> {
+    Dns(&'a str),
+    File(&'a std::path::Path),
+    InferencePool(&'a str),
+}
+
 impl WorkerPoolConfig {
-    /// The workers' name prefix: `name`, else the host part of `dns`.
+    /// The members' source (validated: exactly one is set; DNS when none is).
+    pub fn source(&self) -> PoolSource<'_> {
+        match (&self.file, &self.inference_pool) {
+            (Some(f), _) => PoolSource::File(f),
+            (None, Some(p)) => PoolSource::InferencePool(p),
+            (None, None) => PoolSource::Dns(&self.dns),
+        }
+    }
+
+    /// The source for error messages: `dns "h:p"`, `file "path"`, `inference_pool "name"`.
+    pub fn describe(&self) -> String {
+        match self.source() {
+            PoolSource::Dns(d) => format!("dns {d:?}"),
+            PoolSource::File(f) => format!("file {:?}", f.display().to_string()),
+            PoolSource::InferencePool(p) => format!("inference_pool {p:?}"),
+        }
+    }
+
+    /// The workers' name prefix: `name`, else the host part of `dns`, the file's stem, or the
+    /// InferencePool's name.
     pub fn prefix(&self) -> &str {
-        match &self.name {
-            Some(n) => n,
-            None => self
-                .dns
+        if let Some(n) = &self.name {
+            return n;
+        }
+        match self.source() {
+            PoolSource::Dns(dns) => dns
                 .rsplit_once(':')
                 .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
-                .unwrap_or(&self.dns),
+                .unwrap_or(dns),
+            PoolSource::File(f) => f.file_stem().and_then(|s| s.to_str()).unwrap_or("file"),
+            PoolSource::InferencePool(p) => p,
         }
     }
 
     /// The worker one resolved address stands for.
     pub fn worker_for(&self, addr: std::net::SocketAddr) -> WorkerConfig {
+        self.member(addr, None)
+    }
+
+    /// The worker one member address stands for, with the role its source named (llm-d's
+    /// `llm-d.ai/role` label) unless the pool's `role` is `auto`.
+    pub fn member(&self, addr: std::net::SocketAddr, role: Option<WorkerRole>) -> WorkerConfig {
+        let role = match (self.role, role) {
+            (RoleSetting::Auto, _) | (_, None) => self.role,
+            (_, Some(r)) => RoleSetting::Fixed(r),
+        };
         WorkerConfig {
             url: format!("{}://{addr}", self.scheme),
             name: Some(format!("{}-{addr}", self.prefix())),
@@ -997,7 +1073,7 @@ impl WorkerPoolConfig {
             dcgm_url: self
                 .dcgm_port
                 .map(|p| format!("http://{}/metrics", std::net::SocketAddr::new(addr.ip(), p))),
-            role: self.role,
+            role,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             tensor_parallelism: self.tensor_parallelism,
@@ -1007,36 +1083,95 @@ impl WorkerPoolConfig {
     }
 
     fn validate(&self) -> anyhow::Result<()> {
-        let Some((host, port)) = self.dns.rsplit_once(':') else {
-            bail!("worker_pools.dns {:?} must be host:port", self.dns);
-        };
-        if host.is_empty() || port.parse::<u16>().is_err() {
-            bail!("worker_pools.dns {:?} must be host:port", self.dns);
+        let sources = usize::from(!self.dns.is_empty())
+            + usize::from(self.file.is_some())
+            + usize::from(self.inference_pool.is_some());
+        if sources != 1 {
+            bail!(
+                "a [[worker_pools]] entry needs exactly one of dns, file, inference_pool (found {sources})"
+            );
+        }
+        match self.source() {
+            PoolSource::Dns(dns) => {
+                let Some((host, port)) = dns.rsplit_once(':') else {
+                    bail!("worker_pools.dns {dns:?} must be host:port");
+                };
+                if host.is_empty() || port.parse::<u16>().is_err() {
+                    bail!("worker_pools.dns {dns:?} must be host:port");
+                }
+            }
+            PoolSource::File(f) => {
+                if f.as_os_str().is_empty() {
+                    bail!("worker_pools.file must not be empty");
+                }
+            }
+            PoolSource::InferencePool(p) => {
+                if !is_dns_label(p, 253) {
+                    bail!("worker_pools.inference_pool {p:?} is not a Kubernetes object name");
+                }
+                if let Some(ns) = &self.namespace {
+                    if !is_dns_label(ns, 63) || ns.contains('.') {
+                        bail!("worker_pools.namespace {ns:?} is not a Kubernetes namespace name");
+                    }
+                }
+                if ![INFERENCE_POOL_GROUP_V1, INFERENCE_POOL_GROUP_V1ALPHA2]
+                    .contains(&self.inference_pool_group.as_str())
+                {
+                    bail!(
+                        "worker_pools.inference_pool_group {:?}: expected {INFERENCE_POOL_GROUP_V1:?} (v1) or {INFERENCE_POOL_GROUP_V1ALPHA2:?} (v1alpha2)",
+                        self.inference_pool_group
+                    );
+                }
+                if let Some(url) = &self.api_server {
+                    let ok = url
+                        .parse::<http::Uri>()
+                        .ok()
+                        .filter(|u| matches!(u.scheme_str(), Some("http" | "https")))
+                        .is_some_and(|u| u.authority().is_some());
+                    if !ok {
+                        bail!("worker_pools.api_server {url:?} must be an http:// or https:// URL");
+                    }
+                }
+            }
+        }
+        let k8s_only = self.namespace.is_some()
+            || self.api_server.is_some()
+            || self.token_file.is_some()
+            || self.ca_file.is_some()
+            || self.inference_pool_group != INFERENCE_POOL_GROUP_V1;
+        if k8s_only && self.inference_pool.is_none() {
+            bail!(
+                "worker_pools: namespace, api_server, token_file, ca_file and inference_pool_group apply to inference_pool pools only ({})",
+                self.describe()
+            );
         }
         self.kind
             .parse::<kvgate_fleet::WorkerKind>()
-            .map_err(|e| anyhow::anyhow!("worker_pools.kind (pool {:?}): {e}", self.dns))?;
+            .map_err(|e| anyhow::anyhow!("worker_pools.kind (pool {}): {e}", self.describe()))?;
         if self.scheme != "http" {
             bail!(
-                "worker_pools.scheme {:?} (pool {:?}): only http is supported (list https workers in [[workers]])",
+                "worker_pools.scheme {:?} (pool {}): only http is supported (list https workers in [[workers]])",
                 self.scheme,
-                self.dns
+                self.describe()
             );
         }
         if !(self.cost_per_hour.is_finite() && self.cost_per_hour >= 0.0) {
             bail!(
-                "worker_pools.cost_per_hour {} must be a number >= 0 (pool {:?})",
+                "worker_pools.cost_per_hour {} must be a number >= 0 (pool {})",
                 self.cost_per_hour,
-                self.dns
+                self.describe()
             );
         }
         if self.refresh_s == 0 {
-            bail!("worker_pools.refresh_s must be >= 1 (pool {:?})", self.dns);
+            bail!(
+                "worker_pools.refresh_s must be >= 1 (pool {})",
+                self.describe()
+            );
         }
         if self.kv_replay_port.is_some() && self.kv_events_port.is_none() {
             bail!(
-                "worker_pools.kv_replay_port needs kv_events_port (pool {:?})",
-                self.dns
+                "worker_pools.kv_replay_port needs kv_events_port (pool {})",
+                self.describe()
             );
         }
         Ok(())
@@ -1045,6 +1180,18 @@ impl WorkerPoolConfig {
 
 fn default_kind() -> String {
     "vllm".into()
+}
+
+/// A Kubernetes object name (RFC 1123 subdomain: lower-case alphanumerics, `-` and `.`, starting
+/// and ending alphanumeric) of at most `max` characters.
+fn is_dns_label(s: &str, max: usize) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= max
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'.')
 }
 
 impl WorkerConfig {
@@ -1192,12 +1339,12 @@ impl Config {
             .workers
             .iter()
             .find(|w| w.role == RoleSetting::Auto)
-            .map(|w| &w.url);
+            .map(|w| w.url.as_str());
         let auto = auto.or(self
             .worker_pools
             .iter()
             .find(|p| p.role == RoleSetting::Auto)
-            .map(|p| &p.dns));
+            .map(|p| p.prefix()));
         if let (Some(at), false) = (auto, self.upstream.monitor) {
             bail!("{at:?} has role = \"auto\", which needs upstream.monitor = true (the monitor asks the worker's /server_info)");
         }
@@ -1404,6 +1551,63 @@ mod tests {
         }
         let dup = "[[worker_pools]]\ndns = \"h:1\"\n[[worker_pools]]\ndns = \"h:2\"\n";
         assert!(format!("{:#}", Config::from_toml(dup).unwrap_err()).contains("duplicate"));
+    }
+
+    #[test]
+    fn file_and_inference_pool_sources_parse_and_validate() {
+        let cfg = Config::from_toml(
+            "[[worker_pools]]\nfile = \"/etc/epp/endpoints.yaml\"\nrole = \"decode\"\n\
+             [[worker_pools]]\ninference_pool = \"vllm-llama\"\nnamespace = \"ml\"\n\
+             inference_pool_group = \"inference.networking.x-k8s.io\"\n\
+             api_server = \"http://127.0.0.1:6443\"\n",
+        )
+        .unwrap();
+        let (f, k) = (&cfg.worker_pools[0], &cfg.worker_pools[1]);
+        assert_eq!(
+            f.source(),
+            PoolSource::File(Path::new("/etc/epp/endpoints.yaml"))
+        );
+        assert_eq!(f.prefix(), "endpoints");
+        assert_eq!(k.source(), PoolSource::InferencePool("vllm-llama"));
+        assert_eq!(k.prefix(), "vllm-llama");
+        // A role label of the source wins over the pool's fixed role, never over `auto`.
+        let a: std::net::SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(
+            f.member(a, Some(WorkerRole::Prefill)).role,
+            RoleSetting::Fixed(WorkerRole::Prefill)
+        );
+        assert_eq!(
+            f.member(a, None).role,
+            RoleSetting::Fixed(WorkerRole::Decode)
+        );
+        for (bad, says) in [
+            ("file = \"a.yaml\"\ndns = \"h:1\"", "exactly one"),
+            ("models = [\"m\"]", "exactly one"),
+            ("file = \"\"", "must not be empty"),
+            (
+                "inference_pool = \"Bad_Name\"",
+                "not a Kubernetes object name",
+            ),
+            ("inference_pool = \"p\"\nnamespace = \"a.b\"", "namespace"),
+            (
+                "inference_pool = \"p\"\ninference_pool_group = \"x.io\"",
+                "inference_pool_group",
+            ),
+            (
+                "inference_pool = \"p\"\napi_server = \"ftp://h\"",
+                "api_server",
+            ),
+            (
+                "file = \"a.yaml\"\nnamespace = \"ml\"",
+                "inference_pool pools only",
+            ),
+        ] {
+            let err = format!(
+                "{:#}",
+                Config::from_toml(&format!("[[worker_pools]]\n{bad}\n")).unwrap_err()
+            );
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

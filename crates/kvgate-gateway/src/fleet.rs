@@ -1,7 +1,7 @@
 //! The worker fleet as one component: the registry (config + discovered workers → snapshot), the
 //! router (policy, KV index, active load, latency model) and the kvgate-fleet monitors
 //! (`fleet/monitors.rs`) that feed both. Every change to the set of workers (config reload, model
-//! discovery, DNS pools, the admin API) goes through [`WorkerFleet::apply_rebuild`], so the index,
+//! discovery, discovered pools, the admin API) goes through [`WorkerFleet::apply_rebuild`], so the index,
 //! the monitors and the per-worker metric series follow the snapshot in one place.
 
 mod gpu;
@@ -153,6 +153,11 @@ impl WorkerFleet {
                 _ = tick.tick() => { self.discover().await; }
             }
         }
+    }
+
+    /// The metrics registry (discovered pools count their members and failures in it).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// Set the `kvgate_worker_*` families from the monitors (called by `GET /metrics`).

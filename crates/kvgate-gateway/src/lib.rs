@@ -32,8 +32,8 @@
 //! - **Fleet.** `fleet.rs` (registry + router + monitors, the one place worker changes are
 //!   applied), `fleet/monitors.rs` (kvgate-fleet monitors feeding worker state and the KV index),
 //!   `registry.rs` (fleet snapshot behind arc-swap, per-worker state, breaker, worker ids),
-//!   `discovery.rs` (models from workers' `/v1/models`), `dns_pool.rs` (`[[worker_pools]]` from
-//!   DNS), `cluster.rs` (cluster mode: peers' decisions, loads and snapshots over NATS).
+//!   `discovery.rs` (models from workers' `/v1/models`), `worker_pools.rs` (`[[worker_pools]]`
+//!   from DNS, llm-d endpoints files or a Kubernetes InferencePool's pods), `cluster.rs` (cluster mode: peers' decisions, loads and snapshots over NATS).
 //! - **State and control.** `state.rs`: `AppState`, the components side by side (fleet, decider,
 //!   proxy slice, upstream, telemetry, admission, auth), each built from its config slice;
 //!   `config.rs`, `reload.rs` (file poll + SIGHUP), `cli.rs` (`kvgate serve` flags), `body.rs`
@@ -54,7 +54,6 @@ pub mod config;
 pub mod cost;
 pub mod ctx;
 pub mod discovery;
-pub mod dns_pool;
 pub mod epp;
 pub mod error;
 pub mod fleet;
@@ -76,6 +75,7 @@ pub mod state;
 pub mod tls;
 pub mod trace;
 pub mod ttl_map;
+pub mod worker_pools;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -242,7 +242,7 @@ impl Gateway {
             )));
         }
         tasks.push(tokio::spawn(app.fleet.clone().run_discovery(refresh)));
-        tasks.push(tokio::spawn(dns_pool::run(app.fleet.clone())));
+        tasks.push(tokio::spawn(worker_pools::run(app.fleet.clone())));
         if let Some(path) = config_path {
             let poll = Duration::from_millis(server_cfg.reload_poll_ms);
             tasks.push(tokio::spawn(reload::watch(

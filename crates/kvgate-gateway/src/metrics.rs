@@ -319,6 +319,28 @@ pub struct EppMetrics {
     pub health_checks: Family<HealthLabel, Counter>,
 }
 
+/// `kvgate_pool_*`: discovered worker pools (`[[worker_pools]]`: DNS, endpoints file,
+/// InferencePool), by pool name (the configured prefix: a bounded set).
+pub struct PoolMetrics {
+    /// Members the pool's source gives now.
+    pub members: Family<PoolLabel, Gauge>,
+    /// Member sets applied (every DNS change, file change or pod change).
+    pub updates: Family<PoolLabel, Counter>,
+    /// Source failures that kept the last good set, by kind.
+    pub errors: Family<PoolKindLabel, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabel {
+    pub pool: Lbl,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolKindLabel {
+    pub pool: Lbl,
+    pub kind: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EndLabel {
     pub end: &'static str,
@@ -525,6 +547,8 @@ pub struct Metrics {
     /// Flow control (`[flow_control]`): per class and tenant.
     pub flow: FlowMetrics,
     pub epp: EppMetrics,
+    /// Discovered worker pools (`worker_pools.rs`).
+    pub pools: PoolMetrics,
     /// The trace exporter (`[tracing]`): spans dropped, exported, failed.
     pub tracing: TracingMetrics,
     /// Worker-reported signals (kvgate-fleet monitors), set at scrape time by `fleet::Monitors::export`.
@@ -715,6 +739,11 @@ impl Metrics {
                 immediate: reg!("kvgate_epp_immediate_responses", "Endpoint picker: local replies sent instead of a destination (ImmediateResponse), by HTTP status (429 shed, 503 no endpoint, 400/404/413 bad request).", Family::default()),
                 served_elsewhere: reg!("kvgate_epp_served_elsewhere", "Endpoint picker: responses the gateway reported as served by another endpoint than the first pick (it fell back along the list); the request's load moved there.", Counter::default()),
                 health_checks: reg!("kvgate_epp_health_checks", "Endpoint picker: grpc.health.v1 checks answered, by service (liveness, readiness, ext_proc, other) and result (serving, not_serving, unknown).", Family::default()),
+            },
+            pools: PoolMetrics {
+                members: reg!("kvgate_pool_members", "Discovered worker pools ([[worker_pools]]: dns, file, inference_pool): members the pool's source gives now, by pool name.", Family::default()),
+                updates: reg!("kvgate_pool_membership_updates", "Discovered worker pools: member sets applied (a DNS answer, endpoints file or pod change that reached the registry), by pool name.", Family::default()),
+                errors: reg!("kvgate_pool_discovery_errors", "Discovered worker pools: source failures that kept the last good member set, by pool and kind (unreadable, invalid: endpoints file; config, api, gone, invalid_object: Kubernetes).", Family::default()),
             },
             tracing: TracingMetrics {
                 dropped: reg!("kvgate_tracing_spans_dropped", "Spans dropped because the trace exporter's queue was full (collector slow or down).", Counter::default()),

@@ -13,6 +13,8 @@
 //! It parses nothing: `"stream":true` and `"include_usage":true` are found by byte search, so it
 //! costs next to nothing per request (the benchmark's "direct" baseline).
 
+pub mod kube;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;

@@ -319,8 +319,9 @@ struct RegistryInner {
     config: Arc<Config>,
     admin_added: Vec<WorkerConfig>,
     admin_removed: HashSet<String>,
-    /// Workers resolved from `[[worker_pools]]`, by pool name prefix (see `dns_pool.rs`).
-    dns: HashMap<String, Vec<WorkerConfig>>,
+    /// Workers discovered for `[[worker_pools]]` (DNS, endpoints file, InferencePool), by pool
+    /// name prefix (see `worker_pools.rs`).
+    discovered: HashMap<String, Vec<WorkerConfig>>,
     /// Loaded tokenizers by spec (loading an HF tokenizer takes a while; reloads reuse it).
     tokenizers: HashMap<String, Arc<kvgate_tokenize::ModelTokenizer>>,
 }
@@ -367,7 +368,7 @@ impl Registry {
                 config,
                 admin_added: Vec::new(),
                 admin_removed: HashSet::new(),
-                dns: HashMap::new(),
+                discovered: HashMap::new(),
                 tokenizers: HashMap::new(),
             }),
         };
@@ -392,16 +393,13 @@ impl Registry {
         self.rebuild_with(|inner| {
             // A pool dropped from the config takes its workers with it at once.
             inner
-                .dns
+                .discovered
                 .retain(|k, _| config.worker_pools.iter().any(|p| p.prefix() == k));
             inner.config = config;
             Ok(())
         })
     }
 
-    /// DNS discovery: the workers pool `pool` (its name prefix) resolves to now. Workers that are
-    /// new get fresh state, gone ones are removed; a pool no longer in the config is ignored (a
-    /// late answer from a stopped resolver must not bring its workers back).
     /// The fleet has dropped every entry of removed worker `id` (index, load, latency model,
     /// monitor): the id may be given to a new worker once nothing holds the old one's state.
     pub fn forgotten(&self, id: WorkerId) {
@@ -410,13 +408,21 @@ impl Registry {
         }
     }
 
-    pub fn set_dns_pool(&self, pool: &str, workers: Vec<WorkerConfig>) -> anyhow::Result<Rebuilt> {
+    /// Pool discovery (DNS, endpoints file, InferencePool): the workers pool `pool` (its name
+    /// prefix) has now. Workers that are new get fresh state, gone ones are removed; a pool no
+    /// longer in the config is ignored (a late answer from a stopped watcher must not bring its
+    /// workers back).
+    pub fn set_pool_members(
+        &self,
+        pool: &str,
+        workers: Vec<WorkerConfig>,
+    ) -> anyhow::Result<Rebuilt> {
         self.rebuild_with(|inner| {
             let configured = inner.config.worker_pools.iter().any(|p| p.prefix() == pool);
             if !configured || workers.is_empty() {
-                inner.dns.remove(pool);
+                inner.discovered.remove(pool);
             } else {
-                inner.dns.insert(pool.to_string(), workers);
+                inner.discovered.insert(pool.to_string(), workers);
             }
             Ok(())
         })
@@ -461,7 +467,7 @@ impl Registry {
             config: inner.config.clone(),
             admin_added: inner.admin_added.clone(),
             admin_removed: inner.admin_removed.clone(),
-            dns: inner.dns.clone(),
+            discovered: inner.discovered.clone(),
             tokenizers: inner.tokenizers.clone(),
         };
         let built = change(&mut next).and_then(|()| {
@@ -485,11 +491,11 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
     let cfg = inner.config.clone();
     let mut seen = HashSet::new();
     let mut wanted: Vec<WorkerConfig> = Vec::new();
-    // DNS pools in config order (so names and ids are assigned deterministically).
+    // Discovered pools in config order (so names and ids are assigned deterministically).
     let dns: Vec<&WorkerConfig> = cfg
         .worker_pools
         .iter()
-        .filter_map(|p| inner.dns.get(p.prefix()))
+        .filter_map(|p| inner.discovered.get(p.prefix()))
         .flatten()
         .collect();
     for w in cfg
@@ -690,7 +696,7 @@ mod tests {
                 held = reg.snapshot().workers.clone();
             }
             let r = reg
-                .set_dns_pool("svc", pods.iter().map(|&i| at(i)).collect())
+                .set_pool_members("svc", pods.iter().map(|&i| at(i)).collect())
                 .unwrap();
             for (id, _) in &r.removed {
                 reg.forgotten(*id);
@@ -760,7 +766,7 @@ mod tests {
         let p = c.worker_pools[0].clone();
         let at = |a: &str| p.worker_for(a.parse().unwrap());
         let r = reg
-            .set_dns_pool("svc", vec![at("10.0.0.1:80"), at("10.0.0.2:80")])
+            .set_pool_members("svc", vec![at("10.0.0.1:80"), at("10.0.0.2:80")])
             .unwrap();
         assert_eq!(r.added.len(), 2);
         assert_eq!(reg.snapshot().pool("m").unwrap().workers.len(), 3);
@@ -768,7 +774,7 @@ mod tests {
         assert_eq!(&*reg.snapshot().workers[1].name, "svc-10.0.0.1:80");
         kept.inflight.store(2, Ordering::Relaxed);
         let r = reg
-            .set_dns_pool("svc", vec![at("10.0.0.1:80"), at("10.0.0.3:80")])
+            .set_pool_members("svc", vec![at("10.0.0.1:80"), at("10.0.0.3:80")])
             .unwrap();
         assert_eq!(
             r.added.iter().map(|(_, n)| &**n).collect::<Vec<_>>(),
@@ -781,7 +787,7 @@ mod tests {
         assert!(Arc::ptr_eq(&reg.snapshot().workers[1].state, &kept));
         // A pool that is not (or no longer) configured cannot add workers.
         assert!(reg
-            .set_dns_pool("other", vec![at("10.0.0.9:80")])
+            .set_pool_members("other", vec![at("10.0.0.9:80")])
             .unwrap()
             .added
             .is_empty());
@@ -790,7 +796,7 @@ mod tests {
         let r = reg.set_config(Arc::new(c2)).unwrap();
         assert_eq!(r.removed.len(), 2);
         assert!(reg
-            .set_dns_pool("svc", vec![at("10.0.0.1:80")])
+            .set_pool_members("svc", vec![at("10.0.0.1:80")])
             .unwrap()
             .added
             .is_empty());

@@ -60,4 +60,26 @@ subject_prefix = {{ .Values.cluster.subjectPrefix | default (include "kvgate.ful
 heartbeat_interval_ms = {{ .Values.cluster.heartbeatIntervalMs | int }}
 heartbeat_timeout_ms = {{ .Values.cluster.heartbeatTimeoutMs | int }}
 {{- end }}
+{{- if (include "kvgate.watchPool" .) }}
+
+# Added by the chart (epp.inferencePool.watch): the members are the Ready pods of this
+# InferencePool, watched on the API server with the pod's service account (docs/epp.md).
+[[worker_pools]]
+inference_pool = {{ include "kvgate.poolName" . | quote }}
+inference_pool_group = {{ .Values.epp.inferencePool.group | quote }}
+namespace = {{ .Release.Namespace | quote }}
+{{- with .Values.epp.inferencePool.workerPool }}
+{{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The InferencePool's name: epp.inferencePool.name, else the release's full name. */}}
+{{- define "kvgate.poolName" -}}
+{{ .Values.epp.inferencePool.name | default (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{/* Non-empty when kvgate watches an InferencePool (EPP mode with epp.inferencePool.watch). */}}
+{{- define "kvgate.watchPool" -}}
+{{- if and .Values.epp.enabled .Values.epp.inferencePool.watch }}true{{ end }}
 {{- end }}
