@@ -2,9 +2,12 @@
 //! conversation, message by message (docs/epp.md has the sequence).
 //!
 //! Request side. FULL_DUPLEX_STREAMED: the request headers are held; body chunks are collected
-//! until `end_of_stream`; then the request is parsed with its client API (by `:path`), routed by
-//! the decision core (the same `Decider::reserve` as the front door: index, load, latency model,
-//! admission queue), and answered: the headers response carries `x-gateway-destination-endpoint`
+//! until `end_of_stream`; then the request is authenticated, its model rewritten
+//! (`rewrite.rs`), and prepared by the front door's own `proxy::prepare_read` (its client API by
+//! `:path`, the prompt rendered and hashed, stored-response pins, session, flow-control key),
+//! routed by the decision core (the same `Decider::reserve` as the front door: index, load,
+//! latency model, flow control's admission queue), and answered: the headers response carries
+//! `traceparent` for the worker and `x-gateway-destination-endpoint`
 //! (the pick and up to `epp.fallback_endpoints − 1` fallbacks, in order) and the same value under
 //! dynamic metadata `envoy.lb`, then the body goes back as `streamed_response` chunks of at most
 //! 62,000 bytes. BUFFERED: the headers are answered at once (control headers stripped), the
@@ -23,12 +26,11 @@ use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use kvgate_core::WorkerId;
-use kvgate_protocol::openai::splice_include_usage;
 
 use super::grpc::{Code, Status};
 use super::pb::{self, BodySendMode, ProcessingRequest, ProcessingResponse, Request};
-use super::Epp;
-use crate::client_api::Endpoint;
+use super::{rewrite, Epp};
+use crate::client_api::{Endpoint, ErrorShape};
 use crate::ctx::{Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::Observation;
@@ -112,6 +114,24 @@ pub struct Conversation {
     streams_request: bool,
     /// A disaggregated request's prefill worker (`x-prefiller-host-port`) and its load.
     prefill: Option<(SocketAddr, DispatchGuard)>,
+    /// How local replies look (the request's API's error shape: Anthropic's for Messages).
+    shape: ErrorShape,
+    /// The trace's upstream span, open until the response headers arrive.
+    attempt: Option<crate::trace::Attempt>,
+    /// `DELETE /v1/responses/{id}`: the id whose pin goes when the worker answers 2xx.
+    forget: Option<String>,
+    /// The model rewrite applied to the request (the response gets the client's name back).
+    rewritten: Option<rewrite::Rewritten>,
+}
+
+/// A pick as the request's answer: the destination value, the body the worker gets when it
+/// is not the client's, and the other request-header changes.
+#[derive(Default)]
+struct Picked {
+    value: String,
+    body: Option<Bytes>,
+    set: Vec<pb::HeaderValueOption>,
+    remove: Vec<String>,
 }
 
 type Answer = Result<Vec<ProcessingResponse>, Status>;
@@ -132,6 +152,10 @@ impl Conversation {
             routed: None,
             streams_request: true,
             prefill: None,
+            shape: ErrorShape::OpenAi,
+            attempt: None,
+            forget: None,
+            rewritten: None,
         }
     }
 
@@ -202,14 +226,14 @@ impl Conversation {
         if !matches!(self.phase, Phase::Body) {
             return Err(invalid("request_body outside the request body phase"));
         }
-        if self.body.len() + b.body.len() > self.epp.max_body {
+        if self.body.len() + b.body.len() > self.epp.proxy.max_body {
             let e = GatewayError::new(
                 ErrorKind::PayloadTooLarge {
-                    limit: self.epp.max_body,
+                    limit: self.epp.proxy.max_body,
                 },
                 format!(
                     "request body exceeds the limit of {} bytes",
-                    self.epp.max_body
+                    self.epp.proxy.max_body
                 ),
             );
             return Ok(vec![self.immediate(e)]);
@@ -267,41 +291,56 @@ impl Conversation {
         let path = path.split('?').next().unwrap_or("");
         let endpoint = Endpoint::by_path(path);
         let result = match (endpoint, &body) {
-            (Some(ep), Some(b)) if !b.is_empty() => self.route_api(ep, b).await,
-            _ => self.route_by_load().await.map(|r| (r, None)),
+            (Some(ep), Some(b)) if !b.is_empty() => self.route_api(ep, b.clone()).await,
+            // GET / DELETE of a stored response: its origin worker, as at the front door.
+            (Some(ep), _) if ep == Endpoint::STORED_RESPONSE => {
+                self.route_api(ep, Bytes::new()).await
+            }
+            _ => self.route_by_load().await.map(|value| Picked {
+                value,
+                ..Picked::default()
+            }),
         };
-        let (value, spliced) = match result {
+        let picked = match result {
             Ok(x) => x,
             Err(e) => return vec![self.immediate(e)],
         };
         self.phase = Phase::Routed;
-        let mut set = vec![pb::set_header(DESTINATION, value.clone())];
-        let mut remove: Vec<String> = CONTROL_HEADERS.iter().map(|h| h.to_string()).collect();
+        let Picked {
+            value,
+            body: changed,
+            mut set,
+            mut remove,
+        } = picked;
+        set.push(pb::set_header(DESTINATION, value.clone()));
+        remove.extend(CONTROL_HEADERS.iter().map(|h| h.to_string()));
         match &self.prefill {
             Some((addr, _)) => set.push(pb::set_header(PREFILLER, addr.to_string())),
             None => remove.push(PREFILLER.into()),
         }
-        let out_body = spliced.or(body);
-        if self.streams_request {
-            if let Some(b) = &out_body {
-                set.push(pb::set_header("content-length", b.len().to_string()));
-            }
+        if let Some(b) = changed
+            .as_ref()
+            .or(body.as_ref().filter(|_| self.streams_request))
+        {
+            set.push(pb::set_header("content-length", b.len().to_string()));
         }
         let mutation = pb::HeaderMutation {
             set_headers: set,
             remove_headers: remove,
         };
         let metadata = Some(destination_metadata(&value));
-        let buffered_body = !self.streams_request && out_body.is_some();
         let mut out = Vec::new();
-        if buffered_body {
+        if !self.streams_request && body.is_some() {
             // BUFFERED: the body message's answer carries the destination (the headers were
-            // answered already); the body goes on unchanged.
+            // answered already), and the new body when it changed.
             out.push(ProcessingResponse {
                 response: Some(pb::Response::RequestBody(pb::BodyResponse {
                     response: Some(pb::CommonResponse {
                         header_mutation: Some(mutation),
                         clear_route_cache: true,
+                        body_mutation: changed.map(|b| pb::BodyMutation {
+                            mutation: Some(pb::Mutation::Body(b)),
+                        }),
                         ..Default::default()
                     }),
                 })),
@@ -310,102 +349,168 @@ impl Conversation {
             return out;
         }
         out.push(headers_response(mutation, metadata));
-        if let (true, Some(b)) = (self.streams_request, out_body) {
+        if let (true, Some(b)) = (self.streams_request, changed.or(body)) {
             push_chunks(&mut out, &b, body_ends, true);
         }
         out
     }
 
-    /// A client API's request: parse (400), pool (404), tokens and hashes, reserve.
-    async fn route_api(
-        &mut self,
-        ep: Endpoint,
-        body: &Bytes,
-    ) -> Result<(String, Option<Bytes>), GatewayError> {
+    /// A client API's request, prepared by the front door's own function
+    /// (`proxy::prepare_read`: the API's parse (400), the pool (404; a stored response's origin
+    /// worker alone), the prompt rendered, tokenized and hashed, the session, the flow-control
+    /// key), after the front door's authentication and this picker's model rewrite; then
+    /// decided as at the front door (PD plan, `Decider::reserve` with flow control's admission).
+    async fn route_api(&mut self, ep: Endpoint, body: Bytes) -> Result<Picked, GatewayError> {
         let epp = self.epp.clone();
+        let proxy = &epp.proxy;
+        let api = ep.api();
+        self.shape = api.errors;
         let mut ctx = RequestCtx::new(epp.telemetry.clone(), ep, self.start);
-        let t_decide = crate::clock::now();
-        let view = crate::prompt::parse_view(body, ep).map_err(|e| {
-            let param = e.param();
-            GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-        });
-        let view = match view {
-            Ok(v) => v,
-            Err(e) => return Err(reject(ctx, e)),
+        let parts = request_parts(&self.headers);
+        if let Some(t) = &ctx.telemetry.tracer {
+            ctx.trace = t.begin(&parts.headers, ctx.start);
+        }
+        let auth = proxy.auth.load();
+        let caller = match auth.check(&parts.headers, ctx.start) {
+            Ok(c) => c,
+            Err(e) => return Err(self.reject(ctx, e)),
         };
-        ctx.stream = view.stream;
+        let forced = [rewrite::FORCE, rewrite::FORCE_LEGACY]
+            .iter()
+            .find_map(|h| parts.headers.get(*h))
+            .map(|v| v.to_str().unwrap_or_default().trim().to_owned());
+        let (body, rewritten) = match epp
+            .rewrites
+            .apply(&body, forced.as_deref(), fastrand::f64())
+        {
+            Ok(Some((b, r))) => (b, Some(r)),
+            Ok(None) => (body, None),
+            Err(e) => return Err(self.reject(ctx, e)),
+        };
+        let mut p =
+            match crate::proxy::prepare_read(proxy, &mut ctx, parts, body, caller.as_ref()).await {
+                Ok(p) => p,
+                Err(e) => return Err(self.reject(ctx, e)),
+            };
+        if let Some(r) = &rewritten {
+            proxy
+                .metrics
+                .epp
+                .model_rewrites
+                .get_or_create(&crate::metrics::ModelLabel {
+                    model: ctx.model.clone(),
+                })
+                .inc();
+            tracing::debug!(from = %r.from, to = %r.to, "epp: model rewritten");
+        }
         // As the front door: a stream that did not ask for usage gets it asked for (counted),
         // and the extra usage event is stripped from the client's stream. Only when both bodies
         // stream through us (we rewrite the request and the response).
-        let rewrite =
-            self.streams_request && self.response_mode == BodySendMode::FullDuplexStreamed;
-        let spliced = (rewrite && view.stream && ep.api().splices_usage)
-            .then(|| splice_include_usage(body, &view))
-            .flatten()
-            .map(Bytes::from);
-        ctx.strip_usage = spliced.is_some();
-        let fleet = epp.fleet.registry.load_full();
-        let Some(pool) = fleet.pool(&view.model).cloned() else {
-            let e = GatewayError::new(
-                ErrorKind::ModelNotFound,
-                format!(
-                    "The model `{}` does not exist or no worker serves it.",
-                    view.model
-                ),
-            );
-            return Err(reject(ctx, e));
-        };
-        ctx.model = pool.model.clone();
-        let input =
-            crate::prompt::route_input_offloaded(body, &view, ep, pool.block_size, &pool.tokenizer)
-                .await
-                .map_err(|e| {
-                    let param = match &e {
-                        kvgate_tokenize::TokenizeError::Request(r) => r.param(),
-                        _ => Some("messages"),
-                    };
-                    GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-                });
-        drop(view);
-        let input = match input {
-            Ok(i) => i,
-            Err(e) => return Err(reject(ctx, e)),
-        };
-        ctx.prompt_tokens_est = input.isl.min(u32::MAX as u64) as u32;
-        ctx.prompt_blocks = input.hashes.len() as u32;
-        let (pool, leg) = if ep.api().splits && crate::pd::applies(&pool) {
-            match self.plan_pd(&ctx, &pool, &input, t_decide) {
+        if !(self.streams_request && self.response_mode == BodySendMode::FullDuplexStreamed) {
+            p.spliced = None;
+            ctx.strip_usage = false;
+        }
+        if !api.splits && api.generates && crate::pd::applies(&p.pool) {
+            // As the front door: Responses and Messages run whole on a decode-capable worker.
+            p.pool = Arc::new(crate::pd::sub_pool(
+                &p.pool,
+                crate::config::WorkerRole::can_decode,
+            ));
+        }
+        let t_decide = p.t_decide;
+        let (pool, leg) = if api.splits && crate::pd::applies(&p.pool) {
+            match self.plan_pd(&ctx, &p.pool, &p.ri, t_decide) {
                 Ok(x) => x,
-                Err(e) => return Err(reject(ctx, e)),
+                Err(e) => return Err(self.reject(ctx, e)),
             }
         } else {
-            (pool, Leg::Whole)
+            (p.pool.clone(), Leg::Whole)
         };
         let exclude = match self.excluded(&pool) {
             Ok(x) => x,
-            Err(e) => return Err(reject(ctx, e)),
+            Err(e) => return Err(self.reject(ctx, e)),
         };
-        let r = epp
+        let r = proxy
             .decider
-            .reserve(&pool, &input, &exclude, t_decide, leg, &mut ctx.queue_wait)
+            .reserve(&pool, &p.ri, &exclude, t_decide, leg, &mut ctx.queue_wait)
             .await;
         let res = match r {
             Ok(r) => r,
-            Err(refusal) => return Err(reject(ctx, refusal.into())),
+            Err(refusal) => {
+                let e = crate::proxy::refused(refusal, p.pinned);
+                return Err(self.reject(ctx, e));
+            }
         };
         ctx.decision_time = res
             .at
             .saturating_duration_since(t_decide)
             .saturating_sub(ctx.queue_wait);
-        let m = &epp.metrics;
+        let m = &proxy.metrics;
         m.decision.observe(ctx.decision_time.as_secs_f64());
         m.queue_wait.observe(ctx.queue_wait.as_secs_f64());
         m.predicted_overlap
             .observe(res.pick.decision.predicted_hit_ratio);
         ctx.overlap_blocks = res.pick.decision.overlap_blocks;
         ctx.attempts = 1;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
-        ctx.worker = Some(guard.worker.clone());
+        let leg_name = if leg == Leg::Decode {
+            "decode"
+        } else {
+            "whole"
+        };
+        if ctx.trace.records_steps() {
+            ctx.trace.decided(crate::proxy::trace_decision(
+                proxy,
+                &res.pick,
+                leg_name,
+                t_decide,
+                res.at,
+                ctx.queue_wait,
+            ));
+        }
+        // A stored response lives on its origin worker only: no fallbacks.
+        let k = if p.pinned {
+            1
+        } else {
+            epp.settings.fallback_endpoints
+        };
+        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res, k);
+        let worker = guard.worker.clone();
+        let mut set = Vec::new();
+        let mut remove = Vec::new();
+        // The worker's spans join the request's trace: `traceparent` with the attempt's span id.
+        let mut traced = http::HeaderMap::new();
+        self.attempt = ctx.trace.attempt_start(&mut traced, &worker.name, leg_name);
+        if let Some(tp) = traced.get(crate::trace::TRACEPARENT) {
+            set.push(pb::set_header(
+                crate::trace::TRACEPARENT.as_str(),
+                tp.as_bytes(),
+            ));
+        }
+        // As the front door's upstream hop: client credentials never reach the worker when
+        // kvgate authenticates clients, and a worker with its own key gets it.
+        if auth.enabled() {
+            remove.extend(
+                crate::proxy::CLIENT_CREDENTIALS
+                    .iter()
+                    .map(|h| h.as_str().to_owned()),
+            );
+            remove.push(http::header::AUTHORIZATION.as_str().to_owned());
+        }
+        if let Some(a) = &worker.auth_header {
+            remove.retain(|h| h != http::header::AUTHORIZATION.as_str());
+            set.push(pb::set_header(
+                http::header::AUTHORIZATION.as_str(),
+                a.as_bytes(),
+            ));
+        }
+        // The body the worker gets: with the engine's priority (flow control), the usage
+        // request, or the rewritten model; `None` when it is the client's.
+        let changed = crate::proxy::prioritized(proxy, &p, &worker)
+            .or_else(|| p.spliced.clone())
+            .or_else(|| rewritten.is_some().then(|| p.bytes.clone()));
+        self.forget = crate::proxy::deleted_pin(&p).map(str::to_owned);
+        self.rewritten = rewritten;
+        ctx.worker = Some(worker);
         ctx.guard = Some(guard);
         ctx.prefilled_elsewhere = self.prefill.is_some();
         self.held = Held::Api {
@@ -414,11 +519,16 @@ impl Conversation {
         };
         self.routed = Some(Routed {
             pool,
-            input,
+            input: p.ri,
             endpoints,
         });
         m.epp.picks.get_or_create(&kind("api")).inc();
-        Ok((value, spliced))
+        Ok(Picked {
+            value,
+            body: changed,
+            set,
+            remove,
+        })
     }
 
     /// A prefill/decode pool (docs/epp.md, "Prefill/decode pools"): the decision core's plan.
@@ -434,9 +544,10 @@ impl Conversation {
         now: Instant,
     ) -> Result<(Arc<Pool>, Leg), GatewayError> {
         let epp = self.epp.clone();
-        let crate::route::PdRoute { decode, plan } = epp.decider.plan_pd(pool, input, now)?;
+        let crate::route::PdRoute { decode, plan } = epp.proxy.decider.plan_pd(pool, input, now)?;
         let decision = |path, reason| {
-            epp.metrics
+            epp.proxy
+                .metrics
                 .pd
                 .decisions
                 .get_or_create(&crate::metrics::PdDecisionLabels {
@@ -460,9 +571,13 @@ impl Conversation {
         let skip = self.excluded(&prefill).unwrap_or_default();
         let res = match first {
             Some(p) if !skip.contains(&p.worker.id) => {
-                Some(epp.decider.place(p, &prefill, input, now))
+                Some(epp.proxy.decider.place(p, &prefill, input, now))
             }
-            _ => epp.decider.try_reserve(&prefill, input, &skip, now).ok(),
+            _ => epp
+                .proxy
+                .decider
+                .try_reserve(&prefill, input, &skip, now)
+                .ok(),
         };
         match res.and_then(|r| super::endpoint_of(&r.pick.worker).map(|a| (a, r.guard))) {
             Some((addr, guard)) => {
@@ -481,7 +596,7 @@ impl Conversation {
     /// `x-gateway-model-name` header's model, else the only pool, else every worker).
     async fn route_by_load(&mut self) -> Result<String, GatewayError> {
         let epp = self.epp.clone();
-        let fleet = epp.fleet.registry.load_full();
+        let fleet = epp.proxy.fleet.registry.load_full();
         let named = self
             .headers
             .get(MODEL_HEADER)
@@ -511,6 +626,7 @@ impl Conversation {
         let input = RouteInput::default();
         let mut waited = std::time::Duration::ZERO;
         let res = epp
+            .proxy
             .decider
             .reserve(
                 &pool,
@@ -523,17 +639,23 @@ impl Conversation {
             .await
             .map_err(|refusal| {
                 let e: GatewayError = refusal.into();
-                epp.metrics.error(e.label());
+                epp.proxy.metrics.error(e.label());
                 e
             })?;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
+        let k = epp.settings.fallback_endpoints;
+        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res, k);
         self.held = Held::Load(guard);
         self.routed = Some(Routed {
             pool,
             input,
             endpoints,
         });
-        epp.metrics.epp.picks.get_or_create(&kind("load")).inc();
+        epp.proxy
+            .metrics
+            .epp
+            .picks
+            .get_or_create(&kind("load"))
+            .inc();
         Ok(value)
     }
 
@@ -581,6 +703,7 @@ impl Conversation {
         pool: &Pool,
         exclude: &[WorkerId],
         res: Reservation,
+        k: usize,
     ) -> (String, DispatchGuard, Vec<(Arc<Worker>, SocketAddr)>) {
         let first = res.pick.worker.clone();
         let mut endpoints: Vec<(Arc<Worker>, SocketAddr)> = super::endpoint_of(&first)
@@ -599,11 +722,7 @@ impl Conversation {
             })
             .collect();
         rest.sort_unstable_by_key(|(load, i, _, _)| (*load, *i));
-        let room = self
-            .epp
-            .settings
-            .fallback_endpoints
-            .saturating_sub(endpoints.len());
+        let room = k.saturating_sub(endpoints.len());
         endpoints.extend(
             rest.into_iter()
                 .take(room)
@@ -633,13 +752,21 @@ impl Conversation {
         let sse = headers
             .get("content-type")
             .is_some_and(|v| v.starts_with(b"text/event-stream"));
+        let duplex = self.response_mode == BodySendMode::FullDuplexStreamed;
+        // We may strip the usage event we asked for, or give the response its model name back:
+        // the length would be wrong.
+        let resized = (sse
+            && matches!(&self.held, Held::Api { ctx: Some(c), .. } if c.strip_usage))
+            || (duplex && self.rewritten.is_some());
+        if (200..300).contains(&status) {
+            if let Some(id) = self.forget.take() {
+                self.epp.proxy.pins.forget(&id);
+            }
+        }
         let out = vec![ProcessingResponse {
             response: Some(pb::Response::ResponseHeaders(pb::HeadersResponse {
                 response: Some(pb::CommonResponse {
-                    // We may strip the usage event we asked for: the length would be wrong.
-                    header_mutation: (sse
-                        && matches!(&self.held, Held::Api { ctx: Some(c), .. } if c.strip_usage))
-                    .then(|| pb::HeaderMutation {
+                    header_mutation: resized.then(|| pb::HeaderMutation {
                         set_headers: Vec::new(),
                         remove_headers: vec!["content-length".into()],
                     }),
@@ -650,6 +777,8 @@ impl Conversation {
         }];
         if let Held::Api { ctx, obs } = &mut self.held {
             if let Some(mut c) = ctx.take() {
+                c.trace
+                    .attempt_end(self.attempt.take(), crate::trace::Ended::Status(status));
                 c.status = status;
                 *obs = Some(Observation::new(c, sse));
             }
@@ -680,7 +809,7 @@ impl Conversation {
         let server_error = (500..600).contains(&status);
         let serving = match served {
             Some(s) if Some(s) != picked => {
-                self.epp.metrics.epp.served_elsewhere.inc();
+                self.epp.proxy.metrics.epp.served_elsewhere.inc();
                 let pos = routed.endpoints.iter().position(|(_, a)| *a == s);
                 for (w, _) in &routed.endpoints[..pos.unwrap_or(routed.endpoints.len())] {
                     w.state.record_outcome(false, now);
@@ -693,6 +822,7 @@ impl Conversation {
                     .cloned();
                 let moved = worker.as_ref().map(|w| {
                     self.epp
+                        .proxy
                         .decider
                         .reserve_on(&routed.pool, &routed.input, w, now)
                         .guard
@@ -742,6 +872,11 @@ impl Conversation {
                 }
             }
         }
+        if let (true, Some(r)) = (duplex, &self.rewritten) {
+            if let Some(x) = rewrite::restore(&out_bytes, r) {
+                out_bytes = x;
+            }
+        }
         if b.end_of_stream {
             self.finish_ok();
         }
@@ -787,6 +922,15 @@ impl Conversation {
         self.phase = Phase::Done;
     }
 
+    /// A rejected client-API request: recorded (as the front door's `proxy::reject`, with the
+    /// status its API's clients get) and returned.
+    fn reject(&self, mut ctx: RequestCtx, e: GatewayError) -> GatewayError {
+        ctx.status = e.status_for(self.shape).as_u16();
+        ctx.error = Some(e.label());
+        ctx.finish(Outcome::Rejected);
+        e
+    }
+
     /// A local reply for `e` (the one mapping of gateway errors to HTTP), ending the request.
     fn immediate(&mut self, e: GatewayError) -> ProcessingResponse {
         self.phase = Phase::Done;
@@ -794,16 +938,21 @@ impl Conversation {
         self.prefill = None;
         // The rest of the stream is ignored: do not keep a refused body for its lifetime.
         self.body = BytesMut::new();
-        let status = e.status().as_u16();
-        let m = &self.epp.metrics;
+        // The front door's one mapping, in the request's API's shape (Anthropic: 529 for sheds).
+        let body = e.json_for(self.shape);
+        let details = format!("kvgate_{}", e.label().as_str());
+        let resp = e.into_response_for(self.shape);
+        let status = resp.status().as_u16();
+        let m = &self.epp.proxy.metrics;
         m.epp
             .immediate
             .get_or_create(&super::StatusLabel { status })
             .inc();
-        let mut set = vec![pb::set_header("content-type", "application/json")];
-        if let Some(s) = e.retry_after() {
-            set.push(pb::set_header("retry-after", s.to_string()));
-        }
+        let set = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| pb::set_header(k.as_str(), v.as_bytes()))
+            .collect();
         ProcessingResponse {
             response: Some(pb::Response::ImmediateResponse(pb::ImmediateResponse {
                 status: Some(pb::HttpStatus {
@@ -813,8 +962,8 @@ impl Conversation {
                     set_headers: set,
                     remove_headers: Vec::new(),
                 }),
-                body: e.json(),
-                details: format!("kvgate_{}", e.label().as_str()),
+                body,
+                details,
             })),
             dynamic_metadata: None,
         }
@@ -826,18 +975,52 @@ impl Drop for Conversation {
         // The stream ended before the response did (Envoy cancelled it, or it broke): a stream
         // that had delivered its `[DONE]` completed, anything else was cancelled. Either way the
         // load is released here.
-        if let Held::Api { obs: Some(o), .. } = &mut self.held {
-            o.dropped();
+        match &mut self.held {
+            Held::Api { obs: Some(o), .. } => o.dropped(),
+            Held::Api { ctx: Some(c), .. } => c.trace.attempt_end(
+                self.attempt.take(),
+                crate::trace::Ended::Error("cancelled", "the stream ended before the response"),
+            ),
+            _ => {}
         }
     }
 }
 
-/// A rejected client-API request: recorded (as the front door's `proxy::reject`) and returned.
-fn reject(mut ctx: RequestCtx, e: GatewayError) -> GatewayError {
-    ctx.status = e.status().as_u16();
-    ctx.error = Some(e.label());
-    ctx.finish(Outcome::Rejected);
-    e
+/// The request as the front door's `proxy::prepare_read` sees it: method, path and headers
+/// (Envoy's pseudo-headers `:method` and `:path`; values from `raw_value`, else `value`; a
+/// header that is not a valid HTTP field is left out).
+fn request_parts(h: &pb::HeaderMap) -> http::request::Parts {
+    let method = h
+        .get(":method")
+        .and_then(|m| http::Method::from_bytes(m).ok())
+        .unwrap_or(http::Method::POST);
+    let uri = h
+        .get(":path")
+        .and_then(|p| http::Uri::try_from(p).ok())
+        .unwrap_or_else(|| http::Uri::from_static("/"));
+    let (mut parts, ()) = http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(())
+        .expect("method and uri are valid")
+        .into_parts();
+    for v in &h.headers {
+        if v.key.starts_with(':') {
+            continue;
+        }
+        let raw = if v.raw_value.is_empty() {
+            v.value.as_bytes()
+        } else {
+            &v.raw_value[..]
+        };
+        if let (Ok(k), Ok(val)) = (
+            http::HeaderName::from_bytes(v.key.as_bytes()),
+            http::HeaderValue::from_bytes(raw),
+        ) {
+            parts.headers.append(k, val);
+        }
+    }
+    parts
 }
 
 fn invalid(what: &str) -> Status {
