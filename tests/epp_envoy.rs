@@ -245,6 +245,31 @@ fn chat(model: &str, stream: bool, max_tokens: u32) -> String {
     )
 }
 
+/// A request to the slow worker (`slow-model`) from another thread, in flight when this returns;
+/// its answer when joined.
+fn hold_slow_worker(envoy: &Envoy, epp: &Epp) -> std::thread::JoinHandle<Vec<RawResponse>> {
+    let envoy_addr = envoy.addr;
+    let first = std::thread::spawn(move || {
+        let body = chat("slow-model", false, 2);
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        exchange_raw(envoy_addr, req.as_bytes(), Duration::from_secs(60)).0
+    });
+    wait(
+        "the slow request in flight",
+        Duration::from_secs(10),
+        || epp.metric("kvgate_inflight_requests", "") >= 1.0,
+    );
+    first
+}
+
+/// A `[[workers]]` entry serving `model`.
+fn worker_toml(url: &str, model: &str) -> String {
+    format!("[[workers]]\nurl = \"{url}\"\nmodels = [\"{model}\"]\n")
+}
+
 fn wait(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let end = Instant::now() + within;
     while !f() {
@@ -312,9 +337,7 @@ monitor = false
         // A host name: Envoy cannot be sent there, so this model has no endpoint (503).
         (&"http://localhost:1".to_string(), "named-model"),
     ] {
-        config.push_str(&format!(
-            "[[workers]]\nurl = \"{url}\"\nmodels = [\"{model}\"]\n"
-        ));
+        config.push_str(&worker_toml(url, model));
     }
     let epp = Epp::start(&config);
     let pool = [
@@ -383,20 +406,7 @@ monitor = false
 
     // 429 + Retry-After: the slow worker holds one request (max_inflight_per_worker = 1) and
     // nothing may queue.
-    let envoy_addr = envoy.addr;
-    let first = std::thread::spawn(move || {
-        let body = chat("slow-model", false, 2);
-        let req = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        exchange_raw(envoy_addr, req.as_bytes(), Duration::from_secs(60)).0
-    });
-    wait(
-        "the slow request in flight",
-        Duration::from_secs(10),
-        || epp.metric("kvgate_inflight_requests", "") >= 1.0,
-    );
+    let first = hold_slow_worker(&envoy, &epp);
     let r = envoy.post("/v1/chat/completions", &chat("slow-model", false, 2));
     assert_eq!(r.status, 429, "{r:?}");
     assert_eq!(r.header("retry-after"), Some("1"), "{r:?}");
@@ -554,9 +564,7 @@ monitor = false
         (&sims.urls[1], "sim-model"),
         (&slow.urls[0], "slow-model"),
     ] {
-        config.push_str(&format!(
-            "[[workers]]\nurl = \"{url}\"\nmodels = [\"{model}\"]\n"
-        ));
+        config.push_str(&worker_toml(url, model));
     }
     let epp = Epp::start(&config);
     let pool = [
@@ -648,20 +656,7 @@ monitor = false
     }
 
     // Flow control: a sheddable Messages request while the slow worker is busy → 529.
-    let envoy_addr = envoy.addr;
-    let first = std::thread::spawn(move || {
-        let body = chat("slow-model", false, 2);
-        let req = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        exchange_raw(envoy_addr, req.as_bytes(), Duration::from_secs(60)).0
-    });
-    wait(
-        "the slow request in flight",
-        Duration::from_secs(10),
-        || epp.metric("kvgate_inflight_requests", "") >= 1.0,
-    );
+    let first = hold_slow_worker(&envoy, &epp);
     let r = envoy.send(
         "POST",
         "/v1/messages",

@@ -1184,6 +1184,11 @@ async fn respond_and_end(c: &mut Call, served: &str, ctype: &str, b: &str) -> By
     Bytes::from(out)
 }
 
+/// The first endpoint of a pick (the one the gateway tries first).
+fn picked(h: &ProcessingResponse) -> String {
+    destination(h).split(',').next().unwrap().to_owned()
+}
+
 fn queued(gw: &Gateway) -> usize {
     gw.app.fleet.router.admission().len()
 }
@@ -1384,8 +1389,7 @@ async fn agent_apis_are_rendered_hashed_and_their_stored_responses_pinned() {
     let mut first = api_call(epp, "POST", "/v1/responses", &[], Some(responses.clone())).await;
     let (h, echoed) = answer(&mut first).await;
     assert_eq!(echoed, Bytes::from(responses.clone()), "the body unchanged");
-    let origin = destination(&h);
-    let origin = origin.split(',').next().unwrap().to_owned();
+    let origin = picked(&h);
     assert_eq!(overlap_sum(&gw), 0.0);
     // The same prompt while the first is in flight: its blocks are on `origin`.
     let mut again = api_call(epp, "POST", "/v1/responses", &[], Some(responses)).await;
@@ -1410,9 +1414,7 @@ async fn agent_apis_are_rendered_hashed_and_their_stored_responses_pinned() {
     for _ in 0..2 {
         let mut m = api_call(epp, "POST", "/v1/messages", &[], Some(messages.clone())).await;
         let (h, _) = answer(&mut m).await;
-        let to = destination(&h);
-        let to = to.split(',').next().unwrap().to_owned();
-        respond_and_end(&mut m, &to, "application/json", "{}").await;
+        respond_and_end(&mut m, &picked(&h), "application/json", "{}").await;
     }
     assert!(
         overlap_sum(&gw) > before,
@@ -1428,18 +1430,11 @@ async fn agent_apis_are_rendered_hashed_and_their_stored_responses_pinned() {
     )
     .await;
     let (h, _) = answer(&mut ct).await;
-    let to = destination(&h);
-    respond_and_end(
-        &mut ct,
-        to.split(',').next().unwrap(),
-        "application/json",
-        "{}",
-    )
-    .await;
+    respond_and_end(&mut ct, &picked(&h), "application/json", "{}").await;
     // The stored response: its worker alone, whatever the load says.
     let mut busy = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
     let (h, _) = answer(&mut busy).await;
-    let busy_on = destination(&h).split(',').next().unwrap().to_owned();
+    let busy_on = picked(&h);
     for (method, path) in [
         ("GET", "/v1/responses/resp_epp1"),
         (
@@ -1558,13 +1553,12 @@ async fn traces_are_continued_and_handed_to_the_worker() {
         "a span of ours is the worker's parent"
     );
     assert_eq!(parts[3], "01");
-    let to = destination(&h);
     // Nothing is exported before the response ends.
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(exported.lock().unwrap().is_empty());
     respond_and_end(
         &mut c,
-        to.split(',').next().unwrap(),
+        &picked(&h),
         "text/event-stream",
         &sse(&[r#"{"choices":[{"delta":{"content":"a"}}]}"#, "[DONE]"]),
     )
@@ -1588,14 +1582,7 @@ async fn traces_are_continued_and_handed_to_the_worker() {
     let (h, _) = answer(&mut c).await;
     let tp = set_header_of(&h, "traceparent").expect("traceparent");
     assert!(!tp.contains(trace_id));
-    let to = destination(&h);
-    respond_and_end(
-        &mut c,
-        to.split(',').next().unwrap(),
-        "application/json",
-        "{}",
-    )
-    .await;
+    respond_and_end(&mut c, &picked(&h), "application/json", "{}").await;
     no_load_left(&gw).await;
     gw.shutdown().await;
 }
@@ -1636,10 +1623,9 @@ async fn model_rewrites_replace_the_model_route_on_the_target_and_restore_the_re
         set_header_of(&h, "content-length"),
         Some(echoed.len().to_string())
     );
-    let to = destination(&h);
     let back = respond_and_end(
         &mut c,
-        to.split(',').next().unwrap(),
+        &picked(&h),
         "text/event-stream",
         &sse(&[
             r#"{"id":"c1","model":"mock-model","choices":[{"delta":{"content":"a"}}]}"#,
@@ -1663,10 +1649,9 @@ async fn model_rewrites_replace_the_model_route_on_the_target_and_restore_the_re
     .await;
     let (h, echoed) = answer(&mut c).await;
     assert!(String::from_utf8_lossy(&echoed).contains(r#""model":"mock-model""#));
-    let to = destination(&h);
     let back = respond_and_end(
         &mut c,
-        to.split(',').next().unwrap(),
+        &picked(&h),
         "application/json",
         r#"{"id":"c2","model": "mock-model","choices":[]}"#,
     )
