@@ -1420,17 +1420,38 @@ async fn agent_apis_are_rendered_hashed_and_their_stored_responses_pinned() {
         overlap_sum(&gw) > before,
         "the second Messages request hit the first's blocks"
     );
-    // count_tokens: by model and load.
-    let mut ct = api_call(
+    // count_tokens and the pass-through endpoints: by model (optional with one model) and load,
+    // as requests of their API (counted per endpoint); a pass-through body naming an unknown
+    // model is the front door's 400.
+    for (path, b) in [
+        ("/v1/messages/count_tokens", messages.clone()),
+        ("/tokenize", r#"{"prompt":"hello"}"#.to_owned()),
+        (
+            "/v1/rerank",
+            r#"{"model":"mock-model","query":"q","documents":["a"]}"#.to_owned(),
+        ),
+    ] {
+        let mut c = api_call(epp, "POST", path, &[], Some(b)).await;
+        let (h, _) = answer(&mut c).await;
+        respond_and_end(&mut c, &picked(&h), "application/json", "{}").await;
+    }
+    let text = metrics(&gw);
+    for endpoint in ["messages_count_tokens", "tokenize", "rerank"] {
+        assert!(
+            text.contains(&format!("endpoint=\"{endpoint}\"")),
+            "{endpoint}: {text}"
+        );
+    }
+    let mut c = api_call(
         epp,
         "POST",
-        "/v1/messages/count_tokens",
+        "/v1/rerank",
         &[],
-        Some(messages.clone()),
+        Some(r#"{"model":"nope","query":"q","documents":["a"]}"#.into()),
     )
     .await;
-    let (h, _) = answer(&mut ct).await;
-    respond_and_end(&mut ct, &picked(&h), "application/json", "{}").await;
+    assert_eq!(immediate(&mut c).await.status.unwrap().code, 400);
+    drop(c);
     // The stored response: its worker alone, whatever the load says.
     let mut busy = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
     let (h, _) = answer(&mut busy).await;
