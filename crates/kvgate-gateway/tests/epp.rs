@@ -1125,7 +1125,7 @@ async fn api_call(
     extra: &[(&str, &str)],
     b: Option<String>,
 ) -> Call {
-    let mut c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
+    let c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
     let mut h = vec![(":method", method), (":path", path)];
     h.extend_from_slice(extra);
     c.send(&first(

@@ -98,7 +98,7 @@ impl ModelRewrites {
             return Ok(None);
         };
         let to = match forced {
-            Some(f) if f.is_empty() => {
+            Some("") => {
                 return Err(GatewayError::new(
                     ErrorKind::BadRequest { param: None },
                     format!("header {FORCE} is empty"),
