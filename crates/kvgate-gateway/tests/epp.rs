@@ -1731,3 +1731,31 @@ async fn model_rewrites_replace_the_model_route_on_the_target_and_restore_the_re
     );
     gw.shutdown().await;
 }
+
+/// `/v1/messages` local replies are Anthropic's shape from the first message on: a body over
+/// `server.max_body_bytes` (413 `request_too_large`) and an unknown model (404
+/// `not_found_error`), as at the front door.
+#[tokio::test]
+async fn messages_get_anthropic_local_replies() {
+    let a = MockWorker::builder().spawn().await.unwrap();
+    let gw = epp_gateway(&[&a], |c| c.server.max_body_bytes = 1024).await;
+    let epp = gw.epp_addr.unwrap();
+    let big = format!(
+        r#"{{"model":"mock-model","max_tokens":8,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(2000)
+    );
+    let small = r#"{"model":"nope","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#;
+    for (b, status, typ) in [
+        (big, 413, "request_too_large"),
+        (small.to_owned(), 404, "not_found_error"),
+    ] {
+        let mut c = api_call(epp, "POST", "/v1/messages", &[], Some(b)).await;
+        let i = immediate(&mut c).await;
+        assert_eq!(i.status.unwrap().code, status);
+        let j: serde_json::Value = serde_json::from_slice(&i.body).unwrap();
+        assert_eq!(j["type"], "error", "{j}");
+        assert_eq!(j["error"]["type"], typ, "{j}");
+    }
+    no_load_left(&gw).await;
+    gw.shutdown().await;
+}

@@ -154,6 +154,13 @@ impl Conversation {
         }
     }
 
+    /// The client API of the request's `:path`, if any.
+    fn endpoint(&self) -> Option<Endpoint> {
+        let path = self.headers.get(":path")?;
+        let path = std::str::from_utf8(path).ok()?;
+        Endpoint::by_path(path.split('?').next().unwrap_or(""))
+    }
+
     /// Whether the conversation is over (the response ended or a local reply was sent).
     pub fn is_done(&self) -> bool {
         matches!(self.phase, Phase::Done)
@@ -196,6 +203,10 @@ impl Conversation {
         self.start = crate::clock::now();
         self.headers = h.headers.unwrap_or_default();
         self.phase = Phase::Body;
+        // Local replies from here on (a body over the limit) take the API's error shape.
+        if let Some(ep) = self.endpoint() {
+            self.shape = ep.api().errors;
+        }
         if h.end_of_stream || self.request_mode == BodySendMode::None {
             // No body will come: pick now, by load.
             self.streams_request = false;
@@ -278,14 +289,7 @@ impl Conversation {
         body: Option<Bytes>,
         body_ends: bool,
     ) -> Vec<ProcessingResponse> {
-        let path = self
-            .headers
-            .get(":path")
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .unwrap_or_default();
-        let path = path.split('?').next().unwrap_or("");
-        let endpoint = Endpoint::by_path(path);
-        let result = match (endpoint, &body) {
+        let result = match (self.endpoint(), &body) {
             (Some(ep), Some(b)) if !b.is_empty() => self.route_api(ep, b.clone()).await,
             // GET / DELETE of a stored response: its origin worker, as at the front door.
             (Some(ep), _) if ep == Endpoint::STORED_RESPONSE => {
