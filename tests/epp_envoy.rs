@@ -210,12 +210,31 @@ impl Envoy {
     }
 
     fn post(&self, path: &str, body: &str) -> RawResponse {
-        let req = format!(
-            "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
+        self.send("POST", path, &[], Some(body))
+    }
+
+    /// One request with `headers` (and a JSON `body`), on its own connection.
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> RawResponse {
+        let mut req = format!("{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n");
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        if let Some(b) = body {
+            req.push_str(&format!(
+                "content-type: application/json\r\ncontent-length: {}\r\n",
+                b.len()
+            ));
+        }
+        req.push_str("\r\n");
+        req.push_str(body.unwrap_or(""));
         let (mut r, _) = exchange_raw(self.addr, req.as_bytes(), Duration::from_secs(30));
-        assert!(!r.is_empty(), "an answer to {path}");
+        assert!(!r.is_empty(), "an answer to {method} {path}");
         r.remove(0)
     }
 }
@@ -224,6 +243,31 @@ fn chat(model: &str, stream: bool, max_tokens: u32) -> String {
     format!(
         r#"{{"model":"{model}","stream":{stream},"max_tokens":{max_tokens},"messages":[{{"role":"user","content":"hello from envoy"}}]}}"#
     )
+}
+
+/// A request to the slow worker (`slow-model`) from another thread, in flight when this returns;
+/// its answer when joined.
+fn hold_slow_worker(envoy: &Envoy, epp: &Epp) -> std::thread::JoinHandle<Vec<RawResponse>> {
+    let envoy_addr = envoy.addr;
+    let first = std::thread::spawn(move || {
+        let body = chat("slow-model", false, 2);
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        exchange_raw(envoy_addr, req.as_bytes(), Duration::from_secs(60)).0
+    });
+    wait(
+        "the slow request in flight",
+        Duration::from_secs(10),
+        || epp.metric("kvgate_inflight_requests", "") >= 1.0,
+    );
+    first
+}
+
+/// A `[[workers]]` entry serving `model`.
+fn worker_toml(url: &str, model: &str) -> String {
+    format!("[[workers]]\nurl = \"{url}\"\nmodels = [\"{model}\"]\n")
 }
 
 fn wait(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
@@ -293,9 +337,7 @@ monitor = false
         // A host name: Envoy cannot be sent there, so this model has no endpoint (503).
         (&"http://localhost:1".to_string(), "named-model"),
     ] {
-        config.push_str(&format!(
-            "[[workers]]\nurl = \"{url}\"\nmodels = [\"{model}\"]\n"
-        ));
+        config.push_str(&worker_toml(url, model));
     }
     let epp = Epp::start(&config);
     let pool = [
@@ -364,20 +406,7 @@ monitor = false
 
     // 429 + Retry-After: the slow worker holds one request (max_inflight_per_worker = 1) and
     // nothing may queue.
-    let envoy_addr = envoy.addr;
-    let first = std::thread::spawn(move || {
-        let body = chat("slow-model", false, 2);
-        let req = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        exchange_raw(envoy_addr, req.as_bytes(), Duration::from_secs(60)).0
-    });
-    wait(
-        "the slow request in flight",
-        Duration::from_secs(10),
-        || epp.metric("kvgate_inflight_requests", "") >= 1.0,
-    );
+    let first = hold_slow_worker(&envoy, &epp);
     let r = envoy.post("/v1/chat/completions", &chat("slow-model", false, 2));
     assert_eq!(r.status, 429, "{r:?}");
     assert_eq!(r.header("retry-after"), Some("1"), "{r:?}");
@@ -488,4 +517,168 @@ fn fail_close_gives_500_and_fail_open_falls_back_when_the_picker_dies() {
     let r = open.post("/v1/chat/completions", &chat("sim-model", false, 4));
     assert_eq!(r.status, 200, "FailOpen: {r:?}");
     assert!(r.body_text().contains("choices"), "{}", r.body_text());
+}
+
+/// The picker deciding as the front door does, through a real Envoy: a model rewrite (the new
+/// body's length is right for Envoy and the engine, the answer names the client's model), the
+/// engine joining the request's trace (`traceparent` set by the picker), stored Responses
+/// retrieved and deleted on the worker that stored them (round robin would send every other
+/// one elsewhere), an unknown id as the Responses 404, and flow control's shed on /v1/messages
+/// as Anthropic's 529.
+#[test]
+fn rewrites_traces_stored_responses_and_sheds_through_envoy() {
+    let Some((envoy_bin, _)) = tools() else {
+        return;
+    };
+    let sims = Sims::start_with_env(
+        2,
+        "sim-model",
+        &[],
+        &[("VLLM_ENABLE_RESPONSES_API_STORE", "1")],
+    );
+    let slow = Sims::start(1, "slow-model", &["--stall-ms", "1500"]);
+    let collector = free_port();
+    let mut config = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+request_log = false
+[epp]
+listen = "127.0.0.1:0"
+[[epp.model_rewrites]]
+models = ["alias"]
+targets = [{{ model = "sim-model" }}]
+[routing]
+policy = "round_robin"
+max_inflight_per_worker = 1
+[flow_control]
+enabled = true
+[tracing]
+otlp_endpoint = "http://127.0.0.1:{collector}"
+[upstream]
+monitor = false
+"#
+    );
+    for (url, model) in [
+        (&sims.urls[0], "sim-model"),
+        (&sims.urls[1], "sim-model"),
+        (&slow.urls[0], "slow-model"),
+    ] {
+        config.push_str(&worker_toml(url, model));
+    }
+    let epp = Epp::start(&config);
+    let pool = [
+        sims.urls[0].clone(),
+        sims.urls[1].clone(),
+        slow.urls[0].clone(),
+    ];
+    let envoy = Envoy::start(&envoy_bin, epp.grpc, &pool, false);
+
+    // Model rewrite, whole and streamed.
+    let r = envoy.post("/v1/chat/completions", &chat("alias", false, 4));
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.complete, "{r:?}");
+    let j: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(j["model"], "alias", "{j}");
+    let r = envoy.post("/v1/chat/completions", &chat("alias", true, 4));
+    assert_eq!(r.status, 200, "{r:?}");
+    let t = r.body_text();
+    assert!(
+        t.contains(r#""model":"alias""#) && !t.contains("sim-model") && t.contains("[DONE]"),
+        "{t}"
+    );
+    assert_eq!(
+        epp.metric("kvgate_epp_model_rewrites_total", r#"model="sim-model""#),
+        2.0
+    );
+
+    // The engine's span joins the client's trace, under a span of the picker.
+    let trace_id = "0af7651916cd43dd8448eb211c80319c";
+    let parent = format!("00-{trace_id}-b7ad6b7169203331-01");
+    let r = envoy.send(
+        "POST",
+        "/v1/chat/completions",
+        &[("traceparent", &parent)],
+        Some(&chat("sim-model", false, 4)),
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    let seen: Vec<String> = sims
+        .urls
+        .iter()
+        .flat_map(|u| {
+            let a: SocketAddr = u.trim_start_matches("http://").parse().unwrap();
+            let (r, _) = exchange_raw(
+                a,
+                b"GET /sim/traceparents HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+                Duration::from_secs(5),
+            );
+            let v: serde_json::Value = serde_json::from_slice(&r[0].body).unwrap();
+            v["traceparents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let ours: Vec<&String> = seen.iter().filter(|t| t.contains(trace_id)).collect();
+    assert_eq!(ours.len(), 1, "{seen:?}");
+    assert_ne!(ours[0], &parent, "the engine's parent is the picker's span");
+
+    // Stored responses: one on each worker (round robin), each found again through the picker.
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        let r = envoy.post(
+            "/v1/responses",
+            &format!(r#"{{"model":"sim-model","input":"remember {i}","store":true,"max_output_tokens":4}}"#),
+        );
+        assert_eq!(r.status, 200, "{r:?}");
+        let j: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        ids.push(j["id"].as_str().unwrap().to_owned());
+    }
+    for _ in 0..2 {
+        for id in &ids {
+            let r = envoy.send("GET", &format!("/v1/responses/{id}"), &[], None);
+            assert_eq!(r.status, 200, "GET {id}: {r:?}");
+            assert!(r.body_text().contains(id.as_str()));
+        }
+    }
+    let r = envoy.send("DELETE", &format!("/v1/responses/{}", ids[0]), &[], None);
+    assert_eq!(r.status, 200, "{r:?}");
+    for path in [
+        format!("/v1/responses/{}", ids[0]),
+        "/v1/responses/resp_none".into(),
+    ] {
+        let r = envoy.send("GET", &path, &[], None);
+        assert_eq!(r.status, 404, "{path}: {r:?}");
+        assert_eq!(r.header("x-should-retry"), Some("false"), "{r:?}");
+        assert!(r.is_openai_error(), "{}", r.body_text());
+    }
+
+    // Flow control: a sheddable Messages request while the slow worker is busy → 529.
+    let first = hold_slow_worker(&envoy, &epp);
+    let r = envoy.send(
+        "POST",
+        "/v1/messages",
+        &[
+            ("x-kvgate-priority", "-1"),
+            ("anthropic-version", "2023-06-01"),
+        ],
+        Some(
+            r#"{"model":"slow-model","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}"#,
+        ),
+    );
+    assert_eq!(r.status, 529, "{r:?}");
+    let j: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(j["type"], "error", "{j}");
+    assert_eq!(j["error"]["type"], "overloaded_error", "{j}");
+    let first = first.join().unwrap();
+    assert_eq!(first.first().map(|r| r.status), Some(200), "{first:?}");
+    wait("0 leaked reservations", Duration::from_secs(5), || {
+        epp.settled()
+    });
+    assert_eq!(
+        epp.metric("kvgate_flow_requests_total", r#"outcome="shed""#),
+        1.0
+    );
 }

@@ -57,6 +57,33 @@ pub struct EppConfig {
     pub fallback_endpoints: usize,
     /// Largest gRPC message accepted from the gateway (a BUFFERED body arrives in one message).
     pub max_message_bytes: usize,
+    /// `[[epp.model_rewrites]]`: llm-d's `InferenceModelRewrite` rules (`epp/rewrite.rs`).
+    pub model_rewrites: Vec<ModelRewriteConfig>,
+}
+
+/// One `[[epp.model_rewrites]]` rule: requests for one of `models` (none listed: any model) go
+/// to one of `targets`, picked at random by weight.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRewriteConfig {
+    /// Client-facing model names this rule matches exactly; empty = every model.
+    #[serde(default)]
+    pub models: Vec<String>,
+    pub targets: Vec<RewriteTargetConfig>,
+}
+
+/// A rewrite target: the model name the worker gets, and its share of the rule's requests.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewriteTargetConfig {
+    pub model: String,
+    /// 1..=1,000,000 (as `InferenceModelRewrite`).
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl Default for EppConfig {
@@ -66,6 +93,7 @@ impl Default for EppConfig {
             tls: None,
             fallback_endpoints: 3,
             max_message_bytes: (8 << 20) + (64 << 10),
+            model_rewrites: Vec::new(),
         }
     }
 }
@@ -1244,6 +1272,26 @@ impl Config {
                 "epp.max_message_bytes must be >= 65536 (Envoy sends body chunks of up to 64 KiB), got {}",
                 self.epp.max_message_bytes
             );
+        }
+        for (i, r) in self.epp.model_rewrites.iter().enumerate() {
+            if r.targets.is_empty() {
+                bail!("epp.model_rewrites[{i}] has no targets");
+            }
+            for t in &r.targets {
+                if t.model.is_empty() {
+                    bail!("epp.model_rewrites[{i}]: a target's model is empty");
+                }
+                if !(1..=1_000_000).contains(&t.weight) {
+                    bail!(
+                        "epp.model_rewrites[{i}]: weight of `{}` must be between 1 and 1000000, got {}",
+                        t.model,
+                        t.weight
+                    );
+                }
+            }
+            if r.models.iter().any(String::is_empty) {
+                bail!("epp.model_rewrites[{i}]: an empty name in models");
+            }
         }
         if self.pd.prefill_timeout_s == 0 {
             bail!("pd.prefill_timeout_s must be >= 1");

@@ -8,11 +8,13 @@
 //! - `pb.rs`: the protobuf messages (hand-written prost structs, the subset used).
 //! - `conversation.rs`: one stream's conversation (request → pick → response accounting).
 //! - `health.rs`: `grpc.health.v1.Health/Check` (`liveness`, `readiness`, the ext_proc service).
+//! - `rewrite.rs`: model rewrites (`[[epp.model_rewrites]]`, llm-d's `InferenceModelRewrite`).
 
 pub mod conversation;
 pub mod grpc;
 mod health;
 pub mod pb;
+pub mod rewrite;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,12 +30,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::EppConfig;
 use crate::ctx::Telemetry;
-use crate::fleet::WorkerFleet;
-use crate::metrics::{EndLabel, Metrics};
+use crate::metrics::EndLabel;
+use crate::proxy::Proxy;
 use crate::registry::Worker;
-use crate::route::Decider;
 use conversation::Conversation;
 use grpc::{CallBody, Code, Decoder, Out, Status};
+pub use rewrite::ModelRewrites;
 
 pub use crate::metrics::{KindLabel, StatusLabel};
 
@@ -47,13 +49,13 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 /// What the endpoint picker sees of the gateway: the decision component, the fleet, the request
 /// accounting, its settings, and whether the gateway is ready (health `readiness`).
 pub struct Epp {
-    pub decider: Arc<Decider>,
-    pub fleet: Arc<WorkerFleet>,
+    /// The front door's slice (decision core, fleet, auth, response pins, metrics, the body
+    /// limit): the picker prepares and decides with the front door's own functions.
+    pub proxy: Arc<Proxy>,
     pub telemetry: Arc<Telemetry>,
-    pub metrics: Arc<Metrics>,
     pub settings: EppConfig,
-    /// `server.max_body_bytes`: the request body limit, as the front door's.
-    pub max_body: usize,
+    /// `epp.model_rewrites`, compiled.
+    pub rewrites: ModelRewrites,
     pub ready: Box<dyn Fn() -> bool + Send + Sync>,
 }
 
@@ -72,7 +74,7 @@ pub async fn serve(
     shutdown: CancellationToken,
     grace: Duration,
 ) {
-    for w in epp.fleet.registry.snapshot().workers.iter() {
+    for w in epp.proxy.fleet.registry.snapshot().workers.iter() {
         if endpoint_of(w).is_none() {
             tracing::warn!(
                 worker = %w.name,
@@ -245,7 +247,7 @@ impl Messages {
 
 /// The `Process` call: one conversation.
 async fn process(epp: Arc<Epp>, body: Incoming, tx: mpsc::Sender<Out>) {
-    let m = epp.metrics.clone();
+    let m = epp.proxy.metrics.clone();
     m.epp.streams_open.inc();
     let _open = scopeguard(move || {
         m.epp.streams_open.dec();
@@ -284,7 +286,8 @@ async fn process(epp: Arc<Epp>, body: Incoming, tx: mpsc::Sender<Out>) {
         Stop::End => ("ok", None),
         Stop::Error(s) => (s.label(), Some(s)),
     };
-    epp.metrics
+    epp.proxy
+        .metrics
         .epp
         .streams
         .get_or_create(&EndLabel { end })

@@ -351,12 +351,18 @@ impl GatewayError {
         }
     }
 
+    /// The status a client of an API in `shape` gets (Anthropic: 529 for sheds).
+    pub fn status_for(&self, shape: ErrorShape) -> StatusCode {
+        match shape {
+            ErrorShape::Anthropic => self.anthropic().0,
+            _ => self.status(),
+        }
+    }
+
     /// [`Self::into_response`] in the error shape of the request's API.
     pub fn into_response_for(self, shape: ErrorShape) -> Response<GwBody> {
-        let (mut status, _, _, retry_after) = self.wire();
-        if shape == ErrorShape::Anthropic {
-            status = self.anthropic().0;
-        }
+        let (_, _, _, retry_after) = self.wire();
+        let status = self.status_for(shape);
         let no_retry = matches!(self.kind, ErrorKind::ResponseNotFound { .. });
         let body = self.json_for(shape);
         let mut resp = Response::new(GwBody::full(body));

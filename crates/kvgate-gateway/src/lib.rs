@@ -225,12 +225,10 @@ impl Gateway {
             epp_addr = Some(l.local_addr()?);
             let a = app.clone();
             let picker = Arc::new(epp::Epp {
-                decider: app.decider.clone(),
-                fleet: app.fleet.clone(),
+                proxy: app.proxy.clone(),
                 telemetry: app.telemetry.clone(),
-                metrics: app.metrics.clone(),
+                rewrites: epp::ModelRewrites::new(&epp_cfg.model_rewrites),
                 settings: epp_cfg,
-                max_body: server_cfg.max_body_bytes,
                 ready: Box::new(move || api::health::is_ready(&a)),
             });
             tasks.push(tokio::spawn(epp::serve(

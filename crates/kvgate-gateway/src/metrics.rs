@@ -317,6 +317,9 @@ pub struct EppMetrics {
     pub served_elsewhere: Counter,
     /// gRPC health checks answered, by service and result.
     pub health_checks: Family<HealthLabel, Counter>,
+    /// Requests whose model `[[epp.model_rewrites]]` (or the rewrite header) changed, by the
+    /// model they went to.
+    pub model_rewrites: Family<ModelLabel, Counter>,
 }
 
 /// `kvgate_pool_*`: discovered worker pools (`[[worker_pools]]`: DNS, endpoints file,
@@ -739,6 +742,7 @@ impl Metrics {
                 immediate: reg!("kvgate_epp_immediate_responses", "Endpoint picker: local replies sent instead of a destination (ImmediateResponse), by HTTP status (429 shed, 503 no endpoint, 400/404/413 bad request).", Family::default()),
                 served_elsewhere: reg!("kvgate_epp_served_elsewhere", "Endpoint picker: responses the gateway reported as served by another endpoint than the first pick (it fell back along the list); the request's load moved there.", Counter::default()),
                 health_checks: reg!("kvgate_epp_health_checks", "Endpoint picker: grpc.health.v1 checks answered, by service (liveness, readiness, ext_proc, other) and result (serving, not_serving, unknown).", Family::default()),
+                model_rewrites: reg!("kvgate_epp_model_rewrites", "Endpoint picker: requests whose model was rewritten (epp.model_rewrites or x-llm-d-model-name-rewrite), by the model (pool) they went to.", Family::default()),
             },
             pools: PoolMetrics {
                 members: reg!("kvgate_pool_members", "Discovered worker pools ([[worker_pools]]: dns, file, inference_pool): members the pool's source gives now, by pool name.", Family::default()),

@@ -52,7 +52,7 @@ const MAX_ATTEMPTS: usize = 8;
 
 /// Client credentials a worker never needs when the gateway authenticates clients itself
 /// (`authorization` is dropped by the upstream client, which adds the worker's own key).
-const CLIENT_CREDENTIALS: [http::HeaderName; 3] = [
+pub(crate) const CLIENT_CREDENTIALS: [http::HeaderName; 3] = [
     http::HeaderName::from_static("x-api-key"),
     http::HeaderName::from_static("api-key"),
     header::COOKIE,
@@ -97,10 +97,10 @@ pub(crate) struct Prepared {
     pub(crate) pool: Arc<crate::registry::Pool>,
     pub(crate) ri: crate::prompt::RouteInput,
     /// When the routing decision started (after the body was read).
-    t_decide: Instant,
+    pub(crate) t_decide: Instant,
     /// The request uses a stored response: `pool` is its origin worker alone, and a failure there
     /// is the answer (another worker does not have the response).
-    pinned: bool,
+    pub(crate) pinned: bool,
 }
 
 /// Everything from auth to the worker's response head; the caller owns `ctx` and turns the result
@@ -179,14 +179,7 @@ pub(crate) async fn route_and_forward(
                 &mut ctx.queue_wait,
             )
             .await
-            .map_err(|r| match r {
-                // The stored response's worker left the routable set meanwhile: it is gone.
-                crate::route::Refusal::NoWorker(why) if p.pinned => GatewayError::new(
-                    ErrorKind::ResponseNotFound { param: None },
-                    format!("the worker that stored this response is not available: {why}"),
-                ),
-                other => other.into(),
-            })?;
+            .map_err(|r| refused(r, p.pinned))?;
         if n_tried == 0 {
             ctx.decision_time = now
                 .saturating_duration_since(p.t_decide)
@@ -268,10 +261,8 @@ pub(crate) async fn route_and_forward(
                     continue;
                 }
                 // Success, or nowhere else to go: the worker's own response goes to the client.
-                if p.pinned && p.parts.method == http::Method::DELETE && s.is_success() {
-                    if let Some(id) = crate::client_api::stored_response_id(p.parts.uri.path()) {
-                        app.pins.forget(id);
-                    }
+                if let (true, Some(id)) = (s.is_success(), deleted_pin(&p)) {
+                    app.pins.forget(id);
                 }
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
@@ -310,9 +301,33 @@ pub(crate) async fn route_and_forward(
     }
 }
 
+/// A refused reservation as the client's error: for a stored response's request, its worker
+/// leaving the routable set means the response is gone (404, not 503).
+pub(crate) fn refused(r: crate::route::Refusal, pinned: bool) -> GatewayError {
+    match r {
+        crate::route::Refusal::NoWorker(why) if pinned => GatewayError::new(
+            ErrorKind::ResponseNotFound { param: None },
+            format!("the worker that stored this response is not available: {why}"),
+        ),
+        other => other.into(),
+    }
+}
+
+/// The stored response a request deletes (`DELETE /v1/responses/{id}`): its pin goes when the
+/// worker answers 2xx.
+pub(crate) fn deleted_pin(p: &Prepared) -> Option<&str> {
+    (p.pinned && p.parts.method == http::Method::DELETE)
+        .then(|| crate::client_api::stored_response_id(p.parts.uri.path()))
+        .flatten()
+}
+
 /// The body with the engine's `priority` for `worker` (`flow_control.forward_priority`), or
 /// `None` to send the prepared body as it is.
-fn prioritized(app: &Proxy, p: &Prepared, worker: &crate::registry::Worker) -> Option<Bytes> {
+pub(crate) fn prioritized(
+    app: &Proxy,
+    p: &Prepared,
+    worker: &crate::registry::Worker,
+) -> Option<Bytes> {
     let policy = app.decider.router().admission().policy();
     let class = policy.class(p.ri.flow.priority).priority;
     let prio = crate::flow::engine_priority(&policy, worker.kind, class)?;
@@ -340,7 +355,23 @@ async fn prepare(
         app.max_body,
     )
     .await?;
+    let p = prepare_read(app, ctx, parts, bytes, caller).await?;
+    app.upstream.retry.on_request(ctx.start);
+    Ok(p)
+}
 
+/// [`prepare`] once the body is read: what the front door and the endpoint picker
+/// (`epp/conversation.rs`) share. The client API's parse (400), the pool (404; a stored
+/// response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered through
+/// the chat template), the session affinity and the flow-control key (400 on a malformed flow
+/// header).
+pub(crate) async fn prepare_read(
+    app: &Arc<Proxy>,
+    ctx: &mut RequestCtx,
+    parts: http::request::Parts,
+    bytes: Bytes,
+    caller: Option<&crate::auth::Caller>,
+) -> Result<Prepared, GatewayError> {
     let t_decide = crate::clock::now();
     let bad = |e: kvgate_protocol::openai::RequestError| {
         let param = e.param();
@@ -422,7 +453,6 @@ async fn prepare(
     );
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
-    app.upstream.retry.on_request(ctx.start);
     Ok(Prepared {
         parts,
         bytes,

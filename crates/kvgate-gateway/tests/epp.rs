@@ -1116,3 +1116,646 @@ async fn the_picker_serves_grpc_over_tls() {
     assert_eq!(status.unwrap(), "0");
     gw.shutdown().await;
 }
+
+/// A FULL_DUPLEX call to `path` with `extra` request headers and `body` (ends with the body).
+async fn api_call(
+    epp: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    extra: &[(&str, &str)],
+    b: Option<String>,
+) -> Call {
+    let c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
+    let mut h = vec![(":method", method), (":path", path)];
+    h.extend_from_slice(extra);
+    c.send(&first(
+        protocol(
+            pb::BodySendMode::FullDuplexStreamed,
+            pb::BodySendMode::FullDuplexStreamed,
+        )
+        .unwrap(),
+        headers(&h, b.is_none()),
+    ));
+    if let Some(b) = b {
+        c.send(&msg(body(b, true)));
+    }
+    c
+}
+
+/// The request answer and the body echoed after it (FULL_DUPLEX).
+async fn answer(c: &mut Call) -> (ProcessingResponse, Bytes) {
+    let h = c.expect().await;
+    let mut all = Vec::new();
+    if matches!(&h.response, Some(Response::RequestHeaders(_)))
+        && set_header_of(&h, "content-length").is_some()
+    {
+        loop {
+            let r = c.recv().await;
+            let Some(r) = r else { break };
+            let (b, end) = streamed(&r);
+            all.extend_from_slice(&b);
+            if end {
+                break;
+            }
+        }
+    }
+    (h, Bytes::from(all))
+}
+
+/// Plays the worker's whole answer and the stream's end; returns the echoed response body.
+async fn respond_and_end(c: &mut Call, served: &str, ctype: &str, b: &str) -> Bytes {
+    c.send(&resp_headers(
+        &[(":status", "200"), ("content-type", ctype)],
+        false,
+        Some(served),
+    ));
+    c.expect().await;
+    c.send(&resp_body(b.to_owned(), true));
+    let mut out = Vec::new();
+    loop {
+        let (b, end) = streamed(&c.expect().await);
+        out.extend_from_slice(&b);
+        if end {
+            break;
+        }
+    }
+    c.close();
+    assert_eq!(c.status().await.0, "0");
+    Bytes::from(out)
+}
+
+/// The first endpoint of a pick (the one the gateway tries first).
+fn picked(h: &ProcessingResponse) -> String {
+    destination(h).split(',').next().unwrap().to_owned()
+}
+
+fn queued(gw: &Gateway) -> usize {
+    gw.app.fleet.router.admission().len()
+}
+
+/// Flow control in the picker, as at the front door (`flow::key` and the same admission): a
+/// sheddable request is shed at once (429 + Retry-After; Anthropic's 529 on /v1/messages), a
+/// malformed flow header is a 400, an objective's priority puts a later waiter ahead of an
+/// earlier one, the fairness id names the tenant, the engine gets the class priority
+/// (`forward_priority`), and a waiter whose stream the gateway resets leaves the queue at once.
+#[tokio::test]
+async fn flow_control_keys_orders_and_sheds_as_at_the_front_door() {
+    use kvgate_gateway::config::{FlowClassConfig, FlowObjectiveConfig};
+    #[derive(serde::Deserialize)]
+    struct Classes {
+        classes: Vec<FlowClassConfig>,
+    }
+    let a = MockWorker::builder().spawn().await.unwrap();
+    let gw = epp_gateway(&[&a], |c| {
+        c.routing.max_inflight_per_worker = 1;
+        c.flow_control.enabled = true;
+        c.flow_control.objectives.insert(
+            "chat".into(),
+            FlowObjectiveConfig {
+                priority: 10,
+                ttft_ms: None,
+            },
+        );
+        c.flow_control.tenants.insert("t9".into(), 1.0);
+        c.flow_control.forward_priority = vec!["vllm".into()];
+        c.flow_control.classes = toml::from_str::<Classes>(
+            r#"
+            [[classes]]
+            name = "interactive"
+            priority = 10
+            [[classes]]
+            name = "default"
+            priority = 0
+            [[classes]]
+            name = "sheddable"
+            priority = -1
+            "#,
+        )
+        .unwrap()
+        .classes;
+    })
+    .await;
+    let epp = gw.epp_addr.unwrap();
+    let addr = a.url().trim_start_matches("http://").to_owned();
+    let fairness = [("x-llm-d-inference-fairness-id", "t9")];
+    let mut holder = api_call(epp, "POST", CHAT, &fairness, Some(chat(false))).await;
+    let (h, echoed) = answer(&mut holder).await;
+    assert_eq!(destination(&h), addr);
+    assert!(
+        String::from_utf8_lossy(&echoed).ends_with(r#","priority":0}"#),
+        "the class priority for vLLM: {}",
+        String::from_utf8_lossy(&echoed)
+    );
+    assert_eq!(
+        set_header_of(&h, "content-length"),
+        Some(echoed.len().to_string())
+    );
+    assert_eq!(inflight(&gw), vec![1]);
+    // Sheddable while the fleet is full: shed at once, in each API's shape.
+    let shed = [("x-kvgate-priority", "-1")];
+    let mut c = api_call(epp, "POST", CHAT, &shed, Some(chat(false))).await;
+    let i = immediate(&mut c).await;
+    assert_eq!(i.status.unwrap().code, 429);
+    assert_eq!(header_of(&i, "retry-after").as_deref(), Some("1"));
+    assert!(String::from_utf8_lossy(&i.body).contains("request_shed"));
+    drop(c);
+    let messages = r#"{"model":"mock-model","max_tokens":16,"messages":[{"role":"user","content":"hello there"}]}"#;
+    let mut c = api_call(epp, "POST", "/v1/messages", &shed, Some(messages.into())).await;
+    let i = immediate(&mut c).await;
+    assert_eq!(i.status.unwrap().code, 529, "Anthropic's overloaded status");
+    let body = String::from_utf8_lossy(&i.body).into_owned();
+    assert!(
+        body.contains(r#""type":"error""#) && body.contains("overloaded_error"),
+        "{body}"
+    );
+    drop(c);
+    let mut c = api_call(
+        epp,
+        "POST",
+        CHAT,
+        &[("x-kvgate-priority", "high")],
+        Some(chat(false)),
+    )
+    .await;
+    let i = immediate(&mut c).await;
+    assert_eq!(i.status.unwrap().code, 400);
+    assert!(String::from_utf8_lossy(&i.body).contains("x-kvgate-priority"));
+    drop(c);
+    // Waiters: a default one, then one the objective ranks higher, then one that is cancelled.
+    let mut low = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
+    assert!(eventually(Duration::from_secs(5), || queued(&gw) == 1).await);
+    let objective = [("x-llm-d-inference-objective", "chat")];
+    let mut high = api_call(epp, "POST", CHAT, &objective, Some(chat(false))).await;
+    assert!(eventually(Duration::from_secs(5), || queued(&gw) == 2).await);
+    let gone = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
+    assert!(eventually(Duration::from_secs(5), || queued(&gw) == 3).await);
+    drop(gone);
+    assert!(
+        eventually(Duration::from_secs(2), || queued(&gw) == 2).await,
+        "the reset waiter left the queue"
+    );
+    assert_eq!(inflight(&gw), vec![1], "while the worker is still held");
+    respond_and_end(&mut holder, &addr, "application/json", "{}").await;
+    let (h, echoed) = answer(&mut high).await;
+    assert_eq!(destination(&h), addr, "the objective's waiter goes first");
+    assert!(
+        String::from_utf8_lossy(&echoed).ends_with(r#","priority":-10}"#),
+        "vLLM schedules lower first: {}",
+        String::from_utf8_lossy(&echoed)
+    );
+    assert_eq!(queued(&gw), 1, "the earlier default waiter still waits");
+    respond_and_end(&mut high, &addr, "application/json", "{}").await;
+    let (h, _) = answer(&mut low).await;
+    assert_eq!(destination(&h), addr);
+    respond_and_end(&mut low, &addr, "application/json", "{}").await;
+    no_load_left(&gw).await;
+    let text = metrics(&gw);
+    for want in [
+        r#"kvgate_flow_requests_total{class="sheddable",outcome="shed"} 2"#,
+        r#"tenant="t9"}"#,
+    ] {
+        assert!(text.contains(want), "{want}: {text}");
+    }
+    gw.shutdown().await;
+}
+
+/// The front door's authentication in the picker: no key → 401 local reply; with a key, the
+/// client's credentials are removed from the request and the API key's tenant and priority
+/// key its flow.
+#[tokio::test]
+async fn api_keys_authenticate_and_never_reach_the_worker() {
+    let a = MockWorker::builder().spawn().await.unwrap();
+    let gw = epp_gateway(&[&a], |c| {
+        c.auth.keys.push(kvgate_gateway::config::ApiKeyConfig {
+            key: "sk-team-a".into(),
+            name: Some("team-a".into()),
+            rate_per_s: None,
+            burst: None,
+            priority: Some(3),
+            tenant: None,
+        });
+        c.flow_control.enabled = true;
+        c.flow_control.tenants.insert("team-a".into(), 1.0);
+    })
+    .await;
+    let epp = gw.epp_addr.unwrap();
+    let mut c = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
+    let i = immediate(&mut c).await;
+    assert_eq!(i.status.unwrap().code, 401);
+    drop(c);
+    let mut c = api_call(
+        epp,
+        "POST",
+        CHAT,
+        &[("authorization", "Bearer sk-team-a"), ("cookie", "c=1")],
+        Some(chat(false)),
+    )
+    .await;
+    let (h, _) = answer(&mut c).await;
+    for k in ["authorization", "cookie", "x-api-key"] {
+        assert!(removes(&h, k), "{k} removed");
+    }
+    let addr = a.url().trim_start_matches("http://").to_owned();
+    respond_and_end(&mut c, &addr, "application/json", "{}").await;
+    no_load_left(&gw).await;
+    let text = metrics(&gw);
+    assert!(
+        text.contains(r#"kvgate_flow_admitted_tokens_total{class="default",tenant="team-a"}"#),
+        "{text}"
+    );
+    gw.shutdown().await;
+}
+
+fn overlap_sum(gw: &Gateway) -> f64 {
+    metrics(gw)
+        .lines()
+        .find_map(|l| l.strip_prefix("kvgate_predicted_overlap_ratio_sum "))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// Responses and Messages prompts are rendered and hashed through the front door's client-API
+/// table (the second request with the same prompt goes where the first one's blocks are, and the
+/// decision predicted the overlap); count_tokens goes by model; a Responses answer's id pins
+/// its worker: GET / DELETE / cancel of `/v1/responses/{id}` go there alone (no fallbacks), an
+/// unknown id is a 404 in the Responses shape with `x-should-retry: false`, and a DELETE that
+/// the worker answers 2xx forgets the pin.
+#[tokio::test]
+async fn agent_apis_are_rendered_hashed_and_their_stored_responses_pinned() {
+    let (a, b) = two_workers().await;
+    let gw = epp_gateway(&[&a, &b], |_| {}).await;
+    let epp = gw.epp_addr.unwrap();
+    let text = "the tide comes in over the long grey sand ".repeat(60);
+    let responses = format!(r#"{{"model":"mock-model","input":"{text}","store":true}}"#);
+    let mut first = api_call(epp, "POST", "/v1/responses", &[], Some(responses.clone())).await;
+    let (h, echoed) = answer(&mut first).await;
+    assert_eq!(echoed, Bytes::from(responses.clone()), "the body unchanged");
+    let origin = picked(&h);
+    assert_eq!(overlap_sum(&gw), 0.0);
+    // The same prompt while the first is in flight: its blocks are on `origin`.
+    let mut again = api_call(epp, "POST", "/v1/responses", &[], Some(responses)).await;
+    let (h, _) = answer(&mut again).await;
+    assert!(
+        destination(&h).starts_with(&origin),
+        "routed on the rendered prompt's blocks"
+    );
+    assert!(
+        overlap_sum(&gw) > 0.5,
+        "predicted overlap {}",
+        overlap_sum(&gw)
+    );
+    let stored = r#"{"id":"resp_epp1","object":"response","status":"completed","model":"mock-model","output":[],"usage":{"input_tokens":9,"output_tokens":1,"total_tokens":10}}"#;
+    respond_and_end(&mut first, &origin, "application/json", stored).await;
+    respond_and_end(&mut again, &origin, "application/json", "{}").await;
+    // Messages: rendered and hashed too.
+    let before = overlap_sum(&gw);
+    let messages = format!(
+        r#"{{"model":"mock-model","max_tokens":8,"messages":[{{"role":"user","content":"{text}"}}]}}"#
+    );
+    for _ in 0..2 {
+        let mut m = api_call(epp, "POST", "/v1/messages", &[], Some(messages.clone())).await;
+        let (h, _) = answer(&mut m).await;
+        respond_and_end(&mut m, &picked(&h), "application/json", "{}").await;
+    }
+    assert!(
+        overlap_sum(&gw) > before,
+        "the second Messages request hit the first's blocks"
+    );
+    // count_tokens and the pass-through endpoints: by model (optional with one model) and load,
+    // as requests of their API (counted per endpoint); a pass-through body naming an unknown
+    // model is the front door's 400.
+    for (path, b) in [
+        ("/v1/messages/count_tokens", messages.clone()),
+        ("/tokenize", r#"{"prompt":"hello"}"#.to_owned()),
+        (
+            "/v1/rerank",
+            r#"{"model":"mock-model","query":"q","documents":["a"]}"#.to_owned(),
+        ),
+    ] {
+        let mut c = api_call(epp, "POST", path, &[], Some(b)).await;
+        let (h, _) = answer(&mut c).await;
+        respond_and_end(&mut c, &picked(&h), "application/json", "{}").await;
+    }
+    let text = metrics(&gw);
+    for endpoint in ["messages_count_tokens", "tokenize", "rerank"] {
+        assert!(
+            text.contains(&format!("endpoint=\"{endpoint}\"")),
+            "{endpoint}: {text}"
+        );
+    }
+    let mut c = api_call(
+        epp,
+        "POST",
+        "/v1/rerank",
+        &[],
+        Some(r#"{"model":"nope","query":"q","documents":["a"]}"#.into()),
+    )
+    .await;
+    assert_eq!(immediate(&mut c).await.status.unwrap().code, 400);
+    drop(c);
+    // The stored response: its worker alone, whatever the load says.
+    let mut busy = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
+    let (h, _) = answer(&mut busy).await;
+    let busy_on = picked(&h);
+    for (method, path) in [
+        ("GET", "/v1/responses/resp_epp1"),
+        (
+            "GET",
+            "/v1/responses/resp_epp1?stream=true&starting_after=2",
+        ),
+        ("POST", "/v1/responses/resp_epp1/cancel"),
+    ] {
+        let b = (method == "POST").then(String::new);
+        let mut c = api_call(epp, method, path, &[], b).await;
+        let (h, _) = answer(&mut c).await;
+        assert_eq!(destination(&h), origin, "{method} {path}: the origin alone");
+        respond_and_end(&mut c, &origin, "application/json", "{}").await;
+    }
+    // previous_response_id: pinned too.
+    let follow = r#"{"model":"mock-model","input":"and then?","previous_response_id":"resp_epp1"}"#;
+    let mut c = api_call(epp, "POST", "/v1/responses", &[], Some(follow.into())).await;
+    let (h, _) = answer(&mut c).await;
+    assert_eq!(destination(&h), origin);
+    respond_and_end(&mut c, &origin, "application/json", "{}").await;
+    let mut c = api_call(epp, "GET", "/v1/responses/resp_never", &[], None).await;
+    let i = immediate(&mut c).await;
+    assert_eq!(i.status.unwrap().code, 404);
+    assert_eq!(header_of(&i, "x-should-retry").as_deref(), Some("false"));
+    let body = String::from_utf8_lossy(&i.body).into_owned();
+    assert!(
+        body.contains("resp_never") && body.contains(r#""error""#),
+        "{body}"
+    );
+    drop(c);
+    let mut c = api_call(epp, "DELETE", "/v1/responses/resp_epp1", &[], None).await;
+    let (h, _) = answer(&mut c).await;
+    assert_eq!(destination(&h), origin);
+    respond_and_end(&mut c, &origin, "application/json", r#"{"deleted":true}"#).await;
+    let mut c = api_call(epp, "GET", "/v1/responses/resp_epp1", &[], None).await;
+    assert_eq!(
+        immediate(&mut c).await.status.unwrap().code,
+        404,
+        "forgotten"
+    );
+    drop(c);
+    respond_and_end(&mut busy, &busy_on, "application/json", "{}").await;
+    no_load_left(&gw).await;
+    gw.shutdown().await;
+}
+
+/// An OTLP/HTTP collector that keeps every export body.
+async fn collector() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Bytes>>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = got.clone();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            let keep = keep.clone();
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let keep = keep.clone();
+                        async move {
+                            let b = req.into_body().collect().await.unwrap().to_bytes();
+                            keep.lock().unwrap().push(b);
+                            Ok::<_, std::convert::Infallible>(http::Response::new(
+                                http_body_util::Full::new(Bytes::new()),
+                            ))
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(s), svc)
+                    .await;
+            });
+        }
+    });
+    (url, got)
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// Tracing as at the front door: a request's `traceparent` is continued, the worker gets a
+/// `traceparent` of the same trace naming the picker's upstream span (so the engine's spans
+/// join), and the request's spans (request, route/queue, upstream) are exported when the
+/// response ends; a request without one starts a trace.
+#[tokio::test]
+async fn traces_are_continued_and_handed_to_the_worker() {
+    let (a, b) = two_workers().await;
+    let (endpoint, exported) = collector().await;
+    let gw = epp_gateway(&[&a, &b], |c| {
+        c.tracing.otlp_endpoint = endpoint;
+        c.tracing.sample_ratio = 1.0;
+        c.tracing.batch_delay_ms = 20;
+    })
+    .await;
+    let epp = gw.epp_addr.unwrap();
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let mut c = api_call(
+        epp,
+        "POST",
+        CHAT,
+        &[("traceparent", &parent)],
+        Some(chat(true)),
+    )
+    .await;
+    let (h, _) = answer(&mut c).await;
+    let tp = set_header_of(&h, "traceparent").expect("traceparent for the worker");
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_eq!(parts.len(), 4, "{tp}");
+    assert_eq!(parts[1], trace_id, "the caller's trace goes on");
+    assert_ne!(
+        parts[2], "00f067aa0ba902b7",
+        "a span of ours is the worker's parent"
+    );
+    assert_eq!(parts[3], "01");
+    // Nothing is exported before the response ends.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(exported.lock().unwrap().is_empty());
+    respond_and_end(
+        &mut c,
+        &picked(&h),
+        "text/event-stream",
+        &sse(&[r#"{"choices":[{"delta":{"content":"a"}}]}"#, "[DONE]"]),
+    )
+    .await;
+    let (trace_bytes, span_bytes) = (unhex(trace_id), unhex(parts[2]));
+    let has = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            exported.lock().unwrap().iter().any(|b| {
+                has(b, &trace_bytes)
+                    && has(b, &span_bytes)
+                    && has(b, b"kvgate.upstream")
+                    && has(b, b"kvgate.route")
+            })
+        })
+        .await,
+        "the request's spans, with the upstream span the worker was told of"
+    );
+    // No traceparent: a new trace, still handed on.
+    let mut c = api_call(epp, "POST", CHAT, &[], Some(chat(false))).await;
+    let (h, _) = answer(&mut c).await;
+    let tp = set_header_of(&h, "traceparent").expect("traceparent");
+    assert!(!tp.contains(trace_id));
+    respond_and_end(&mut c, &picked(&h), "application/json", "{}").await;
+    no_load_left(&gw).await;
+    gw.shutdown().await;
+}
+
+/// `[[epp.model_rewrites]]`: a request for `alias` goes to `mock-model` (the body's model
+/// replaced, every other byte kept, the new content-length; routed on the target's pool) and the
+/// response says `alias` again; `x-llm-d-model-name-rewrite` forces a target; BUFFERED request
+/// bodies get the new body as a body mutation.
+#[tokio::test]
+async fn model_rewrites_replace_the_model_route_on_the_target_and_restore_the_response() {
+    use kvgate_gateway::config::{ModelRewriteConfig, RewriteTargetConfig};
+    let (a, b) = two_workers().await;
+    let gw = epp_gateway(&[&a, &b], |c| {
+        c.epp.model_rewrites.push(ModelRewriteConfig {
+            models: vec!["alias".into()],
+            targets: vec![RewriteTargetConfig {
+                model: "mock-model".into(),
+                weight: 5,
+            }],
+        });
+    })
+    .await;
+    let epp = gw.epp_addr.unwrap();
+    let sent = chat(true).replace("mock-model", "alias");
+    let mut c = api_call(epp, "POST", CHAT, &[], Some(sent.clone())).await;
+    let (h, echoed) = answer(&mut c).await;
+    let echoed = String::from_utf8(echoed.to_vec()).unwrap();
+    let want = sent.replacen(r#""model":"alias""#, r#""model":"mock-model""#, 1);
+    assert_eq!(
+        echoed,
+        format!(
+            r#"{{"stream_options":{{"include_usage":true}},{}"#,
+            &want[1..]
+        ),
+        "only the model changed (and include_usage asked for)"
+    );
+    assert_eq!(
+        set_header_of(&h, "content-length"),
+        Some(echoed.len().to_string())
+    );
+    let back = respond_and_end(
+        &mut c,
+        &picked(&h),
+        "text/event-stream",
+        &sse(&[
+            r#"{"id":"c1","model":"mock-model","choices":[{"delta":{"content":"a"}}]}"#,
+            "[DONE]",
+        ]),
+    )
+    .await;
+    let back = String::from_utf8(back.to_vec()).unwrap();
+    assert!(
+        back.contains(r#""model":"alias""#) && !back.contains("mock-model"),
+        "{back}"
+    );
+    // Not a rule's model, but forced by the header.
+    let mut c = api_call(
+        epp,
+        "POST",
+        CHAT,
+        &[("x-llm-d-model-name-rewrite", "mock-model")],
+        Some(chat(false).replace("mock-model", "whatever")),
+    )
+    .await;
+    let (h, echoed) = answer(&mut c).await;
+    assert!(String::from_utf8_lossy(&echoed).contains(r#""model":"mock-model""#));
+    let back = respond_and_end(
+        &mut c,
+        &picked(&h),
+        "application/json",
+        r#"{"id":"c2","model": "mock-model","choices":[]}"#,
+    )
+    .await;
+    assert_eq!(
+        &back[..],
+        br#"{"id":"c2","model": "whatever","choices":[]}"#
+    );
+    // An unknown model with no rule: 404 as before.
+    let mut c = api_call(
+        epp,
+        "POST",
+        CHAT,
+        &[],
+        Some(chat(false).replace("mock-model", "nope")),
+    )
+    .await;
+    assert_eq!(immediate(&mut c).await.status.unwrap().code, 404);
+    drop(c);
+    // BUFFERED: the body's answer carries the destination and the new body.
+    let mut c = Call::open(epp, kvgate_gateway::epp::PROCESS_PATH).await;
+    c.send(&first(
+        protocol(pb::BodySendMode::Buffered, pb::BodySendMode::None).unwrap(),
+        headers(&[(":method", "POST"), (":path", CHAT)], false),
+    ));
+    c.expect().await;
+    let sent = chat(false).replace("mock-model", "alias");
+    c.send(&msg(body(sent.clone(), true)));
+    let r = c.expect().await;
+    destination(&r);
+    let Some(Response::RequestBody(br)) = &r.response else {
+        panic!("{r:?}")
+    };
+    let common = br.response.as_ref().unwrap();
+    let Some(pb::Mutation::Body(new)) = common.body_mutation.as_ref().unwrap().mutation.as_ref()
+    else {
+        panic!("a body mutation: {common:?}")
+    };
+    assert_eq!(&new[..], sent.replacen("alias", "mock-model", 1).as_bytes());
+    let cl = common
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .set_headers
+        .iter()
+        .find(|h| h.header.as_ref().unwrap().key == "content-length")
+        .map(|h| String::from_utf8(h.header.as_ref().unwrap().raw_value.clone()).unwrap());
+    assert_eq!(cl, Some(new.len().to_string()));
+    c.close();
+    while c.recv().await.is_some() {}
+    no_load_left(&gw).await;
+    assert!(
+        metrics(&gw).contains(r#"kvgate_epp_model_rewrites_total{model="mock-model"} 3"#),
+        "{}",
+        metrics(&gw)
+    );
+    gw.shutdown().await;
+}
+
+/// `/v1/messages` local replies are Anthropic's shape from the first message on: a body over
+/// `server.max_body_bytes` (413 `request_too_large`) and an unknown model (404
+/// `not_found_error`), as at the front door.
+#[tokio::test]
+async fn messages_get_anthropic_local_replies() {
+    let a = MockWorker::builder().spawn().await.unwrap();
+    let gw = epp_gateway(&[&a], |c| c.server.max_body_bytes = 1024).await;
+    let epp = gw.epp_addr.unwrap();
+    let big = format!(
+        r#"{{"model":"mock-model","max_tokens":8,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(2000)
+    );
+    let small = r#"{"model":"nope","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#;
+    for (b, status, typ) in [
+        (big, 413, "request_too_large"),
+        (small.to_owned(), 404, "not_found_error"),
+    ] {
+        let mut c = api_call(epp, "POST", "/v1/messages", &[], Some(b)).await;
+        let i = immediate(&mut c).await;
+        assert_eq!(i.status.unwrap().code, status);
+        let j: serde_json::Value = serde_json::from_slice(&i.body).unwrap();
+        assert_eq!(j["type"], "error", "{j}");
+        assert_eq!(j["error"]["type"], typ, "{j}");
+    }
+    no_load_left(&gw).await;
+    gw.shutdown().await;
+}

@@ -2,9 +2,12 @@
 //! conversation, message by message (docs/epp.md has the sequence).
 //!
 //! Request side. FULL_DUPLEX_STREAMED: the request headers are held; body chunks are collected
-//! until `end_of_stream`; then the request is parsed with its client API (by `:path`), routed by
-//! the decision core (the same `Decider::reserve` as the front door: index, load, latency model,
-//! admission queue), and answered: the headers response carries `x-gateway-destination-endpoint`
+//! until `end_of_stream`; then the request is authenticated, its model rewritten
+//! (`rewrite.rs`), and prepared by the front door's own `proxy::prepare_read` (its client API by
+//! `:path`, the prompt rendered and hashed, stored-response pins, session, flow-control key),
+//! routed by the decision core (the same `Decider::reserve` as the front door: index, load,
+//! latency model, flow control's admission queue), and answered: the headers response carries
+//! `traceparent` for the worker and `x-gateway-destination-endpoint`
 //! (the pick and up to `epp.fallback_endpoints − 1` fallbacks, in order) and the same value under
 //! dynamic metadata `envoy.lb`, then the body goes back as `streamed_response` chunks of at most
 //! 62,000 bytes. BUFFERED: the headers are answered at once (control headers stripped), the
@@ -16,25 +19,29 @@
 //! request log) and are echoed. `envoy.lb/x-gateway-destination-endpoint-served` moves the
 //! accounting to the endpoint that actually served when Envoy fell back. A stream that ends early
 //! (Envoy cancelled it, the connection broke) drops the conversation, which releases everything.
+//!
+//! This file is the message sequence and the response side; `conversation/pick.rs` decides.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
-use kvgate_core::WorkerId;
-use kvgate_protocol::openai::splice_include_usage;
+
+mod pick;
+
+use pick::Picked;
 
 use super::grpc::{Code, Status};
 use super::pb::{self, BodySendMode, ProcessingRequest, ProcessingResponse, Request};
-use super::Epp;
-use crate::client_api::Endpoint;
+use super::{rewrite, Epp};
+use crate::client_api::{Endpoint, ErrorShape};
 use crate::ctx::{Outcome, RequestCtx};
 use crate::error::{ErrorKind, GatewayError};
 use crate::observer::Observation;
 use crate::registry::{Pool, Worker};
-use crate::route::router::{DispatchGuard, Leg};
-use crate::route::{Reservation, RouteInput};
+use crate::route::router::DispatchGuard;
+use crate::route::RouteInput;
 
 /// The destination header and metadata key (GAIE protocol).
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -112,6 +119,14 @@ pub struct Conversation {
     streams_request: bool,
     /// A disaggregated request's prefill worker (`x-prefiller-host-port`) and its load.
     prefill: Option<(SocketAddr, DispatchGuard)>,
+    /// How local replies look (the request's API's error shape: Anthropic's for Messages).
+    shape: ErrorShape,
+    /// The trace's upstream span, open until the response headers arrive.
+    attempt: Option<crate::trace::Attempt>,
+    /// `DELETE /v1/responses/{id}`: the id whose pin goes when the worker answers 2xx.
+    forget: Option<String>,
+    /// The model rewrite applied to the request (the response gets the client's name back).
+    rewritten: Option<rewrite::Rewritten>,
 }
 
 type Answer = Result<Vec<ProcessingResponse>, Status>;
@@ -132,7 +147,18 @@ impl Conversation {
             routed: None,
             streams_request: true,
             prefill: None,
+            shape: ErrorShape::OpenAi,
+            attempt: None,
+            forget: None,
+            rewritten: None,
         }
+    }
+
+    /// The client API of the request's `:path`, if any.
+    fn endpoint(&self) -> Option<Endpoint> {
+        let path = self.headers.get(":path")?;
+        let path = std::str::from_utf8(path).ok()?;
+        Endpoint::by_path(path.split('?').next().unwrap_or(""))
     }
 
     /// Whether the conversation is over (the response ended or a local reply was sent).
@@ -177,6 +203,10 @@ impl Conversation {
         self.start = crate::clock::now();
         self.headers = h.headers.unwrap_or_default();
         self.phase = Phase::Body;
+        // Local replies from here on (a body over the limit) take the API's error shape.
+        if let Some(ep) = self.endpoint() {
+            self.shape = ep.api().errors;
+        }
         if h.end_of_stream || self.request_mode == BodySendMode::None {
             // No body will come: pick now, by load.
             self.streams_request = false;
@@ -202,14 +232,14 @@ impl Conversation {
         if !matches!(self.phase, Phase::Body) {
             return Err(invalid("request_body outside the request body phase"));
         }
-        if self.body.len() + b.body.len() > self.epp.max_body {
+        if self.body.len() + b.body.len() > self.epp.proxy.max_body {
             let e = GatewayError::new(
                 ErrorKind::PayloadTooLarge {
-                    limit: self.epp.max_body,
+                    limit: self.epp.proxy.max_body,
                 },
                 format!(
                     "request body exceeds the limit of {} bytes",
-                    self.epp.max_body
+                    self.epp.proxy.max_body
                 ),
             );
             return Ok(vec![self.immediate(e)]);
@@ -259,49 +289,57 @@ impl Conversation {
         body: Option<Bytes>,
         body_ends: bool,
     ) -> Vec<ProcessingResponse> {
-        let path = self
-            .headers
-            .get(":path")
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .unwrap_or_default();
-        let path = path.split('?').next().unwrap_or("");
-        let endpoint = Endpoint::by_path(path);
-        let result = match (endpoint, &body) {
-            (Some(ep), Some(b)) if !b.is_empty() => self.route_api(ep, b).await,
-            _ => self.route_by_load().await.map(|r| (r, None)),
+        let result = match (self.endpoint(), &body) {
+            (Some(ep), Some(b)) if !b.is_empty() => self.route_api(ep, b.clone()).await,
+            // GET / DELETE of a stored response: its origin worker, as at the front door.
+            (Some(ep), _) if ep == Endpoint::STORED_RESPONSE => {
+                self.route_api(ep, Bytes::new()).await
+            }
+            _ => self.route_by_load().await.map(|value| Picked {
+                value,
+                ..Picked::default()
+            }),
         };
-        let (value, spliced) = match result {
+        let picked = match result {
             Ok(x) => x,
             Err(e) => return vec![self.immediate(e)],
         };
         self.phase = Phase::Routed;
-        let mut set = vec![pb::set_header(DESTINATION, value.clone())];
-        let mut remove: Vec<String> = CONTROL_HEADERS.iter().map(|h| h.to_string()).collect();
+        let Picked {
+            value,
+            body: changed,
+            mut set,
+            mut remove,
+        } = picked;
+        set.push(pb::set_header(DESTINATION, value.clone()));
+        remove.extend(CONTROL_HEADERS.iter().map(|h| h.to_string()));
         match &self.prefill {
             Some((addr, _)) => set.push(pb::set_header(PREFILLER, addr.to_string())),
             None => remove.push(PREFILLER.into()),
         }
-        let out_body = spliced.or(body);
-        if self.streams_request {
-            if let Some(b) = &out_body {
-                set.push(pb::set_header("content-length", b.len().to_string()));
-            }
+        if let Some(b) = changed
+            .as_ref()
+            .or(body.as_ref().filter(|_| self.streams_request))
+        {
+            set.push(pb::set_header("content-length", b.len().to_string()));
         }
         let mutation = pb::HeaderMutation {
             set_headers: set,
             remove_headers: remove,
         };
         let metadata = Some(destination_metadata(&value));
-        let buffered_body = !self.streams_request && out_body.is_some();
         let mut out = Vec::new();
-        if buffered_body {
+        if !self.streams_request && body.is_some() {
             // BUFFERED: the body message's answer carries the destination (the headers were
-            // answered already); the body goes on unchanged.
+            // answered already), and the new body when it changed.
             out.push(ProcessingResponse {
                 response: Some(pb::Response::RequestBody(pb::BodyResponse {
                     response: Some(pb::CommonResponse {
                         header_mutation: Some(mutation),
                         clear_route_cache: true,
+                        body_mutation: changed.map(|b| pb::BodyMutation {
+                            mutation: Some(pb::Mutation::Body(b)),
+                        }),
                         ..Default::default()
                     }),
                 })),
@@ -310,311 +348,10 @@ impl Conversation {
             return out;
         }
         out.push(headers_response(mutation, metadata));
-        if let (true, Some(b)) = (self.streams_request, out_body) {
+        if let (true, Some(b)) = (self.streams_request, changed.or(body)) {
             push_chunks(&mut out, &b, body_ends, true);
         }
         out
-    }
-
-    /// A client API's request: parse (400), pool (404), tokens and hashes, reserve.
-    async fn route_api(
-        &mut self,
-        ep: Endpoint,
-        body: &Bytes,
-    ) -> Result<(String, Option<Bytes>), GatewayError> {
-        let epp = self.epp.clone();
-        let mut ctx = RequestCtx::new(epp.telemetry.clone(), ep, self.start);
-        let t_decide = crate::clock::now();
-        let view = crate::prompt::parse_view(body, ep).map_err(|e| {
-            let param = e.param();
-            GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-        });
-        let view = match view {
-            Ok(v) => v,
-            Err(e) => return Err(reject(ctx, e)),
-        };
-        ctx.stream = view.stream;
-        // As the front door: a stream that did not ask for usage gets it asked for (counted),
-        // and the extra usage event is stripped from the client's stream. Only when both bodies
-        // stream through us (we rewrite the request and the response).
-        let rewrite =
-            self.streams_request && self.response_mode == BodySendMode::FullDuplexStreamed;
-        let spliced = (rewrite && view.stream && ep.api().splices_usage)
-            .then(|| splice_include_usage(body, &view))
-            .flatten()
-            .map(Bytes::from);
-        ctx.strip_usage = spliced.is_some();
-        let fleet = epp.fleet.registry.load_full();
-        let Some(pool) = fleet.pool(&view.model).cloned() else {
-            let e = GatewayError::new(
-                ErrorKind::ModelNotFound,
-                format!(
-                    "The model `{}` does not exist or no worker serves it.",
-                    view.model
-                ),
-            );
-            return Err(reject(ctx, e));
-        };
-        ctx.model = pool.model.clone();
-        let input =
-            crate::prompt::route_input_offloaded(body, &view, ep, pool.block_size, &pool.tokenizer)
-                .await
-                .map_err(|e| {
-                    let param = match &e {
-                        kvgate_tokenize::TokenizeError::Request(r) => r.param(),
-                        _ => Some("messages"),
-                    };
-                    GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
-                });
-        drop(view);
-        let input = match input {
-            Ok(i) => i,
-            Err(e) => return Err(reject(ctx, e)),
-        };
-        ctx.prompt_tokens_est = input.isl.min(u32::MAX as u64) as u32;
-        ctx.prompt_blocks = input.hashes.len() as u32;
-        let (pool, leg) = if ep.api().splits && crate::pd::applies(&pool) {
-            match self.plan_pd(&ctx, &pool, &input, t_decide) {
-                Ok(x) => x,
-                Err(e) => return Err(reject(ctx, e)),
-            }
-        } else {
-            (pool, Leg::Whole)
-        };
-        let exclude = match self.excluded(&pool) {
-            Ok(x) => x,
-            Err(e) => return Err(reject(ctx, e)),
-        };
-        let r = epp
-            .decider
-            .reserve(&pool, &input, &exclude, t_decide, leg, &mut ctx.queue_wait)
-            .await;
-        let res = match r {
-            Ok(r) => r,
-            Err(refusal) => return Err(reject(ctx, refusal.into())),
-        };
-        ctx.decision_time = res
-            .at
-            .saturating_duration_since(t_decide)
-            .saturating_sub(ctx.queue_wait);
-        let m = &epp.metrics;
-        m.decision.observe(ctx.decision_time.as_secs_f64());
-        m.queue_wait.observe(ctx.queue_wait.as_secs_f64());
-        m.predicted_overlap
-            .observe(res.pick.decision.predicted_hit_ratio);
-        ctx.overlap_blocks = res.pick.decision.overlap_blocks;
-        ctx.attempts = 1;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
-        ctx.worker = Some(guard.worker.clone());
-        ctx.guard = Some(guard);
-        ctx.prefilled_elsewhere = self.prefill.is_some();
-        self.held = Held::Api {
-            ctx: Some(ctx),
-            obs: None,
-        };
-        self.routed = Some(Routed {
-            pool,
-            input,
-            endpoints,
-        });
-        m.epp.picks.get_or_create(&kind("api")).inc();
-        Ok((value, spliced))
-    }
-
-    /// A prefill/decode pool (docs/epp.md, "Prefill/decode pools"): the decision core's plan.
-    /// Split: the destination is the decode worker and the prefill worker goes in
-    /// `x-prefiller-host-port` (llm-d's P/D sidecar convention: the sidecar beside the decode
-    /// engine runs the prefill leg there); its load is held until the response starts. Local, or
-    /// no prefill worker free: the decode worker runs it whole.
-    fn plan_pd(
-        &mut self,
-        ctx: &RequestCtx,
-        pool: &Arc<Pool>,
-        input: &RouteInput,
-        now: Instant,
-    ) -> Result<(Arc<Pool>, Leg), GatewayError> {
-        let epp = self.epp.clone();
-        let crate::route::PdRoute { decode, plan } = epp.decider.plan_pd(pool, input, now)?;
-        let decision = |path, reason| {
-            epp.metrics
-                .pd
-                .decisions
-                .get_or_create(&crate::metrics::PdDecisionLabels {
-                    model: ctx.model.clone(),
-                    path,
-                    reason,
-                })
-                .inc();
-        };
-        let (prefill, first) = match plan {
-            crate::route::PdPlan::Local(reason) => {
-                decision("local", reason);
-                return Ok((decode, Leg::Whole));
-            }
-            crate::route::PdPlan::Split {
-                prefill,
-                first_prefill,
-                ..
-            } => (prefill, first_prefill),
-        };
-        let skip = self.excluded(&prefill).unwrap_or_default();
-        let res = match first {
-            Some(p) if !skip.contains(&p.worker.id) => {
-                Some(epp.decider.place(p, &prefill, input, now))
-            }
-            _ => epp.decider.try_reserve(&prefill, input, &skip, now).ok(),
-        };
-        match res.and_then(|r| super::endpoint_of(&r.pick.worker).map(|a| (a, r.guard))) {
-            Some((addr, guard)) => {
-                decision("disaggregated", "epp_sidecar");
-                self.prefill = Some((addr, guard));
-                Ok((decode, Leg::Decode))
-            }
-            None => {
-                decision("local", "prefill_busy");
-                Ok((decode, Leg::Whole))
-            }
-        }
-    }
-
-    /// Bodiless requests and other paths: the least loaded worker of the request's pool (the
-    /// `x-gateway-model-name` header's model, else the only pool, else every worker).
-    async fn route_by_load(&mut self) -> Result<String, GatewayError> {
-        let epp = self.epp.clone();
-        let fleet = epp.fleet.registry.load_full();
-        let named = self
-            .headers
-            .get(MODEL_HEADER)
-            .and_then(|m| std::str::from_utf8(m).ok())
-            .and_then(|m| fleet.pool(m).cloned());
-        let pool = match named {
-            Some(p) => p,
-            None => {
-                let mut distinct: Vec<&Arc<Pool>> = Vec::new();
-                for p in fleet.pools.values() {
-                    if !distinct.iter().any(|d| Arc::ptr_eq(d, p)) {
-                        distinct.push(p);
-                    }
-                }
-                match distinct.as_slice() {
-                    [one] => (*one).clone(),
-                    _ => Arc::new(Pool::new(
-                        "any".into(),
-                        fleet.workers.clone(),
-                        1,
-                        Default::default(),
-                    )),
-                }
-            }
-        };
-        let exclude = self.excluded(&pool)?;
-        let input = RouteInput::default();
-        let mut waited = std::time::Duration::ZERO;
-        let res = epp
-            .decider
-            .reserve(
-                &pool,
-                &input,
-                &exclude,
-                crate::clock::now(),
-                Leg::Whole,
-                &mut waited,
-            )
-            .await
-            .map_err(|refusal| {
-                let e: GatewayError = refusal.into();
-                epp.metrics.error(e.label());
-                e
-            })?;
-        let (value, guard, endpoints) = self.with_fallbacks(&pool, &exclude, res);
-        self.held = Held::Load(guard);
-        self.routed = Some(Routed {
-            pool,
-            input,
-            endpoints,
-        });
-        epp.metrics.epp.picks.get_or_create(&kind("load")).inc();
-        Ok(value)
-    }
-
-    /// Workers the pick must skip: those without an `ip:port` Envoy can connect to, and with a
-    /// subset hint, those outside it (503 when that leaves none of the pool).
-    fn excluded(&self, pool: &Pool) -> Result<Vec<WorkerId>, GatewayError> {
-        let subset = self
-            .metadata
-            .as_ref()
-            .and_then(|m| m.field(SUBSET_NAMESPACE, SUBSET_KEY))
-            .map(subset_addrs);
-        let mut out = Vec::new();
-        let mut eligible = 0usize;
-        for w in &pool.workers {
-            let ok = match super::endpoint_of(w) {
-                None => false,
-                Some(a) => subset.as_ref().is_none_or(|s| s.contains(&a)),
-            };
-            if ok {
-                eligible += 1;
-            } else {
-                out.push(w.id);
-            }
-        }
-        if eligible == 0 {
-            let why = if subset.is_some() {
-                "no worker of the pool is in the gateway's endpoint subset"
-            } else {
-                "no worker of the pool has an ip:port address"
-            };
-            return Err(GatewayError::new(
-                ErrorKind::NoWorker,
-                format!("{why} (model `{}`)", pool.model),
-            ));
-        }
-        Ok(out)
-    }
-
-    /// The reservation's worker then up to `fallback_endpoints − 1` more: the least loaded of
-    /// the rest (requests in flight, then pool order), no load placed on them (Envoy tries them
-    /// only if the first fails). Not the policy's next choices: a stateful policy (round robin)
-    /// would advance once per fallback.
-    fn with_fallbacks(
-        &self,
-        pool: &Pool,
-        exclude: &[WorkerId],
-        res: Reservation,
-    ) -> (String, DispatchGuard, Vec<(Arc<Worker>, SocketAddr)>) {
-        let first = res.pick.worker.clone();
-        let mut endpoints: Vec<(Arc<Worker>, SocketAddr)> = super::endpoint_of(&first)
-            .map(|a| (first.clone(), a))
-            .into_iter()
-            .collect();
-        let now = res.at;
-        let mut rest: Vec<(u32, usize, &Arc<Worker>, SocketAddr)> = pool
-            .workers
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| w.id != first.id && !exclude.contains(&w.id) && w.state.routable(now))
-            .filter_map(|(i, w)| {
-                let load = w.state.inflight.load(std::sync::atomic::Ordering::Relaxed);
-                super::endpoint_of(w).map(|a| (load, i, w, a))
-            })
-            .collect();
-        rest.sort_unstable_by_key(|(load, i, _, _)| (*load, *i));
-        let room = self
-            .epp
-            .settings
-            .fallback_endpoints
-            .saturating_sub(endpoints.len());
-        endpoints.extend(
-            rest.into_iter()
-                .take(room)
-                .map(|(_, _, w, a)| (w.clone(), a)),
-        );
-        let value = endpoints
-            .iter()
-            .map(|(_, a)| a.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
-        (value, res.guard, endpoints)
     }
 
     fn response_headers(&mut self, h: pb::HttpHeaders) -> Answer {
@@ -633,13 +370,21 @@ impl Conversation {
         let sse = headers
             .get("content-type")
             .is_some_and(|v| v.starts_with(b"text/event-stream"));
+        let duplex = self.response_mode == BodySendMode::FullDuplexStreamed;
+        // We may strip the usage event we asked for, or give the response its model name back:
+        // the length would be wrong.
+        let resized = (sse
+            && matches!(&self.held, Held::Api { ctx: Some(c), .. } if c.strip_usage))
+            || (duplex && self.rewritten.is_some());
+        if (200..300).contains(&status) {
+            if let Some(id) = self.forget.take() {
+                self.epp.proxy.pins.forget(&id);
+            }
+        }
         let out = vec![ProcessingResponse {
             response: Some(pb::Response::ResponseHeaders(pb::HeadersResponse {
                 response: Some(pb::CommonResponse {
-                    // We may strip the usage event we asked for: the length would be wrong.
-                    header_mutation: (sse
-                        && matches!(&self.held, Held::Api { ctx: Some(c), .. } if c.strip_usage))
-                    .then(|| pb::HeaderMutation {
+                    header_mutation: resized.then(|| pb::HeaderMutation {
                         set_headers: Vec::new(),
                         remove_headers: vec!["content-length".into()],
                     }),
@@ -650,6 +395,8 @@ impl Conversation {
         }];
         if let Held::Api { ctx, obs } = &mut self.held {
             if let Some(mut c) = ctx.take() {
+                c.trace
+                    .attempt_end(self.attempt.take(), crate::trace::Ended::Status(status));
                 c.status = status;
                 *obs = Some(Observation::new(c, sse));
             }
@@ -680,7 +427,7 @@ impl Conversation {
         let server_error = (500..600).contains(&status);
         let serving = match served {
             Some(s) if Some(s) != picked => {
-                self.epp.metrics.epp.served_elsewhere.inc();
+                self.epp.proxy.metrics.epp.served_elsewhere.inc();
                 let pos = routed.endpoints.iter().position(|(_, a)| *a == s);
                 for (w, _) in &routed.endpoints[..pos.unwrap_or(routed.endpoints.len())] {
                     w.state.record_outcome(false, now);
@@ -693,6 +440,7 @@ impl Conversation {
                     .cloned();
                 let moved = worker.as_ref().map(|w| {
                     self.epp
+                        .proxy
                         .decider
                         .reserve_on(&routed.pool, &routed.input, w, now)
                         .guard
@@ -742,6 +490,11 @@ impl Conversation {
                 }
             }
         }
+        if let (true, Some(r)) = (duplex, &self.rewritten) {
+            if let Some(x) = rewrite::restore(&out_bytes, r) {
+                out_bytes = x;
+            }
+        }
         if b.end_of_stream {
             self.finish_ok();
         }
@@ -787,6 +540,15 @@ impl Conversation {
         self.phase = Phase::Done;
     }
 
+    /// A rejected client-API request: recorded (as the front door's `proxy::reject`, with the
+    /// status its API's clients get) and returned.
+    fn reject(&self, mut ctx: RequestCtx, e: GatewayError) -> GatewayError {
+        ctx.status = e.status_for(self.shape).as_u16();
+        ctx.error = Some(e.label());
+        ctx.finish(Outcome::Rejected);
+        e
+    }
+
     /// A local reply for `e` (the one mapping of gateway errors to HTTP), ending the request.
     fn immediate(&mut self, e: GatewayError) -> ProcessingResponse {
         self.phase = Phase::Done;
@@ -794,16 +556,21 @@ impl Conversation {
         self.prefill = None;
         // The rest of the stream is ignored: do not keep a refused body for its lifetime.
         self.body = BytesMut::new();
-        let status = e.status().as_u16();
-        let m = &self.epp.metrics;
+        // The front door's one mapping, in the request's API's shape (Anthropic: 529 for sheds).
+        let body = e.json_for(self.shape);
+        let details = format!("kvgate_{}", e.label().as_str());
+        let resp = e.into_response_for(self.shape);
+        let status = resp.status().as_u16();
+        let m = &self.epp.proxy.metrics;
         m.epp
             .immediate
             .get_or_create(&super::StatusLabel { status })
             .inc();
-        let mut set = vec![pb::set_header("content-type", "application/json")];
-        if let Some(s) = e.retry_after() {
-            set.push(pb::set_header("retry-after", s.to_string()));
-        }
+        let set = resp
+            .headers()
+            .iter()
+            .map(|(k, v)| pb::set_header(k.as_str(), v.as_bytes()))
+            .collect();
         ProcessingResponse {
             response: Some(pb::Response::ImmediateResponse(pb::ImmediateResponse {
                 status: Some(pb::HttpStatus {
@@ -813,8 +580,8 @@ impl Conversation {
                     set_headers: set,
                     remove_headers: Vec::new(),
                 }),
-                body: e.json(),
-                details: format!("kvgate_{}", e.label().as_str()),
+                body,
+                details,
             })),
             dynamic_metadata: None,
         }
@@ -826,18 +593,15 @@ impl Drop for Conversation {
         // The stream ended before the response did (Envoy cancelled it, or it broke): a stream
         // that had delivered its `[DONE]` completed, anything else was cancelled. Either way the
         // load is released here.
-        if let Held::Api { obs: Some(o), .. } = &mut self.held {
-            o.dropped();
+        match &mut self.held {
+            Held::Api { obs: Some(o), .. } => o.dropped(),
+            Held::Api { ctx: Some(c), .. } => c.trace.attempt_end(
+                self.attempt.take(),
+                crate::trace::Ended::Error("cancelled", "the stream ended before the response"),
+            ),
+            _ => {}
         }
     }
-}
-
-/// A rejected client-API request: recorded (as the front door's `proxy::reject`) and returned.
-fn reject(mut ctx: RequestCtx, e: GatewayError) -> GatewayError {
-    ctx.status = e.status().as_u16();
-    ctx.error = Some(e.label());
-    ctx.finish(Outcome::Rejected);
-    e
 }
 
 fn invalid(what: &str) -> Status {
@@ -846,34 +610,6 @@ fn invalid(what: &str) -> Status {
 
 fn mode(m: i32, field: &str) -> Result<BodySendMode, Status> {
     BodySendMode::try_from(m).map_err(|_| invalid(&format!("unknown {field} {m}")))
-}
-
-fn kind(k: &'static str) -> super::KindLabel {
-    super::KindLabel { kind: k }
-}
-
-/// The subset hint's endpoints: a list of `ip:port` strings, or one comma-separated string.
-fn subset_addrs(v: &pb::Value) -> Vec<SocketAddr> {
-    let mut out = Vec::new();
-    let mut add = |s: &str| {
-        for part in s.split(',') {
-            if let Ok(a) = part.trim().parse() {
-                out.push(a);
-            }
-        }
-    };
-    match &v.kind {
-        Some(pb::Kind::StringValue(s)) => add(s),
-        Some(pb::Kind::ListValue(l)) => {
-            for v in &l.values {
-                if let Some(pb::Kind::StringValue(s)) = &v.kind {
-                    add(s);
-                }
-            }
-        }
-        _ => {}
-    }
-    out
 }
 
 /// `{"envoy.lb": {"x-gateway-destination-endpoint": value}}`.

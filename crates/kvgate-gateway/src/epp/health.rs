@@ -50,7 +50,8 @@ fn respond(epp: &Epp, service: &str) -> Result<HealthCheckResponse, Status> {
         "" => ("server", (epp.ready)()),
         EXT_PROC_SERVICE => ("ext_proc", (epp.ready)()),
         _ => {
-            epp.metrics
+            epp.proxy
+                .metrics
                 .epp
                 .health_checks
                 .get_or_create(&HealthLabel {
@@ -64,7 +65,8 @@ fn respond(epp: &Epp, service: &str) -> Result<HealthCheckResponse, Status> {
             ));
         }
     };
-    epp.metrics
+    epp.proxy
+        .metrics
         .epp
         .health_checks
         .get_or_create(&HealthLabel {

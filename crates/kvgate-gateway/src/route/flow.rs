@@ -89,7 +89,8 @@ impl FlowPolicy {
                     Arc::new(Class {
                         name: name.into(),
                         priority,
-                        queue_size: None,
+                        // As a configured class: sheddable ones do not queue.
+                        queue_size: (priority < 0).then_some(0),
                         max_wait_ms: None,
                         ttft_ms: None,
                         on_miss: OnMiss::BestEffort,
@@ -230,6 +231,8 @@ mod tests {
         let p = FlowPolicy::default();
         assert_eq!(&*p.class(0).name, "default");
         assert!(p.class(-1).sheddable());
+        assert_eq!(p.class(-1).queue_size, Some(0), "shed at once when full");
+        assert_eq!(p.class(0).queue_size, None);
         assert!(!p.class(3).sheddable());
     }
 
