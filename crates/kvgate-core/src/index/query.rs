@@ -62,10 +62,27 @@ impl KvIndex {
         alive.clear();
         // Before block 0 every worker's run is unbroken (empty).
         alive.resize(words, u64::MAX);
+        // Words `lo..hi` hold every still-matching worker (the rest of `alive` is zero), so a
+        // block costs the words of the workers still matching, not the fleet's.
+        let (mut lo, mut hi) = (0, words);
+        let checking = check.iter().any(|&c| c != 0);
         let walked = self.blocks.walk(first, hashes, |i, set| {
-            self.step(set, hashes[i], i, now_ns, &check, &mut alive, out)
+            // The common case along a shared prefix: every worker still matching holds the block
+            // too, so nobody drops out (one pass over the words in range, no per-worker work).
+            // Workers whose entries may have expired are asked one by one in `step`.
+            if !checking && set.covers(&alive, lo, hi) {
+                return true;
+            }
+            let any = self.step(set, hashes[i], i, now_ns, &check, &mut alive[lo..hi], lo, out);
+            while lo < hi && alive[lo] == 0 {
+                lo += 1;
+            }
+            while hi > lo && alive[hi - 1] == 0 {
+                hi -= 1;
+            }
+            any
         });
-        for (k, &a) in alive.iter().enumerate() {
+        for (k, &a) in alive.iter().enumerate().take(hi).skip(lo) {
             for w in bits(k, a) {
                 out.set(w, walked as u32);
             }
@@ -111,9 +128,10 @@ impl KvIndex {
         }
     }
 
-    /// Block `i` (hash `h`, holders `set`): keeps in `alive` the workers that hold it, records run
-    /// `i` for those that drop out. False when nobody is left. Holders in `check` are asked
-    /// whether the block is still live for them (approximate TTL, unconfirmed prediction TTL).
+    /// Block `i` (hash `h`, holders `set`): keeps in `alive` (words `first_word..` of the
+    /// still-matching set) the workers that hold it, records run `i` for those that drop out.
+    /// False when nobody is left. Holders in `check` are asked whether the block is still live
+    /// for them (approximate TTL, unconfirmed prediction TTL).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     fn step(
@@ -124,10 +142,12 @@ impl KvIndex {
         now_ns: u64,
         check: &[u64],
         alive: &mut [u64],
+        first_word: usize,
         out: &mut OverlapScores,
     ) -> bool {
         let mut any = false;
-        for (k, a) in alive.iter_mut().enumerate() {
+        for (j, a) in alive.iter_mut().enumerate() {
+            let k = first_word + j;
             if *a == 0 {
                 continue;
             }

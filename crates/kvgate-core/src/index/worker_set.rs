@@ -77,6 +77,30 @@ impl WorkerSet {
         }
     }
 
+    /// Whether the set holds every worker of `alive` (64 per word), given that `alive` is zero
+    /// outside words `lo..hi`: the walks' common case (a prompt block held by every worker still
+    /// matching) in one pass over the words in range, without visiting workers.
+    #[inline]
+    pub(crate) fn covers(&self, alive: &[u64], lo: usize, hi: usize) -> bool {
+        let alive = &alive[lo..hi];
+        match self {
+            WorkerSet::Bits(v) => {
+                let v = v.get(lo..).unwrap_or(&[]);
+                let n = alive.len().min(v.len());
+                // Branch-free over the words (vectorises): the bits of `alive` missing from `v`.
+                let missing = alive[..n]
+                    .iter()
+                    .zip(&v[..n])
+                    .fold(0, |acc, (&a, &b)| acc | (a & !b));
+                missing == 0 && alive[n..].iter().all(|&a| a == 0)
+            }
+            _ => alive
+                .iter()
+                .enumerate()
+                .all(|(k, &a)| a & !self.word(lo + k) == 0),
+        }
+    }
+
     /// Every member.
     pub(crate) fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
         let (inline, words): (&[u32], &[u64]) = match self {
