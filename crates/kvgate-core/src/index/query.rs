@@ -66,14 +66,31 @@ impl KvIndex {
         // block costs the words of the workers still matching, not the fleet's.
         let (mut lo, mut hi) = (0, words);
         let checking = check.iter().any(|&c| c != 0);
+        // Identity of the last shared bitset the still-matching workers are known to be within.
+        let mut within = 0;
         let walked = self.blocks.walk(first, hashes, |i, set| {
             // The common case along a shared prefix: every worker still matching holds the block
-            // too, so nobody drops out (one pass over the words in range, no per-worker work).
-            // Workers whose entries may have expired are asked one by one in `step`.
-            if !checking && set.covers(&alive, lo, hi) {
+            // too, so nobody drops out. A block sharing the previous block's bitset (same holders)
+            // is known to without reading it; otherwise one pass over the words in range, no
+            // per-worker work. Workers whose entries may have expired are asked one by one in
+            // `step`.
+            let bits_id = set.same_bits();
+            if !checking && (bits_id != 0 && bits_id == within || set.covers(&alive, lo, hi)) {
+                within = bits_id;
                 return true;
             }
-            let any = self.step(set, hashes[i], i, now_ns, &check, &mut alive[lo..hi], lo, out);
+            // After the step every worker still matching holds the block.
+            within = bits_id;
+            let any = self.step(
+                set,
+                hashes[i],
+                i,
+                now_ns,
+                &check,
+                &mut alive[lo..hi],
+                lo,
+                out,
+            );
             while lo < hi && alive[lo] == 0 {
                 lo += 1;
             }
