@@ -2,9 +2,13 @@
 //!
 //! The walk keeps the set of workers whose run is still unbroken as a bitset (`alive`, one `u64` per
 //! 64 worker ids). At block `i` it intersects `alive` with the block's [`WorkerSet`] word by word;
-//! workers that drop out get run `i`, and the walk stops when no word is left. So a block costs one
-//! map lookup plus O(words) — not O(workers holding it) — and the worst case (a long prefix held by
-//! every worker) is no longer a visit per (block, worker) pair. Only workers that may hold an entry
+//! workers that drop out get run `i`, and the walk stops when no word is left. Only the range of
+//! words holding survivors is visited, and a block every survivor holds is passed by one
+//! branch-free pass over that range ([`WorkerSet::covers`]) or, when it shares the bitset the
+//! survivors are already known to be within (chained blocks with the same holders share one,
+//! [`WorkerSet::share_if_equal`]), by a pointer comparison without reading it. So a block costs
+//! one slot read plus at most O(survivors' words) — not O(workers holding it), not O(fleet) — and
+//! a long prefix held by the same workers costs one bitset read. Only workers that may hold an entry
 //! past its TTL (an approximate worker or an unconfirmed prediction whose oldest entry is due, not
 //! yet swept by [`KvIndex::expire`]) have their (block, worker) pairs checked one by one; with none
 //! such and ≤ 64 workers, a one-word fast path does `set & alive` and nothing else per block.
