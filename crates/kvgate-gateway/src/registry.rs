@@ -104,7 +104,10 @@ impl WorkerState {
 
     /// Records the role the worker's `/server_info` announced (`role = "auto"`).
     pub fn set_detected_role(&self, d: &DetectedRole) {
-        self.detected_role.store(pack_role(d), Ordering::Release);
+        let packed = pack_role(d);
+        if self.detected_role.swap(packed, Ordering::AcqRel) != packed {
+            ROLE_GENERATION.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// The role the worker's `/server_info` announced, once it answered.
@@ -232,6 +235,15 @@ impl Worker {
     }
 }
 
+/// Bumped whenever a worker's detected role changes: pools' cached role splits
+/// ([`crate::pd::roles`]) are then recomputed.
+static ROLE_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// The current role generation (see [`ROLE_GENERATION`]).
+pub fn role_generation() -> u64 {
+    ROLE_GENERATION.load(Ordering::Acquire)
+}
+
 /// The workers serving one model name.
 #[derive(Debug)]
 pub struct Pool {
@@ -245,6 +257,8 @@ pub struct Pool {
     /// O(1) membership and id → worker for the bounded selection, which walks the load order of
     /// every pool's workers. Ids are dense (reused after removal), so this stays fleet-sized.
     slots: Vec<u32>,
+    /// Its workers by role, cached ([`crate::pd::roles`]).
+    pub(crate) roles: arc_swap::ArcSwapOption<crate::pd::RoleSplit>,
 }
 
 impl Pool {
@@ -268,6 +282,7 @@ impl Pool {
             block_size,
             tokenizer,
             slots,
+            roles: Default::default(),
         }
     }
 
