@@ -175,7 +175,10 @@ fn sizes_at_a_thousand_workers() {
         .len()
     };
     let exact = snap(Vec::new());
-    println!("route: {} B + 8 B per block; snapshot of 4,096 in flight: {exact} B", route(0));
+    println!(
+        "route: {} B + 8 B per block; snapshot of 4,096 in flight: {exact} B",
+        route(0)
+    );
     assert!(exact < 1 << 20 && exact / 4096 <= 48, "{exact}");
     // 1,024 approximate workers with 128 blocks each: 8 B per entry more.
     let approx = snap((0..1024).map(|w| (name(w), (0..128).collect())).collect());
