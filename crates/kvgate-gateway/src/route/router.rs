@@ -477,7 +477,8 @@ impl Router {
     /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
     /// prompt's first block and the least loaded other workers
     /// ([`kvgate_core::select_kv_bounded`], docs/routing.md §8b) instead of every worker of the
-    /// pool. Same cost as the exhaustive scan, over the same tied workers. When it finds no
+    /// pool; `latency` at temperature 0 without an SLO likewise, the others by pending prefill
+    /// with the speed board's prefill floor ([`kvgate_core::select_latency_bounded`]). Same cost as the exhaustive scan, over the same tied workers. When it finds no
     /// non-busy worker, the exhaustive scan decides (it tells `AllBusy` from `NoWorker` over the
     /// whole pool).
     #[allow(clippy::too_many_arguments)]
