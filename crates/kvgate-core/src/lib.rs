@@ -14,8 +14,9 @@
 //!   the workers sorted by load for the bounded selection.
 //! - [`select`]: the candidate/decision types, the busy filter, the kv cost model and the
 //!   temperature-based pick; [`score_candidates`] fills candidates from index + load in one call.
-//!   `select/bounded.rs`: [`select_kv_bounded`], the same `kv` decision visiting only the workers
-//!   holding the prompt and the least loaded others (large fleets).
+//!   `select/bounded.rs`: [`select_kv_bounded`] and [`select_latency_bounded`], the same `kv` /
+//!   `latency` decision visiting only the workers holding the prompt and the least loaded others
+//!   (large fleets).
 //! - [`latency`]: [`LatencyModel`], each worker's speed learned online from observed TTFT and ITL,
 //!   and the TTFT/ITL estimate of a request on a candidate (used by the `latency` policy).
 //! - [`policy`]: the [`Policy`] trait and one file per policy, selectable by name with
@@ -72,8 +73,8 @@ pub use policy::{
 };
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,
-    score_candidates, select_kv_bounded, BusyThresholds, Candidate, Decision, Eligibility,
-    KvCostConfig, RouteRequest, ScrapedLoad,
+    score_candidates, select_kv_bounded, select_latency_bounded, BusyThresholds, Candidate,
+    Decision, Eligibility, KvCostConfig, RouteRequest, ScrapedLoad,
 };
 
 /// A chained KV block hash as computed by the router (see [`hash`]). Also used for the engine's

@@ -219,22 +219,30 @@ impl Inner {
         let Some(first) = hashes.first().and_then(|h| active.get(h)) else {
             return;
         };
+        // `alive` is zero outside words `w0..w1` (those of the workers still matching), so each
+        // step costs the still-matching workers' words, not the fleet's.
+        let (mut w0, mut w1) = (alive.len(), 0);
         for (k, a) in alive.iter_mut().enumerate() {
             *a = first.word(k);
+            if *a != 0 {
+                w0 = w0.min(k);
+                w1 = k + 1;
+            }
         }
         // Whether every worker still in `alive` has block `i` active.
-        let covers = |alive: &[u64], i: usize| match active.get(&hashes[i]) {
-            Some(s) => alive.iter().enumerate().all(|(k, &a)| s.word(k) & a == a),
-            None => false,
+        let covers = |alive: &[u64], w0: usize, w1: usize, i: usize| {
+            active
+                .get(&hashes[i])
+                .is_some_and(|s| s.covers(alive, w0, w1))
         };
         // Invariant: `alive` is non-empty and has blocks 0..=lo active.
         let mut lo = 0usize;
         loop {
-            let hi = prefix_end(lo, n, |i| covers(alive, i));
+            let hi = prefix_end(lo, n, |i| covers(alive, w0, w1, i));
             // Block `hi` is the first one some alive worker lacks: those stop at depth `hi`.
             let set = hashes.get(hi).and_then(|h| active.get(h));
             let mut any = false;
-            for (k, a) in alive.iter_mut().enumerate() {
+            for (k, a) in alive.iter_mut().enumerate().take(w1).skip(w0) {
                 let still = set.map_or(0, |s| s.word(k)) & *a;
                 for w in bits(k, *a & !still) {
                     depth[w.index()] = hi as u32;
@@ -245,6 +253,12 @@ impl Inner {
             }
             if !any {
                 return;
+            }
+            while alive[w0] == 0 {
+                w0 += 1;
+            }
+            while alive[w1 - 1] == 0 {
+                w1 -= 1;
             }
             lo = hi;
         }

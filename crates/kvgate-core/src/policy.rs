@@ -52,6 +52,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn as_kv(&self) -> Option<&KvPolicy> {
         None
     }
+
+    /// The `latency` policy behind this one, for callers that take the bounded path for large
+    /// fleets ([`crate::select_latency_bounded`]); `None` for every other policy.
+    fn as_latency(&self) -> Option<&LatencyPolicy> {
+        None
+    }
 }
 
 /// Settings for every policy (each policy reads its own part).

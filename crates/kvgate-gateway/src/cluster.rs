@@ -32,7 +32,7 @@ impl GatewayPeers {
     /// The worker called `name` here, with its pool's block size (16 when it serves no model).
     fn worker(&self, name: &str) -> Option<(WorkerId, u32)> {
         let fleet = self.fleet.registry.snapshot();
-        let w = fleet.workers.iter().find(|w| &*w.name == name)?;
+        let w = fleet.named(name)?;
         let block_size = w
             .models
             .first()
@@ -86,11 +86,7 @@ impl Sink for GatewayPeers {
             Message::Free { request } => router.with_remote(|r| r.free(from, *request, now)),
             Message::Health { worker, open } => {
                 let fleet = self.fleet.registry.snapshot();
-                let w = fleet
-                    .workers
-                    .iter()
-                    .find(|w| &*w.name == worker)
-                    .ok_or(DropReason::UnknownWorker)?;
+                let w = fleet.named(worker).ok_or(DropReason::UnknownWorker)?;
                 if *open {
                     if w.state.breaker.open_by_peer(now) {
                         tracing::warn!(worker = %w.name, peer = from, "breaker opened by a peer's verdict");
@@ -103,20 +99,12 @@ impl Sink for GatewayPeers {
             Message::Heartbeat { .. } => router.with_remote(|r| r.heard(from, now)),
             Message::Pin { id, worker } => {
                 let fleet = self.fleet.registry.snapshot();
-                let w = fleet
-                    .workers
-                    .iter()
-                    .find(|w| &*w.name == worker)
-                    .ok_or(DropReason::UnknownWorker)?;
+                let w = fleet.named(worker).ok_or(DropReason::UnknownWorker)?;
                 self.pins.learn_from_peer(id, &w.name, now);
             }
             Message::Session { key, worker } => {
                 let fleet = self.fleet.registry.snapshot();
-                let w = fleet
-                    .workers
-                    .iter()
-                    .find(|w| &*w.name == worker)
-                    .ok_or(DropReason::UnknownWorker)?;
+                let w = fleet.named(worker).ok_or(DropReason::UnknownWorker)?;
                 router.peer_session(*key, w.stable_id, now);
             }
             Message::RateUsage { keys } => {
@@ -128,13 +116,7 @@ impl Sink for GatewayPeers {
             }
             Message::Snapshot(s) => {
                 let fleet = self.fleet.registry.snapshot();
-                let id_of = |name: &str| {
-                    fleet
-                        .workers
-                        .iter()
-                        .find(|w| &*w.name == name)
-                        .map(|w| w.id)
-                };
+                let id_of = |name: &str| fleet.named(name).map(|w| w.id);
                 router.with_index_mut(|index| {
                     for (worker, hashes) in &s.approx {
                         if let Some(id) = id_of(worker) {

@@ -40,6 +40,7 @@ use crate::config::{Handoff, PdProtocol, WorkerRole};
 use crate::metrics::Metrics;
 use crate::registry::{Pool, Worker};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Whether `worker` has more requests in flight than the average decode-capable worker of `decode`
 /// plus one (then a short prompt is not run locally there: `route::Decider::plan_pd`).
@@ -99,11 +100,47 @@ pub struct Partner {
 }
 
 /// Whether requests to `pool` are split: it has a dedicated prefill worker (configured, or
-/// detected for `role = "auto"`).
+/// detected for `role = "auto"`). From the pool's cached [`RoleSplit`]: no pass over the pool.
 pub fn applies(pool: &Pool) -> bool {
-    pool.workers
-        .iter()
-        .any(|w| w.role() == Some(WorkerRole::Prefill))
+    roles(pool).applies
+}
+
+/// A pool's workers by role, computed once per pool and role change instead of per request
+/// (a pass over a fleet of thousands of workers, twice per disaggregated decision, and once for
+/// every request to any pool for [`applies`]).
+#[derive(Debug)]
+pub struct RoleSplit {
+    /// [`crate::registry::role_generation`] when it was computed.
+    generation: u64,
+    /// The pool has a dedicated prefill worker.
+    pub applies: bool,
+    /// Its decode-capable workers ([`sub_pool`] with [`WorkerRole::can_decode`]).
+    pub decode: Arc<Pool>,
+    /// Its prefill-capable workers.
+    pub prefill: Arc<Pool>,
+}
+
+/// `pool`'s [`RoleSplit`], recomputed only when a worker's detected role changed since.
+pub fn roles(pool: &Pool) -> Arc<RoleSplit> {
+    // The generation first: a role change racing the computation bumps it after, so the next
+    // call recomputes.
+    let generation = crate::registry::role_generation();
+    if let Some(s) = pool.roles.load_full() {
+        if s.generation == generation {
+            return s;
+        }
+    }
+    let s = Arc::new(RoleSplit {
+        generation,
+        applies: pool
+            .workers
+            .iter()
+            .any(|w| w.role() == Some(WorkerRole::Prefill)),
+        decode: Arc::new(sub_pool(pool, WorkerRole::can_decode)),
+        prefill: Arc::new(sub_pool(pool, WorkerRole::can_prefill)),
+    });
+    pool.roles.store(Some(s.clone()));
+    s
 }
 
 /// The handoff to run for a pool whose prefill-capable workers are `prefill`: the configured
@@ -384,6 +421,24 @@ mod tests {
         assert_eq!(
             protocol_for(PdProtocol::Auto, &sub_pool(pool, WorkerRole::can_prefill)),
             Handoff::Vllm
+        );
+        // The cached split equals the sub-pools (reused while no worker's role changes; other
+        // tests of this process may change roles concurrently, so reuse is not asserted).
+        let a = roles(pool);
+        let ids = |p: &Pool| p.workers.iter().map(|w| w.id).collect::<Vec<_>>();
+        assert_eq!(ids(&a.decode), ids(&sub_pool(pool, WorkerRole::can_decode)));
+        assert_eq!(
+            ids(&a.prefill),
+            ids(&sub_pool(pool, WorkerRole::can_prefill))
+        );
+        // A new role recomputes it.
+        d.state.set_detected_role(&told(WorkerRole::Prefill, None));
+        let c = roles(pool);
+        assert!(!Arc::ptr_eq(&a, &c) && c.applies);
+        assert_eq!(ids(&c.decode), ids(&sub_pool(pool, WorkerRole::can_decode)));
+        assert_eq!(
+            ids(&c.prefill),
+            ids(&sub_pool(pool, WorkerRole::can_prefill))
         );
     }
 

@@ -125,10 +125,7 @@ pub(crate) async fn route_and_forward(
     if !api.splits && api.generates && crate::pd::applies(&p.pool) {
         // The handoff bodies are chat/completions ones: other generating APIs (Responses,
         // Messages) run whole on a decode-capable worker of a disaggregated pool.
-        p.pool = Arc::new(crate::pd::sub_pool(
-            &p.pool,
-            crate::config::WorkerRole::can_decode,
-        ));
+        p.pool = crate::pd::roles(&p.pool).decode.clone();
     }
     if api.splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.

@@ -104,7 +104,10 @@ impl WorkerState {
 
     /// Records the role the worker's `/server_info` announced (`role = "auto"`).
     pub fn set_detected_role(&self, d: &DetectedRole) {
-        self.detected_role.store(pack_role(d), Ordering::Release);
+        let packed = pack_role(d);
+        if self.detected_role.swap(packed, Ordering::AcqRel) != packed {
+            ROLE_GENERATION.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// The role the worker's `/server_info` announced, once it answered.
@@ -232,6 +235,15 @@ impl Worker {
     }
 }
 
+/// Bumped whenever a worker's detected role changes: pools' cached role splits
+/// ([`crate::pd::roles`]) are then recomputed.
+static ROLE_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// The current role generation (see [`ROLE_GENERATION`]).
+pub fn role_generation() -> u64 {
+    ROLE_GENERATION.load(Ordering::Acquire)
+}
+
 /// The workers serving one model name.
 #[derive(Debug)]
 pub struct Pool {
@@ -245,6 +257,8 @@ pub struct Pool {
     /// O(1) membership and id → worker for the bounded selection, which walks the load order of
     /// every pool's workers. Ids are dense (reused after removal), so this stays fleet-sized.
     slots: Vec<u32>,
+    /// Its workers by role, cached ([`crate::pd::roles`]).
+    pub(crate) roles: arc_swap::ArcSwapOption<crate::pd::RoleSplit>,
 }
 
 impl Pool {
@@ -268,6 +282,7 @@ impl Pool {
             block_size,
             tokenizer,
             slots,
+            roles: Default::default(),
         }
     }
 
@@ -285,15 +300,42 @@ pub struct Fleet {
     /// Model name or alias → pool.
     pub pools: HashMap<Lbl, Arc<Pool>>,
     pub generation: u64,
+    /// Position in `workers` by worker name, built with the snapshot: a peer's message names its
+    /// worker, and a fleet of thousands must not be searched per message ([`Fleet::named`]).
+    by_name: HashMap<Lbl, u32>,
 }
 
 impl Fleet {
+    /// A snapshot of `workers` and `pools`.
+    pub fn new(workers: Vec<Arc<Worker>>, pools: HashMap<Lbl, Arc<Pool>>, generation: u64) -> Self {
+        let by_name = workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.name.clone(), i as u32))
+            .collect();
+        Fleet {
+            workers,
+            pools,
+            generation,
+            by_name,
+        }
+    }
+
     pub fn pool(&self, model: &str) -> Option<&Arc<Pool>> {
         self.pools.get(model)
     }
 
     pub fn worker(&self, id: WorkerId) -> Option<&Arc<Worker>> {
         self.workers.iter().find(|w| w.id == id)
+    }
+
+    /// The worker called `name` (O(1); a linear search only for a fleet assembled by hand).
+    pub fn named(&self, name: &str) -> Option<&Arc<Worker>> {
+        match self.by_name.get(name) {
+            Some(&i) => self.workers.get(i as usize).filter(|w| &*w.name == name),
+            None if self.by_name.len() == self.workers.len() => None,
+            None => self.workers.iter().find(|w| &*w.name == name),
+        }
     }
 
     /// At least one worker can take traffic (for `/ready`).
@@ -627,14 +669,7 @@ fn build_fleet(inner: &mut RegistryInner, prev: &Fleet) -> anyhow::Result<(Fleet
     }
     inner.tokenizers = tokenizers;
     inner.generation += 1;
-    Ok((
-        Fleet {
-            workers,
-            pools,
-            generation: inner.generation,
-        },
-        rebuilt,
-    ))
+    Ok((Fleet::new(workers, pools, inner.generation), rebuilt))
 }
 
 #[cfg(test)]
@@ -649,6 +684,27 @@ mod tests {
             c.workers.push(w);
         }
         Arc::new(c)
+    }
+
+    /// Workers are found by name in O(1) in every snapshot; unknown names are not.
+    #[test]
+    fn snapshot_finds_workers_by_name() {
+        let (reg, _) =
+            Registry::new(cfg(&[("http://a:1", &["m"]), ("http://b:1", &["m", "n"])])).unwrap();
+        let fleet = reg.snapshot();
+        for w in &fleet.workers {
+            assert!(Arc::ptr_eq(fleet.named(&w.name).unwrap(), w));
+        }
+        assert!(fleet.named("http://c:1").is_none());
+        // Assembled by hand (no name table): still found, by a search.
+        let by_hand = Fleet {
+            workers: fleet.workers.clone(),
+            ..Fleet::default()
+        };
+        assert_eq!(
+            by_hand.named(&fleet.workers[1].name).unwrap().id,
+            fleet.workers[1].id
+        );
     }
 
     #[test]

@@ -27,7 +27,7 @@ use arc_swap::ArcSwap;
 use kvgate_core::WorkerId;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Handoff, OnMiss, PdConfig, WorkerRole};
+use crate::config::{Handoff, OnMiss, PdConfig};
 use crate::metrics::Metrics;
 use crate::registry::Pool;
 use admission::{Generation, Ticket, WaitError};
@@ -83,7 +83,7 @@ pub enum PdPlan {
     Local(&'static str),
     /// Split: a prefill leg on `prefill` with `protocol`, then the decode leg.
     Split {
-        prefill: Pool,
+        prefill: Arc<Pool>,
         protocol: Handoff,
         /// The prefill pick the idle-decode comparison already made: the first prefill
         /// attempt's pick, not selected a second time.
@@ -306,14 +306,15 @@ impl Decider {
         now: Instant,
     ) -> Result<PdRoute, Refusal> {
         let settings = self.pd.load();
-        let decode = crate::pd::sub_pool(pool, WorkerRole::can_decode);
+        let roles = crate::pd::roles(pool);
+        let decode = roles.decode.clone();
         if decode.workers.is_empty() {
             return Err(Refusal::NoWorker(format!(
                 "no decode worker for model `{}`",
                 pool.model
             )));
         }
-        let prefill = crate::pd::sub_pool(pool, WorkerRole::can_prefill);
+        let prefill = roles.prefill.clone();
         let bs = u64::from(pool.block_size);
         let (uncached, crowded, idle_estimate) = match self.select(&decode, input, &[], now) {
             Ok(pick) => {
@@ -339,7 +340,6 @@ impl Decider {
             // decode worker either way).
             Err(_) => (input.isl, false, None),
         };
-        let decode = Arc::new(decode);
         let local = |reason| PdRoute {
             decode: decode.clone(),
             plan: PdPlan::Local(reason),

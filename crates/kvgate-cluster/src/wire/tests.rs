@@ -128,3 +128,60 @@ fn bad_utf8_and_bad_bool_are_malformed() {
     u[n - 2] = 0xff;
     assert_eq!(decode(&u, 1024).unwrap_err().reason, DropReason::Malformed);
 }
+
+/// Sizes at 1,024 workers (issue 36): a `route` message is set by the prompt, not the fleet
+/// (8 bytes per prompt block plus the names); a snapshot's in-flight part is set by the
+/// replica's own requests in flight (here four per worker, ~45 bytes each with a 20-byte worker
+/// name) and fits the default `max_message_bytes` (1 MiB) with room to spare; its approximate
+/// part is 8 bytes per (block, approximate worker) entry and is what can outgrow it.
+#[test]
+fn sizes_at_a_thousand_workers() {
+    let name = |w: u32| format!("http://10.0.{}.{}:8000", w / 256, w % 256);
+    let route = |blocks: u64| {
+        encode(
+            &env(Message::Route {
+                model: "meta-llama/Llama-3.1-8B-Instruct".into(),
+                worker: name(1023),
+                request: u64::MAX,
+                prefill_tokens: 4096,
+                blocks: 256,
+                hashes: (0..blocks).collect(),
+            }),
+            usize::MAX,
+        )
+        .unwrap()
+        .len()
+    };
+    // 8 bytes per block beyond a fixed part.
+    assert_eq!(route(256) - route(0), 256 * 8);
+    assert!(route(0) < 128, "{}", route(0));
+    let inflight: Vec<InflightEntry> = (0..4096u32)
+        .map(|i| InflightEntry {
+            worker: name(i % 1024),
+            request: u64::from(i) << 20,
+            prefill_tokens: 4096,
+            blocks: 256,
+        })
+        .collect();
+    let snap = |approx: Vec<(String, Vec<u64>)>| {
+        encode(
+            &env(Message::Snapshot(Snapshot {
+                approx,
+                inflight: inflight.clone(),
+            })),
+            usize::MAX,
+        )
+        .unwrap()
+        .len()
+    };
+    let exact = snap(Vec::new());
+    println!(
+        "route: {} B + 8 B per block; snapshot of 4,096 in flight: {exact} B",
+        route(0)
+    );
+    assert!(exact < 1 << 20 && exact / 4096 <= 48, "{exact}");
+    // 1,024 approximate workers with 128 blocks each: 8 B per entry more.
+    let approx = snap((0..1024).map(|w| (name(w), (0..128).collect())).collect());
+    println!("with 1,024 approximate workers x 128 blocks: {approx} B");
+    assert!(approx - exact >= 1024 * 128 * 8);
+}

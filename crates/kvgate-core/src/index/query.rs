@@ -2,9 +2,13 @@
 //!
 //! The walk keeps the set of workers whose run is still unbroken as a bitset (`alive`, one `u64` per
 //! 64 worker ids). At block `i` it intersects `alive` with the block's [`WorkerSet`] word by word;
-//! workers that drop out get run `i`, and the walk stops when no word is left. So a block costs one
-//! map lookup plus O(words) — not O(workers holding it) — and the worst case (a long prefix held by
-//! every worker) is no longer a visit per (block, worker) pair. Only workers that may hold an entry
+//! workers that drop out get run `i`, and the walk stops when no word is left. Only the range of
+//! words holding survivors is visited, and a block every survivor holds is passed by one
+//! branch-free pass over that range ([`WorkerSet::covers`]) or, when it shares the bitset the
+//! survivors are already known to be within (chained blocks with the same holders share one,
+//! [`WorkerSet::share_if_equal`]), by a pointer comparison without reading it. So a block costs
+//! one slot read plus at most O(survivors' words) — not O(workers holding it), not O(fleet) — and
+//! a long prefix held by the same workers costs one bitset read. Only workers that may hold an entry
 //! past its TTL (an approximate worker or an unconfirmed prediction whose oldest entry is due, not
 //! yet swept by [`KvIndex::expire`]) have their (block, worker) pairs checked one by one; with none
 //! such and ≤ 64 workers, a one-word fast path does `set & alive` and nothing else per block.
@@ -62,10 +66,44 @@ impl KvIndex {
         alive.clear();
         // Before block 0 every worker's run is unbroken (empty).
         alive.resize(words, u64::MAX);
+        // Words `lo..hi` hold every still-matching worker (the rest of `alive` is zero), so a
+        // block costs the words of the workers still matching, not the fleet's.
+        let (mut lo, mut hi) = (0, words);
+        let checking = check.iter().any(|&c| c != 0);
+        // Identity of the last shared bitset the still-matching workers are known to be within.
+        let mut within = 0;
         let walked = self.blocks.walk(first, hashes, |i, set| {
-            self.step(set, hashes[i], i, now_ns, &check, &mut alive, out)
+            // The common case along a shared prefix: every worker still matching holds the block
+            // too, so nobody drops out. A block sharing the previous block's bitset (same holders)
+            // is known to without reading it; otherwise one pass over the words in range, no
+            // per-worker work. Workers whose entries may have expired are asked one by one in
+            // `step`.
+            let bits_id = set.same_bits();
+            if !checking && (bits_id != 0 && bits_id == within || set.covers(&alive, lo, hi)) {
+                within = bits_id;
+                return true;
+            }
+            // After the step every worker still matching holds the block.
+            within = bits_id;
+            let any = self.step(
+                set,
+                hashes[i],
+                i,
+                now_ns,
+                &check,
+                &mut alive[lo..hi],
+                lo,
+                out,
+            );
+            while lo < hi && alive[lo] == 0 {
+                lo += 1;
+            }
+            while hi > lo && alive[hi - 1] == 0 {
+                hi -= 1;
+            }
+            any
         });
-        for (k, &a) in alive.iter().enumerate() {
+        for (k, &a) in alive.iter().enumerate().take(hi).skip(lo) {
             for w in bits(k, a) {
                 out.set(w, walked as u32);
             }
@@ -111,9 +149,10 @@ impl KvIndex {
         }
     }
 
-    /// Block `i` (hash `h`, holders `set`): keeps in `alive` the workers that hold it, records run
-    /// `i` for those that drop out. False when nobody is left. Holders in `check` are asked
-    /// whether the block is still live for them (approximate TTL, unconfirmed prediction TTL).
+    /// Block `i` (hash `h`, holders `set`): keeps in `alive` (words `first_word..` of the
+    /// still-matching set) the workers that hold it, records run `i` for those that drop out.
+    /// False when nobody is left. Holders in `check` are asked whether the block is still live
+    /// for them (approximate TTL, unconfirmed prediction TTL).
     #[allow(clippy::too_many_arguments)]
     #[inline]
     fn step(
@@ -124,10 +163,12 @@ impl KvIndex {
         now_ns: u64,
         check: &[u64],
         alive: &mut [u64],
+        first_word: usize,
         out: &mut OverlapScores,
     ) -> bool {
         let mut any = false;
-        for (k, a) in alive.iter_mut().enumerate() {
+        for (j, a) in alive.iter_mut().enumerate() {
+            let k = first_word + j;
             if *a == 0 {
                 continue;
             }

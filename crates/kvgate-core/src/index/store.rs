@@ -166,6 +166,17 @@ impl BlockStore {
             }
         };
         let added = self.slot_mut(s).set.insert(w);
+        // A block held by the same workers as the block before it in the chain shares its bitset
+        // (the common case along a shared prefix): one bitset per run of such blocks, and walks
+        // recognise the run by pointer (`WorkerSet::same_bits`).
+        if added && self.slot(s).set.same_bits() != 0 {
+            if let Some(p) =
+                prev.filter(|&p| p != s && (p as usize) < self.slots && !self.is_free(p))
+            {
+                let before = self.slot(p).set.clone();
+                self.slot_mut(s).set.share_if_equal(&before);
+            }
+        }
         (s, added)
     }
 

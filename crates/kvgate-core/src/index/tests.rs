@@ -236,14 +236,14 @@ enum Op {
     },
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op(workers: u32) -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..3u32, 0..4usize, 0..6usize, 1..4usize, any::<bool>())
+        6 => (0..workers, 0..4usize, 0..6usize, 1..7usize, any::<bool>())
             .prop_map(|(w, seq, start, len, alias)| Op::Store { w, seq, start, len, alias }),
-        3 => (0..3u32, 0..4usize, prop::collection::vec(0..6usize, 1..4), any::<bool>())
+        3 => (0..workers, 0..4usize, prop::collection::vec(0..6usize, 1..4), any::<bool>())
             .prop_map(|(w, seq, blocks, alias)| Op::Remove { w, seq, blocks, alias }),
-        1 => (0..3u32).prop_map(|w| Op::Clear { w }),
-        1 => (0..3u32).prop_map(|w| Op::RemoveWorker { w }),
+        1 => (0..workers).prop_map(|w| Op::Clear { w }),
+        1 => (0..workers).prop_map(|w| Op::RemoveWorker { w }),
     ]
 }
 
@@ -252,82 +252,143 @@ struct Model {
     workers: HashMap<u32, BTreeMap<u64, u64>>, // engine → router
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
-    #[test]
-    fn exact_index_equals_naive_model(ops in prop::collection::vec(op(), 1..60)) {
-        const BS: usize = 2;
-        let u = universe();
-        let hashes: Vec<Vec<u64>> = u.iter().map(|t| block_hashes(t, BS, BASE_SEED)).collect();
-        let mut ix = KvIndex::new();
-        let mut m = Model::default();
-        for op in ops {
-            match op {
-                Op::Store { w, seq, start, len, alias } => {
-                    let end = (start + len).min(6);
-                    if start >= end { continue; }
-                    let parent = (start > 0).then(|| engine(seq, start - 1, alias));
-                    let eng: Vec<u64> = (start..end).map(|b| engine(seq, b, alias)).collect();
-                    let got = ix.apply_stored(WorkerId(w), parent, &eng, &u[seq][start * BS..end * BS], BS, BASE_SEED);
-                    let mw = m.workers.entry(w).or_default();
-                    match parent {
-                        Some(p) if !mw.contains_key(&p) => {
-                            prop_assert_eq!(got, Err(IndexError::UnknownParent { worker: WorkerId(w), parent: p }));
-                        }
-                        _ => {
-                            prop_assert!(got.is_ok());
-                            // The engine's parent is trusted: chain from whatever it maps to.
-                            let mut parent_r = parent.map(|p| mw[&p]);
-                            for (b, e) in (start..end).zip(eng) {
-                                let r = crate::hash::next_hash(parent_r, &u[seq][b * BS..(b + 1) * BS], BASE_SEED);
-                                // With a faithful parent the chain is the sequence's own hash.
-                                let faithful = b == start
-                                    && (start == 0 || parent_r == Some(hashes[seq][start - 1]));
-                                if faithful {
-                                    prop_assert_eq!(r, hashes[seq][b]);
-                                }
-                                mw.insert(e, r);
-                                parent_r = Some(r);
+/// Applies `ops` (worker `w` of an op is `ids[w]`) to the index and the model, comparing everything
+/// observable after each.
+fn check_exact_model(ops: Vec<Op>, ids: &[u32]) -> Result<(), TestCaseError> {
+    const BS: usize = 2;
+    let u = universe();
+    let hashes: Vec<Vec<u64>> = u.iter().map(|t| block_hashes(t, BS, BASE_SEED)).collect();
+    let mut ix = KvIndex::new();
+    let mut m = Model::default();
+    for op in ops {
+        match op {
+            Op::Store {
+                w,
+                seq,
+                start,
+                len,
+                alias,
+            } => {
+                let end = (start + len).min(6);
+                if start >= end {
+                    continue;
+                }
+                let parent = (start > 0).then(|| engine(seq, start - 1, alias));
+                let eng: Vec<u64> = (start..end).map(|b| engine(seq, b, alias)).collect();
+                let got = ix.apply_stored(
+                    WorkerId(ids[w as usize]),
+                    parent,
+                    &eng,
+                    &u[seq][start * BS..end * BS],
+                    BS,
+                    BASE_SEED,
+                );
+                let mw = m.workers.entry(w).or_default();
+                match parent {
+                    Some(p) if !mw.contains_key(&p) => {
+                        prop_assert_eq!(
+                            got,
+                            Err(IndexError::UnknownParent {
+                                worker: WorkerId(ids[w as usize]),
+                                parent: p
+                            })
+                        );
+                    }
+                    _ => {
+                        prop_assert!(got.is_ok());
+                        // The engine's parent is trusted: chain from whatever it maps to.
+                        let mut parent_r = parent.map(|p| mw[&p]);
+                        for (b, e) in (start..end).zip(eng) {
+                            let r = crate::hash::next_hash(
+                                parent_r,
+                                &u[seq][b * BS..(b + 1) * BS],
+                                BASE_SEED,
+                            );
+                            // With a faithful parent the chain is the sequence's own hash.
+                            let faithful = b == start
+                                && (start == 0 || parent_r == Some(hashes[seq][start - 1]));
+                            if faithful {
+                                prop_assert_eq!(r, hashes[seq][b]);
                             }
+                            mw.insert(e, r);
+                            parent_r = Some(r);
                         }
                     }
                 }
-                Op::Remove { w, seq, blocks, alias } => {
-                    let eng: Vec<u64> = blocks.iter().map(|&b| engine(seq, b, alias)).collect();
-                    ix.apply_removed(WorkerId(w), &eng);
-                    if let Some(mw) = m.workers.get_mut(&w) { for e in eng { mw.remove(&e); } }
-                }
-                Op::Clear { w } => {
-                    ix.clear_worker(WorkerId(w));
-                    if let Some(mw) = m.workers.get_mut(&w) { mw.clear(); }
-                }
-                Op::RemoveWorker { w } => {
-                    ix.remove_worker(WorkerId(w));
-                    m.workers.remove(&w);
+            }
+            Op::Remove {
+                w,
+                seq,
+                blocks,
+                alias,
+            } => {
+                let eng: Vec<u64> = blocks.iter().map(|&b| engine(seq, b, alias)).collect();
+                ix.apply_removed(WorkerId(ids[w as usize]), &eng);
+                if let Some(mw) = m.workers.get_mut(&w) {
+                    for e in eng {
+                        mw.remove(&e);
+                    }
                 }
             }
-            // Compare everything observable.
-            let mut total = 0;
-            for w in 0..3u32 {
-                let mw = m.workers.get(&w).cloned().unwrap_or_default();
-                let routers: BTreeSet<u64> = mw.values().copied().collect();
-                total += routers.len();
-                prop_assert_eq!(ix.engine_hashes(WorkerId(w)), mw.keys().copied().collect::<Vec<_>>());
-                prop_assert_eq!(ix.router_hashes(WorkerId(w)), routers.iter().copied().collect::<Vec<_>>());
-                prop_assert_eq!(ix.blocks_for(WorkerId(w)), routers.len());
-            }
-            prop_assert_eq!(ix.total_entries(), total);
-            let now = Instant::now();
-            for hs in &hashes {
-                let mut want = BTreeMap::new();
-                for (w, mw) in &m.workers {
-                    let set: BTreeSet<u64> = mw.values().copied().collect();
-                    let run = hs.iter().take_while(|h| set.contains(h)).count() as u32;
-                    if run > 0 { want.insert(*w, run); }
+            Op::Clear { w } => {
+                ix.clear_worker(WorkerId(ids[w as usize]));
+                if let Some(mw) = m.workers.get_mut(&w) {
+                    mw.clear();
                 }
-                prop_assert_eq!(matches(&ix, hs, now), want);
+            }
+            Op::RemoveWorker { w } => {
+                ix.remove_worker(WorkerId(ids[w as usize]));
+                m.workers.remove(&w);
             }
         }
+        // Compare everything observable.
+        let mut total = 0;
+        for w in 0..ids.len() as u32 {
+            let mw = m.workers.get(&w).cloned().unwrap_or_default();
+            let routers: BTreeSet<u64> = mw.values().copied().collect();
+            total += routers.len();
+            prop_assert_eq!(
+                ix.engine_hashes(WorkerId(ids[w as usize])),
+                mw.keys().copied().collect::<Vec<_>>()
+            );
+            prop_assert_eq!(
+                ix.router_hashes(WorkerId(ids[w as usize])),
+                routers.iter().copied().collect::<Vec<_>>()
+            );
+            prop_assert_eq!(ix.blocks_for(WorkerId(ids[w as usize])), routers.len());
+        }
+        prop_assert_eq!(ix.total_entries(), total);
+        let now = Instant::now();
+        for hs in &hashes {
+            let mut want = BTreeMap::new();
+            for (w, mw) in &m.workers {
+                let set: BTreeSet<u64> = mw.values().copied().collect();
+                let run = hs.iter().take_while(|h| set.contains(h)).count() as u32;
+                if run > 0 {
+                    want.insert(ids[*w as usize], run);
+                }
+            }
+            prop_assert_eq!(matches(&ix, hs, now), want);
+        }
+    }
+    Ok(())
+}
+
+/// Ids across several bitset words, so blocks held by four or more of them are bitsets (shared
+/// between chained blocks with the same holders, copied on write when one changes).
+const WIDE: [u32; 10] = [0, 5, 63, 64, 65, 127, 130, 200, 300, 4095];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn exact_index_equals_naive_model(ops in prop::collection::vec(op(3), 1..60)) {
+        check_exact_model(ops, &[0, 1, 2])?;
+    }
+
+    /// The same with ten workers over several words: wide holder sets, shared bitsets.
+    #[test]
+    fn exact_index_equals_naive_model_wide(ops in prop::collection::vec(op(WIDE.len() as u32), 1..120)) {
+        check_exact_model(ops, &WIDE)?;
     }
 
     #[test]
@@ -385,4 +446,45 @@ proptest! {
             }
         }
     }
+}
+
+/// A prefix the same wide set of workers holds is one shared bitset for all its blocks; removing
+/// a middle block from one worker copies that block's set only, and the walk still sees the gap.
+#[test]
+fn chained_blocks_with_the_same_holders_share_one_bitset() {
+    const BS: usize = 2;
+    let t = toks(16, 1);
+    let h = block_hashes(&t, BS, BASE_SEED);
+    let mut ix = KvIndex::new();
+    let ids = [3u32, 70, 140, 700, 2000];
+    let engine: Vec<u64> = (0..8).collect();
+    for &w in &ids {
+        ix.apply_stored(WorkerId(w), None, &engine[..4], &t[..8], BS, BASE_SEED)
+            .unwrap();
+        ix.apply_stored(WorkerId(w), Some(3), &engine[4..], &t[8..], BS, BASE_SEED)
+            .unwrap();
+    }
+    let bits: Vec<usize> = h
+        .iter()
+        .map(|&x| ix.blocks.get(x).unwrap().same_bits())
+        .collect();
+    assert!(
+        bits[0] != 0 && bits.iter().all(|&b| b == bits[0]),
+        "{bits:?}"
+    );
+    let now = Instant::now();
+    let all: BTreeMap<u32, u32> = ids.iter().map(|&w| (w, 8)).collect();
+    assert_eq!(matches(&ix, &h, now), all);
+    ix.apply_removed(WorkerId(700), &[5]);
+    let bits: Vec<usize> = h
+        .iter()
+        .map(|&x| ix.blocks.get(x).unwrap().same_bits())
+        .collect();
+    assert!(
+        bits[5] != bits[0] && bits[4] == bits[0] && bits[6] == bits[0],
+        "{bits:?}"
+    );
+    let mut want = all.clone();
+    want.insert(700, 5);
+    assert_eq!(matches(&ix, &h, now), want);
 }

@@ -2,12 +2,17 @@
 //! - up to three ids inline (the common case: a prefix lives on one or a few workers);
 //! - a 64-bit mask once more share it and every id is below 64 (a fleet of ≤ 64 workers never
 //!   allocates, however widely a block is shared);
-//! - a heap bitset beyond.
+//! - a heap bitset beyond, reference-counted: blocks with exactly the same holders (the blocks of
+//!   a prefix that the same workers hold, the common case along a chain) may share one bitset
+//!   ([`WorkerSet::share_if_equal`], copy on write), so a walk recognises a block held by the same
+//!   workers as the block before it by pointer ([`WorkerSet::same_bits`]) without reading it, and
+//!   a wide prefix costs one bitset, not one per block.
 //!
 //! Queries read it one 64-worker word at a time ([`WorkerSet::word`]), so the prefix walk intersects
 //! whole words instead of visiting each (block, worker) pair.
 
 use crate::WorkerId;
+use std::sync::Arc;
 
 const INLINE: usize = 3;
 
@@ -18,9 +23,10 @@ pub(crate) enum WorkerSet {
         ids: [u32; INLINE],
     },
     Mask(u64),
-    /// Boxed so the enum stays 16 bytes (a bare `Vec` would make every entry 32).
-    #[allow(clippy::box_collection)]
-    Bits(Box<Vec<u64>>),
+    /// Behind a thin pointer so the enum stays 16 bytes (a bare `Vec` would make every entry 32);
+    /// shared between blocks with the same holders, copied on write.
+    #[allow(clippy::rc_buffer)]
+    Bits(Arc<Vec<u64>>),
 }
 
 impl Default for WorkerSet {
@@ -74,6 +80,30 @@ impl WorkerSet {
                 }
             }
             WorkerSet::Bits(v) => v.get(k).copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether the set holds every worker of `alive` (64 per word), given that `alive` is zero
+    /// outside words `lo..hi`: the walks' common case (a prompt block held by every worker still
+    /// matching) in one pass over the words in range, without visiting workers.
+    #[inline]
+    pub(crate) fn covers(&self, alive: &[u64], lo: usize, hi: usize) -> bool {
+        let alive = &alive[lo..hi];
+        match self {
+            WorkerSet::Bits(v) => {
+                let v = v.get(lo..).unwrap_or(&[]);
+                let n = alive.len().min(v.len());
+                // Branch-free over the words (vectorises): the bits of `alive` missing from `v`.
+                let missing = alive[..n]
+                    .iter()
+                    .zip(&v[..n])
+                    .fold(0, |acc, (&a, &b)| acc | (a & !b));
+                missing == 0 && alive[n..].iter().all(|&a| a == 0)
+            }
+            _ => alive
+                .iter()
+                .enumerate()
+                .all(|(k, &a)| a & !self.word(lo + k) == 0),
         }
     }
 
@@ -158,9 +188,10 @@ impl WorkerSet {
                 let mut v = vec![0; k + 1];
                 v[0] = *m;
                 v[k] = b;
-                *self = WorkerSet::Bits(Box::new(v));
+                *self = WorkerSet::Bits(Arc::new(v));
             }
             WorkerSet::Bits(v) => {
+                let v = Arc::make_mut(v);
                 if v.len() <= k {
                     v.resize(k + 1, 0);
                 }
@@ -181,7 +212,7 @@ impl WorkerSet {
                 let (k, b) = split(w);
                 v[k] |= b;
             }
-            WorkerSet::Bits(Box::new(v))
+            WorkerSet::Bits(Arc::new(v))
         }
     }
 
@@ -212,6 +243,10 @@ impl WorkerSet {
                 *m &= !b;
             }
             WorkerSet::Bits(v) => {
+                if v.get(k).is_none_or(|x| x & b == 0) {
+                    return false;
+                }
+                let v = Arc::make_mut(v);
                 match v.get_mut(k) {
                     Some(x) if *x & b != 0 => *x &= !b,
                     _ => return false,
@@ -240,10 +275,45 @@ impl WorkerSet {
         true
     }
 
-    /// Heap bytes owned beyond the inline 16 bytes.
+    /// Heap bytes owned beyond the inline 16 bytes: a shared bitset's share (its size divided by
+    /// the sets sharing it), so summing over every set counts each bitset once.
     pub(crate) fn heap_bytes(&self) -> usize {
         match self {
-            WorkerSet::Bits(v) => std::mem::size_of::<Vec<u64>>() + v.capacity() * 8,
+            WorkerSet::Bits(v) => {
+                // Arc's two counters, the Vec header, the words.
+                (2 * std::mem::size_of::<usize>()
+                    + std::mem::size_of::<Vec<u64>>()
+                    + v.capacity() * 8)
+                    / Arc::strong_count(v)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Makes this set share `other`'s bitset when both are bitsets with the same members (they
+    /// stay equal as sets: a later change to either copies first). True when they share now.
+    pub(crate) fn share_if_equal(&mut self, other: &WorkerSet) -> bool {
+        match (&mut *self, other) {
+            (WorkerSet::Bits(a), WorkerSet::Bits(b)) => {
+                if Arc::ptr_eq(a, b) {
+                    return true;
+                }
+                if a[..] == b[..] {
+                    *a = Arc::clone(b);
+                    return true;
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// The shared bitset's identity (0 for inline sets and masks): two sets with the same
+    /// non-zero identity have the same members.
+    #[inline]
+    pub(crate) fn same_bits(&self) -> usize {
+        match self {
+            WorkerSet::Bits(v) => Arc::as_ptr(v) as usize,
             _ => 0,
         }
     }
@@ -282,7 +352,73 @@ mod tests {
         assert!(s.remove(WorkerId(8)) && s.remove(WorkerId(9)) && s.is_empty());
     }
 
+    fn set_of(ids: &BTreeSet<u32>) -> WorkerSet {
+        let mut s = WorkerSet::default();
+        for &w in ids {
+            s.insert(WorkerId(w));
+        }
+        s
+    }
+
     proptest! {
+        /// `covers` (the walks' shortcut) is exactly "every worker of `alive` is a member", for
+        /// every representation and any word range that holds all of `alive`.
+        #[test]
+        fn covers_is_subset(
+            set in prop::collection::btree_set(prop_oneof![0..8u32, 0..300u32], 0..12),
+            alive in prop::collection::btree_set(prop_oneof![0..8u32, 0..300u32], 0..6),
+            from_set in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+        ) {
+            let s = set_of(&set);
+            // Survivors partly drawn from the set itself, so both outcomes are common.
+            let members: Vec<u32> = set.iter().copied().collect();
+            let mut alive = alive;
+            if !members.is_empty() {
+                alive.extend(from_set.iter().map(|i| members[i.index(members.len())]));
+            }
+            let mut words = vec![0u64; 5];
+            for &w in &alive {
+                words[(w >> 6) as usize] |= 1 << (w & 63);
+            }
+            let lo = words.iter().position(|&a| a != 0).unwrap_or(0);
+            let hi = words.iter().rposition(|&a| a != 0).map_or(lo, |k| k + 1);
+            let want = alive.is_subset(&set);
+            prop_assert_eq!(s.covers(&words, lo, hi), want);
+            prop_assert_eq!(s.covers(&words, 0, words.len()), want);
+        }
+
+        /// Sets sharing a bitset stay independent sets: a change to one copies first, and
+        /// sharing only happens between equal bitsets.
+        #[test]
+        fn shared_bitsets_copy_on_write(
+            a in prop::collection::btree_set(0..300u32, 0..12),
+            b in prop::collection::btree_set(0..300u32, 0..12),
+            ops in prop::collection::vec((any::<bool>(), 0..300u32), 0..10),
+        ) {
+            let (mut sa, mut sb) = (set_of(&a), set_of(&b));
+            let shared = sb.share_if_equal(&sa);
+            prop_assert_eq!(shared, a == b && sa.same_bits() != 0);
+            prop_assert_eq!(shared, sa.same_bits() != 0 && sa.same_bits() == sb.same_bits());
+            let (mut ma, mb) = (a.clone(), b.clone());
+            for (ins, w) in ops {
+                if ins {
+                    prop_assert_eq!(sa.insert(WorkerId(w)), ma.insert(w));
+                } else {
+                    prop_assert_eq!(sa.remove(WorkerId(w)), ma.remove(&w));
+                }
+                prop_assert_eq!(sa.iter().map(|w| w.0).collect::<BTreeSet<_>>(), ma.clone());
+                prop_assert_eq!(sb.iter().map(|w| w.0).collect::<BTreeSet<_>>(), mb.clone());
+                if sa.same_bits() != 0 && sa.same_bits() == sb.same_bits() {
+                    prop_assert_eq!(&ma, &mb);
+                }
+            }
+            // Shared bytes are counted once over the sets sharing them.
+            if shared && sa.same_bits() == sb.same_bits() {
+                let one = set_of(&a).heap_bytes();
+                prop_assert!(sa.heap_bytes() + sb.heap_bytes() <= one);
+            }
+        }
+
         /// Any sequence of inserts and removes behaves like a `BTreeSet`, through every accessor.
         #[test]
         fn equals_btreeset(ops in prop::collection::vec((any::<bool>(), prop_oneof![0..8u32, 0..70u32, 0..300u32]), 0..80)) {

@@ -54,7 +54,8 @@ impl LatencyPolicyConfig {
         (cost, meets)
     }
 
-    fn slo_on(&self) -> bool {
+    /// Whether an SLO is set (the pick is then by overlap among the workers meeting it).
+    pub fn slo_on(&self) -> bool {
         self.slo_ttft_ms > 0.0 || self.slo_itl_ms > 0.0
     }
 }
@@ -73,6 +74,18 @@ impl LatencyPolicy {
     }
 }
 
+impl LatencyPolicy {
+    /// Its settings.
+    pub fn config(&self) -> &LatencyPolicyConfig {
+        &self.cfg
+    }
+
+    /// Its busy thresholds.
+    pub fn busy(&self) -> &BusyThresholds {
+        &self.busy
+    }
+}
+
 impl Policy for LatencyPolicy {
     fn name(&self) -> &'static str {
         "latency"
@@ -80,6 +93,10 @@ impl Policy for LatencyPolicy {
 
     fn uses_overlap(&self) -> bool {
         true
+    }
+
+    fn as_latency(&self) -> Option<&LatencyPolicy> {
+        Some(self)
     }
 
     fn select(

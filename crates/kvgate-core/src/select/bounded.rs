@@ -29,13 +29,23 @@
 //! always the same cost, the same worker whenever the minimum is unique. Temperature > 0 (every
 //! worker has a probability) and weights without a lower bound visit every known worker.
 //!
+//! **`latency`** ([`select_latency_bounded`]): a non-holder's latency cost is at least its
+//! predicted prefill, `speed.prefill · prefill_ms(pending_weight · pending + isl)` (the slot wait,
+//! the half decode step, the decode step it may wait for instead and the decode slowdown it
+//! inflicts are all ≥ 0, see [`crate::LatencyConfig::estimate`]). The caller gives a floor of
+//! every worker's prefill speed factor (the fastest known worker's), and the order by pending
+//! prefill tokens then bounds every non-holder not yet visited: the same early stop, valid while
+//! the timing curve's prefill time does not decrease with more tokens from `isl` on (checked per
+//! request; otherwise every known worker is visited). With an SLO set, or a temperature, the
+//! policy's rule is not "lowest cost" and every known worker is visited.
+//!
 //! Contract: a worker is seen as a non-holder only once [`crate::ActiveSequences`] knows it
 //! ([`crate::ActiveSequences::add_worker`] when it joins, or its first request).
 
 use super::{is_busy, Candidate, Decision, RouteRequest};
 use crate::index::{KvIndex, OverlapScores};
 use crate::load::{ActiveSequences, OrderWeights};
-use crate::policy::{KvPolicy, Policy};
+use crate::policy::{KvPolicy, LatencyPolicy, Policy};
 use std::time::Instant;
 
 /// The `kv` decision of `policy` for `req` over the workers `active` knows, visiting only the
@@ -55,11 +65,114 @@ pub fn select_kv_bounded(
     now: Instant,
     scores: &mut OverlapScores,
     candidates: &mut Vec<Candidate>,
-    mut prepare: impl FnMut(&mut Candidate) -> bool,
+    prepare: impl FnMut(&mut Candidate) -> bool,
     rng: &mut fastrand::Rng,
 ) -> Option<Decision> {
     let cfg = policy.config();
     let busy = policy.busy();
+    // Every non-holder's cost is this plus its load key (module docs).
+    let base = cfg.prefill_weight * (req.isl_tokens as f64 / f64::from(req.block_size.max(1)))
+        + req.hashes.len() as f64;
+    // Temperature > 0: every known worker has a probability, so the walk visits them all.
+    let early_stop = cfg.temperature <= 0.0;
+    let weights = Some(OrderWeights::for_kv(cfg, req.block_size));
+    visit_bounded(
+        index,
+        active,
+        req,
+        now,
+        scores,
+        candidates,
+        prepare,
+        weights,
+        early_stop,
+        |key| base + key,
+        |c| (busy.is_off() || !is_busy(c, busy)).then(|| cfg.cost(req, c)),
+    );
+    policy.select(req, candidates, rng)
+}
+
+/// The `latency` decision of `policy` for `req` over the workers `active` knows, visiting only
+/// the holders of the prompt's first block and the others in order of pending prefill tokens
+/// until their cost's lower bound passes the best cost found (module docs).
+///
+/// `speed_floor`: no worker's prefill speed factor (`Candidate::speed.prefill`, which `prepare`
+/// fills) is below it, e.g. the fastest known worker's factor (or the default for unknown
+/// workers, whichever is lower). Not finite or not positive: every known worker is visited.
+/// `prepare`, `candidates`, `scores`: as for [`select_kv_bounded`]; the caller must fill the
+/// latency fit (speed, slots) in `prepare`.
+#[allow(clippy::too_many_arguments)]
+pub fn select_latency_bounded(
+    policy: &LatencyPolicy,
+    index: &KvIndex,
+    active: &ActiveSequences,
+    req: &RouteRequest<'_>,
+    now: Instant,
+    speed_floor: f64,
+    scores: &mut OverlapScores,
+    candidates: &mut Vec<Candidate>,
+    prepare: impl FnMut(&mut Candidate) -> bool,
+    rng: &mut fastrand::Rng,
+) -> Option<Decision> {
+    let cfg = policy.config();
+    let busy = policy.busy();
+    let model = &cfg.model;
+    // A non-holder's prompt is all uncached, as `LatencyConfig::uncached_tokens` counts it.
+    let uncached = (req.isl_tokens as f64).max(1.0);
+    let [a, b, _] = model.curve.prefill;
+    // The bound needs `prefill_ms` not to decrease from `uncached` tokens on (more pending tokens
+    // never lower it), every other term ≥ 0 and the policy's rule to be the lowest cost.
+    let monotone = a >= 0.0 && 2.0 * a * uncached + b >= 0.0;
+    let bounded = monotone
+        && !cfg.slo_on()
+        && cfg.temperature <= 0.0
+        && cfg.decode_weight >= 0.0
+        && model.pending_weight >= 0.0
+        && model.pending_weight.is_finite()
+        && speed_floor.is_finite()
+        && speed_floor > 0.0;
+    let weights = bounded.then_some(OrderWeights {
+        pending: 1.0,
+        active: 0.0,
+        inflight: 0.0,
+    });
+    let pw = model.pending_weight;
+    visit_bounded(
+        index,
+        active,
+        req,
+        now,
+        scores,
+        candidates,
+        prepare,
+        weights,
+        true,
+        |pending| speed_floor * model.curve.prefill_ms(pw * pending + uncached),
+        |c| (busy.is_off() || !is_busy(c, busy)).then(|| cfg.cost(req, c).0),
+    );
+    policy.select(req, candidates, rng)
+}
+
+/// Fills `candidates` with the holders of the prompt's first block (index or in flight) and the
+/// other known workers in ascending key of `weights`, stopping at the first whose `bound(key)`
+/// exceeds the best `cost` found (`cost` is `None` for a worker the policy may not pick), or
+/// visiting them all without `early_stop`. A worker's cost must never be below `bound` of its
+/// key, whatever `prepare` adds. `weights` `None` (or without a valid order): every known worker
+/// is visited.
+#[allow(clippy::too_many_arguments)]
+fn visit_bounded(
+    index: &KvIndex,
+    active: &ActiveSequences,
+    req: &RouteRequest<'_>,
+    now: Instant,
+    scores: &mut OverlapScores,
+    candidates: &mut Vec<Candidate>,
+    mut prepare: impl FnMut(&mut Candidate) -> bool,
+    weights: Option<OrderWeights>,
+    early_stop: bool,
+    bound: impl Fn(f64) -> f64,
+    cost: impl Fn(&Candidate) -> Option<f64>,
+) {
     let n = req.hashes.len();
     candidates.clear();
     index.find_matches(req.hashes, now, scores);
@@ -77,8 +190,7 @@ pub fn select_kv_bounded(
     let holders = candidates.len();
     let mut best = f64::INFINITY;
     let note = |c: &Candidate, best: &mut f64| {
-        if busy.is_off() || !is_busy(c, busy) {
-            let cost = cfg.cost(req, c);
+        if let Some(cost) = cost(c) {
             if cost < *best {
                 *best = cost;
             }
@@ -101,32 +213,27 @@ pub fn select_kv_bounded(
     }
     candidates.truncate(kept);
     let is_holder = |held: &[Candidate], w| held.binary_search_by_key(&w, |c| c.worker).is_ok();
-    // Every non-holder's cost is this plus its load key (module docs).
-    let base =
-        cfg.prefill_weight * (req.isl_tokens as f64 / f64::from(req.block_size.max(1))) + n as f64;
-    let exhaustive = cfg.temperature > 0.0;
-    let weights = OrderWeights::for_kv(cfg, req.block_size);
-    let walked = g.walk_order(weights, |key, w, load| {
-        if !exhaustive && best.is_finite() {
-            let bound = base + key;
-            let slack = 1e-9 * best.abs().max(1.0);
-            if bound > best + slack {
-                return false;
+    let walked = weights.is_some_and(|weights| {
+        g.walk_order(weights, |key, w, load| {
+            if early_stop && best.is_finite() {
+                let slack = 1e-9 * best.abs().max(1.0);
+                if bound(key) > best + slack {
+                    return false;
+                }
             }
-        }
-        if is_holder(&candidates[..kept], w) {
-            return true;
-        }
-        let mut c = non_holder(w, load, n);
-        if prepare(&mut c) {
-            note(&c, &mut best);
-            candidates.push(c);
-        }
-        true
+            if is_holder(&candidates[..kept], w) {
+                return true;
+            }
+            let mut c = non_holder(w, load, n);
+            if prepare(&mut c) {
+                note(&c, &mut best);
+                candidates.push(c);
+            }
+            true
+        })
     });
-    debug_assert!(walked || !weights.valid());
     if !walked {
-        // No order to walk (weights without a lower bound): every known worker.
+        // No order to walk (no weights, or weights without a lower bound): every known worker.
         g.walk_order(
             OrderWeights {
                 pending: 0.0,
@@ -144,8 +251,6 @@ pub fn select_kv_bounded(
             },
         );
     }
-    drop(g);
-    policy.select(req, candidates, rng)
 }
 
 /// A worker holding none of the prompt's `n` blocks, with its router-side load: no overlap, the

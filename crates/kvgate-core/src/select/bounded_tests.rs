@@ -1,6 +1,8 @@
 use super::*;
 use crate::hash::{block_hashes, BASE_SEED};
+use crate::latency::{EngineSlots, LatencyConfig, Speed, TimingCurve};
 use crate::load::WorkerLoad;
+use crate::policy::LatencyPolicyConfig;
 use crate::{BusyThresholds, KvCostConfig, LoadGuard, ScrapedLoad, WorkerId};
 use proptest::prelude::*;
 use std::time::Duration;
@@ -41,7 +43,7 @@ fn prepared(extra: &[Extra]) -> impl FnMut(&mut Candidate) -> bool + '_ {
 
 /// The plain twin: every worker scored, then the policy.
 fn exhaustive(
-    policy: &KvPolicy,
+    policy: &dyn Policy,
     index: &KvIndex,
     active: &ActiveSequences,
     req: &RouteRequest<'_>,
@@ -58,6 +60,95 @@ fn exhaustive(
     cands.retain_mut(|c| prep(c));
     let d = policy.select(req, &cands, rng)?;
     Some((d, cands))
+}
+
+/// A fleet of `workers` known workers holding (`held`: worker, group, blocks, exact) and running
+/// (`running`: worker, group, blocks, isl, prefill done) prompt prefixes; a third of the requests
+/// freed again. The guards of the requests still running are returned.
+#[allow(clippy::type_complexity)]
+fn fleet(
+    workers: usize,
+    held: &[(usize, usize, usize, bool)],
+    running: &[(usize, usize, usize, u64, bool)],
+    now: Instant,
+) -> (KvIndex, ActiveSequences, Vec<LoadGuard>) {
+    let mut index = KvIndex::new();
+    let active = ActiveSequences::new();
+    for w in 0..workers as u32 {
+        active.add_worker(WorkerId(w));
+    }
+    for &(w, g, len, exact) in held {
+        let w = WorkerId((w % workers) as u32);
+        let t = tokens(g, len);
+        if exact {
+            if index.mode(w).is_none() {
+                index.set_mode(w, crate::IndexMode::Exact);
+            }
+            if index.mode(w) == Some(crate::IndexMode::Exact) {
+                let engine: Vec<u64> = (0..len as u64).map(|b| (g as u64) << 32 | b).collect();
+                let _ = index.apply_stored(w, None, &engine, &t, BS, BASE_SEED);
+            }
+        } else {
+            if index.mode(w).is_none() {
+                index.set_mode(w, crate::IndexMode::Approximate(Default::default()));
+            }
+            index.record_routed(w, &block_hashes(&t, BS, BASE_SEED), now);
+        }
+    }
+    let mut guards: Vec<LoadGuard> = Vec::new();
+    for &(w, g, len, isl, done) in running {
+        let w = WorkerId((w % workers) as u32);
+        let h = block_hashes(&tokens(g, len), BS, BASE_SEED);
+        let guard = active.add(w, 0, &h, isl, 0);
+        if done {
+            guard.mark_prefill_done();
+        }
+        guards.push(guard);
+    }
+    for i in (0..guards.len()).rev().step_by(3) {
+        drop(guards.swap_remove(i));
+    }
+    (index, active, guards)
+}
+
+/// A worker's latency fit as the caller fills it: prefill and decode speed factors, engine slots
+/// (limit, service ms, output tokens; `None` = not learned) and KV capacity in blocks.
+type Fit = (f64, f64, Option<(u32, f64, f64)>, u32);
+
+fn fit_strategy() -> impl Strategy<Value = Fit> {
+    (
+        prop_oneof![Just(1.0), 0.3..4.0f64],
+        prop_oneof![Just(1.0), 0.3..4.0f64],
+        prop::option::of((1..4u32, 10.0..500.0f64, 1.0..200.0f64)),
+        prop_oneof![Just(0u32), 4..60u32],
+    )
+}
+
+fn prepared_latency<'a>(
+    extra: &'a [Extra],
+    fits: &'a [Fit],
+) -> impl FnMut(&mut Candidate) -> bool + 'a {
+    let mut base = prepared(extra);
+    move |c: &mut Candidate| {
+        if !base(c) {
+            return false;
+        }
+        let (p, d, slots, cap) = fits[c.worker.index()];
+        c.speed = Speed {
+            prefill: p,
+            decode: d,
+        };
+        c.slots = slots.map_or(
+            EngineSlots::UNKNOWN,
+            |(limit, service_ms, output_tokens)| EngineSlots {
+                limit,
+                service_ms,
+                output_tokens,
+            },
+        );
+        c.kv_capacity_blocks = cap;
+        true
+    }
 }
 
 fn extra_strategy() -> impl Strategy<Value = Extra> {
@@ -161,6 +252,77 @@ proptest! {
         }
     }
 
+    /// The same for the `latency` policy: learned speeds, engine slots (slot and KV waits), KV
+    /// capacities, scraped KV usage, peers' load, busy thresholds, several decode weights and
+    /// timing curves (one whose prefill time falls with more tokens: no bound, every worker
+    /// visited), with the speed floor the fastest worker's factor or below it: the same cost
+    /// always, the same worker whenever that cost is unique among the eligible workers.
+    #[test]
+    fn latency_bounded_matches_exhaustive(
+        workers in 1..150usize,
+        held in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, any::<bool>()), 0..40),
+        running in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, 0..2000u64, any::<bool>()), 0..200),
+        extra in prop::collection::vec(extra_strategy(), 150),
+        fits in prop::collection::vec(fit_strategy(), 150),
+        query in (0..8usize, 0..12usize, 0..3000u64),
+        knobs in (0..3usize, 0..2usize, 0..3usize, any::<bool>(), any::<bool>(), 0..2usize),
+        busy in prop::option::of((2..30u32, 0..3u32)),
+        seed in any::<u64>(),
+    ) {
+        let now = Instant::now();
+        let (index, active, _guards) = fleet(workers, &held, &running, now);
+        let (dw, pend, curve, slot_wait, kv_wait, floor) = knobs;
+        let curve = match curve {
+            0 => TimingCurve::default(),
+            1 => TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [0.0, 10.0, 8.0] },
+            // Falls with more tokens past ~500: no lower bound from the order.
+            _ => TimingCurve { prefill: [-1e-4, 0.1, 30.0], decode: [0.0, 10.0, 8.0] },
+        };
+        let cfg = LatencyPolicyConfig {
+            model: LatencyConfig { curve, pending_weight: [1.0, 0.5][pend], slot_wait, kv_wait },
+            decode_weight: [0.0, 0.25, 1.0][dw],
+            ..LatencyPolicyConfig::default()
+        };
+        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
+            active_blocks: Some(a),
+            waiting: Some(w),
+            ..BusyThresholds::default()
+        });
+        let policy = LatencyPolicy::new(cfg, busy);
+        let extra = &extra[..workers];
+        let fits = &fits[..workers];
+        let fastest = fits.iter().map(|f| f.0).fold(f64::INFINITY, f64::min);
+        let speed_floor = [fastest, fastest * 0.5][floor];
+        let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + query.2, block_size: BS as u32, affinity_key: None };
+        let at = now + Duration::from_secs(1);
+        let want = {
+            let mut cands: Vec<Candidate> = (0..workers as u32).map(|w| Candidate::new(WorkerId(w))).collect();
+            let mut scores = OverlapScores::new();
+            crate::score_candidates(&index, &active, req.hashes, at, &mut scores, &mut cands);
+            let mut prep = prepared_latency(extra, fits);
+            cands.retain_mut(|c| prep(c));
+            policy.select(&req, &cands, &mut fastrand::Rng::with_seed(seed)).map(|d| (d, cands))
+        };
+        let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+        let got = select_latency_bounded(&policy, &index, &active, &req, at, speed_floor, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
+        match (want, got) {
+            (None, None) => {}
+            (Some((want, all)), Some(got)) => {
+                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
+                let el = crate::Eligibility::new(&all, &busy);
+                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c).0 == want.cost).count();
+                if at_min == 1 {
+                    prop_assert_eq!(got.worker, want.worker);
+                }
+                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
+                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
+                prop_assert_eq!(mine, theirs);
+            }
+            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
+        }
+    }
+
     /// The maintained load order is the fleet sorted by key after any mix of adds, prefill
     /// completions, frees, expiry and removals.
     #[test]
@@ -257,5 +419,60 @@ fn a_large_fleet_visits_few_workers() {
     }
     let extra = vec![Some((WorkerLoad::default(), true, None)); 2048];
     let (want, _) = exhaustive(&policy, &index, &active, &req, now, &extra, &mut rng).unwrap();
+    assert_eq!(d.cost, want.cost);
+}
+
+/// `latency` on a large loaded fleet: the walk stops after the holders and a few of the workers
+/// with the least pending prefill; every worker with a slower or equal floor stays unvisited.
+#[test]
+fn latency_on_a_large_fleet_visits_few_workers() {
+    let now = Instant::now();
+    let active = ActiveSequences::new();
+    let mut guards = Vec::new();
+    for w in 0..2048u32 {
+        active.add_worker(WorkerId(w));
+        // 100..=9,800 prompt tokens pending on each worker.
+        let h = [crate::select::mix(u64::from(w))];
+        guards.push(active.add(WorkerId(w), 0, &h, u64::from(w % 98 + 1) * 100, 0));
+    }
+    let mut index = KvIndex::new();
+    let t = tokens(1, 8);
+    let engine: Vec<u64> = (0..8).collect();
+    for w in [5u32, 700, 1900] {
+        index
+            .apply_stored(WorkerId(w), None, &engine, &t, BS, BASE_SEED)
+            .unwrap();
+    }
+    let h = block_hashes(&tokens(1, 10), BS, BASE_SEED);
+    let req = RouteRequest {
+        hashes: &h,
+        isl_tokens: 40,
+        block_size: BS as u32,
+        affinity_key: None,
+    };
+    let policy = LatencyPolicy::new(LatencyPolicyConfig::default(), BusyThresholds::default());
+    let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+    let mut rng = fastrand::Rng::with_seed(1);
+    let d = select_latency_bounded(
+        &policy,
+        &index,
+        &active,
+        &req,
+        now,
+        1.0,
+        &mut scores,
+        &mut cands,
+        |_| true,
+        &mut rng,
+    )
+    .unwrap();
+    assert!(cands.len() < 128, "visited {} workers", cands.len());
+    for w in [5u32, 700, 1900] {
+        assert!(cands.iter().any(|c| c.worker == WorkerId(w)));
+    }
+    let extra = vec![Some((WorkerLoad::default(), true, None)); 2048];
+    let (want, _) = exhaustive(&policy, &index, &active, &req, now, &extra, &mut rng).unwrap();
+    // 21 workers tie at the least pending prefill: the same cost (the pick among them is the
+    // tie-break's).
     assert_eq!(d.cost, want.cost);
 }

@@ -20,10 +20,10 @@ use std::time::Instant;
 use arc_swap::ArcSwap;
 use kvgate_cluster::Cluster;
 use kvgate_core::{
-    all_busy, score_candidates, select_kv_bounded, ActiveSequences, BusyThresholds, Candidate,
-    Decision, IndexMode, KvIndex, LatencyConfig, LatencyModel, LearnConfig, LoadGuard,
-    OverlapScores, Policy, PolicyConfig, RemoteLoads, RouteRequest, Speed, TimingCurve,
-    TtftEstimate, WorkerId,
+    all_busy, score_candidates, select_kv_bounded, select_latency_bounded, ActiveSequences,
+    BusyThresholds, Candidate, Decision, IndexMode, KvIndex, LatencyConfig, LatencyModel,
+    LearnConfig, LoadGuard, OverlapScores, Policy, PolicyConfig, RemoteLoads, RouteRequest, Speed,
+    TimingCurve, TtftEstimate, WorkerId,
 };
 use parking_lot::{Mutex, RwLock};
 
@@ -477,7 +477,8 @@ impl Router {
     /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
     /// prompt's first block and the least loaded other workers
     /// ([`kvgate_core::select_kv_bounded`], docs/routing.md §8b) instead of every worker of the
-    /// pool. Same cost as the exhaustive scan, over the same tied workers. When it finds no
+    /// pool; `latency` at temperature 0 without an SLO likewise, the others by pending prefill
+    /// with the speed board's prefill floor ([`kvgate_core::select_latency_bounded`]). Same cost as the exhaustive scan, over the same tied workers. When it finds no
     /// non-busy worker, the exhaustive scan decides (it tells `AllBusy` from `NoWorker` over the
     /// whole pool).
     #[allow(clippy::too_many_arguments)]
@@ -522,39 +523,63 @@ impl Router {
                 let sampling = kv.config().temperature > 0.0;
                 bounded && preferred.is_none() && !sampling
             });
-            if let Some(kv) = kv {
+            // `latency` at temperature 0 without an SLO picks the lowest cost too, which the
+            // bounded walk finds with the speed floor (docs/routing.md §8b).
+            let latency = policy.as_latency().filter(|l| {
+                let cfg = l.config();
+                bounded && preferred.is_none() && cfg.temperature <= 0.0 && !cfg.slo_on()
+            });
+            if kv.is_some() || latency.is_some() {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
-                    // `active`); `active` is locked inside. Speeds are read without a lock.
+                    // `active`); `active` is locked inside. Speeds are read without a lock
+                    // (the floor first: a publication lowers it before the factor it covers).
+                    let speed_floor = self.speeds.prefill_floor();
                     let index = self.index.read();
                     let mut remote = self.cluster.get().map(|_| self.remote.lock());
                     let speeds = self.speeds.view();
-                    select_kv_bounded(
-                        kv,
-                        &index,
-                        &self.active,
-                        &req,
-                        now,
-                        scores,
-                        candidates,
-                        |c| {
-                            // The load order spans every pool: other pools' workers are skipped.
-                            let Some(w) = pool.worker(c.worker) else {
-                                return false;
-                            };
-                            if !self.eligible(w, exclude, &rp, now, past_busy) {
-                                return false;
-                            }
-                            complete(c, w, now);
-                            let one = std::slice::from_mut(c);
-                            if let Some(r) = remote.as_mut() {
-                                r.add_into_at(one, now);
-                            }
-                            speeds.fill_all(one);
-                            true
-                        },
-                        rng,
-                    )
+                    let prepare = |c: &mut Candidate| {
+                        // The load order spans every pool: other pools' workers are skipped.
+                        let Some(w) = pool.worker(c.worker) else {
+                            return false;
+                        };
+                        if !self.eligible(w, exclude, &rp, now, past_busy) {
+                            return false;
+                        }
+                        complete(c, w, now);
+                        let one = std::slice::from_mut(c);
+                        if let Some(r) = remote.as_mut() {
+                            r.add_into_at(one, now);
+                        }
+                        speeds.fill_all(one);
+                        true
+                    };
+                    match (kv, latency) {
+                        (Some(kv), _) => select_kv_bounded(
+                            kv,
+                            &index,
+                            &self.active,
+                            &req,
+                            now,
+                            scores,
+                            candidates,
+                            prepare,
+                            rng,
+                        ),
+                        (None, Some(l)) => select_latency_bounded(
+                            l,
+                            &index,
+                            &self.active,
+                            &req,
+                            now,
+                            speed_floor,
+                            scores,
+                            candidates,
+                            prepare,
+                            rng,
+                        ),
+                        (None, None) => unreachable!("checked above"),
+                    }
                 };
                 // No non-busy worker visited: the walk then visited every worker it knows, and the
                 // exhaustive scan below gives the same answer with its `AllBusy` / `NoWorker` rule.

@@ -1,4 +1,4 @@
-//! The gateway's bounded `kv` selection against its exhaustive scan, over fleet states built
+//! The gateway's bounded `kv` and `latency` selections against its exhaustive scan, over fleet states built
 //! through the `Router` API (dispatches, frees, predicted blocks, health, exclusions, limits,
 //! scraped load, busy thresholds, a second pool sharing the load order).
 
@@ -8,7 +8,7 @@ use crate::registry::Registry;
 use kvgate_core::ScrapedLoad;
 use std::time::Duration;
 
-fn config(workers: usize, other: usize, rng: &mut fastrand::Rng) -> Arc<Config> {
+fn config(workers: usize, other: usize, policy: &str, rng: &mut fastrand::Rng) -> Arc<Config> {
     let mut c = Config::default();
     for i in 0..workers + other {
         let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
@@ -17,7 +17,7 @@ fn config(workers: usize, other: usize, rng: &mut fastrand::Rng) -> Arc<Config> 
     }
     // Interleave the two pools' ids in the load order.
     rng.shuffle(&mut c.workers);
-    c.routing.policy = "kv".into();
+    c.routing.policy = policy.into();
     c.routing.temperature = 0.0;
     c.routing.max_inflight_per_worker = if rng.bool() { 0 } else { rng.u32(1..4) };
     c.routing.busy_active_blocks = rng.bool().then(|| rng.u32(0..24));
@@ -54,11 +54,21 @@ fn prompt(rng: &mut fastrand::Rng) -> Vec<u64> {
 
 #[test]
 fn bounded_selection_matches_the_exhaustive_scan() {
+    check_bounded_selection("kv");
+}
+
+/// The same for `latency`, with learned speeds (first tokens at random delays) and engine slots.
+#[test]
+fn bounded_latency_selection_matches_the_exhaustive_scan() {
+    check_bounded_selection("latency");
+}
+
+fn check_bounded_selection(policy: &str) {
     let mut checked = 0;
     let mut unique = 0;
     for seed in 0..120u64 {
         let mut rng = fastrand::Rng::with_seed(seed);
-        let cfg = config(rng.usize(1..40), rng.usize(0..20), &mut rng);
+        let cfg = config(rng.usize(1..40), rng.usize(0..20), policy, &mut rng);
         let (reg, _) = Registry::new(cfg.clone()).unwrap();
         let router = router(&cfg, &reg);
         let fleet = reg.snapshot();
@@ -96,7 +106,13 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                     Err(_) => continue,
                 }
             };
-            guards.push(router.dispatch(&pick, &hashes, isl, 16, now));
+            let g = router.dispatch(&pick, &hashes, isl, 16, now);
+            if policy == "latency" && rng.bool() {
+                // Learned speeds differ per worker: the floor is the fastest's.
+                g.observe_first_token(now + Duration::from_millis(rng.u64(1..2000)));
+                router.observe_engine(pick.worker.id, rng.u32(0..6), rng.u32(0..3));
+            }
+            guards.push(g);
             if rng.u8(0..3) == 0 {
                 let g = guards.swap_remove(rng.usize(0..guards.len()));
                 if rng.bool() {
@@ -161,7 +177,10 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                     // The exhaustive scan's candidates are still in the scratch: is its minimum
                     // unique among the workers the policy could choose?
                     let rp = router.policy();
-                    let kv = rp.policy.as_kv().unwrap();
+                    let cost_of = |req: &RouteRequest, c: &Candidate| match rp.policy.as_kv() {
+                        Some(kv) => kv.config().cost(req, c),
+                        None => rp.policy.as_latency().unwrap().config().cost(req, c).0,
+                    };
                     let req = RouteRequest {
                         hashes: &hashes,
                         isl_tokens: isl,
@@ -173,9 +192,7 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                         s.candidates
                             .iter()
                             .filter(|c| rp.busy.is_off() || !kvgate_core::is_busy(c, &rp.busy))
-                            .filter(|c| {
-                                (kv.config().cost(&req, c) - cb).abs() <= 1e-9 * cb.abs().max(1.0)
-                            })
+                            .filter(|c| (cost_of(&req, c) - cb).abs() <= 1e-9 * cb.abs().max(1.0))
                             .count()
                     });
                     assert!(tied >= 1, "seed {seed}");
@@ -203,7 +220,7 @@ fn bounded_selection_matches_the_exhaustive_scan() {
 #[test]
 fn a_reused_worker_id_starts_with_no_load() {
     let mut rng = fastrand::Rng::with_seed(7);
-    let mut cfg = (*config(2, 0, &mut rng)).clone();
+    let mut cfg = (*config(2, 0, "kv", &mut rng)).clone();
     cfg.routing.max_inflight_per_worker = 0;
     cfg.routing.busy_active_blocks = None;
     cfg.routing.busy_pending_prefill_tokens = None;

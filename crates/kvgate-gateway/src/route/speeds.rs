@@ -38,9 +38,62 @@ fn set(a: &AtomicU64, v: f64) {
 /// Every worker's [`Cell`], by worker index. The vector is replaced (rarely: a worker id beyond
 /// its end) and its cells are shared between the old and the new one, so a reader holding the
 /// old vector still reads live values.
-#[derive(Default)]
+///
+/// It also keeps the *prefill speed floor*: no worker's published prefill factor (nor the
+/// default of an unknown worker) is below it, maintained at each publication from a multiset of
+/// the known workers' factors (O(log workers), no pass over the fleet). The bounded `latency`
+/// decision uses it to bound every unvisited worker's cost ([`SpeedBoard::prefill_floor`]).
 pub struct SpeedBoard {
     cells: ArcSwap<Vec<Arc<Cell>>>,
+    floor: parking_lot::Mutex<Floor>,
+    /// The floor (f64 bits; 0 = none: every worker is visited).
+    floor_bits: AtomicU64,
+}
+
+impl Default for SpeedBoard {
+    fn default() -> Self {
+        Self {
+            cells: Default::default(),
+            floor: Default::default(),
+            // Every worker unknown: the default speed.
+            floor_bits: AtomicU64::new(Speed::default().prefill.to_bits()),
+        }
+    }
+}
+
+/// The known workers' prefill factors, for [`SpeedBoard::prefill_floor`].
+#[derive(Default)]
+struct Floor {
+    /// Positive finite factors (f64 bits, which order as the values do) → workers with it.
+    factors: std::collections::BTreeMap<u64, u32>,
+    /// Workers published with a factor that is not positive and finite: no floor while any.
+    odd: u32,
+}
+
+impl Floor {
+    fn add(&mut self, v: f64, by: i32) {
+        if v.is_finite() && v > 0.0 {
+            let n = self.factors.entry(v.to_bits()).or_insert(0);
+            *n = n.saturating_add_signed(by);
+            if *n == 0 {
+                self.factors.remove(&v.to_bits());
+            }
+        } else {
+            self.odd = self.odd.saturating_add_signed(by);
+        }
+    }
+
+    /// The lowest factor, the unknown workers' default included; 0 when there is none.
+    fn floor(&self) -> f64 {
+        if self.odd > 0 {
+            return 0.0;
+        }
+        let default = Speed::default().prefill;
+        self.factors
+            .keys()
+            .next()
+            .map_or(default, |&b| f64::from_bits(b).min(default))
+    }
 }
 
 /// A decision's view of the board (one atomic load of the vector for the whole decision).
@@ -95,10 +148,40 @@ impl SpeedBoard {
         c
     }
 
+    /// A floor of every worker's prefill speed factor (the fastest known worker's, or the default
+    /// of unknown workers when lower); 0 when none is known to hold.
+    pub fn prefill_floor(&self) -> f64 {
+        f64::from_bits(self.floor_bits.load(Ordering::SeqCst))
+    }
+
     /// Copy `w`'s fit from `model` (or its absence). Call with the model's lock held, after any
     /// change to `w`.
     pub fn publish(&self, model: &LatencyModel, w: WorkerId) {
         let cell = self.cell(w);
+        // The floor moves with the published factor: down before the cell changes, up after, so
+        // a decision never reads a floor above a factor it may read.
+        let new = model.fit(w).map(|fit| fit.speed().prefill);
+        let (before, after) = {
+            let mut fl = self.floor.lock();
+            let before = fl.floor();
+            if cell.known.load(Ordering::Acquire) {
+                fl.add(f(&cell.prefill), -1);
+            }
+            if let Some(v) = new {
+                fl.add(v, 1);
+            }
+            (before, fl.floor())
+        };
+        if after < before {
+            self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
+        }
+        self.publish_cell(&cell, model, w);
+        if after >= before {
+            self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
+        }
+    }
+
+    fn publish_cell(&self, cell: &Cell, model: &LatencyModel, w: WorkerId) {
         match model.fit(w) {
             Some(fit) => {
                 let (s, slots) = (fit.speed(), fit.slots());
@@ -196,6 +279,39 @@ mod tests {
         let (m, v) = filled(&model, &board, b);
         assert_eq!((m.speed, m.slots), (v.speed, v.slots));
         assert_eq!(v.slots, EngineSlots::UNKNOWN);
+    }
+
+    /// The prefill floor is the lowest published factor (or the default of unknown workers),
+    /// through additions, changes and removals.
+    #[test]
+    fn the_prefill_floor_follows_the_published_factors() {
+        let mut model = LatencyModel::new(LearnConfig::default());
+        let board = SpeedBoard::default();
+        assert_eq!(board.prefill_floor(), 1.0);
+        model.add_worker(WorkerId(0), Speed::uniform(2.0));
+        board.publish(&model, WorkerId(0));
+        assert_eq!(board.prefill_floor(), 1.0);
+        model.add_worker(WorkerId(3), Speed::uniform(0.5));
+        board.publish(&model, WorkerId(3));
+        model.add_worker(WorkerId(7), Speed::uniform(0.5));
+        board.publish(&model, WorkerId(7));
+        assert_eq!(board.prefill_floor(), 0.5);
+        model.add_worker(WorkerId(3), Speed::uniform(0.8));
+        board.publish(&model, WorkerId(3));
+        assert_eq!(board.prefill_floor(), 0.5);
+        model.remove_worker(WorkerId(7));
+        board.publish(&model, WorkerId(7));
+        assert_eq!(board.prefill_floor(), 0.8);
+        model.remove_worker(WorkerId(3));
+        board.publish(&model, WorkerId(3));
+        board.publish_all(&model);
+        assert_eq!(board.prefill_floor(), 1.0);
+        // Never above a factor a decision can read.
+        for w in [0u32, 3, 7, 9] {
+            let mut c = Candidate::new(WorkerId(w));
+            board.view().fill(&mut c);
+            assert!(c.speed.prefill >= board.prefill_floor());
+        }
     }
 
     /// A view taken before the vector grew still reads live values of its cells.
