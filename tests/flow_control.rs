@@ -105,8 +105,10 @@ models = ["{MODEL}"]
             done.lock().unwrap().push(label);
         })
     };
-    // One batch request runs; four more queue behind it.
-    let mut threads = vec![send("batch-0".into(), "", 30)];
+    // One batch request runs; four more queue behind it. The running one is long (~3 s), so
+    // it is still running when the interactive request arrives however slow this machine is
+    // at the polls and requests in between (a 30-token one was over before on a loaded machine).
+    let mut threads = vec![send("batch-0".into(), "", 500)];
     poll_until_blocking(PATIENCE, "the first batch request to run", || {
         metrics(addr)
             .lines()

@@ -105,20 +105,7 @@ pub fn applies(pool: &Pool) -> bool {
     roles(pool).applies
 }
 
-/// A pool's workers by role, computed once per pool and role change instead of per request
-/// (a pass over a fleet of thousands of workers, twice per disaggregated decision, and once for
-/// every request to any pool for [`applies`]).
-#[derive(Debug)]
-pub struct RoleSplit {
-    /// [`crate::registry::role_generation`] when it was computed.
-    generation: u64,
-    /// The pool has a dedicated prefill worker.
-    pub applies: bool,
-    /// Its decode-capable workers ([`sub_pool`] with [`WorkerRole::can_decode`]).
-    pub decode: Arc<Pool>,
-    /// Its prefill-capable workers.
-    pub prefill: Arc<Pool>,
-}
+pub use crate::registry::RoleSplit;
 
 /// `pool`'s [`RoleSplit`], recomputed only when a worker's detected role changed since.
 pub fn roles(pool: &Pool) -> Arc<RoleSplit> {

@@ -236,12 +236,27 @@ impl Worker {
 }
 
 /// Bumped whenever a worker's detected role changes: pools' cached role splits
-/// ([`crate::pd::roles`]) are then recomputed.
+/// ([`RoleSplit`], computed by `pd::roles`) are then recomputed.
 static ROLE_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// The current role generation (see [`ROLE_GENERATION`]).
 pub fn role_generation() -> u64 {
     ROLE_GENERATION.load(Ordering::Acquire)
+}
+
+/// A pool's workers by role, computed once per pool and role change instead of per request
+/// (a pass over a fleet of thousands of workers, twice per disaggregated decision, and once for
+/// every request to any pool for `pd::applies`). The pool holds it; `pd::roles` computes it.
+#[derive(Debug)]
+pub struct RoleSplit {
+    /// [`role_generation`] when it was computed.
+    pub(crate) generation: u64,
+    /// The pool has a dedicated prefill worker.
+    pub applies: bool,
+    /// Its decode-capable workers (`pd::sub_pool` with `WorkerRole::can_decode`).
+    pub decode: Arc<Pool>,
+    /// Its prefill-capable workers.
+    pub prefill: Arc<Pool>,
 }
 
 /// The workers serving one model name.
@@ -257,8 +272,8 @@ pub struct Pool {
     /// O(1) membership and id → worker for the bounded selection, which walks the load order of
     /// every pool's workers. Ids are dense (reused after removal), so this stays fleet-sized.
     slots: Vec<u32>,
-    /// Its workers by role, cached ([`crate::pd::roles`]).
-    pub(crate) roles: arc_swap::ArcSwapOption<crate::pd::RoleSplit>,
+    /// Its workers by role, cached (`pd::roles` computes it).
+    pub(crate) roles: arc_swap::ArcSwapOption<RoleSplit>,
 }
 
 impl Pool {
