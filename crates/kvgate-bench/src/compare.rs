@@ -411,7 +411,10 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
             );
             let spec = PolicySpec::parse(e)?;
             let path = std::env::var_os("PATH");
-            Some((envoy::find_envoy(a.envoy.as_deref(), path.as_deref())?, spec))
+            Some((
+                envoy::find_envoy(a.envoy.as_deref(), path.as_deref())?,
+                spec,
+            ))
         }
     };
     let wl = a.workload.load()?;

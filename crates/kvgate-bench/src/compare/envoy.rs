@@ -46,7 +46,11 @@ pub fn find_envoy(given: Option<&Path>, path: Option<&std::ffi::OsStr>) -> anyho
         .flat_map(std::env::split_paths)
         .map(|d| d.join("envoy"))
         .find(|p| is_executable(p))
-        .ok_or_else(|| anyhow::anyhow!("the Envoy rows need Envoy, and there is no `envoy` on PATH: {INSTALL_HINT}"))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the Envoy rows need Envoy, and there is no `envoy` on PATH: {INSTALL_HINT}"
+            )
+        })
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -86,25 +90,46 @@ pub fn render(
     }
     let mut t = TEMPLATE.to_owned();
     if epp.is_none() {
-        t = cut(&t, "          - name: envoy.filters.http.ext_proc", "          - name: envoy.filters.http.router")?;
+        t = cut(
+            &t,
+            "          - name: envoy.filters.http.ext_proc",
+            "          - name: envoy.filters.http.router",
+        )?;
         t = cut(&t, "  - name: epp\n", "  - name: pool\n")?;
     }
     let epp = epp.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 9)));
-    let t = t
-        .replace("{{LISTEN_PORT}}", &listen.to_string())
-        .replace("{{ADMIN_PORT}}", &admin.to_string())
-        .replace("{{EPP_ADDRESS}}", &epp.ip().to_string())
-        .replace("{{EPP_PORT}}", &epp.port().to_string())
-        .replace("{{FAILURE_MODE_ALLOW}}", "false")
-        .replace("{{REQUEST_BODY_MODE}}", "FULL_DUPLEX_STREAMED")
-        .replace("{{POOL_ENDPOINTS}}\n", &endpoints);
-    if let Some(l) = t
-        .lines()
-        .find(|l| !l.trim_start().starts_with('#') && l.contains("{{"))
-    {
-        anyhow::bail!("deploy/envoy/epp-override-host.yaml has a field this command does not fill: {l}");
+    let fields = [
+        ("{{LISTEN_PORT}}", listen.to_string()),
+        ("{{ADMIN_PORT}}", admin.to_string()),
+        ("{{EPP_ADDRESS}}", epp.ip().to_string()),
+        ("{{EPP_PORT}}", epp.port().to_string()),
+        ("{{FAILURE_MODE_ALLOW}}", "false".into()),
+        ("{{REQUEST_BODY_MODE}}", "FULL_DUPLEX_STREAMED".into()),
+    ];
+    // Fields are filled in configuration lines only (the comments name them).
+    let mut out = String::with_capacity(t.len() + endpoints.len());
+    for line in t.lines() {
+        if line.trim_start().starts_with('#') {
+            out.push_str(line);
+            out.push('\n');
+            continue;
+        }
+        if line.trim() == "{{POOL_ENDPOINTS}}" {
+            out.push_str(&endpoints);
+            continue;
+        }
+        let mut l = line.to_owned();
+        for (k, v) in &fields {
+            l = l.replace(k, v);
+        }
+        anyhow::ensure!(
+            !l.contains("{{"),
+            "deploy/envoy/epp-override-host.yaml has a field this command does not fill: {l}"
+        );
+        out.push_str(&l);
+        out.push('\n');
     }
-    Ok(t)
+    Ok(out)
 }
 
 /// `text` without the part from `from` up to (not including) `to`.
@@ -224,7 +249,9 @@ impl EnvoyRow {
                 tokio::time::Instant::now() < deadline,
                 "Envoy never saw the picker at {p} healthy (logs: {} and {})",
                 self.envoy.log.display(),
-                self.epp.as_ref().map_or_else(String::new, |g| g.log.display().to_string())
+                self.epp
+                    .as_ref()
+                    .map_or_else(String::new, |g| g.log.display().to_string())
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -261,8 +288,17 @@ mod tests {
 
     #[test]
     fn the_template_renders_with_and_without_the_picker() {
-        let pool = vec!["http://127.0.0.1:18001".to_owned(), "http://127.0.0.1:18002/".to_owned()];
-        let t = render(20000, 20001, Some("127.0.0.1:20002".parse().unwrap()), &pool).unwrap();
+        let pool = vec![
+            "http://127.0.0.1:18001".to_owned(),
+            "http://127.0.0.1:18002/".to_owned(),
+        ];
+        let t = render(
+            20000,
+            20001,
+            Some("127.0.0.1:20002".parse().unwrap()),
+            &pool,
+        )
+        .unwrap();
         assert!(t.contains("envoy.filters.http.ext_proc"), "{t}");
         assert!(t.contains("address: 127.0.0.1, port_value: 20002"), "{t}");
         assert!(t.contains("port_value: 18001"), "{t}");
@@ -272,9 +308,16 @@ mod tests {
         let rr = render(20000, 20001, None, &pool).unwrap();
         assert!(!rr.contains("envoy.filters.http.ext_proc"), "{rr}");
         assert!(!rr.contains("- name: epp"), "{rr}");
-        assert!(!rr.contains("{{"), "{rr}");
+        assert!(
+            !rr.lines()
+                .any(|l| !l.trim_start().starts_with('#') && l.contains("{{")),
+            "{rr}"
+        );
         assert!(rr.contains("envoy.filters.http.router"), "{rr}");
-        assert!(rr.contains("envoy.load_balancing_policies.round_robin"), "{rr}");
+        assert!(
+            rr.contains("envoy.load_balancing_policies.round_robin"),
+            "{rr}"
+        );
         assert!(rr.contains("port_value: 18002"), "{rr}");
         // A host name cannot be an endpoint of the static pool.
         let e = render(1, 2, None, &["http://worker-0:8000".to_owned()]).unwrap_err();
