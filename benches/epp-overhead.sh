@@ -22,6 +22,9 @@
 #      near-instant backend, so TTFT is the path's) and room for the prompts. E.g.
 #      `PROMPT_KB=220 CONC=150 benches/epp-overhead.sh 600 2`.
 #      SIM_ARGS (extra `kvgate sim` arguments).
+#      REQUEST_BODY_MODE / RESPONSE_BODY_MODE (the picker Envoy's ext_proc body modes, default
+#      FULL_DUPLEX_STREAMED both, GAIE's setting; e.g. BUFFERED / STREAMED: the picker then echoes
+#      no bodies and Envoy sends it the request body in one message).
 set -euo pipefail
 N=${1:-400}
 ROUNDS=${2:-2}
@@ -89,7 +92,8 @@ render() { # listen admin -> stdout: the template with its double-brace fields f
 import os, sys
 path, listen, admin, epp = sys.argv[1:]
 fields = {"LISTEN_PORT": listen, "ADMIN_PORT": admin, "EPP_ADDRESS": "127.0.0.1", "EPP_PORT": epp,
-          "FAILURE_MODE_ALLOW": "false", "REQUEST_BODY_MODE": "FULL_DUPLEX_STREAMED"}
+          "FAILURE_MODE_ALLOW": "false", "REQUEST_BODY_MODE": os.environ.get("REQUEST_BODY_MODE", "FULL_DUPLEX_STREAMED")}
+resp = os.environ.get("RESPONSE_BODY_MODE", "FULL_DUPLEX_STREAMED")
 out = []
 for line in open(path).read().splitlines():
     if line.lstrip().startswith("#"):
@@ -99,6 +103,8 @@ for line in open(path).read().splitlines():
     else:
         for k, v in fields.items():
             line = line.replace("{{" + k + "}}", v)
+        if line.strip() == "response_body_mode: FULL_DUPLEX_STREAMED":
+            line = line.replace("FULL_DUPLEX_STREAMED", resp)
         out.append(line)
 print("\n".join(out))
 PYEOF
@@ -121,7 +127,7 @@ declare -A ENVOYPID=([rr]=$ENVOY_RR_PID [epp]=$ENVOY_EPP_PID [front]="")
 # Warm-up: every path once (tokenizer caches, connections).
 for t in rr epp front; do "$KV" bench run --url "${URL[$t]}" --model sim-model "${LOAD_ARGS[@]}" --concurrency 4 --requests 64 --quiet --out "$WORK/warm.json" >/dev/null; done
 
-echo "round target c ttft_p50_ms ttft_p99_ms cpu_us_per_req envoy_cpu_us_per_req" > "$WORK/results.txt"
+echo "round target c ttft_p50_ms ttft_p99_ms cpu_us_per_req envoy_cpu_us_per_req req_per_s" > "$WORK/results.txt"
 for r in $(seq 1 "$ROUNDS"); do
   for c in $CONC; do
     for t in rr epp front; do
@@ -133,21 +139,22 @@ for r in $(seq 1 "$ROUNDS"); do
       if [ -n "$p" ]; then c1=$(cpu_ticks "$p"); cpu=$(( (c1 - c0) * 1000000 / HZ / N )); fi
       ecpu="-"
       if [ -n "$e" ]; then e1=$(cpu_ticks "$e"); ecpu=$(( (e1 - e0) * 1000000 / HZ / N )); fi
-      read -r p50 p99 < <("$PY" - "$WORK/$t-$c-$r.json" <<'PYEOF'
+      read -r p50 p99 rps < <("$PY" - "$WORK/$t-$c-$r.json" <<'PYEOF'
 import json, sys
 def find(o):
     if isinstance(o, dict):
         if "ttft_ms" in o and isinstance(o["ttft_ms"], dict):
-            return o["ttft_ms"]
+            return o
         for v in o.values():
             f = find(v)
             if f: return f
     return None
-t = find(json.load(open(sys.argv[1])))
-print(f'{t["p50"]:.2f} {t["p99"]:.2f}')
+s = find(json.load(open(sys.argv[1])))
+t = s["ttft_ms"]
+print(f'{t["p50"]:.2f} {t["p99"]:.2f} {s["req_per_s"]:.1f}')
 PYEOF
 )
-      echo "$r $t $c $p50 $p99 $cpu $ecpu" | tee -a "$WORK/results.txt"
+      echo "$r $t $c $p50 $p99 $cpu $ecpu $rps" | tee -a "$WORK/results.txt"
     done
   done
 done
@@ -158,10 +165,10 @@ echo "medians over rounds; added = TTFT p50 minus rr's at the same concurrency"
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1]).read().splitlines()[1:]]
 by = {}
-for r, t, c, p50, p99, cpu, ecpu in rows:
+for r, t, c, p50, p99, cpu, ecpu, rps in rows:
     by.setdefault((t, int(c)), []).append((float(p50), float(p99), None if cpu == "-" else float(cpu),
-                                           None if ecpu == "-" else float(ecpu)))
-print(f'{"target":6} {"c":>3} {"ttft_p50_ms":>12} {"ttft_p99_ms":>12} {"added_p50_ms":>13} {"ratio_p50":>9} {"cpu_us/req":>10} {"envoy_us/req":>12}')
+                                           None if ecpu == "-" else float(ecpu), float(rps)))
+print(f'{"target":6} {"c":>3} {"ttft_p50_ms":>12} {"ttft_p99_ms":>12} {"added_p50_ms":>13} {"ratio_p50":>9} {"cpu_us/req":>10} {"envoy_us/req":>12} {"req/s":>7}')
 for c in sorted({c for _, c in by}):
     base = statistics.median(x[0] for x in by[("rr", c)])
     for t in ("rr", "epp", "front"):
@@ -172,5 +179,6 @@ for c in sorted({c for _, c in by}):
         cpu = f"{statistics.median(cpus):.0f}" if cpus else "-"
         ecpus = [x[3] for x in xs if x[3] is not None]
         ecpu = f"{statistics.median(ecpus):.0f}" if ecpus else "-"
-        print(f"{t:6} {c:>3} {p50:>12.2f} {p99:>12.2f} {p50 - base:>13.2f} {p50 / base:>9.3f} {cpu:>10} {ecpu:>12}")
+        rps = statistics.median(x[4] for x in xs)
+        print(f"{t:6} {c:>3} {p50:>12.2f} {p99:>12.2f} {p50 - base:>13.2f} {p50 / base:>9.3f} {cpu:>10} {ecpu:>12} {rps:>7.1f}")
 PYEOF

@@ -11,6 +11,7 @@
 # run goes to OUT/<workload>/compare.md; the script prints the EPP-vs-front-door ratios.
 #
 # Usage: benches/epp-quality.sh MOONCAKE_TRACE [OUT=epp-quality-out] [RUNS=1]
+#   (run r uses --seed r; FIRST_RUN=K numbers the runs from K, to add runs to an OUT)
 # Env: CARGO_TARGET_DIR (release `kvgate` built there unless SKIP_BUILD=1; KVGATE_BIN overrides),
 #      KVGATE_ENVOY (else `envoy` on PATH), POLICY (the front-door and picker entry, default kv).
 set -euo pipefail
@@ -34,7 +35,7 @@ run() { # name args...
 }
 
 mkdir -p "$OUT"
-for r in $(seq 1 "$RUNS"); do
+for r in $(seq "${FIRST_RUN:-1}" $(( ${FIRST_RUN:-1} + RUNS - 1 ))); do
   run "shared-prefix-$r" --workload shared-prefix --groups 32 --prompts-per-group 16 \
     --system-tokens 2048 --question-tokens 128 --output-len 32 --rate 30 --seed "$r" \
     --workers 8 --num-gpu-blocks 1024 --speedup 1
