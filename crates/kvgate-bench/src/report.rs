@@ -138,8 +138,8 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
     if let Some(f) = &oracle.ttft_floor {
         let _ = writeln!(
             t,
-            "TTFT floor (every request at the infinite cache's hit, alone on an idle sim): p50 {:.1} ms, p99 {:.1} ms",
-            f.p50_ms, f.p99_ms
+            "TTFT floor (every request at the infinite cache's hit, alone on an idle sim): p50 {:.1} ms, p99 {:.1} ms, mean {:.1} ms",
+            f.p50_ms, f.p99_ms, f.mean_ms
         );
     }
     if rows.iter().any(|r| r.engine.is_some()) {
@@ -235,6 +235,7 @@ mod tests {
             ttft_floor: Some(crate::oracle::TtftFloor {
                 p50_ms: 21.25,
                 p99_ms: 40.0,
+                mean_ms: 25.0,
             }),
         };
         let rows = vec![PolicyRow {
@@ -254,7 +255,7 @@ mod tests {
         assert!(t.contains("| kv | 0.500 | 0.62 | 12.0 |"), "{t}");
         assert!(t.contains("| 1.50 | 0 |\n"), "{t}");
         assert!(t.contains("infinite cache 0.800"), "{t}");
-        assert!(t.contains("p50 21.2 ms, p99 40.0 ms"), "{t}");
+        assert!(t.contains("p50 21.2 ms, p99 40.0 ms, mean 25.0 ms"), "{t}");
         assert!(!t.contains("replicas"), "{t}");
         assert_eq!(max_over_mean(&[0.0, 0.0]), None);
 
