@@ -15,13 +15,15 @@
 //! with its own round robin, and Envoy asking `kvgate epp`), `gateways.rs` (one row's `kvgate serve`
 //! replicas, their configs and their `/metrics`), `http.rs` (control calls), `nats.rs` (the NATS
 //! server replicas share), `policy_spec.rs` (`--policies` entries with per-gateway routing keys),
-//! `sampler.rs` (load sampling).
+//! `sampler.rs` (load sampling), `engine.rs` (where each row's TTFT went at the engines: their
+//! queue, prefill and step-wait histograms read before and after the row).
 //!
 //! With `--epp [POLICY]` two rows follow the policies' on the same fleet and workload: Envoy's own
 //! round robin, and Envoy + `kvgate epp` (the Gateway API endpoint-picker path).
 
 pub mod capacity;
 pub mod children;
+pub mod engine;
 pub mod envoy;
 pub mod gateways;
 pub mod http;
@@ -543,12 +545,20 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                     return Err(e);
                 }
             };
+            let engine_before = engine::EngineTimes::read(&fleet.urls).await;
             let sampler = Sampler::start(
                 fleet.urls.clone(),
                 Duration::from_millis(a.sample_ms.max(10)),
             );
             let res = crate::runner::run(&target, &wl, &cfg).await;
             let samples = sampler.finish().await;
+            let engine_split = match engine_before {
+                Some(b) => engine::EngineTimes::read(&fleet.urls)
+                    .await
+                    .map(|a| a.since(&b))
+                    .filter(|s| !s.is_empty()),
+                None => None,
+            };
             // Read from the gateways before they stop: what each served, the cluster's lag.
             let (mut replica_traffic, mut sync_lag, mut cluster) = (Vec::new(), None, false);
             if let Some(g) = gateways {
@@ -593,6 +603,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 cluster,
                 replica_traffic,
                 sync_lag,
+                engine: engine_split,
             });
             ttfts.push((
                 name.clone(),

@@ -33,6 +33,8 @@ pub struct Oracle {
 pub struct TtftFloor {
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// The mean, to set beside the engines' per-request means (`compare/engine.rs`).
+    pub mean_ms: f64,
 }
 
 /// The router's chained block hashes of a prompt (full blocks only).
@@ -92,6 +94,11 @@ pub fn ttft_floor(
     TtftFloor {
         p50_ms: at(0.5),
         p99_ms: at(0.99),
+        mean_ms: if ms.is_empty() {
+            0.0
+        } else {
+            ms.iter().sum::<f64>() / ms.len() as f64
+        },
     }
 }
 
@@ -245,6 +252,10 @@ mod tests {
         let f = ttft_floor(&wl(&[&a, &b]), 16, &timing, 2.0, 8192);
         assert_eq!(f.p50_ms, timing.step_ms(32, 0, 0.0) / 2.0);
         assert_eq!(f.p99_ms, timing.step_ms(64, 0, 0.0) / 2.0);
+        assert_eq!(
+            f.mean_ms,
+            (timing.step_ms(32, 0, 0.0) + timing.step_ms(64, 0, 0.0)) / 4.0
+        );
         // Chunked prefill: 64 tokens in steps of 16 cost four steps.
         let f = ttft_floor(&wl(&[&a]), 16, &timing, 1.0, 16);
         assert_eq!(f.p50_ms, 4.0 * timing.step_ms(16, 0, 0.0));

@@ -30,6 +30,9 @@ pub struct PolicyRow {
     /// `kvgate_cluster_sync_lag_seconds` summed over the replicas (rows with the cluster on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_lag: Option<LagHistogram>,
+    /// Means per request from the workers' own histograms over the row (`compare/engine.rs`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::compare::engine::EngineSplit>,
 }
 
 /// One gateway replica's share of a row's requests.
@@ -135,9 +138,27 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
     if let Some(f) = &oracle.ttft_floor {
         let _ = writeln!(
             t,
-            "TTFT floor (every request at the infinite cache's hit, alone on an idle sim): p50 {:.1} ms, p99 {:.1} ms",
-            f.p50_ms, f.p99_ms
+            "TTFT floor (every request at the infinite cache's hit, alone on an idle sim): p50 {:.1} ms, p99 {:.1} ms, mean {:.1} ms",
+            f.p50_ms, f.p99_ms, f.mean_ms
         );
+    }
+    if rows.iter().any(|r| r.engine.is_some()) {
+        let _ = writeln!(
+            t,
+            "\nat the engines, mean per request (ms): wait for the step in progress / queued / scheduled → first token"
+        );
+        for r in rows {
+            if let Some(e) = &r.engine {
+                let _ = writeln!(
+                    t,
+                    "{}: {} / {} / {}",
+                    r.policy,
+                    opt(e.step_wait_ms, 1),
+                    opt(e.queue_ms, 1),
+                    opt(e.prefill_ms, 1)
+                );
+            }
+        }
     }
     for r in rows.iter().filter(|r| r.replicas > 1) {
         let list = |f: &dyn Fn(&ReplicaTraffic) -> String| {
@@ -214,6 +235,7 @@ mod tests {
             ttft_floor: Some(crate::oracle::TtftFloor {
                 p50_ms: 21.25,
                 p99_ms: 40.0,
+                mean_ms: 25.0,
             }),
         };
         let rows = vec![PolicyRow {
@@ -226,14 +248,26 @@ mod tests {
             cluster: false,
             replica_traffic: vec![],
             sync_lag: None,
+            engine: None,
         }];
         let t = compare_table(&rows, &o);
+        assert!(!t.contains("at the engines"), "{t}");
         assert!(t.contains("| kv | 0.500 | 0.62 | 12.0 |"), "{t}");
         assert!(t.contains("| 1.50 | 0 |\n"), "{t}");
         assert!(t.contains("infinite cache 0.800"), "{t}");
-        assert!(t.contains("p50 21.2 ms, p99 40.0 ms"), "{t}");
+        assert!(t.contains("p50 21.2 ms, p99 40.0 ms, mean 25.0 ms"), "{t}");
         assert!(!t.contains("replicas"), "{t}");
         assert_eq!(max_over_mean(&[0.0, 0.0]), None);
+
+        // The engines' split, when the workers export it.
+        let mut split = rows[0].clone();
+        split.engine = Some(crate::compare::engine::EngineSplit {
+            step_wait_ms: Some(12.25),
+            queue_ms: Some(0.5),
+            prefill_ms: None,
+        });
+        let t = compare_table(&[split], &o);
+        assert!(t.contains("kv: 12.2 / 0.5 / –\n"), "{t}");
 
         // Replicated rows: a replicas column and a line each.
         let mut two = rows[0].clone();

@@ -17,6 +17,10 @@ const ITL_BUCKETS: &[f64] = &[
 const ITERATION_TOKENS_BUCKETS: &[f64] = &[
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
 ];
+/// `kvgate_sim_step_wait_seconds`: a request's wait for the engine step in progress at its arrival.
+const STEP_WAIT_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0,
+];
 const LATENCY_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -129,6 +133,10 @@ pub struct Metrics {
     /// Scheduled → first token, and first token → finished (vLLM's PREFILL and DECODE phases).
     pub prefill: Histogram,
     pub decode: Histogram,
+    /// Arrival (the HTTP handler's submit) → the scheduler taking the request in, between two
+    /// steps: the wait for the step in progress. Not in vLLM's queue time, which starts when the
+    /// engine core adds the request (between steps too), but in every client's TTFT.
+    pub step_wait: Histogram,
     /// Tokens per engine step (prefill tokens + decoding sequences).
     pub iteration_tokens: Histogram,
     /// Speculative decoding (`--spec-tokens`): drafts, draft tokens, accepted tokens.
@@ -157,6 +165,7 @@ impl Default for Metrics {
             queue: Histogram::new(LATENCY_BUCKETS),
             prefill: Histogram::new(LATENCY_BUCKETS),
             decode: Histogram::new(LATENCY_BUCKETS),
+            step_wait: Histogram::new(STEP_WAIT_BUCKETS),
             iteration_tokens: Histogram::new(ITERATION_TOKENS_BUCKETS),
             spec: SpecCounters::default(),
             pd: PdMetrics::default(),
@@ -360,6 +369,12 @@ pub fn render(m: &Metrics, l: &Labels<'_>) -> String {
         "vllm:request_decode_time_seconds",
         "Histogram of time spent in DECODE phase for request.",
         &m.decode,
+    );
+    hist(
+        &mut o,
+        "kvgate_sim_step_wait_seconds",
+        "Histogram of the wait for the engine step in progress when a request arrived (sim only).",
+        &m.step_wait,
     );
     hist(
         &mut o,

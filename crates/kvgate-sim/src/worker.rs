@@ -50,6 +50,9 @@ pub enum Command {
         req: NewRequest,
         idx: u32,
         tx: ReqSender,
+        /// When the HTTP handler sent it: the scheduler takes commands between steps, so the time
+        /// until it does is the wait for the step in progress (`kvgate_sim_step_wait_seconds`).
+        sent: Instant,
     },
     ResetPrefixCache(oneshot::Sender<()>),
     Snapshot(oneshot::Sender<Vec<CacheEntry>>),
@@ -149,9 +152,13 @@ impl Scheduler {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { req, idx, tx } => {
+            Command::Submit { req, idx, tx, sent } => {
                 self.received += 1;
                 let now = Instant::now();
+                self.metrics
+                    .lock()
+                    .step_wait
+                    .observe(now.saturating_duration_since(sent).as_secs_f64());
                 if let Some(s) = self.cfg.faults.slowdown {
                     if self.slow_since.is_none() && self.received >= s.after_requests {
                         self.slow_since = Some(now);

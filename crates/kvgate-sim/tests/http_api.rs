@@ -520,3 +520,57 @@ async fn priority_needs_the_priority_scheduling_policy() {
     assert_eq!(st, 400, "{e}");
     prio.shutdown().await;
 }
+
+/// A request that arrives while a step runs waits for that step's end before the engine takes it
+/// in (vLLM's engine core takes new requests between steps): `kvgate_sim_step_wait_seconds`
+/// counts that wait, which vLLM's queue phase does not; a request reaching an idle engine waits
+/// for nothing.
+#[tokio::test]
+async fn a_request_arriving_mid_step_waits_for_the_step_in_progress() {
+    let timing = kvgate_sim::config::TimingModel {
+        // Every prefill step takes 1 s.
+        prefill: [0.0, 0.0, 1000.0],
+        ..Default::default()
+    };
+    let cfg = SimConfig::default()
+        .num_gpu_blocks(512usize)
+        .speedup(1.0)
+        .timing(timing);
+    let w = SimWorker::spawn(cfg, local(), None).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/completions", w.base_url());
+    let body = |seed| json!({"prompt": ids(seed, 40), "max_tokens": 1, "ignore_eos": true});
+    let first = {
+        let (c, url, b) = (c.clone(), url.clone(), body(1));
+        tokio::spawn(async move { post(&c, &url, &b).await })
+    };
+    // The first request's prefill step has started once the engine counts it running.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while w.metrics().running == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never scheduled");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let t = tokio::time::Instant::now();
+    assert_eq!(post(&c, &url, &body(2)).await.0, 200);
+    assert_eq!(first.await.unwrap().0, 200);
+    let m = w.metrics();
+    assert_eq!(m.step_wait.count(), 2);
+    // The second one waited for (nearly) the rest of the first one's 1 s step; how much of it
+    // depends on how soon this task saw the step start, so only a loose lower bound is asserted.
+    assert!(m.step_wait.sum() > 0.3, "{}", m.step_wait.sum());
+    assert!(
+        m.step_wait.sum() <= t.elapsed().as_secs_f64() + 0.05,
+        "{} vs {:?}",
+        m.step_wait.sum(),
+        t.elapsed()
+    );
+    let (_, text, _) = get_text(&c, &format!("{}/metrics", w.base_url())).await;
+    assert!(
+        text.contains(
+            "kvgate_sim_step_wait_seconds_count{engine=\"0\",model_name=\"kvgate-sim\"} 2.0"
+        ),
+        "{text}"
+    );
+    promtool_check(&text);
+    w.shutdown().await;
+}

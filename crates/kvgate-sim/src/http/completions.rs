@@ -287,6 +287,7 @@ async fn prepare(
                     req,
                     idx,
                     tx: tx.clone(),
+                    sent: tokio::time::Instant::now(),
                 })
                 .is_err()
             {

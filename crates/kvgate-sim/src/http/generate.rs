@@ -59,7 +59,12 @@ pub async fn submit(
         priority: 0,
     };
     sh.cmd
-        .send(Command::Submit { req, idx: 0, tx })
+        .send(Command::Submit {
+            req,
+            idx: 0,
+            tx,
+            sent: tokio::time::Instant::now(),
+        })
         .map_err(|_| Refused {
             status: StatusCode::SERVICE_UNAVAILABLE,
             message: "worker is shutting down",
