@@ -356,6 +356,18 @@ impl RemoteLoads {
     ) {
         let retire_from = self.replicas.get(replica).map_or(0, |r| r.retire_from);
         self.drop_replica(replica);
+        self.extend(replica, entries, now);
+        self.replica(replica, now).retire_from = retire_from;
+    }
+
+    /// Add a continuation of `replica`'s snapshot (its later parts, after
+    /// [`RemoteLoads::replace`] took the first) to what is known of it.
+    pub fn extend(
+        &mut self,
+        replica: &str,
+        entries: impl IntoIterator<Item = (u64, WorkerId, u64, u32)>,
+        now: Instant,
+    ) {
         for (request, worker, prefill, blocks) in entries {
             let r = Request {
                 worker,
@@ -365,7 +377,6 @@ impl RemoteLoads {
             self.add_sum(r, true);
             self.insert(replica, request, Remote::Counted(r), now);
         }
-        self.replica(replica, now).retire_from = retire_from;
     }
 
     fn drop_replica(&mut self, replica: &str) -> bool {
