@@ -719,4 +719,29 @@ mod tests {
         r.remove_worker(W1);
         assert_eq!(r.load(W1), WorkerLoad::default());
     }
+
+    #[test]
+    fn a_snapshot_in_parts_equals_one_snapshot() {
+        let t = Instant::now();
+        let entries = [(7, W1, 5, 1), (8, W1, 0, 2), (9, W0, 3, 3), (10, W0, 0, 1)];
+        let mut whole = RemoteLoads::new();
+        whole.dispatch("a", 1, W0, 100, 4, t);
+        whole.replace("a", entries, t);
+        let mut parts = RemoteLoads::new();
+        parts.dispatch("a", 1, W0, 100, 4, t);
+        parts.replace("a", entries[..1].iter().copied(), t);
+        parts.extend("a", entries[1..3].iter().copied(), t);
+        parts.extend("a", entries[3..].iter().copied(), t);
+        for w in [W0, W1] {
+            assert_eq!(parts.load(w), whole.load(w));
+        }
+        assert_eq!(parts.inflight_of("a"), 4);
+        // A part repeating an entry replaces it, never counts it twice.
+        parts.extend("a", [(9, W0, 3, 3)], t);
+        assert_eq!(parts.load(W0), whole.load(W0));
+        // A later first part starts over.
+        parts.replace("a", [(11, W1, 1, 1)], t);
+        assert_eq!(parts.load(W0), WorkerLoad::default());
+        assert_eq!(parts.inflight_of("a"), 1);
+    }
 }
