@@ -361,22 +361,31 @@ impl Cluster {
                 continue;
             }
             let snap = Snapshot {
+                part: 0,
                 approx: sink.approx_entries(),
                 inflight: self.own.lock().values().cloned().collect(),
             };
-            let env = self.envelope(Message::Snapshot(snap));
-            match wire::encode(&env, self.cfg.max_message_bytes) {
-                Ok(b) => match client.publish(reply, b).await {
-                    Ok(()) => self.metrics.sent(Kind::Snapshot),
-                    Err(_) => self
-                        .metrics
-                        .dropped(Some(Kind::Snapshot), DropReason::PublishFailed),
-                },
+            // Several replies when it does not fit one message: every part goes to the same
+            // inbox, in order, the first replacing what the peer holds of us.
+            let parts = match snap.split(&self.cfg.replica_id, self.cfg.max_message_bytes) {
+                Ok(p) => p,
                 Err(r) => {
                     tracing::warn!(
-                        "cluster: snapshot larger than cluster.max_message_bytes; not sent"
+                        "cluster: cluster.max_message_bytes cannot hold one snapshot entry; not sent"
                     );
                     self.metrics.dropped(Some(Kind::Snapshot), r);
+                    continue;
+                }
+            };
+            for part in parts {
+                let env = self.envelope(Message::Snapshot(part));
+                let kind = env.msg.kind();
+                match wire::encode(&env, self.cfg.max_message_bytes) {
+                    Ok(b) => match client.publish(reply.clone(), b).await {
+                        Ok(()) => self.metrics.sent(kind),
+                        Err(_) => self.metrics.dropped(Some(kind), DropReason::PublishFailed),
+                    },
+                    Err(r) => self.metrics.dropped(Some(kind), r),
                 }
             }
         }
@@ -417,10 +426,16 @@ impl Cluster {
             // First tell the peers what we have in flight (replaces what they hold of us: load
             // deltas lost while we were away, or entries of our previous run), then ask them.
             let own = Snapshot {
+                part: 0,
                 approx: Vec::new(),
                 inflight: self.own.lock().values().cloned().collect(),
             };
-            self.publish(Message::Snapshot(own));
+            match own.split(&self.cfg.replica_id, self.cfg.max_message_bytes) {
+                Ok(parts) => parts
+                    .into_iter()
+                    .for_each(|p| self.publish(Message::Snapshot(p))),
+                Err(r) => self.metrics.dropped(Some(Kind::Snapshot), r),
+            }
             let started = Instant::now();
             let inbox = client.new_inbox();
             let mut sub = match client.subscribe(inbox.clone()).await {
@@ -453,7 +468,7 @@ impl Cluster {
                         }
                         match sink.apply(&env.replica, &env.msg, Instant::now()) {
                             Ok(()) => {
-                                self.metrics.received(Kind::Snapshot);
+                                self.metrics.received(env.msg.kind());
                                 self.metrics.snapshot_bytes.observe(n as f64);
                                 self.metrics
                                     .snapshot_seconds
@@ -461,7 +476,7 @@ impl Cluster {
                                 replies += 1;
                                 bytes += n;
                             }
-                            Err(r) => self.metrics.dropped(Some(Kind::Snapshot), r),
+                            Err(r) => self.metrics.dropped(Some(env.msg.kind()), r),
                         }
                     }
                     Ok(env) => self
@@ -472,7 +487,7 @@ impl Cluster {
             }
             let _ = sub.unsubscribe().await;
             tracing::info!(
-                replies,
+                parts = replies,
                 bytes,
                 elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
                 "cluster: snapshot applied"

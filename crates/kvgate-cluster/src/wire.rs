@@ -58,13 +58,82 @@ pub enum Message {
     Session { key: u64, worker: String },
 }
 
-/// What a replica sends a joining peer.
+/// What a replica sends a joining peer, in one or more parts ([`Snapshot::split`]), each within
+/// `max_message_bytes`.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Snapshot {
-    /// Per worker name: the router block hashes the approximate index holds.
+    /// 0: the first (or only) part of a snapshot, sent as kind `snapshot`: the receiver replaces
+    /// what it holds of the sender's in-flight requests by this part's. n > 0: the n-th
+    /// continuation (kind `snapshot_part`): its entries are added to the previous parts'.
+    pub part: u32,
+    /// Per worker name: the router block hashes the approximate index holds (a worker's list may
+    /// be cut across parts, in order).
     pub approx: Vec<(String, Vec<u64>)>,
     /// The sender's own in-flight requests.
     pub inflight: Vec<InflightEntry>,
+}
+
+impl Snapshot {
+    /// Cut this snapshot into parts numbered 0.. that each encode, sent by `replica`, within
+    /// `max_bytes`: approximate entries first (a worker's hash list is cut where a part is
+    /// full), then in-flight entries, greedily. Always at least one part (an empty snapshot is
+    /// one empty part). `Err(Oversized)` only when `max_bytes` cannot hold one entry.
+    pub fn split(self, replica: &str, max_bytes: usize) -> Result<Vec<Snapshot>, DropReason> {
+        // Envelope header + the two list counts + the part number of a continuation.
+        let fixed = 1 + 1 + 8 + 1 + truncate(replica, u8::MAX as usize).len() + 4 + 4 + 4;
+        let budget = max_bytes.checked_sub(fixed).ok_or(DropReason::Oversized)?;
+        let mut parts = Vec::new();
+        let mut cur = Snapshot::default();
+        let mut used = 0usize;
+        fn flush(parts: &mut Vec<Snapshot>, cur: &mut Snapshot, used: &mut usize) {
+            let mut next = Snapshot {
+                part: parts.len() as u32 + 1,
+                ..Snapshot::default()
+            };
+            std::mem::swap(cur, &mut next);
+            parts.push(next);
+            *used = 0;
+        }
+        for (worker, hashes) in self.approx {
+            let head = 2 + truncate(&worker, u16::MAX as usize).len() + 4;
+            let mut rest = &hashes[..];
+            loop {
+                let room = budget.checked_sub(used + head).map_or(0, |r| r / 8);
+                let fits = used + head <= budget && (room > 0 || rest.is_empty());
+                if !fits {
+                    if used == 0 {
+                        return Err(DropReason::Oversized);
+                    }
+                    flush(&mut parts, &mut cur, &mut used);
+                    continue;
+                }
+                let n = room.min(rest.len());
+                cur.approx.push((worker.clone(), rest[..n].to_vec()));
+                used += head + 8 * n;
+                rest = &rest[n..];
+                if rest.is_empty() {
+                    break;
+                }
+            }
+        }
+        for e in self.inflight {
+            let size = 2 + truncate(&e.worker, u16::MAX as usize).len() + 8 + 8 + 4;
+            if used + size > budget {
+                if used == 0 {
+                    return Err(DropReason::Oversized);
+                }
+                flush(&mut parts, &mut cur, &mut used);
+            }
+            cur.inflight.push(e);
+            used += size;
+        }
+        parts.push(cur);
+        // The first part is numbered 0, whatever `self.part` was.
+        for (i, p) in parts.iter_mut().enumerate() {
+            p.part = i as u32;
+        }
+        Ok(parts)
+    }
 }
 
 /// One in-flight request of a replica, as listed in its snapshot.
@@ -88,10 +157,11 @@ pub enum Kind {
     Snapshot,
     Pin,
     Session,
+    SnapshotPart,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Route,
         Kind::PrefillDone,
         Kind::Free,
@@ -101,6 +171,7 @@ impl Kind {
         Kind::Snapshot,
         Kind::Pin,
         Kind::Session,
+        Kind::SnapshotPart,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -114,6 +185,7 @@ impl Kind {
             Kind::Snapshot => "snapshot",
             Kind::Pin => "pin",
             Kind::Session => "session",
+            Kind::SnapshotPart => "snapshot_part",
         }
     }
 
@@ -129,6 +201,9 @@ impl Kind {
             // Added in place (same wire version): an older peer drops them as `unknown_kind`.
             Kind::Pin => 8,
             Kind::Session => 9,
+            // A continuation of a snapshot too large for one message (an older peer drops it
+            // as `unknown_kind` and keeps the first part).
+            Kind::SnapshotPart => 10,
         }
     }
 
@@ -146,6 +221,7 @@ impl Message {
             Message::Health { .. } => Kind::Health,
             Message::Heartbeat { .. } => Kind::Heartbeat,
             Message::RateUsage { .. } => Kind::RateUsage,
+            Message::Snapshot(s) if s.part > 0 => Kind::SnapshotPart,
             Message::Snapshot(_) => Kind::Snapshot,
             Message::Pin { .. } => Kind::Pin,
             Message::Session { .. } => Kind::Session,
@@ -248,6 +324,9 @@ pub fn encode(env: &Envelope, max_bytes: usize) -> Result<Bytes, DropReason> {
             put_str16(&mut b, worker);
         }
         Message::Snapshot(s) => {
+            if s.part > 0 {
+                b.put_u32_le(s.part);
+            }
             b.put_u32_le(s.approx.len() as u32);
             for (w, hs) in &s.approx {
                 put_str16(&mut b, w);
@@ -332,7 +411,15 @@ fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
             key: r.u64()?,
             worker: r.str16()?,
         },
-        Kind::Snapshot => {
+        Kind::Snapshot | Kind::SnapshotPart => {
+            let part = if kind == Kind::SnapshotPart {
+                match r.u32()? {
+                    0 => return None,
+                    n => n,
+                }
+            } else {
+                0
+            };
             let n = r.count(6)?;
             let mut approx = Vec::with_capacity(n);
             for _ in 0..n {
@@ -348,7 +435,11 @@ fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
                     blocks: r.u32()?,
                 });
             }
-            Message::Snapshot(Snapshot { approx, inflight })
+            Message::Snapshot(Snapshot {
+                part,
+                approx,
+                inflight,
+            })
         }
     })
 }

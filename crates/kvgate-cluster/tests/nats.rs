@@ -284,3 +284,99 @@ async fn replicas_share_state_over_a_real_nats() {
         n.shutdown();
     }
 }
+
+/// A snapshot larger than `max_message_bytes` (1,024 approximate workers x 128 blocks and 4,096
+/// requests in flight: 1.3 MB against 1 MiB) reaches a joining replica whole, in parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_over_the_message_limit_arrives_whole_in_parts() {
+    if !have_nats() {
+        return;
+    }
+    let port = free_port();
+    let _nats = Nats::start(port).expect("nats-server starts");
+    let name = |w: u32| format!("worker-{w:04}.pool-a.example:8000");
+    let approx: Vec<(String, Vec<u64>)> = (0..1024u32)
+        .map(|w| {
+            (
+                name(w),
+                (0..128u64).map(|b| u64::from(w) << 32 | b).collect(),
+            )
+        })
+        .collect();
+    let big_sink = Arc::new(Recorder {
+        approx: approx.clone(),
+        ..Recorder::default()
+    });
+    let start = |id: &str, sink: Arc<Recorder>| {
+        let m = ClusterMetrics::register(&mut prometheus_client::registry::Registry::default());
+        let cfg = ClusterConfig {
+            max_message_bytes: 1 << 20,
+            snapshot_wait: Duration::from_secs(2),
+            ..config(port, id, "fleetbig")
+        };
+        (Cluster::start(cfg, sink, m.clone()).expect("start"), m)
+    };
+    let (big, mbig) = start("big", big_sink);
+    until("big connected", || mbig.connected.get() == 1).await;
+    for r in 0..4096u32 {
+        big.route("m", &name(r % 1024), u64::from(r), 4096, 256, &[]);
+    }
+    let sj = Arc::new(Recorder::default());
+    let (joiner, mj) = start("joiner", sj.clone());
+    let parts = |sink: &Recorder| -> Vec<kvgate_cluster::Snapshot> {
+        sink.got
+            .lock()
+            .iter()
+            .filter_map(|(r, m)| match m {
+                Message::Snapshot(s) if r == "big" => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    until("the whole snapshot at the joiner", || {
+        let p = parts(&sj);
+        let inflight: usize = p.iter().map(|s| s.inflight.len()).sum();
+        let hashes: usize = p.iter().flat_map(|s| &s.approx).map(|(_, h)| h.len()).sum();
+        inflight == 4096 && hashes == 1024 * 128
+    })
+    .await;
+    let p = parts(&sj);
+    assert!(p.len() >= 2, "{} parts", p.len());
+    for (i, s) in p.iter().enumerate() {
+        assert_eq!(s.part, i as u32, "parts in order, the first replacing");
+    }
+    let mut joined: Vec<(String, Vec<u64>)> = Vec::new();
+    for (w, h) in p.iter().flat_map(|s| &s.approx) {
+        match joined.last_mut() {
+            Some((lw, lh)) if lw == w => lh.extend_from_slice(h),
+            _ => joined.push((w.clone(), h.clone())),
+        }
+    }
+    assert_eq!(joined, approx);
+    let mut requests: Vec<u64> = p
+        .iter()
+        .flat_map(|s| &s.inflight)
+        .map(|e| e.request)
+        .collect();
+    requests.sort_unstable();
+    assert_eq!(requests, (0..4096).collect::<Vec<u64>>());
+    assert_eq!(
+        mj.messages_in
+            .get_or_create(&KindLabel {
+                kind: "snapshot_part"
+            })
+            .get(),
+        p.len() as u64 - 1
+    );
+    assert_eq!(
+        mbig.dropped
+            .get_or_create(&DropLabel {
+                kind: "snapshot",
+                reason: "oversized",
+            })
+            .get(),
+        0
+    );
+    big.shutdown();
+    joiner.shutdown();
+}

@@ -133,7 +133,13 @@ impl Sink for GatewayPeers {
                         id_of(&e.worker).map(|id| (e.request, id, e.prefill_tokens, e.blocks))
                     })
                     .collect();
-                router.with_remote(|r| r.replace(from, entries, now));
+                // The first part of a snapshot replaces what we hold of `from`; a continuation
+                // adds to it.
+                if s.part == 0 {
+                    router.with_remote(|r| r.replace(from, entries, now));
+                } else {
+                    router.with_remote(|r| r.extend(from, entries, now));
+                }
             }
         }
         Ok(())

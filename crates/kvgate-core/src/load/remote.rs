@@ -356,6 +356,18 @@ impl RemoteLoads {
     ) {
         let retire_from = self.replicas.get(replica).map_or(0, |r| r.retire_from);
         self.drop_replica(replica);
+        self.extend(replica, entries, now);
+        self.replica(replica, now).retire_from = retire_from;
+    }
+
+    /// Add a continuation of `replica`'s snapshot (its later parts, after
+    /// [`RemoteLoads::replace`] took the first) to what is known of it.
+    pub fn extend(
+        &mut self,
+        replica: &str,
+        entries: impl IntoIterator<Item = (u64, WorkerId, u64, u32)>,
+        now: Instant,
+    ) {
         for (request, worker, prefill, blocks) in entries {
             let r = Request {
                 worker,
@@ -365,7 +377,6 @@ impl RemoteLoads {
             self.add_sum(r, true);
             self.insert(replica, request, Remote::Counted(r), now);
         }
-        self.replica(replica, now).retire_from = retire_from;
     }
 
     fn drop_replica(&mut self, replica: &str) -> bool {
@@ -707,5 +718,30 @@ mod tests {
         assert_eq!(r.inflight_of("a"), 2);
         r.remove_worker(W1);
         assert_eq!(r.load(W1), WorkerLoad::default());
+    }
+
+    #[test]
+    fn a_snapshot_in_parts_equals_one_snapshot() {
+        let t = Instant::now();
+        let entries = [(7, W1, 5, 1), (8, W1, 0, 2), (9, W0, 3, 3), (10, W0, 0, 1)];
+        let mut whole = RemoteLoads::new();
+        whole.dispatch("a", 1, W0, 100, 4, t);
+        whole.replace("a", entries, t);
+        let mut parts = RemoteLoads::new();
+        parts.dispatch("a", 1, W0, 100, 4, t);
+        parts.replace("a", entries[..1].iter().copied(), t);
+        parts.extend("a", entries[1..3].iter().copied(), t);
+        parts.extend("a", entries[3..].iter().copied(), t);
+        for w in [W0, W1] {
+            assert_eq!(parts.load(w), whole.load(w));
+        }
+        assert_eq!(parts.inflight_of("a"), 4);
+        // A part repeating an entry replaces it, never counts it twice.
+        parts.extend("a", [(9, W0, 3, 3)], t);
+        assert_eq!(parts.load(W0), whole.load(W0));
+        // A later first part starts over.
+        parts.replace("a", [(11, W1, 1, 1)], t);
+        assert_eq!(parts.load(W0), WorkerLoad::default());
+        assert_eq!(parts.inflight_of("a"), 1);
     }
 }

@@ -253,6 +253,44 @@ fn complete(c: &mut Candidate, w: &Worker, now: Instant) {
 /// request, and at 64 workers `fleet_bench` has it 2.6x faster than the scan (docs/routing.md §8b).
 const BOUNDED_FROM_WORKERS: usize = 32;
 
+/// Pools of at least this many workers route `latency` (temperature 0, no SLO) on the bounded
+/// path. Its lower bound leaves out the decode slowdown a worker's running requests add, so under
+/// load it visits much of the fleet: `fleet_bench` (one run, p99 exhaustive → bounded) had it
+/// slower than the scan at 256 (18.1 → 21.4 µs), 1,024 (64.4 → 84.6 µs) and 2,048 workers
+/// (91.9 → 140.5 µs, though p50 64.5 → 11.2 µs) and faster only at 4,096 (197.8 → 44.9 µs)
+/// (docs/routing.md §8b).
+const LATENCY_BOUNDED_FROM_WORKERS: usize = 4096;
+
+/// Which policies [`Router::select_with`] may route on the bounded path (§8b).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bounded {
+    pub kv: bool,
+    pub latency: bool,
+}
+
+impl Bounded {
+    /// Both (tests ask for it on small pools).
+    #[cfg(test)]
+    pub const ALL: Bounded = Bounded {
+        kv: true,
+        latency: true,
+    };
+    /// Neither: the exhaustive scan.
+    #[cfg(test)]
+    pub const NONE: Bounded = Bounded {
+        kv: false,
+        latency: false,
+    };
+
+    /// By the pool's size.
+    fn for_pool(workers: usize) -> Bounded {
+        Bounded {
+            kv: workers >= BOUNDED_FROM_WORKERS,
+            latency: workers >= LATENCY_BOUNDED_FROM_WORKERS,
+        }
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
@@ -469,15 +507,15 @@ impl Router {
             exclude,
             now,
             leg,
-            pool.workers.len() >= BOUNDED_FROM_WORKERS,
+            Bounded::for_pool(pool.workers.len()),
             past_busy,
         )
     }
 
-    /// The decision; `bounded`: a `kv` policy at temperature 0 visits only the holders of the
+    /// The decision; `bounded.kv`: a `kv` policy at temperature 0 visits only the holders of the
     /// prompt's first block and the least loaded other workers
     /// ([`kvgate_core::select_kv_bounded`], docs/routing.md §8b) instead of every worker of the
-    /// pool; `latency` at temperature 0 without an SLO likewise, the others by pending prefill
+    /// pool; `bounded.latency`: `latency` at temperature 0 without an SLO likewise, the others by pending prefill
     /// with the speed board's prefill floor ([`kvgate_core::select_latency_bounded`]). Same cost as the exhaustive scan, over the same tied workers. When it finds no
     /// non-busy worker, the exhaustive scan decides (it tells `AllBusy` from `NoWorker` over the
     /// whole pool).
@@ -491,7 +529,7 @@ impl Router {
         exclude: &[WorkerId],
         now: Instant,
         leg: Leg,
-        bounded: bool,
+        bounded: Bounded,
         past_busy: bool,
     ) -> Result<Pick, NoPick> {
         let rp = self.policy.load();
@@ -521,13 +559,13 @@ impl Router {
                 .and_then(|k| self.sessions.get(&k, now));
             let kv = policy.as_kv().filter(|kv| {
                 let sampling = kv.config().temperature > 0.0;
-                bounded && preferred.is_none() && !sampling
+                bounded.kv && preferred.is_none() && !sampling
             });
             // `latency` at temperature 0 without an SLO picks the lowest cost too, which the
             // bounded walk finds with the speed floor (docs/routing.md §8b).
             let latency = policy.as_latency().filter(|l| {
                 let cfg = l.config();
-                bounded && preferred.is_none() && cfg.temperature <= 0.0 && !cfg.slo_on()
+                bounded.latency && preferred.is_none() && cfg.temperature <= 0.0 && !cfg.slo_on()
             });
             if kv.is_some() || latency.is_some() {
                 let decision = {

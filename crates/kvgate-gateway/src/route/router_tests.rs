@@ -158,10 +158,26 @@ fn check_bounded_selection(policy: &str) {
                 Leg::Whole,
             );
             let bounded = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, true, false,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                args.4,
+                args.5,
+                args.6,
+                Bounded::ALL,
+                false,
             );
             let exhaustive = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, false, false,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                args.4,
+                args.5,
+                args.6,
+                Bounded::NONE,
+                false,
             );
             checked += 1;
             match (&bounded, &exhaustive) {
@@ -286,7 +302,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             &[busy],
             now,
             Leg::Whole,
-            true,
+            Bounded::ALL,
             false,
         )
         .unwrap();
@@ -301,7 +317,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             &[],
             now,
             Leg::Whole,
-            true,
+            Bounded::ALL,
             false,
         )
         .unwrap();
@@ -376,4 +392,14 @@ fn a_session_prefers_its_last_worker_softly() {
         .unwrap();
     assert_ne!(pick.worker.name, first.worker.name);
     drop(guards);
+}
+
+#[test]
+fn pool_size_picks_the_bounded_paths() {
+    let b = Bounded::for_pool;
+    assert_eq!(b(31), Bounded::NONE);
+    assert!(b(32).kv && !b(32).latency);
+    // `latency` only where fleet_bench had the bounded walk faster than the scan (§8b).
+    assert!(b(4095).kv && !b(4095).latency);
+    assert_eq!(b(4096), Bounded::ALL);
 }
