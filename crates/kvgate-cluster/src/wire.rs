@@ -56,6 +56,42 @@ pub enum Message {
     Pin { id: String, worker: String },
     /// Session `key` (a hash of the client's session id) was last routed to `worker`.
     Session { key: u64, worker: String },
+    /// Flow control (docs/flow-control.md, "Cluster mode"): the sender's queue as its peers need
+    /// it to share one order: its fair-queueing clock per class, its best waiter per pool, and
+    /// (every heartbeat) the tokens it admitted per class and tenant since its last report.
+    Flow(FlowReport),
+}
+
+/// One replica's flow-control state for its peers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FlowReport {
+    /// Per class name: the class's virtual time (the tag of its last admitted request).
+    pub clocks: Vec<(String, f64)>,
+    /// The best-ranked waiter of each pool with waiters.
+    pub heads: Vec<FlowHead>,
+    /// Tokens admitted per class and tenant since the previous report.
+    pub usage: Vec<FlowUsage>,
+}
+
+/// The best-ranked waiter of one pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowHead {
+    /// The pool's stable id (a hash of its model name).
+    pub pool: u64,
+    /// Its class's priority.
+    pub priority: i32,
+    /// Its start tag in its class's fair share; NaN when its class orders by deadline (not
+    /// comparable between replicas: only the priority counts).
+    pub tag: f64,
+}
+
+/// Tokens admitted for one tenant of one class.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowUsage {
+    pub class: String,
+    /// The fairness key; empty = the anonymous tenant.
+    pub tenant: String,
+    pub tokens: u64,
 }
 
 /// What a replica sends a joining peer.
@@ -88,10 +124,11 @@ pub enum Kind {
     Snapshot,
     Pin,
     Session,
+    Flow,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Route,
         Kind::PrefillDone,
         Kind::Free,
@@ -101,6 +138,7 @@ impl Kind {
         Kind::Snapshot,
         Kind::Pin,
         Kind::Session,
+        Kind::Flow,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -114,6 +152,7 @@ impl Kind {
             Kind::Snapshot => "snapshot",
             Kind::Pin => "pin",
             Kind::Session => "session",
+            Kind::Flow => "flow",
         }
     }
 
@@ -129,6 +168,7 @@ impl Kind {
             // Added in place (same wire version): an older peer drops them as `unknown_kind`.
             Kind::Pin => 8,
             Kind::Session => 9,
+            Kind::Flow => 10,
         }
     }
 
@@ -149,6 +189,7 @@ impl Message {
             Message::Snapshot(_) => Kind::Snapshot,
             Message::Pin { .. } => Kind::Pin,
             Message::Session { .. } => Kind::Session,
+            Message::Flow(_) => Kind::Flow,
         }
     }
 }
@@ -247,6 +288,25 @@ pub fn encode(env: &Envelope, max_bytes: usize) -> Result<Bytes, DropReason> {
             b.put_u64_le(*key);
             put_str16(&mut b, worker);
         }
+        Message::Flow(f) => {
+            b.put_u32_le(f.clocks.len() as u32);
+            for (class, v) in &f.clocks {
+                put_str16(&mut b, class);
+                b.put_u64_le(v.to_bits());
+            }
+            b.put_u32_le(f.heads.len() as u32);
+            for h in &f.heads {
+                b.put_u64_le(h.pool);
+                b.put_i32_le(h.priority);
+                b.put_u64_le(h.tag.to_bits());
+            }
+            b.put_u32_le(f.usage.len() as u32);
+            for u in &f.usage {
+                put_str16(&mut b, &u.class);
+                put_str16(&mut b, &u.tenant);
+                b.put_u64_le(u.tokens);
+            }
+        }
         Message::Snapshot(s) => {
             b.put_u32_le(s.approx.len() as u32);
             for (w, hs) in &s.approx {
@@ -332,6 +392,36 @@ fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
             key: r.u64()?,
             worker: r.str16()?,
         },
+        Kind::Flow => {
+            let n = r.count(10)?;
+            let mut clocks = Vec::with_capacity(n);
+            for _ in 0..n {
+                clocks.push((r.str16()?, f64::from_bits(r.u64()?)));
+            }
+            let n = r.count(20)?;
+            let mut heads = Vec::with_capacity(n);
+            for _ in 0..n {
+                heads.push(FlowHead {
+                    pool: r.u64()?,
+                    priority: r.u32()? as i32,
+                    tag: f64::from_bits(r.u64()?),
+                });
+            }
+            let n = r.count(12)?;
+            let mut usage = Vec::with_capacity(n);
+            for _ in 0..n {
+                usage.push(FlowUsage {
+                    class: r.str16()?,
+                    tenant: r.str16()?,
+                    tokens: r.u64()?,
+                });
+            }
+            Message::Flow(FlowReport {
+                clocks,
+                heads,
+                usage,
+            })
+        }
         Kind::Snapshot => {
             let n = r.count(6)?;
             let mut approx = Vec::with_capacity(n);

@@ -410,6 +410,7 @@ async fn prepare(
         &app.decider.router().admission().policy(),
         &parts.headers,
         caller,
+        &session_headers,
         &pool.model,
         ri.isl,
         max_tokens,

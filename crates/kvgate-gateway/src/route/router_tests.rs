@@ -142,10 +142,26 @@ fn bounded_selection_matches_the_exhaustive_scan() {
                 Leg::Whole,
             );
             let bounded = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, true, false,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                args.4,
+                args.5,
+                args.6,
+                true,
+                Lane::Any,
             );
             let exhaustive = router.select_with(
-                args.0, args.1, args.2, args.3, args.4, args.5, args.6, false, false,
+                args.0,
+                args.1,
+                args.2,
+                args.3,
+                args.4,
+                args.5,
+                args.6,
+                false,
+                Lane::Any,
             );
             checked += 1;
             match (&bounded, &exhaustive) {
@@ -270,7 +286,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             now,
             Leg::Whole,
             true,
-            false,
+            Lane::Any,
         )
         .unwrap();
     assert_eq!(p.worker.id, other);
@@ -285,7 +301,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             now,
             Leg::Whole,
             true,
-            false,
+            Lane::Any,
         )
         .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
