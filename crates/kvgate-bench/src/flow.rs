@@ -8,7 +8,7 @@
 //! 1. `idle`: an interactive class alone, closed loop at 20% of the slots: its TTFT floor.
 //! 2. `flood`: the same interactive load while a batch class floods at 3× the slots: interactive
 //!    TTFT p99 (and its ratio to idle), the share meeting the TTFT objective, batch throughput.
-//! 3. `shedding`: the interactive load, batch filling the rest of the slots (closed loop) and a
+//! 3. `shedding`: the interactive load, batch on half the rest of the slots (closed loop) and a
 //!    sheddable class arriving at half the slots' request rate (open loop): sheddable requests
 //!    admitted and shed, higher-class requests shed (flow control: 0), interactive requests over
 //!    their objective.
@@ -251,8 +251,9 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         f.batch_out_tok_s = out_tok_s(&flood, window);
         f.interactive_out_tok_s = out_tok_s(&inter, window);
 
-        // Shedding: batch fills the slots the interactive class leaves; sheddable requests
-        // arrive at half the slots' request rate (from the idle phase's per-slot rate).
+        // Shedding: batch takes half the slots the interactive class leaves; sheddable requests
+        // arrive at half the slots' request rate (from the idle phase's per-slot rate): the
+        // fleet is saturated part of the time, so some sheddable requests find room.
         let sheddable = base.with_headers(&[("x-kvgate-priority", "-1")])?;
         let per_slot = idle.outcomes.len() as f64 / window.as_secs_f64() / ci as f64;
         let rate = (0.5 * slots as f64 * per_slot).max(0.5);
@@ -272,7 +273,7 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         };
         let (inter, fill, shed) = tokio::join!(
             closed(&interactive, &wi, ci, a.phase_s),
-            closed(&batch, &wb, slots.saturating_sub(ci).max(1), a.phase_s),
+            closed(&batch, &wb, (slots.saturating_sub(ci) / 2).max(1), a.phase_s),
             run(&sheddable, &ws, &open_loop),
         );
         let (inter, fill, shed) = (inter?, fill?, shed?);
