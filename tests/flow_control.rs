@@ -105,8 +105,9 @@ models = ["{MODEL}"]
             done.lock().unwrap().push(label);
         })
     };
-    // One batch request runs; four more queue behind it.
-    let mut threads = vec![send("batch-0".into(), "", 30)];
+    // One batch request runs (long enough, ~1 s, for the rest of the scene to arrive while it
+    // does on a loaded machine); four more queue behind it.
+    let mut threads = vec![send("batch-0".into(), "", 150)];
     poll_until_blocking(PATIENCE, "the first batch request to run", || {
         metrics(addr)
             .lines()
