@@ -273,7 +273,12 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         };
         let (inter, fill, shed) = tokio::join!(
             closed(&interactive, &wi, ci, a.phase_s),
-            closed(&batch, &wb, (slots.saturating_sub(ci) / 2).max(1), a.phase_s),
+            closed(
+                &batch,
+                &wb,
+                (slots.saturating_sub(ci) / 2).max(1),
+                a.phase_s
+            ),
             run(&sheddable, &ws, &open_loop),
         );
         let (inter, fill, shed) = (inter?, fill?, shed?);

@@ -415,7 +415,12 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
     let select = |lane: Lane| {
         router
             .select_for(&pool, &[], 256, None, &[], now, Leg::Whole, lane)
-            .map(|p| pool.workers.iter().position(|w| w.id == p.worker.id).unwrap())
+            .map(|p| {
+                pool.workers
+                    .iter()
+                    .position(|w| w.id == p.worker.id)
+                    .unwrap()
+            })
     };
     // Worker 0 has a batch prefill pending; workers 1 and 2 decode (prefill done).
     let _b0 = router.dispatch(&pick_on(0), &[], 256, 16, now);
@@ -441,7 +446,11 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
         .map(|_| router.dispatch(&pick_on(0), &[], 256, 16, now))
         .collect();
     assert_eq!(select(Lane::Below).err(), Some(NoPick::AllBusy));
-    assert_eq!(select(Lane::Priority), Ok(2), "past the bound, no prefill ahead");
+    assert_eq!(
+        select(Lane::Priority),
+        Ok(2),
+        "past the bound, no prefill ahead"
+    );
     // The priority request's first token: two workers free of prefill again, so a lower class
     // may take one (least loaded: worker 2).
     p1.prefill_done();
