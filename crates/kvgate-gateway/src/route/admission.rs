@@ -23,6 +23,12 @@
 //! When the queue is full, a newcomer of a higher class takes the place of the lowest-ranked
 //! waiter of a lower class (that one is shed); sheddable classes (priority < 0) queue only up to
 //! their own `queue_size` (default 0: shed when the fleet is full).
+//!
+//! Cluster mode (docs/flow-control.md, "Cluster mode"): the queue publishes its best waiter per
+//! pool and its class clocks (`publish_heads`, `report`), applies the peers' reports
+//! (`apply_peer`: their tenants' usage charged here, clocks moved up), and a request that finds
+//! capacity leaves it to a peer's better-ranked waiter (`peer_ahead`). With the bus down the
+//! peers' reports stop counting at once: each replica orders its own queue.
 
 use std::cmp::Ordering as Cmp;
 use std::collections::HashMap;
