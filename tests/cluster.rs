@@ -583,3 +583,164 @@ fn chained_responses_never_404_across_replicas() {
     assert!(sample(&metrics(a.addr), "kvgate_response_pins ") >= pins);
     assert!(sample(&metrics(b.addr), "kvgate_response_pins ") >= pins);
 }
+
+/// A replica with flow control on (tenants a:b:c weighted 2:1:1, one batch class), the busy
+/// bound `max_inflight_per_worker = 2` (cluster-wide in cluster mode), in the cluster on
+/// `nats_port`.
+fn flow_replica(id: &str, nats_port: u16, workers: &[String]) -> Gateway {
+    let mut toml = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nrequest_log = false\n\
+         [routing]\npolicy = \"least_loaded\"\nmax_inflight_per_worker = 2\n\
+         [upstream]\nmonitor = false\n\
+         [admission]\nqueue_size = 1000\nqueue_timeout_ms = 60000\n\
+         [flow_control]\nenabled = true\nexpected_output_tokens = 16\n\
+         [flow_control.tenants]\na = 2.0\nb = 1.0\nc = 1.0\n\
+         [cluster]\nnats_url = \"nats://127.0.0.1:{nats_port}\"\nreplica_id = \"{id}\"\n\
+         subject_prefix = \"flowtest\"\nheartbeat_interval_ms = {HEARTBEAT_MS}\n\
+         heartbeat_timeout_ms = 1500\nsnapshot_wait_ms = 300\n"
+    );
+    for (i, w) in workers.iter().enumerate() {
+        toml.push_str(&format!(
+            "[[workers]]\nname = \"w{i}\"\nurl = \"{w}\"\nmodels = [\"sim-model\"]\n"
+        ));
+    }
+    let gw = Gateway::from_config(&toml);
+    poll_until_blocking(PATIENCE, "the gateway to become ready", || {
+        http(gw.addr, "GET", "/ready", "").map(|r| r.0).ok() == Some(200)
+    });
+    gw
+}
+
+/// Tokens admitted per tenant (a, b, c) by the replicas together, from
+/// `kvgate_flow_admitted_tokens_total`.
+fn admitted_tokens(replicas: &[SocketAddr]) -> [f64; 3] {
+    let mut out = [0.0; 3];
+    for r in replicas {
+        let m = metrics(*r);
+        for (i, t) in ["a", "b", "c"].iter().enumerate() {
+            out[i] += sample(
+                &m,
+                &format!("kvgate_flow_admitted_tokens_total{{class=\"default\",tenant=\"{t}\"}} "),
+            );
+        }
+    }
+    out
+}
+
+/// Flow control across replicas (docs/flow-control.md, "Cluster mode"). Three tenants weighted
+/// 2:1:1 saturate a fleet of 4 slots through two replicas, unevenly: a only through replica A,
+/// b only through B, c through both. Each replica alone would split its own share of the slots
+/// between the tenants it sees (a ~33%, b ~25%, c ~42%); sharing queue heads, class clocks and
+/// tenants' usage over NATS, the replicas serve tokens 50/25/25 (±10%) cluster-wide. Then NATS
+/// dies: both replicas go on serving on their own view (every request 200) and count it.
+#[test]
+fn flow_control_shares_are_cluster_wide_and_survive_the_bus() {
+    if nats_missing() {
+        return;
+    }
+    let sims = kvgate_system_tests::Sims::start_at(2, "sim-model", 2.0, &["--no-kv-events"], &[]);
+    let port = free_port();
+    let nats_proc = nats(port);
+    let a = flow_replica("a", port, &sims.urls);
+    let b = flow_replica("b", port, &sims.urls);
+    until("the replicas to see each other", || {
+        [a.addr, b.addr]
+            .iter()
+            .all(|r| sample(&metrics(*r), "kvgate_cluster_peers ") == 1.0)
+    });
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let failures = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let body = r#"{"model":"sim-model","messages":[{"role":"user","content":"share and share alike"}],"max_tokens":16,"ignore_eos":true}"#;
+    let mut threads = Vec::new();
+    for (tenant, addr, n) in [
+        ("a", a.addr, 4),
+        ("b", b.addr, 4),
+        ("c", a.addr, 2),
+        ("c", b.addr, 2),
+    ] {
+        for _ in 0..n {
+            let (stop, failures, served) = (stop.clone(), failures.clone(), served.clone());
+            threads.push(std::thread::spawn(move || {
+                let header = format!("x-kvgate-tenant: {tenant}\r\n");
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match http_with(addr, "POST", "/v1/chat/completions", &header, body) {
+                        Ok((200, _)) => {
+                            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Ok((s, b)) => failures.lock().unwrap().push(format!("{s}: {b}")),
+                        Err(e) => failures.lock().unwrap().push(e.to_string()),
+                    }
+                }
+            }));
+        }
+    }
+    let replicas = [a.addr, b.addr];
+    // Warm up (queues full at both replicas), then measure a window of admissions.
+    until("both replicas to queue", || {
+        replicas
+            .iter()
+            .all(|r| sample(&metrics(*r), "kvgate_queue_depth ") >= 2.0)
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let t0 = admitted_tokens(&replicas);
+    let start = Instant::now();
+    let mut last = t0;
+    // At least ~600 requests' worth of tokens in the window (and no longer than a minute).
+    while start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(500));
+        last = admitted_tokens(&replicas);
+        let n: f64 = (0..3).map(|i| last[i] - t0[i]).sum();
+        if start.elapsed() >= Duration::from_secs(10) && n >= 600.0 * 21.0 {
+            break;
+        }
+    }
+    let d: Vec<f64> = (0..3).map(|i| last[i] - t0[i]).collect();
+    let total: f64 = d.iter().sum();
+    let shares: Vec<f64> = d.iter().map(|x| x / total).collect();
+    let deferrals: f64 = replicas
+        .iter()
+        .map(|r| sample(&metrics(*r), "kvgate_flow_cluster_deferrals_total "))
+        .sum();
+    println!(
+        "cluster-wide token shares a/b/c: {:.1}% / {:.1}% / {:.1}% of {total} tokens in {:.1} s; \
+         deferrals to a peer: {deferrals}",
+        shares[0] * 100.0,
+        shares[1] * 100.0,
+        shares[2] * 100.0,
+        start.elapsed().as_secs_f64()
+    );
+    for (i, want) in [0.5, 0.25, 0.25].iter().enumerate() {
+        assert!(
+            (shares[i] - want).abs() <= want * 0.10,
+            "tenant {}: {:.1}% (want {:.0}% ± 10%): shares {shares:?}",
+            ["a", "b", "c"][i],
+            shares[i] * 100.0,
+            want * 100.0
+        );
+    }
+    assert!(deferrals > 0.0, "the replicas left capacity to each other");
+
+    // The bus goes down: each replica orders its own queue alone, and every request is served.
+    let before = served.load(std::sync::atomic::Ordering::Relaxed);
+    drop(nats_proc);
+    until("both replicas to admit on their own view", || {
+        replicas
+            .iter()
+            .all(|r| sample(&metrics(*r), "kvgate_flow_cluster_fallback_total ") >= 5.0)
+    });
+    until("requests to keep being served", || {
+        served.load(std::sync::atomic::Ordering::Relaxed) >= before + 50
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let failures = failures.lock().unwrap();
+    assert!(
+        failures.is_empty(),
+        "failed requests: {:?}",
+        &failures[..failures.len().min(5)]
+    );
+}

@@ -52,10 +52,21 @@ impl Sims {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Sims {
+        Self::start_at(workers, model, 20.0, extra, env)
+    }
+
+    /// [`Sims::start_with_env`] at timing speed-up `speedup` (20 there).
+    pub fn start_at(
+        workers: usize,
+        model: &str,
+        speedup: f64,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Sims {
         use std::io::BufRead;
         let mut child = std::process::Command::new(kvgate_bin())
             .args(["sim", "--workers", &workers.to_string(), "--port", "0"])
-            .args(["--model", model, "--speedup", "20"])
+            .args(["--model", model, "--speedup", &speedup.to_string()])
             .args(extra)
             .envs(env.iter().copied())
             .stdout(std::process::Stdio::piped())

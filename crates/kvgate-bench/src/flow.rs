@@ -8,8 +8,12 @@
 //! 1. `idle`: an interactive class alone, closed loop at 20% of the slots: its TTFT floor.
 //! 2. `flood`: the same interactive load while a batch class floods at 3× the slots: interactive
 //!    TTFT p99 (and its ratio to idle), the share meeting the TTFT objective, batch throughput.
-//! 3. `shares`: three batch tenants with weights 2:1:1, each saturating (closed loop at the
-//!    slots): the served tokens' shares.
+//! 3. `shedding`: the interactive load, batch on half the rest of the slots (closed loop) and a
+//!    sheddable class arriving at half the slots' request rate (open loop): sheddable requests
+//!    admitted and shed, higher-class requests shed (flow control: 0), interactive requests over
+//!    their objective.
+//! 4. `shares`: three batch tenants with weights 2:1:1, each saturating (closed loop at the
+//!    slots) for `--shares-s` (default 60 s): the served tokens' shares.
 //!
 //! Requests carry their class (`x-kvgate-priority`) and tenant (`x-kvgate-tenant`) as headers;
 //! prompts are random (no cache reuse), outputs exact (`ignore_eos`).
@@ -36,9 +40,12 @@ pub struct FlowArgs {
     /// The gateway's busy bound per worker (`routing.max_inflight_per_worker`): the slots.
     #[arg(long, default_value_t = 4)]
     pub max_inflight: u32,
-    /// Seconds each phase sends for (requests in flight then finish).
+    /// Seconds each phase sends for (requests in flight then finish); the shares phase has its own.
     #[arg(long, default_value_t = 20)]
     pub phase_s: u64,
+    /// Seconds the three tenants saturate the fleet in the shares phase.
+    #[arg(long, default_value_t = 60)]
+    pub shares_s: u64,
     /// Prompt tokens per request.
     #[arg(long, default_value_t = 256)]
     pub prompt_tokens: usize,
@@ -67,6 +74,13 @@ struct Figures {
     interactive_out_tok_s: f64,
     saturated_out_tok_s: f64,
     shares: [f64; 3],
+    /// Shedding phase: sheddable requests admitted and shed (429), higher-class (interactive and
+    /// batch) requests shed, and the share of interactive requests over their objective.
+    shed_admitted: u64,
+    shed_shed: u64,
+    higher_shed: u64,
+    higher_failed: u64,
+    shed_interactive_over: f64,
 }
 
 fn workload(n: usize, prompt: usize, out: u32, seed: u64) -> Workload {
@@ -207,7 +221,7 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         let batch = base.with_headers(&[("x-kvgate-priority", "0")])?;
         let slots = fleet.urls.len() * a.max_inflight as usize;
         let ci = ((slots as f64 * 0.2).round() as usize).max(1);
-        let n = 4000;
+        let n = 8000;
         let (p, o) = (a.prompt_tokens, a.output_len);
         let mut f = Figures::default();
 
@@ -237,6 +251,50 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         f.batch_out_tok_s = out_tok_s(&flood, window);
         f.interactive_out_tok_s = out_tok_s(&inter, window);
 
+        // Shedding: batch takes half the slots the interactive class leaves; sheddable requests
+        // arrive at half the slots' request rate (from the idle phase's per-slot rate): the
+        // fleet is saturated part of the time, so some sheddable requests find room.
+        let sheddable = base.with_headers(&[("x-kvgate-priority", "-1")])?;
+        let per_slot = idle.outcomes.len() as f64 / window.as_secs_f64() / ci as f64;
+        let rate = (0.5 * slots as f64 * per_slot).max(0.5);
+        let (wi, wb, ws) = (
+            workload(n, p, o, a.seed + 6),
+            workload(n, p, o, a.seed + 7),
+            workload(n, p, o, a.seed + 8),
+        );
+        let open_loop = RunConfig {
+            arrival: Arrival::Poisson {
+                rate,
+                seed: a.seed + 9,
+            },
+            max_requests: None,
+            duration: Some(window),
+            progress: false,
+        };
+        let (inter, fill, shed) = tokio::join!(
+            closed(&interactive, &wi, ci, a.phase_s),
+            closed(
+                &batch,
+                &wb,
+                (slots.saturating_sub(ci) / 2).max(1),
+                a.phase_s
+            ),
+            run(&sheddable, &ws, &open_loop),
+        );
+        let (inter, fill, shed) = (inter?, fill?, shed?);
+        let is_shed = |o: &&crate::stats::Outcome| o.error.as_deref() == Some("http_429");
+        f.shed_admitted = shed.outcomes.iter().filter(|o| o.ok()).count() as u64;
+        f.shed_shed = shed.outcomes.iter().filter(is_shed).count() as u64;
+        let higher = || inter.outcomes.iter().chain(fill.outcomes.iter());
+        f.higher_shed = higher().filter(is_shed).count() as u64;
+        f.higher_failed = higher().filter(|o| !o.ok()).count() as u64;
+        f.shed_interactive_over = inter
+            .outcomes
+            .iter()
+            .filter(|o| o.ttft.is_none_or(|t| t > objective))
+            .count() as f64
+            / inter.outcomes.len().max(1) as f64;
+
         let tenant =
             |t: &str| batch.with_headers(&[("x-kvgate-priority", "0"), ("x-kvgate-tenant", t)]);
         let (ta, tb, tc) = (tenant("a")?, tenant("b")?, tenant("c")?);
@@ -246,11 +304,12 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
             workload(n, p, o, a.seed + 5),
         );
         let (ra, rb, rc) = tokio::join!(
-            closed(&ta, &wa, slots, a.phase_s),
-            closed(&tb, &wb, slots, a.phase_s),
-            closed(&tc, &wc, slots, a.phase_s),
+            closed(&ta, &wa, slots, a.shares_s),
+            closed(&tb, &wb, slots, a.shares_s),
+            closed(&tc, &wc, slots, a.shares_s),
         );
         let runs = [ra?, rb?, rc?];
+        let window = Duration::from_secs(a.shares_s);
         // Tokens served while all three were saturating: requests sent in the window.
         let served: Vec<f64> = runs
             .iter()
@@ -272,17 +331,46 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
     result
 }
 
+/// What the engines cannot do faster, from the sims' own timing model (docs/sim.md): the
+/// interactive request's prefill step, and the steps it may find running when it arrives. With
+/// priority scheduling and nothing queued ahead in the gateway, its first token comes at best
+/// after the step in progress ends and its own prefill step runs: a decode step when it goes to a
+/// worker with no prefill pending, a batch request's prefill step otherwise.
+#[derive(Debug, Clone, Copy)]
+struct Floor {
+    prefill_ms: f64,
+    decode_ms: f64,
+}
+
+impl Floor {
+    fn new(a: &FlowArgs) -> Floor {
+        let m = kvgate_sim::TimingModel::default();
+        let speedup = a.fleet.speedup.max(1e-9);
+        // KV in use with a worker's batch slots full (and one interactive request): the decode
+        // step's cost grows with it.
+        let tokens = (a.max_inflight as usize + 1) * (a.prompt_tokens + a.output_len as usize);
+        let usage =
+            (tokens as f64 / (a.fleet.num_gpu_blocks * a.fleet.block_size).max(1) as f64).min(1.0);
+        Floor {
+            prefill_ms: m.step_ms(a.prompt_tokens, a.max_inflight as usize, usage) / speedup,
+            decode_ms: m.step_ms(0, a.max_inflight as usize, usage) / speedup,
+        }
+    }
+}
+
 /// The report: one row per figure, flow control off and on side by side.
 fn table(a: &FlowArgs, slots: usize, off: &Figures, on: &Figures, engine: &Figures) -> String {
+    let floor = Floor::new(a);
     let mut t = format!(
         "kvgate bench flow: {} workers × max_inflight {} = {slots} slots; interactive at {} \
          (20%) of the slots, batch flood at {}, three saturating tenants at {slots} each; \
-         {} s per phase, {}+{} tokens per request\n\n| figure | flow control off (FIFO) | flow control on | on + priority to the engine |\n|---|---|---|---|\n",
+         {} s per phase ({} s for the shares), {}+{} tokens per request\n\n| figure | flow control off (FIFO) | flow control on | on + priority to the engine |\n|---|---|---|---|\n",
         a.fleet.workers,
         a.max_inflight,
         ((slots as f64 * 0.2).round() as usize).max(1),
         3 * slots,
         a.phase_s,
+        a.shares_s,
         a.prompt_tokens,
         a.output_len
     );
@@ -329,6 +417,38 @@ fn table(a: &FlowArgs, slots: usize, off: &Figures, on: &Figures, engine: &Figur
     row(&mut t, "failed requests (interactive, batch)", &|f| {
         format!("{}, {}", f.interactive_errors, f.batch_errors)
     });
+    row(&mut t, "shedding: sheddable admitted / shed (429)", &|f| {
+        format!("{} / {}", f.shed_admitted, f.shed_shed)
+    });
+    row(
+        &mut t,
+        "  higher-class (interactive, batch) shed / failed",
+        &|f| format!("{} / {}", f.higher_shed, f.higher_failed),
+    );
+    row(
+        &mut t,
+        &format!(
+            "  interactive over its {} ms objective meanwhile",
+            a.objective_ms
+        ),
+        &|f| format!("{:.1}%", f.shed_interactive_over * 100.0),
+    );
+    row(
+        &mut t,
+        "  engine floor: idle p99 + one decode step (ms)",
+        &|f| format!("{:.0}", f.idle_p99_ms + floor.decode_ms),
+    );
+    row(
+        &mut t,
+        "  floor ratio / measured ratio (target 1.3)",
+        &|f| {
+            format!(
+                "{:.2} / {:.2}",
+                (f.idle_p99_ms + floor.decode_ms) / f.idle_p99_ms.max(1e-9),
+                f.flood_p99_ms / f.idle_p99_ms.max(1e-9)
+            )
+        },
+    );
     row(&mut t, "tenant token shares a:b:c (weights 2:1:1)", &|f| {
         format!(
             "{:.1}% / {:.1}% / {:.1}%",
@@ -337,12 +457,20 @@ fn table(a: &FlowArgs, slots: usize, off: &Figures, on: &Figures, engine: &Figur
             f.shares[2] * 100.0
         )
     });
+    t.push_str(&format!(
+        "\nEngine floor (the sims' timing model): a prefill step (interactive or batch: same \
+         prompt) {:.1} ms; the step an interactive request may find running when it arrives: a \
+         decode step {:.1} ms, or a batch prefill step (on a worker where one is pending). Floor \
+         row: the idle p99 plus one decode step.\n",
+        floor.prefill_ms, floor.decode_ms
+    ));
     t
 }
 
 pub async fn run_flow(mut a: FlowArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.max_inflight > 0, "--max-inflight must be > 0");
     anyhow::ensure!(a.phase_s > 0, "--phase-s must be > 0");
+    anyhow::ensure!(a.shares_s > 0, "--shares-s must be > 0");
     // Requests without `priority` (the first two modes) are scheduled first come, first served.
     a.fleet
         .sim_args

@@ -15,4 +15,7 @@ pub mod wire;
 
 pub use metrics::ClusterMetrics;
 pub use node::{unix_us, Cluster, ClusterConfig, Sink};
-pub use wire::{DropReason, Envelope, InflightEntry, Kind, Message, Snapshot, WIRE_VERSION};
+pub use wire::{
+    DropReason, Envelope, FlowHead, FlowReport, FlowUsage, InflightEntry, Kind, Message, Snapshot,
+    WIRE_VERSION,
+};

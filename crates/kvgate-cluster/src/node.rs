@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 
 use crate::metrics::ClusterMetrics;
-use crate::wire::{self, DropReason, Envelope, InflightEntry, Kind, Message, Snapshot};
+use crate::wire::{self, DropReason, Envelope, FlowReport, InflightEntry, Kind, Message, Snapshot};
 
 /// The cluster's slice of the gateway configuration.
 #[derive(Debug, Clone)]
@@ -45,6 +45,11 @@ pub trait Sink: Send + Sync + 'static {
     fn expire(&self, now: Instant, timeout: Duration);
     /// API-key usage (key id, requests) since the last call, to publish.
     fn take_rate_usage(&self) -> Vec<(u64, u32)>;
+    /// Flow control's report for the heartbeat (its clocks, queue heads and the tokens admitted
+    /// since the last call), or `None` when flow control has nothing to share.
+    fn flow_report(&self) -> Option<FlowReport> {
+        None
+    }
     /// A peer's routing decision arrived `lag` after it was sent (the sync lag, also observed in
     /// `kvgate_cluster_sync_lag_seconds`).
     fn route_lag(&self, lag: Duration, now: Instant) {
@@ -149,6 +154,11 @@ impl Cluster {
     /// Stop every task (in-flight publishes are abandoned).
     pub fn shutdown(&self) {
         let _ = self.stop.send(true);
+    }
+
+    /// Connected to NATS now (peers hear us and we hear them).
+    pub fn connected(&self) -> bool {
+        self.metrics.connected.get() == 1
     }
 
     pub fn replica_id(&self) -> &str {
@@ -405,6 +415,9 @@ impl Cluster {
             let keys = sink.take_rate_usage();
             if !keys.is_empty() {
                 self.publish(Message::RateUsage { keys });
+            }
+            if let Some(f) = sink.flow_report() {
+                self.publish(Message::Flow(f));
             }
             let now = Instant::now();
             sink.expire(now, self.cfg.heartbeat_timeout);

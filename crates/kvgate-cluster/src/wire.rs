@@ -56,6 +56,42 @@ pub enum Message {
     Pin { id: String, worker: String },
     /// Session `key` (a hash of the client's session id) was last routed to `worker`.
     Session { key: u64, worker: String },
+    /// Flow control (docs/flow-control.md, "Cluster mode"): the sender's queue as its peers need
+    /// it to share one order: its fair-queueing clock per class, its best waiter per pool, and
+    /// (every heartbeat) the tokens it admitted per class and tenant since its last report.
+    Flow(FlowReport),
+}
+
+/// One replica's flow-control state for its peers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FlowReport {
+    /// Per class name: the class's virtual time (the tag of its last admitted request).
+    pub clocks: Vec<(String, f64)>,
+    /// The best-ranked waiter of each pool with waiters.
+    pub heads: Vec<FlowHead>,
+    /// Tokens admitted per class and tenant since the previous report.
+    pub usage: Vec<FlowUsage>,
+}
+
+/// The best-ranked waiter of one pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowHead {
+    /// The pool's stable id (a hash of its model name).
+    pub pool: u64,
+    /// Its class's priority.
+    pub priority: i32,
+    /// Its start tag in its class's fair share; NaN when its class orders by deadline (not
+    /// comparable between replicas: only the priority counts).
+    pub tag: f64,
+}
+
+/// Tokens admitted for one tenant of one class.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowUsage {
+    pub class: String,
+    /// The fairness key; empty = the anonymous tenant.
+    pub tenant: String,
+    pub tokens: u64,
 }
 
 /// What a replica sends a joining peer, in one or more parts ([`Snapshot::split`]), each within
@@ -158,10 +194,11 @@ pub enum Kind {
     Pin,
     Session,
     SnapshotPart,
+    Flow,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 10] = [
+    pub const ALL: [Kind; 11] = [
         Kind::Route,
         Kind::PrefillDone,
         Kind::Free,
@@ -172,6 +209,7 @@ impl Kind {
         Kind::Pin,
         Kind::Session,
         Kind::SnapshotPart,
+        Kind::Flow,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -186,6 +224,7 @@ impl Kind {
             Kind::Pin => "pin",
             Kind::Session => "session",
             Kind::SnapshotPart => "snapshot_part",
+            Kind::Flow => "flow",
         }
     }
 
@@ -204,6 +243,7 @@ impl Kind {
             // A continuation of a snapshot too large for one message (an older peer drops it
             // as `unknown_kind` and keeps the first part).
             Kind::SnapshotPart => 10,
+            Kind::Flow => 11,
         }
     }
 
@@ -225,6 +265,7 @@ impl Message {
             Message::Snapshot(_) => Kind::Snapshot,
             Message::Pin { .. } => Kind::Pin,
             Message::Session { .. } => Kind::Session,
+            Message::Flow(_) => Kind::Flow,
         }
     }
 }
@@ -323,6 +364,25 @@ pub fn encode(env: &Envelope, max_bytes: usize) -> Result<Bytes, DropReason> {
             b.put_u64_le(*key);
             put_str16(&mut b, worker);
         }
+        Message::Flow(f) => {
+            b.put_u32_le(f.clocks.len() as u32);
+            for (class, v) in &f.clocks {
+                put_str16(&mut b, class);
+                b.put_u64_le(v.to_bits());
+            }
+            b.put_u32_le(f.heads.len() as u32);
+            for h in &f.heads {
+                b.put_u64_le(h.pool);
+                b.put_i32_le(h.priority);
+                b.put_u64_le(h.tag.to_bits());
+            }
+            b.put_u32_le(f.usage.len() as u32);
+            for u in &f.usage {
+                put_str16(&mut b, &u.class);
+                put_str16(&mut b, &u.tenant);
+                b.put_u64_le(u.tokens);
+            }
+        }
         Message::Snapshot(s) => {
             if s.part > 0 {
                 b.put_u32_le(s.part);
@@ -411,6 +471,36 @@ fn decode_body(kind: Kind, r: &mut Reader<'_>) -> Option<Message> {
             key: r.u64()?,
             worker: r.str16()?,
         },
+        Kind::Flow => {
+            let n = r.count(10)?;
+            let mut clocks = Vec::with_capacity(n);
+            for _ in 0..n {
+                clocks.push((r.str16()?, f64::from_bits(r.u64()?)));
+            }
+            let n = r.count(20)?;
+            let mut heads = Vec::with_capacity(n);
+            for _ in 0..n {
+                heads.push(FlowHead {
+                    pool: r.u64()?,
+                    priority: r.u32()? as i32,
+                    tag: f64::from_bits(r.u64()?),
+                });
+            }
+            let n = r.count(12)?;
+            let mut usage = Vec::with_capacity(n);
+            for _ in 0..n {
+                usage.push(FlowUsage {
+                    class: r.str16()?,
+                    tenant: r.str16()?,
+                    tokens: r.u64()?,
+                });
+            }
+            Message::Flow(FlowReport {
+                clocks,
+                heads,
+                usage,
+            })
+        }
         Kind::Snapshot | Kind::SnapshotPart => {
             let part = if kind == Kind::SnapshotPart {
                 match r.u32()? {

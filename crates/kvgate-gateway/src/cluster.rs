@@ -1,7 +1,8 @@
 //! Cluster mode (`[cluster]`): this replica's side of kvgate-cluster. Peers' messages are applied
 //! here — routing decisions to the KV index, load deltas to the router's per-replica
 //! [`kvgate_core::RemoteLoads`] (never to our own accounting), breaker verdicts to the workers'
-//! breakers, API-key usage to the rate-limit buckets, response pins and session → worker
+//! breakers, API-key usage to the rate-limit buckets, flow-control reports (queue heads, class
+//! clocks, tenants' usage) to the admission queue, response pins and session → worker
 //! bindings to their tables — and our breaker transitions are published
 //! from a watcher on the heartbeat period. The router publishes its own decisions and load deltas
 //! (`router.rs`); nothing here is on the request path.
@@ -83,7 +84,16 @@ impl Sink for GatewayPeers {
             Message::PrefillDone { request } => {
                 router.with_remote(|r| r.prefill_done(from, *request, now))
             }
-            Message::Free { request } => router.with_remote(|r| r.free(from, *request, now)),
+            Message::Free { request } => {
+                router.with_remote(|r| r.free(from, *request, now));
+                // A peer's slot freed: in cluster mode the busy bound counts it, so our queue
+                // may now use it (flow control: and may be the one it was left to).
+                router.admission().release();
+            }
+            Message::Flow(report) => {
+                router.admission().apply_peer(from, report, now);
+                router.with_remote(|r| r.heard(from, now));
+            }
             Message::Health { worker, open } => {
                 let fleet = self.fleet.registry.snapshot();
                 let w = fleet.named(worker).ok_or(DropReason::UnknownWorker)?;
@@ -140,6 +150,7 @@ impl Sink for GatewayPeers {
                 } else {
                     router.with_remote(|r| r.extend(from, entries, now));
                 }
+                router.admission().release();
             }
         }
         Ok(())
@@ -166,6 +177,11 @@ impl Sink for GatewayPeers {
             })
         };
         self.metrics.remote_inflight.set(inflight as i64);
+        self.fleet.router.admission().expire_peers(now, timeout);
+        if !gone.is_empty() {
+            // Their load no longer counts: capacity may have freed.
+            self.fleet.router.admission().release();
+        }
         for r in gone {
             tracing::warn!(peer = %r, "cluster: peer silent past the heartbeat timeout; its load share expired");
         }
@@ -173,6 +189,10 @@ impl Sink for GatewayPeers {
 
     fn take_rate_usage(&self) -> Vec<(u64, u32)> {
         self.auth.load().take_usage()
+    }
+
+    fn flow_report(&self) -> Option<kvgate_cluster::FlowReport> {
+        self.fleet.router.admission().report()
     }
 
     fn route_lag(&self, lag: Duration, now: Instant) {

@@ -42,10 +42,16 @@ impl WorkerFleet {
         metrics: Arc<Metrics>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<Arc<WorkerFleet>> {
-        let admission = Arc::new(Admission::new(
-            config.admission.queue_size,
-            Duration::from_millis(config.admission.queue_timeout_ms),
-        ));
+        let admission = Arc::new(
+            Admission::new(
+                config.admission.queue_size,
+                Duration::from_millis(config.admission.queue_timeout_ms),
+            )
+            .with_counters(
+                metrics.flow.cluster_deferrals.clone(),
+                metrics.flow.cluster_fallback.clone(),
+            ),
+        );
         let router = Arc::new(Router::new(
             RoutePolicy::from_config(&config.routing, &config.slo, &config.pd)?,
             admission,

@@ -7,7 +7,8 @@
 //!   `flow_control.objectives`, else the API key's `priority`, else `flow_control.models`, else
 //!   `flow_control.default_priority`;
 //! - tenant (fairness key): the API key's `tenant` (or `name`), else `x-kvgate-tenant`, else
-//!   `x-llm-d-inference-fairness-id`, else the agent session header ([`SESSION_HEADERS`]);
+//!   `x-llm-d-inference-fairness-id`, else the first of `routing.session_headers` present (the
+//!   same list session affinity reads: one agent session shares one fair share);
 //! - TTFT objective: `x-kvgate-slo-ttft-ms`, else the objective's `ttft_ms`, else the class's;
 //! - tokens: prompt tokens + expected output (`max_tokens`, at most
 //!   `flow_control.expected_output_tokens`).
@@ -28,27 +29,21 @@ pub const SLO_TTFT_MS: &str = "x-kvgate-slo-ttft-ms";
 pub const OBJECTIVE: &str = "x-llm-d-inference-objective";
 /// llm-d's flow-control fairness id.
 pub const FAIRNESS_ID: &str = "x-llm-d-inference-fairness-id";
-/// Agent sessions share one fair share when nothing else names the tenant (Claude Code, Codex,
-/// OpenCode and the generic header).
-pub const SESSION_HEADERS: [&str; 5] = [
-    "x-claude-code-session-id",
-    "session-id",
-    "thread-id",
-    "x-session-affinity",
-    "x-session-id",
-];
 
 /// Longest fairness key taken from a header (longer: 400).
 const MAX_TENANT_BYTES: usize = 256;
 
-/// The request's flow key. `caller` is what `Auth::check` returned (None: auth off), `model` the
-/// canonical model name, `isl` the prompt's tokens, `max_tokens` the request's output limit.
+/// The request's flow key. `caller` is what `Auth::check` returned (None: auth off),
+/// `session_headers` the router's `routing.session_headers` (lower-case), `model` the canonical
+/// model name, `isl` the prompt's tokens, `max_tokens` the request's output limit.
 /// With flow control off: the default key (every request alike, arrival order), headers unread.
 /// Malformed flow headers are a 400 naming the header.
+#[allow(clippy::too_many_arguments)]
 pub fn key(
     policy: &FlowPolicy,
     headers: &HeaderMap,
     caller: Option<&Caller>,
+    session_headers: &[String],
     model: &str,
     isl: u64,
     max_tokens: Option<u64>,
@@ -78,7 +73,10 @@ pub fn key(
         Some(t) => Some(t),
         None => {
             let mut t = None;
-            for h in [TENANT, FAIRNESS_ID].iter().chain(SESSION_HEADERS.iter()) {
+            let names = [TENANT, FAIRNESS_ID]
+                .into_iter()
+                .chain(session_headers.iter().map(String::as_str));
+            for h in names {
                 if let Some(v) = text(headers, h)?.filter(|v| !v.is_empty()) {
                     if v.len() > MAX_TENANT_BYTES {
                         return Err(bad(h, "is longer than 256 bytes"));
@@ -189,6 +187,24 @@ mod tests {
         FlowPolicy::new(&cfg)
     }
 
+    /// `routing.session_headers` as configured by default.
+    fn sessions() -> Vec<String> {
+        crate::config::RoutingConfig::default().session_headers
+    }
+
+    #[test]
+    fn the_session_headers_are_routings() {
+        let p = policy();
+        let h = headers(&[("x-my-session", "s7"), ("x-session-id", "s1")]);
+        let mine = vec!["x-my-session".to_owned()];
+        let k = key(&p, &h, None, &mine, "m", 1, None).unwrap();
+        assert_eq!(k.tenant.as_deref(), Some("s7"), "the configured list");
+        let k = key(&p, &h, None, &[], "m", 1, None).unwrap();
+        assert_eq!(k.tenant, None, "no session headers configured: none read");
+        let k = key(&p, &h, None, &sessions(), "m", 1, None).unwrap();
+        assert_eq!(k.tenant.as_deref(), Some("s1"), "the default list");
+    }
+
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
@@ -204,11 +220,11 @@ mod tests {
             priority: Some(5),
             tenant: Some("team-a".into()),
         };
-        let k = key(&p, &headers(&[]), Some(&caller), "m", 10, None).unwrap();
+        let k = key(&p, &headers(&[]), Some(&caller), &sessions(), "m", 10, None).unwrap();
         assert_eq!((k.priority, k.tenant.as_deref()), (5, Some("team-a")));
         assert_eq!(k.tokens, 10 + 256);
         let h = headers(&[(OBJECTIVE, "chat"), (TENANT, "forged")]);
-        let k = key(&p, &h, Some(&caller), "m", 10, Some(4)).unwrap();
+        let k = key(&p, &h, Some(&caller), &sessions(), "m", 10, Some(4)).unwrap();
         assert_eq!(k.priority, 10, "the objective before the key's default");
         assert_eq!(k.slo_ttft_ms, Some(300));
         assert_eq!(
@@ -218,12 +234,21 @@ mod tests {
         );
         assert_eq!(k.tokens, 14);
         let h = headers(&[(PRIORITY, "-3"), (OBJECTIVE, "chat"), (SLO_TTFT_MS, "50")]);
-        let k = key(&p, &h, None, "m", 1, None).unwrap();
+        let k = key(&p, &h, None, &sessions(), "m", 1, None).unwrap();
         assert_eq!((k.priority, k.slo_ttft_ms), (-3, Some(50)));
-        let k = key(&p, &headers(&[(FAIRNESS_ID, "t9")]), None, "big", 1, None).unwrap();
+        let k = key(
+            &p,
+            &headers(&[(FAIRNESS_ID, "t9")]),
+            None,
+            &sessions(),
+            "big",
+            1,
+            None,
+        )
+        .unwrap();
         assert_eq!((k.priority, k.tenant.as_deref()), (-1, Some("t9")));
         let h = headers(&[("x-session-id", "s1"), (OBJECTIVE, "unknown")]);
-        let k = key(&p, &h, None, "m", 1, None).unwrap();
+        let k = key(&p, &h, None, &sessions(), "m", 1, None).unwrap();
         assert_eq!((k.priority, k.tenant.as_deref()), (0, Some("s1")));
     }
 
@@ -269,14 +294,32 @@ mod tests {
             headers(&[(SLO_TTFT_MS, "0")]),
             headers(&[(SLO_TTFT_MS, "-5")]),
         ] {
-            let e = key(&p, &h, None, "m", 1, None).unwrap_err();
+            let e = key(&p, &h, None, &sessions(), "m", 1, None).unwrap_err();
             assert_eq!(e.status(), http::StatusCode::BAD_REQUEST, "{e}");
         }
         let long = "x".repeat(300);
-        let e = key(&p, &headers(&[(TENANT, &long)]), None, "m", 1, None).unwrap_err();
+        let e = key(
+            &p,
+            &headers(&[(TENANT, &long)]),
+            None,
+            &sessions(),
+            "m",
+            1,
+            None,
+        )
+        .unwrap_err();
         assert!(e.message.contains(TENANT), "{e}");
         let off = FlowPolicy::default();
-        let k = key(&off, &headers(&[(PRIORITY, "high")]), None, "m", 7, Some(1)).unwrap();
+        let k = key(
+            &off,
+            &headers(&[(PRIORITY, "high")]),
+            None,
+            &sessions(),
+            "m",
+            7,
+            Some(1),
+        )
+        .unwrap();
         assert_eq!(
             k,
             FlowKey {

@@ -393,6 +393,10 @@ pub struct FlowMetrics {
     pub queue_wait: HFamily<ClassTenant>,
     pub queue_length: Family<ClassTenant, Gauge>,
     pub tokens: Family<ClassTenant, Counter>,
+    /// Cluster mode: free capacity left to a better-ranked waiter of a peer replica.
+    pub cluster_deferrals: Counter,
+    /// Cluster mode: requests admitted on this replica's own view (NATS down).
+    pub cluster_fallback: Counter,
 }
 
 impl FlowMetrics {
@@ -734,6 +738,8 @@ impl Metrics {
                 queue_wait: reg!("kvgate_flow_queue_wait_seconds", "Flow control: time requests waited in the admission queue, by class and tenant (0 when not queued).", HFamily::new_with_constructor(latency_buckets)),
                 queue_length: reg!("kvgate_flow_queue_length", "Flow control: requests waiting in the admission queue now, by class and tenant.", Family::default()),
                 tokens: reg!("kvgate_flow_admitted_tokens", "Flow control: tokens (prompt + expected output, as charged to the fair share) of admitted requests, by class and tenant.", Family::default()),
+                cluster_deferrals: reg!("kvgate_flow_cluster_deferrals", "Flow control in cluster mode: times a request here left free capacity to a better-ranked waiter of a peer replica (a higher class, or a smaller fair-share tag).", Counter::default()),
+                cluster_fallback: reg!("kvgate_flow_cluster_fallback", "Flow control in cluster mode: requests admitted on this replica's own queue alone because NATS was down (shares and class order not cluster-wide for them).", Counter::default()),
             },
             epp: EppMetrics {
                 streams: reg!("kvgate_epp_streams", "Endpoint picker: ext_proc streams ended, by end (ok, cancelled: the gateway reset it, or the gRPC error's code name).", Family::default()),

@@ -438,6 +438,7 @@ pub(crate) async fn prepare_read(
         &app.decider.router().admission().policy(),
         &parts.headers,
         caller,
+        &session_headers,
         &pool.model,
         ri.isl,
         max_tokens,

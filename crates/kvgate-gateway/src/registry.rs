@@ -53,6 +53,9 @@ pub fn breaker_gauge(s: BreakerState) -> i64 {
 pub struct WorkerState {
     pub id: WorkerId,
     pub inflight: AtomicU32,
+    /// Flow control: requests let past the busy bound here still before their first token
+    /// (lower classes keep off the worker meanwhile: `route::router::Lane`).
+    pub priority_prefills: AtomicU32,
     /// Set by health checks (kvgate-fleet); workers start healthy (fail open).
     pub healthy: AtomicBool,
     /// Draining workers get no new requests; in-flight ones finish.
@@ -86,6 +89,7 @@ impl WorkerState {
         WorkerState {
             id,
             inflight: AtomicU32::new(0),
+            priority_prefills: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             kv_scoring: AtomicBool::new(true),

@@ -32,7 +32,7 @@ use crate::metrics::Metrics;
 use crate::registry::Pool;
 use admission::{Generation, Ticket, WaitError};
 pub use flow::FlowKey;
-use router::{DispatchGuard, Leg, NoPick, Pick, Router};
+use router::{DispatchGuard, Lane, Leg, NoPick, Pick, Router};
 
 /// What routing needs of one request: its prompt's chained block hashes, its length in tokens
 /// and its affinity key: the session it belongs to (a session header, `prompt_cache_key`, the
@@ -159,7 +159,7 @@ impl Decider {
             ticket.fair,
         );
         let waited_before = *queue_wait;
-        let bypass = self.bypasses_busy(&ticket, pool);
+        let lane = self.lane(&ticket, pool);
         let result = wait_for_pick(
             adm,
             &self.shutdown,
@@ -174,7 +174,7 @@ impl Decider {
                     exclude,
                     now,
                     leg,
-                    bypass,
+                    lane,
                 )
             },
             |p: &Pick| p.estimate.predicted_ms,
@@ -206,6 +206,9 @@ impl Decider {
             .pick;
         let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
+        if lane == Lane::Priority {
+            guard.hold_priority_prefill();
+        }
         router.note_session(input.affinity, &pick.worker, now);
         Ok(Reservation {
             pick,
@@ -214,15 +217,23 @@ impl Decider {
         })
     }
 
-    /// Flow control lets this request's class past the busy bound of workers that schedule by
-    /// priority (`flow_control.bypass_busy_priority`).
-    /// Only where every worker of the pool gets the priority forwarded.
-    fn bypasses_busy(&self, t: &Ticket<'_>, pool: &Pool) -> bool {
+    /// The request's [`Lane`]: flow control lets classes at or above
+    /// `flow_control.bypass_busy_priority` past the busy bound of pools whose every worker gets
+    /// the priority forwarded (they schedule by it), and keeps the lower classes of such pools
+    /// out of their way.
+    fn lane(&self, t: &Ticket<'_>, pool: &Pool) -> Lane {
         let p = self.router.admission().policy();
-        p.enabled
-            && p.bypass_busy_priority.is_some_and(|b| t.priority() >= b)
-            && !pool.workers.is_empty()
-            && pool.workers.iter().all(|w| p.forwards_to(w.kind.as_str()))
+        let Some(b) = p.bypass_busy_priority.filter(|_| p.enabled) else {
+            return Lane::Any;
+        };
+        if pool.workers.is_empty() || !pool.workers.iter().all(|w| p.forwards_to(w.kind.as_str())) {
+            return Lane::Any;
+        }
+        if t.priority() >= b {
+            Lane::Priority
+        } else {
+            Lane::Below
+        }
     }
 
     /// [`Decider::reserve`] without queueing: `Err` at once when no worker is free.
@@ -443,6 +454,12 @@ async fn wait_for_pick<T>(
                 drop(p);
                 kick = true;
             }
+            Ok(p) if admission.peer_ahead(&ticket) => {
+                // Cluster mode: a better-ranked request waits at a peer replica for this pool;
+                // the peer hears of the free capacity from our load deltas and takes it. We wait
+                // (the peer's next report, or the next release, wakes us).
+                drop(p);
+            }
             Ok(p) => {
                 let waited = now.saturating_duration_since(ticket.arrival);
                 let missed = objective
@@ -454,6 +471,7 @@ async fn wait_for_pick<T>(
                     }
                     return Err(Refusal::ObjectiveUnreachable);
                 }
+                admission.note_admitted();
                 ticket.admitted();
                 return Ok(Admitted {
                     pick: p,

@@ -66,7 +66,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
     /// vLLM's --scheduling-policy: fcfs, or priority (waiting queue by the body's `priority`,
-    /// lower first; lower-priority running requests preempted for higher ones).
+    /// lower first; a running request short of KV blocks preempts the lowest-priority one).
     #[arg(long, default_value = "fcfs")]
     pub scheduling_policy: SchedulingPolicy,
     /// Longest prompt + output (default: what the KV cache holds).

@@ -32,9 +32,9 @@ pub enum SchedulingPolicy {
     /// First come, first served (vLLM's default); a request with `priority` != 0 is refused.
     #[default]
     Fcfs,
-    /// Waiting requests by (`priority`, arrival), lower value first; when KV blocks or
-    /// `max_num_seqs` run short, the lowest-priority running request is preempted (recomputed
-    /// later) for a higher-priority one.
+    /// Waiting requests by (`priority`, arrival), lower value first; a running request short of
+    /// KV blocks preempts the lowest-priority running request (recomputed later). A waiting
+    /// request preempts nobody, whatever its priority (vLLM 0.32's v1 scheduler).
     Priority,
 }
 

@@ -23,8 +23,9 @@ pub struct EngineConfig {
     pub num_gpu_blocks: usize,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
-    /// vLLM `--scheduling-policy priority`: waiting by (priority, arrival); preemption of the
-    /// lowest-priority running request.
+    /// vLLM `--scheduling-policy priority`: waiting by (priority, arrival); a running request
+    /// short of blocks preempts the lowest-priority running request (never one for a waiting
+    /// request: vLLM 0.32's v1 scheduler).
     pub priority_scheduling: bool,
     pub enable_prefix_caching: bool,
     pub seed: u64,
@@ -204,42 +205,16 @@ impl Engine {
         }
     }
 
-    /// The running request to preempt among `running[from..]`: the newest (FCFS), or the one
-    /// last in (priority, arrival) order.
-    fn victim(&self, from: usize) -> usize {
+    /// The running request to preempt: the newest (FCFS), or the one last in (priority,
+    /// arrival) order (vLLM: `max(running, key=(priority, arrival_time))`).
+    fn victim(&self) -> usize {
         if self.cfg.priority_scheduling {
-            (from..self.running.len())
+            (0..self.running.len())
                 .max_by_key(|&j| self.running[j].order())
                 .expect("running is non-empty here")
         } else {
             self.running.len() - 1
         }
-    }
-
-    /// Priority policy: make room for a waiting request of `priority` by preempting the
-    /// lowest-priority running request when it ranks strictly below; a request already scheduled
-    /// in this step leaves the step (its tokens go back to the budget).
-    fn preempt_for(&mut self, priority: i64, budget: &mut usize, step: &mut Step) -> bool {
-        if !self.cfg.priority_scheduling || self.running.is_empty() {
-            return false;
-        }
-        let j = self.victim(0);
-        if self.running[j].priority <= priority {
-            return false;
-        }
-        let r = self.running.remove(j);
-        if let Some(k) = step.scheduled.iter().position(|(id, _)| *id == r.id) {
-            let (_, n) = step.scheduled.remove(k);
-            *budget += n;
-            if n > 1 || r.computed < r.prompt_len {
-                step.prefill_tokens = step.prefill_tokens.saturating_sub(n);
-            } else {
-                step.decode_seqs = step.decode_seqs.saturating_sub(1);
-            }
-        }
-        step.preempted += 1;
-        self.preempt(r);
-        true
     }
 
     /// Picks the next batch (vLLM v1 order: running requests first, then FCFS admission).
@@ -259,9 +234,24 @@ impl Engine {
             let mut scheduled_self = true;
             while self.pool.num_free() < need {
                 // Out of blocks: preempt the newest running request (priority policy: the
-                // lowest-priority one not yet scheduled in this step), possibly this one.
-                let j = self.victim(i);
+                // lowest-priority one, possibly already scheduled in this step: it leaves the
+                // step and its tokens go back to the budget, as in vLLM), possibly this one.
+                let j = self.victim();
                 let victim = self.running.remove(j);
+                if j < i {
+                    i -= 1;
+                    if let Some(k) = step.scheduled.iter().position(|(id, _)| *id == victim.id) {
+                        let (_, n) = step.scheduled.remove(k);
+                        budget += n;
+                        let prefill = victim.tokens.len() - victim.computed > 1
+                            || victim.computed < victim.prompt_len;
+                        if prefill {
+                            step.prefill_tokens = step.prefill_tokens.saturating_sub(n);
+                        } else {
+                            step.decode_seqs = step.decode_seqs.saturating_sub(1);
+                        }
+                    }
+                }
                 step.preempted += 1;
                 self.preempt(victim);
                 if j == i {
@@ -297,14 +287,12 @@ impl Engine {
 
     fn admit_waiting(&mut self, budget: &mut usize, step: &mut Step) {
         let bs = self.cfg.block_size;
+        // vLLM 0.32 (v1 scheduler), both policies: a full batch admits nobody, and a waiting
+        // request that cannot get its blocks stops admission; neither preempts a running
+        // request for a waiting one, whatever its priority (only a running request short of
+        // blocks for its next tokens preempts, in `schedule`).
         while *budget > 0 {
-            let Some(head) = self.waiting.front().map(|r| r.priority) else {
-                break;
-            };
-            if self.running.len() >= self.cfg.max_num_seqs {
-                if self.preempt_for(head, budget, step) {
-                    continue;
-                }
+            if self.waiting.is_empty() || self.running.len() >= self.cfg.max_num_seqs {
                 break;
             }
             let Some(r) = self.waiting.front_mut() else {
@@ -339,9 +327,6 @@ impl Engine {
                 .filter(|&&id| self.pool.is_unreferenced(id))
                 .count();
             if self.pool.num_free() < need + idle_hits {
-                if self.preempt_for(head, budget, step) {
-                    continue;
-                }
                 break; // Nobody overtakes the head of the queue.
             }
             let mut r = self.waiting.pop_front().expect("front exists");

@@ -28,6 +28,26 @@ fn samples() -> Vec<Message> {
             key: u64::MAX - 1,
             worker: "w-é".into(),
         },
+        Message::Flow(FlowReport {
+            clocks: vec![("batch".into(), 1234.5), ("interactive".into(), 0.0)],
+            heads: vec![
+                FlowHead {
+                    pool: 99,
+                    priority: -3,
+                    tag: 17.25,
+                },
+                FlowHead {
+                    pool: u64::MAX,
+                    priority: 10,
+                    tag: f64::INFINITY,
+                },
+            ],
+            usage: vec![FlowUsage {
+                class: "batch".into(),
+                tenant: "team-é".into(),
+                tokens: 4096,
+            }],
+        }),
         Message::Snapshot(Snapshot {
             part: 0,
             approx: vec![("w1".into(), vec![5, 6]), ("w2".into(), vec![])],

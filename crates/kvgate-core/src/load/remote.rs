@@ -441,6 +441,11 @@ impl RemoteLoads {
     /// worker and then rounded.
     pub fn add_into_at(&mut self, candidates: &mut [Candidate], now: Instant) {
         self.add_into(candidates);
+        self.add_provisional_at(candidates, now);
+    }
+
+    /// The provisional part of [`RemoteLoads::add_into_at`] alone (after [`RemoteLoads::add_into`]).
+    pub fn add_provisional_at(&mut self, candidates: &mut [Candidate], now: Instant) {
         self.prune(now);
         if self.provisional.is_empty() {
             return;

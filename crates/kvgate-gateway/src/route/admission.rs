@@ -23,15 +23,23 @@
 //! When the queue is full, a newcomer of a higher class takes the place of the lowest-ranked
 //! waiter of a lower class (that one is shed); sheddable classes (priority < 0) queue only up to
 //! their own `queue_size` (default 0: shed when the fleet is full).
+//!
+//! Cluster mode (docs/flow-control.md, "Cluster mode"): the queue publishes its best waiter per
+//! pool and its class clocks (`publish_heads`, `report`), applies the peers' reports
+//! (`apply_peer`: their tenants' usage charged here, clocks moved up), and a request that finds
+//! capacity leaves it to a peer's better-ranked waiter (`peer_ahead`). With the bus down the
+//! peers' reports stop counting at once: each replica orders its own queue.
 
 use std::cmp::Ordering as Cmp;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use kvgate_cluster::{Cluster, FlowHead, FlowReport, FlowUsage, Message};
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::oneshot;
 
 use super::flow::{Class, FlowKey, FlowPolicy};
@@ -72,6 +80,8 @@ enum Wake {
 
 struct Waiter {
     rank: Rank,
+    /// Its start tag where ranks compare between replicas (fair classes), else NaN.
+    tag: f64,
     pool: u64,
     class: Arc<str>,
     tenant: Arc<str>,
@@ -120,6 +130,18 @@ pub struct Admission {
     wakeups: AtomicU64,
     /// Deadlines are ranked as ms since this instant.
     epoch: Instant,
+    /// Tickets numbered below this arrived before flow control was last turned off: they rank
+    /// as the off mode's arrivals do (`off_priority`, then arrival), so no later arrival passes
+    /// them (`set_policy`).
+    reset_below: AtomicU64,
+    off_priority: AtomicI32,
+    /// Cluster mode: where our queue heads, clocks and usage go (`cluster.rs`).
+    cluster: OnceLock<Arc<Cluster>>,
+    /// Whether the bus was up at the last look (a change is logged once).
+    bus_up: AtomicBool,
+    /// `kvgate_flow_cluster_deferrals_total`, `kvgate_flow_cluster_fallback_total`.
+    deferrals: Counter,
+    fallback: Counter,
 }
 
 struct Queue {
@@ -127,7 +149,19 @@ struct Queue {
     /// Releases so far.
     generation: Generation,
     clocks: HashMap<Arc<str>, ClassClock>,
+    /// Cluster mode: each peer replica's best waiter per pool, as last reported, and when.
+    peers: HashMap<String, (Instant, Vec<FlowHead>)>,
+    /// Cluster mode: tokens admitted per (class, tenant) since the last report.
+    usage: HashMap<(Arc<str>, Option<Arc<str>>), u64>,
+    /// The heads we last published (a change is published at once).
+    published: Vec<FlowHead>,
+    /// A waiter left capacity to a peer's better waiter: the peer's next report wakes the queue.
+    deferred: bool,
 }
+
+/// Most (class, tenant) usage entries in one report (the rest wait for the next): keeps a report
+/// well inside `cluster.max_message_bytes` whatever the tenants' names.
+const MAX_USAGE_ENTRIES: usize = 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitError {
@@ -178,6 +212,19 @@ impl Ticket<'_> {
                 c.prune();
             }
         }
+        if self.adm.cluster.get().is_some() {
+            *q.usage
+                .entry((self.class.name.clone(), self.tenant.clone()))
+                .or_default() += self.tokens;
+        }
+    }
+
+    /// The start tag peers compare with theirs (fair classes), else NaN.
+    fn tag(&self) -> f64 {
+        match self.class.order {
+            ClassOrder::Fair => self.rank.first,
+            ClassOrder::Deadline => f64::NAN,
+        }
     }
 
     fn start(&self) -> f64 {
@@ -217,6 +264,10 @@ impl Admission {
                 waiters: Vec::new(),
                 generation: 0,
                 clocks: HashMap::new(),
+                peers: HashMap::new(),
+                usage: HashMap::new(),
+                published: Vec::new(),
+                deferred: false,
             }),
             policy: ArcSwap::from_pointee(FlowPolicy::default()),
             next_ticket: AtomicU64::new(1),
@@ -224,7 +275,20 @@ impl Admission {
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
             wakeups: AtomicU64::new(0),
             epoch: crate::clock::now(),
+            reset_below: AtomicU64::new(0),
+            off_priority: AtomicI32::new(0),
+            cluster: OnceLock::new(),
+            bus_up: AtomicBool::new(true),
+            deferrals: Counter::default(),
+            fallback: Counter::default(),
         }
+    }
+
+    /// The registered `kvgate_flow_cluster_deferrals_total` and `..._fallback_total` counters.
+    pub fn with_counters(mut self, deferrals: Counter, fallback: Counter) -> Self {
+        self.deferrals = deferrals;
+        self.fallback = fallback;
+        self
     }
 
     /// `admission.queue_size` and `admission.queue_timeout_ms` (reload).
@@ -236,11 +300,44 @@ impl Admission {
 
     /// A new `[flow_control]` policy (start, reload). Waiters keep their rank; fair-queueing
     /// clocks of classes that no longer exist are dropped.
+    ///
+    /// Turning flow control off: from then on requests rank by arrival in one class, and the
+    /// waiters queued before keep their places ahead of every later arrival (their ranks count
+    /// as the off mode's, by arrival), whatever their tags were.
     pub fn set_policy(&self, policy: FlowPolicy) {
         let mut q = self.queue.lock();
         q.clocks
             .retain(|name, _| policy.classes.iter().any(|c| &c.name == name));
+        if self.policy.load().enabled && !policy.enabled {
+            self.off_priority
+                .store(policy.class(0).priority, Ordering::Relaxed);
+            self.reset_below
+                .store(self.next_ticket.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
         self.policy.store(Arc::new(policy));
+    }
+
+    /// A rank as it compares now: tickets from before flow control was turned off rank by
+    /// arrival in the off mode's class.
+    fn eff(&self, r: &Rank) -> Rank {
+        if r.id < self.reset_below.load(Ordering::Relaxed) {
+            Rank {
+                priority: self.off_priority.load(Ordering::Relaxed),
+                first: 0.0,
+                second: 0.0,
+                id: r.id,
+            }
+        } else {
+            *r
+        }
+    }
+
+    fn before(&self, a: &Rank, b: &Rank) -> bool {
+        self.eff(a).before(&self.eff(b))
+    }
+
+    fn cmp(&self, a: &Rank, b: &Rank) -> Cmp {
+        self.eff(a).cmp(&self.eff(b))
     }
 
     /// The `[flow_control]` policy now in force.
@@ -337,7 +434,7 @@ impl Admission {
             .lock()
             .waiters
             .iter()
-            .any(|w| w.pool == t.pool && w.rank.before(&t.rank))
+            .any(|w| w.pool == t.pool && self.before(&w.rank, &t.rank))
     }
 
     /// Wait for a wake-up; returns the release it is for. `seen` is `Some(g)` for a waiter that
@@ -362,6 +459,7 @@ impl Admission {
             if room.is_ok() {
                 q.waiters.push(Waiter {
                     rank: t.rank,
+                    tag: t.tag(),
                     pool: t.pool,
                     class: t.class.name.clone(),
                     tenant: t.tenant_label.clone(),
@@ -375,6 +473,7 @@ impl Admission {
                 let g = q.generation;
                 self.wake_best(&mut q, g);
             }
+            self.publish_heads(&mut q);
             room?;
         }
         // Leave the queue on every exit (timeout, or the waiting future dropped on disconnect).
@@ -412,8 +511,8 @@ impl Admission {
             .waiters
             .iter()
             .enumerate()
-            .filter(|(_, w)| w.rank.priority < t.rank.priority)
-            .max_by(|a, b| a.1.rank.cmp(&b.1.rank))
+            .filter(|(_, w)| self.eff(&w.rank).priority < self.eff(&t.rank).priority)
+            .max_by(|a, b| self.cmp(&a.1.rank, &b.1.rank))
             .map(|(i, _)| i);
         match worst {
             Some(i) => {
@@ -448,12 +547,13 @@ impl Admission {
                 .iter()
                 .enumerate()
                 .filter(|(_, w)| w.seen < g)
-                .min_by(|a, b| a.1.rank.cmp(&b.1.rank))
+                .min_by(|a, b| self.cmp(&a.1.rank, &b.1.rank))
                 .map(|(i, _)| i);
             let Some(i) = best else { return };
             let w = q.waiters.swap_remove(i);
             if w.tx.send(Wake::Go(g)).is_ok() {
                 self.wakeups.fetch_add(1, Ordering::Relaxed);
+                self.publish_heads(q);
                 return;
             }
         }
@@ -462,6 +562,209 @@ impl Admission {
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::Relaxed))
     }
+
+    // ---- Cluster mode (docs/flow-control.md, "Cluster mode") ----
+
+    /// Cluster mode on: our queue heads, clocks and usage are shared over `cluster` from now on.
+    pub fn set_cluster(&self, cluster: Arc<Cluster>) {
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// Whether peers' reports count now: cluster mode with flow control on and the bus up. With
+    /// the bus down each replica orders its own queue alone (a change is logged once).
+    fn peers_count(&self) -> Option<&Arc<Cluster>> {
+        let c = self.cluster.get()?;
+        if !self.policy.load().enabled {
+            return None;
+        }
+        let up = c.connected();
+        if self.bus_up.swap(up, Ordering::Relaxed) != up {
+            if up {
+                tracing::info!(
+                    "flow control: NATS back; shares and class order are cluster-wide again"
+                );
+            } else {
+                tracing::warn!(
+                    "flow control: NATS down; shares and class order fall back to this replica's own queue"
+                );
+            }
+        }
+        up.then_some(c)
+    }
+
+    /// A request admitted while cluster mode is on but the bus is down (decided on this
+    /// replica's own view): counted in `kvgate_flow_cluster_fallback_total`.
+    pub fn note_admitted(&self) {
+        if self.cluster.get().is_some()
+            && self.policy.load().enabled
+            && self.peers_count().is_none()
+        {
+            self.fallback.inc();
+        }
+    }
+
+    /// Whether a peer replica's best waiter of the ticket's pool ranks before it (a higher
+    /// class, or the same fair class with a smaller start tag): then the capacity this replica
+    /// sees free is left to it (the peer hears of it from our load deltas). Reports older than
+    /// two heartbeats are not trusted.
+    pub fn peer_ahead(&self, t: &Ticket<'_>) -> bool {
+        let Some(c) = self.peers_count() else {
+            return false;
+        };
+        let fresh = 2 * c.config().heartbeat_interval;
+        let me = self.eff(&t.rank);
+        let tag = if t.rank.id < self.reset_below.load(Ordering::Relaxed) {
+            f64::NAN
+        } else {
+            t.tag()
+        };
+        let now = crate::clock::now();
+        let mut q = self.queue.lock();
+        let ahead = q.peers.values().any(|(at, heads)| {
+            now.saturating_duration_since(*at) <= fresh
+                && ranks_before(heads, t.pool, me.priority, tag)
+        });
+        if ahead {
+            q.deferred = true;
+            self.deferrals.inc();
+        }
+        ahead
+    }
+
+    /// Our best waiter per pool.
+    fn heads(&self, q: &Queue) -> Vec<FlowHead> {
+        let reset = self.reset_below.load(Ordering::Relaxed);
+        let mut best: Vec<(&Waiter, Rank)> = Vec::new();
+        for w in &q.waiters {
+            let r = self.eff(&w.rank);
+            match best.iter_mut().find(|(b, _)| b.pool == w.pool) {
+                Some(b) if r.before(&b.1) => *b = (w, r),
+                Some(_) => {}
+                None => best.push((w, r)),
+            }
+        }
+        let mut heads: Vec<FlowHead> = best
+            .into_iter()
+            .map(|(w, r)| FlowHead {
+                pool: w.pool,
+                priority: r.priority,
+                tag: if w.rank.id < reset { f64::NAN } else { w.tag },
+            })
+            .collect();
+        heads.sort_by_key(|h| h.pool);
+        heads
+    }
+
+    /// Publish our heads when they changed (cluster mode, flow control on, bus up).
+    fn publish_heads(&self, q: &mut Queue) {
+        let Some(c) = self.cluster.get() else { return };
+        if !self.policy.load().enabled || !c.connected() {
+            return;
+        }
+        let heads = self.heads(q);
+        // Bit-equal (NaN tags compare equal to themselves here).
+        let same = heads.len() == q.published.len()
+            && heads.iter().zip(&q.published).all(|(a, b)| {
+                a.pool == b.pool && a.priority == b.priority && a.tag.to_bits() == b.tag.to_bits()
+            });
+        if same {
+            return;
+        }
+        q.published = heads.clone();
+        c.publish(Message::Flow(FlowReport {
+            clocks: clocks(q),
+            heads,
+            usage: Vec::new(),
+        }));
+    }
+
+    /// The heartbeat's report: clocks, heads and the usage since the last one (`None` with flow
+    /// control off).
+    pub fn report(&self) -> Option<FlowReport> {
+        if !self.policy.load().enabled {
+            return None;
+        }
+        let mut q = self.queue.lock();
+        let heads = self.heads(&q);
+        q.published = heads.clone();
+        let keys: Vec<_> = q.usage.keys().take(MAX_USAGE_ENTRIES).cloned().collect();
+        let usage = keys
+            .into_iter()
+            .filter_map(|k| {
+                let tokens = q.usage.remove(&k)?;
+                Some(FlowUsage {
+                    class: k.0.to_string(),
+                    tenant: k.1.as_deref().unwrap_or("").to_owned(),
+                    tokens,
+                })
+            })
+            .collect();
+        Some(FlowReport {
+            clocks: clocks(&q),
+            heads,
+            usage,
+        })
+    }
+
+    /// A peer's report: its heads replace what we held of it; each class's virtual time moves up
+    /// to the peer's (one clock for the cluster); the tokens it admitted are charged to their
+    /// tenants here as if admitted here (so a tenant's share counts every replica). A waiter that
+    /// left capacity to that peer tries again.
+    pub fn apply_peer(&self, from: &str, report: &FlowReport, now: Instant) {
+        let policy = self.policy.load();
+        let mut q = self.queue.lock();
+        for (class, v) in &report.clocks {
+            if let Some(c) = policy.classes.iter().find(|c| &*c.name == class.as_str()) {
+                let clock = q.clocks.entry(c.name.clone()).or_default();
+                if *v > clock.vtime && v.is_finite() {
+                    clock.vtime = *v;
+                }
+            }
+        }
+        for u in &report.usage {
+            let Some(c) = policy.classes.iter().find(|c| &*c.name == u.class.as_str()) else {
+                continue;
+            };
+            let tenant: Option<Arc<str>> =
+                (!u.tenant.is_empty()).then(|| Arc::from(u.tenant.as_str()));
+            let weight = policy.weight(tenant.as_deref());
+            let clock = q.clocks.entry(c.name.clone()).or_default();
+            let last = clock.finish.get(&tenant).copied().unwrap_or(0.0);
+            let finish = last.max(clock.vtime) + u.tokens.max(1) as f64 / weight;
+            clock.finish.insert(tenant, finish);
+        }
+        q.peers.insert(from.to_owned(), (now, report.heads.clone()));
+        if std::mem::take(&mut q.deferred) {
+            q.generation += 1;
+            let g = q.generation;
+            self.wake_best(&mut q, g);
+        }
+    }
+
+    /// Forget peers not heard from for `timeout` (the cluster's heartbeat timeout).
+    pub fn expire_peers(&self, now: Instant, timeout: Duration) {
+        self.queue
+            .lock()
+            .peers
+            .retain(|_, (at, _)| now.saturating_duration_since(*at) <= timeout);
+    }
+}
+
+/// Whether one of a peer's `heads` for `pool` ranks before a request of class `priority` and
+/// start tag `tag`: a higher class, or the same class with a smaller tag (NaN: not comparable,
+/// so never before).
+fn ranks_before(heads: &[FlowHead], pool: u64, priority: i32, tag: f64) -> bool {
+    heads.iter().any(|h| {
+        h.pool == pool && (h.priority > priority || (h.priority == priority && h.tag < tag))
+    })
+}
+
+/// Each class's virtual time.
+fn clocks(q: &Queue) -> Vec<(String, f64)> {
+    q.clocks
+        .iter()
+        .map(|(name, c)| (name.to_string(), c.vtime))
+        .collect()
 }
 
 struct Leave<'a> {
@@ -474,6 +777,7 @@ impl Drop for Leave<'_> {
         let mut q = self.adm.queue.lock();
         if let Some(i) = q.waiters.iter().position(|w| w.rank.id == self.id) {
             q.waiters.swap_remove(i);
+            self.adm.publish_heads(&mut q);
         }
     }
 }

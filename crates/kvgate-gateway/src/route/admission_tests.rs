@@ -25,6 +25,12 @@ fn class(name: &str, priority: i32, order: ClassOrder) -> FlowClassConfig {
 
 /// Three classes (interactive 10, batch 0, sheddable -1 with a queue of 2) and weights a:2, b:1, c:1.
 fn flow_admission(max_len: usize) -> Admission {
+    let a = Admission::new(max_len, Duration::from_secs(60));
+    a.set_policy(FlowPolicy::new(&flow_config()));
+    a
+}
+
+fn flow_config() -> FlowControlConfig {
     let mut cfg = FlowControlConfig {
         enabled: true,
         classes: vec![
@@ -41,9 +47,7 @@ fn flow_admission(max_len: usize) -> Admission {
     cfg.tenants.insert("a".into(), 2.0);
     cfg.tenants.insert("b".into(), 1.0);
     cfg.tenants.insert("c".into(), 1.0);
-    let a = Admission::new(max_len, Duration::from_secs(60));
-    a.set_policy(FlowPolicy::new(&cfg));
-    a
+    cfg
 }
 
 fn far() -> tokio::time::Instant {
@@ -424,4 +428,132 @@ proptest! {
             prop_assert_eq!(a.policy().class(prios[i]).priority, top);
         }
     }
+}
+
+/// Turning flow control off by reload while requests wait: every later arrival queues behind
+/// every earlier waiter (arrival order), whatever their tags and classes were.
+#[tokio::test(start_paused = true)]
+async fn turning_flow_control_off_keeps_earlier_waiters_ahead() {
+    let a = Arc::new(flow_admission(64));
+    // Tenant a has been served a lot: its waiters' tags are far ahead of the virtual time.
+    let now = crate::clock::now();
+    for _ in 0..20 {
+        a.admit(&key(0, Some("a"), 1000), 1, now).admitted();
+    }
+    let h = queue_up(
+        &a,
+        vec![
+            (key(0, Some("a"), 1000), "early-batch-a"),
+            (key(-1, None, 10), "early-sheddable"),
+            (key(10, Some("c"), 10), "early-interactive"),
+        ],
+    )
+    .await;
+    let off = FlowControlConfig {
+        enabled: false,
+        ..flow_config()
+    };
+    a.set_policy(FlowPolicy::new(&off));
+    // Off: the default key (priority 0, no tenant, tag 0).
+    let mut h2 = queue_up(
+        &a,
+        vec![
+            (FlowKey::default(), "late-1"),
+            (FlowKey::default(), "late-2"),
+        ],
+    )
+    .await;
+    let mut all = h;
+    all.append(&mut h2);
+    let order = drain_order(&a, all).await;
+    assert_eq!(
+        order,
+        [
+            "early-batch-a",
+            "early-sheddable",
+            "early-interactive",
+            "late-1",
+            "late-2"
+        ],
+        "arrival order once off"
+    );
+}
+
+/// Cluster mode: a peer's report moves each class's virtual time up to the peer's and charges
+/// the tenants' usage there to their shares here; the usage recorded here is reported once.
+#[test]
+fn peer_reports_charge_tenants_and_align_clocks() {
+    let a = flow_admission(8);
+    let now = crate::clock::now();
+    let report = FlowReport {
+        clocks: vec![("batch".into(), 300.0), ("nope".into(), 1e9)],
+        heads: vec![],
+        usage: vec![
+            FlowUsage {
+                class: "batch".into(),
+                tenant: "a".into(),
+                tokens: 400,
+            },
+            FlowUsage {
+                class: "batch".into(),
+                tenant: String::new(),
+                tokens: 50,
+            },
+        ],
+    };
+    a.apply_peer("peer-1", &report, now);
+    {
+        let q = a.queue.lock();
+        let c = &q.clocks["batch"];
+        assert_eq!(c.vtime, 300.0, "the peer's virtual time");
+        assert_eq!(
+            c.finish[&Some(Arc::from("a"))],
+            300.0 + 400.0 / 2.0,
+            "weight 2"
+        );
+        assert_eq!(c.finish[&None], 350.0, "the anonymous tenant");
+        assert!(
+            !q.clocks.contains_key("nope"),
+            "unknown classes are ignored"
+        );
+        assert_eq!(q.peers["peer-1"].1.len(), 0);
+    }
+    // a's next request here starts after what it used at the peer; b starts at the clock.
+    assert_eq!(a.admit(&key(0, Some("a"), 100), 1, now).start(), 500.0);
+    assert_eq!(a.admit(&key(0, Some("b"), 100), 1, now).start(), 300.0);
+
+    // What is admitted here is reported (without a cluster nothing is recorded).
+    a.admit(&key(0, Some("c"), 70), 1, now).admitted();
+    let r = a.report().expect("flow control on");
+    assert!(r.usage.is_empty(), "not in cluster mode: no usage kept");
+    assert!(r.clocks.iter().any(|(c, v)| c == "batch" && *v == 300.0));
+    let off = Admission::new(8, Duration::from_secs(1));
+    assert!(off.report().is_none(), "flow control off: nothing to share");
+}
+
+#[test]
+fn a_peer_head_ranks_before_by_class_then_tag() {
+    let heads = [
+        FlowHead {
+            pool: 1,
+            priority: 0,
+            tag: 100.0,
+        },
+        FlowHead {
+            pool: 2,
+            priority: 10,
+            tag: f64::NAN,
+        },
+    ];
+    assert!(ranks_before(&heads, 1, 0, 150.0), "same class, smaller tag");
+    assert!(!ranks_before(&heads, 1, 0, 100.0), "equal: not before");
+    assert!(!ranks_before(&heads, 1, 0, 50.0));
+    assert!(!ranks_before(&heads, 1, 10, 1e9), "a higher class here");
+    assert!(ranks_before(&heads, 1, -1, 0.0), "a lower class here");
+    assert!(ranks_before(&heads, 2, 5, 0.0), "a higher class there");
+    assert!(
+        !ranks_before(&heads, 2, 10, 1e9),
+        "deadline tags do not compare"
+    );
+    assert!(!ranks_before(&heads, 3, -5, 0.0), "another pool");
 }

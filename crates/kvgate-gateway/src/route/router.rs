@@ -179,6 +179,17 @@ pub struct Router {
     /// Session affinity: a request's affinity key → the `stable_id` of the worker its session's
     /// last request went to (docs/routing.md, "Sessions").
     sessions: crate::ttl_map::TtlMap<u64, u64>,
+    /// When a [`Lane::Priority`] request was last routed (ms since `epoch`; 0 = never).
+    last_priority_ms: AtomicU64,
+    epoch: Instant,
+}
+
+/// [`Lane::Below`] keeps out of the priority class's way while it routed a request within this
+/// long; otherwise lower classes use every worker.
+const PRIORITY_ACTIVE_MS: u64 = 10_000;
+
+fn ms_since(epoch: Instant, now: Instant) -> u64 {
+    now.saturating_duration_since(epoch).as_millis() as u64
 }
 
 /// Which part of a request a worker is chosen for.
@@ -188,6 +199,23 @@ pub enum Leg {
     Whole,
     /// The decode leg of a disaggregated request.
     Decode,
+}
+
+/// How flow control lets a request past the busy bound and keeps lower classes out of its way
+/// (`flow_control.bypass_busy_priority`, docs/flow-control.md "Priority to the engine").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Every request alike.
+    Any,
+    /// A class past the busy bound and `max_inflight_per_worker` (its engines schedule by
+    /// priority). It goes to a worker with the least prefill pending there (router-side, ours
+    /// and peers'): a prefill step the engine is running must finish before its own can start,
+    /// and a batch prefill step is several decode steps long.
+    Priority,
+    /// A lower class in a pool where a class passes the busy bound: it keeps out of that class's
+    /// way. Not to a worker where such a request waits for its first token (its prefill step
+    /// would grow), and not to the last worker free of pending prefill (one stays free for it).
+    Below,
 }
 
 /// Why no worker was chosen.
@@ -276,7 +304,6 @@ impl Bounded {
         latency: true,
     };
     /// Neither: the exhaustive scan.
-    #[cfg(test)]
     pub const NONE: Bounded = Bounded {
         kv: false,
         latency: false,
@@ -312,6 +339,8 @@ impl Router {
             next_request: AtomicU64::new(fastrand::u64(1..u64::MAX / 2)),
             remote: Mutex::new(RemoteLoads::new()),
             cluster: OnceLock::new(),
+            last_priority_ms: AtomicU64::new(0),
+            epoch: crate::clock::now(),
         }
     }
 
@@ -398,6 +427,7 @@ impl Router {
 
     /// Cluster mode on: our decisions and load deltas are published there from now on.
     pub fn set_cluster(&self, cluster: Arc<Cluster>) {
+        self.admission.set_cluster(cluster.clone());
         let _ = self.cluster.set(cluster);
     }
 
@@ -481,12 +511,21 @@ impl Router {
         now: Instant,
         leg: Leg,
     ) -> Result<Pick, NoPick> {
-        self.select_for(pool, hashes, isl, affinity_key, exclude, now, leg, false)
+        self.select_for(
+            pool,
+            hashes,
+            isl,
+            affinity_key,
+            exclude,
+            now,
+            leg,
+            Lane::Any,
+        )
     }
 
-    /// [`Router::select_leg`]; `past_busy`: the request may go past the busy bound and
-    /// `max_inflight_per_worker` (flow control: a high class on engines that schedule by
-    /// priority, which serve it ahead of the lower classes they hold).
+    /// [`Router::select_leg`] in a flow-control [`Lane`]: `Lane::Priority` may go past the busy
+    /// bound and `max_inflight_per_worker` (a high class on engines that schedule by priority,
+    /// which serve it ahead of the lower classes they hold).
     #[allow(clippy::too_many_arguments)]
     pub fn select_for(
         &self,
@@ -497,7 +536,7 @@ impl Router {
         exclude: &[WorkerId],
         now: Instant,
         leg: Leg,
-        past_busy: bool,
+        lane: Lane,
     ) -> Result<Pick, NoPick> {
         self.select_with(
             pool,
@@ -507,8 +546,12 @@ impl Router {
             exclude,
             now,
             leg,
-            Bounded::for_pool(pool.workers.len()),
-            past_busy,
+            if lane == Lane::Any {
+                Bounded::for_pool(pool.workers.len())
+            } else {
+                Bounded::NONE
+            },
+            lane,
         )
     }
 
@@ -530,8 +573,9 @@ impl Router {
         now: Instant,
         leg: Leg,
         bounded: Bounded,
-        past_busy: bool,
+        lane: Lane,
     ) -> Result<Pick, NoPick> {
+        let past_busy = lane == Lane::Priority;
         let rp = self.policy.load();
         let busy_off = past_busy || rp.busy.is_off();
         let policy = match (leg, &rp.decode_policy) {
@@ -587,7 +631,11 @@ impl Router {
                         complete(c, w, now);
                         let one = std::slice::from_mut(c);
                         if let Some(r) = remote.as_mut() {
-                            r.add_into_at(one, now);
+                            r.add_into(one);
+                            if over_cluster_bound(&one[0], &rp, past_busy) {
+                                return false;
+                            }
+                            r.add_provisional_at(one, now);
                         }
                         speeds.fill_all(one);
                         true
@@ -667,7 +715,19 @@ impl Router {
                 self.active.fill_loads(hashes, candidates);
             }
             if self.cluster.get().is_some() {
-                self.remote.lock().add_into_at(candidates, now);
+                let mut remote = self.remote.lock();
+                remote.add_into(candidates);
+                candidates.retain(|c| !over_cluster_bound(c, &rp, past_busy));
+                if candidates.is_empty() {
+                    return Err(NoPick::AllBusy);
+                }
+                remote.add_provisional_at(candidates, now);
+            }
+            if lane != Lane::Any {
+                self.keep_lane(pool, lane, exclude, now, candidates);
+                if candidates.is_empty() {
+                    return Err(NoPick::AllBusy);
+                }
             }
             self.speeds.view().fill_all(candidates);
             if !busy_off && all_busy(candidates, &rp.busy) {
@@ -678,6 +738,56 @@ impl Router {
                 .ok_or(NoPick::NoWorker)?;
             self.picked(pool, &rp, &req, decision, candidates)
         })
+    }
+
+    /// The candidates a request of `lane` may take (see [`Lane`]); loads are filled in.
+    fn keep_lane(
+        &self,
+        pool: &Pool,
+        lane: Lane,
+        exclude: &[WorkerId],
+        now: Instant,
+        candidates: &mut Vec<Candidate>,
+    ) {
+        match lane {
+            Lane::Any => {}
+            Lane::Priority => {
+                self.last_priority_ms
+                    .store(ms_since(self.epoch, now).max(1), Ordering::Relaxed);
+                let least = candidates.iter().map(|c| c.pending_prefill_tokens).min();
+                candidates.retain(|c| Some(c.pending_prefill_tokens) == least);
+            }
+            Lane::Below => {
+                // Only while the priority class is about (a request of it routed lately).
+                let last = self.last_priority_ms.load(Ordering::Relaxed);
+                let ago = ms_since(self.epoch, now).saturating_sub(last);
+                if last == 0 || ago > PRIORITY_ACTIVE_MS {
+                    return;
+                }
+                let priority_prefill =
+                    |w: &Worker| w.state.priority_prefills.load(Ordering::Relaxed) > 0;
+                candidates.retain(|c| pool.worker(c.worker).is_none_or(|w| !priority_prefill(w)));
+                // Workers of the pool a priority request could take with no prefill ahead of
+                // it, busy or not (it passes the bound). The last of them is kept free.
+                let remote = self.cluster.get().map(|_| self.remote.lock());
+                let free = pool
+                    .workers
+                    .iter()
+                    .filter(|w| !exclude.contains(&w.id) && w.state.routable(now))
+                    .filter(|w| !priority_prefill(w))
+                    .filter(|w| {
+                        let peers = remote
+                            .as_ref()
+                            .map_or(0, |r| r.load(w.id).pending_prefill_tokens);
+                        self.active.snapshot(w.id).pending_prefill_tokens + peers == 0
+                    })
+                    .count();
+                drop(remote);
+                if free <= 1 && pool.workers.len() > 1 {
+                    candidates.retain(|c| c.pending_prefill_tokens > 0);
+                }
+            }
+        }
     }
 
     /// `w` may take this request: not already tried, routable, under `max_inflight_per_worker`
@@ -694,6 +804,8 @@ impl Router {
             && w.state.routable(now)
             && (past_busy
                 || rp.max_inflight == 0
+                // Cluster mode: the bound counts every replica's requests (`over_cluster_bound`).
+                || self.cluster.get().is_some()
                 || w.state.inflight.load(Ordering::Relaxed) < rp.max_inflight)
     }
 
@@ -786,6 +898,7 @@ impl Router {
             worker: pick.worker.clone(),
             admission: self.admission.clone(),
             cluster,
+            priority_prefill: std::sync::atomic::AtomicBool::new(false),
             latency: LatencyFeed {
                 model: self.latency.clone(),
                 speeds: self.speeds.clone(),
@@ -798,6 +911,14 @@ impl Router {
             },
         }
     }
+}
+
+/// Cluster mode: `max_inflight_per_worker` counts the requests every replica has in flight on
+/// the worker (ours and the peers' as they told us; not the provisional guesses), so the fleet's
+/// slots are one budget that flow control orders cluster-wide. With the bus down, peers' requests
+/// count until their heartbeat timeout, then only ours.
+fn over_cluster_bound(c: &Candidate, rp: &RoutePolicy, past_busy: bool) -> bool {
+    !past_busy && rp.max_inflight > 0 && c.inflight >= rp.max_inflight
 }
 
 /// A request with block `hashes` was routed to `worker` (by us or a peer): approximate workers
@@ -825,6 +946,8 @@ pub struct DispatchGuard {
     latency: LatencyFeed,
     /// Cluster mode: the request's id in our published load deltas.
     cluster: Option<(Arc<Cluster>, u64)>,
+    /// Counted in the worker's `priority_prefills` until its first token ([`Lane::Priority`]).
+    priority_prefill: std::sync::atomic::AtomicBool,
 }
 
 /// "Not observed" in [`LatencyFeed`]'s end-of-request fields.
@@ -862,6 +985,27 @@ impl LatencyFeed {
 }
 
 impl DispatchGuard {
+    /// A request of [`Lane::Priority`]: lower classes keep off its worker until its first token.
+    pub fn hold_priority_prefill(&self) {
+        if !self.priority_prefill.swap(true, Ordering::Relaxed) {
+            self.worker
+                .state
+                .priority_prefills
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn end_priority_prefill(&self) -> bool {
+        let held = self.priority_prefill.swap(false, Ordering::Relaxed);
+        if held {
+            self.worker
+                .state
+                .priority_prefills
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+        held
+    }
+
     pub fn prefill_done(&self) {
         self.latency.answered.store(true, Ordering::Relaxed);
         if let Some(c) = &self.core {
@@ -869,6 +1013,12 @@ impl DispatchGuard {
         }
         if let Some((c, id)) = &self.cluster {
             c.prefill_done(*id);
+        }
+        // Its pending prefill is gone: a waiter held off by it (busy bound on pending prefill,
+        // a lower class kept out of a priority request's way) may go now.
+        self.end_priority_prefill();
+        if !self.admission.is_empty() {
+            self.admission.release();
         }
     }
 
@@ -908,6 +1058,7 @@ impl Drop for DispatchGuard {
     fn drop(&mut self) {
         // Free everything before waking a queued request, so it sees the released capacity.
         drop(self.core.take());
+        self.end_priority_prefill();
         if let Some((c, id)) = &self.cluster {
             c.free(*id);
         }

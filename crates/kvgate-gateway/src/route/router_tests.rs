@@ -166,7 +166,7 @@ fn check_bounded_selection(policy: &str) {
                 args.5,
                 args.6,
                 Bounded::ALL,
-                false,
+                Lane::Any,
             );
             let exhaustive = router.select_with(
                 args.0,
@@ -177,7 +177,7 @@ fn check_bounded_selection(policy: &str) {
                 args.5,
                 args.6,
                 Bounded::NONE,
-                false,
+                Lane::Any,
             );
             checked += 1;
             match (&bounded, &exhaustive) {
@@ -303,7 +303,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             now,
             Leg::Whole,
             Bounded::ALL,
-            false,
+            Lane::Any,
         )
         .unwrap();
     assert_eq!(p.worker.id, other);
@@ -318,7 +318,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             now,
             Leg::Whole,
             Bounded::ALL,
-            false,
+            Lane::Any,
         )
         .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
@@ -402,4 +402,84 @@ fn pool_size_picks_the_bounded_paths() {
     // `latency` only where fleet_bench had the bounded walk faster than the scan (§8b).
     assert!(b(4095).kv && !b(4095).latency);
     assert_eq!(b(4096), Bounded::ALL);
+}
+
+/// Flow control's lanes (`Lane`): a priority request goes where no prefill is pending; while
+/// one is about, a lower-class request keeps off a worker where a priority request waits for its
+/// first token and off the last worker with no prefill pending.
+#[test]
+fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
+    let mut c = Config::default();
+    for i in 0..3 {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec!["m".to_string()];
+        c.workers.push(w);
+    }
+    c.routing.policy = "least_loaded".into();
+    c.routing.max_inflight_per_worker = 4;
+    let (reg, _) = Registry::new(Arc::new(c.clone())).unwrap();
+    let router = router(&c, &reg);
+    let fleet = reg.snapshot();
+    let pool = fleet.pool("m").cloned().unwrap();
+    let now = Instant::now();
+    let pick_on = |w: usize| {
+        let w = pool.workers[w].clone();
+        Pick {
+            decision: Decision::for_candidate(
+                &RouteRequest {
+                    hashes: &[],
+                    isl_tokens: 256,
+                    block_size: 16,
+                    affinity_key: None,
+                },
+                &Candidate::new(w.id),
+                0.0,
+            ),
+            worker: w,
+            estimate: Default::default(),
+        }
+    };
+    let select = |lane: Lane| {
+        router
+            .select_for(&pool, &[], 256, None, &[], now, Leg::Whole, lane)
+            .map(|p| {
+                pool.workers
+                    .iter()
+                    .position(|w| w.id == p.worker.id)
+                    .unwrap()
+            })
+    };
+    // Worker 0 has a batch prefill pending; workers 1 and 2 decode (prefill done).
+    let _b0 = router.dispatch(&pick_on(0), &[], 256, 16, now);
+    let b1 = router.dispatch(&pick_on(1), &[], 256, 16, now);
+    b1.prefill_done();
+    let b2 = router.dispatch(&pick_on(2), &[], 256, 16, now);
+    b2.prefill_done();
+    // No priority request yet: lower classes use every worker.
+    assert!(select(Lane::Below).is_ok());
+    for _ in 0..20 {
+        let w = select(Lane::Priority).unwrap();
+        assert_ne!(w, 0, "a priority request avoids the pending prefill");
+    }
+    // A priority request waits for its first token on worker 1.
+    let p1 = router.dispatch(&pick_on(1), &[], 256, 16, now);
+    p1.hold_priority_prefill();
+    // Worker 2 is the last one free of prefill: lower classes join worker 0's prefill.
+    for _ in 0..20 {
+        assert_eq!(select(Lane::Below), Ok(0));
+    }
+    // Worker 0 at its bound: nothing for lower classes (they wait; a first token wakes them).
+    let _fill: Vec<_> = (0..3)
+        .map(|_| router.dispatch(&pick_on(0), &[], 256, 16, now))
+        .collect();
+    assert_eq!(select(Lane::Below).err(), Some(NoPick::AllBusy));
+    assert_eq!(
+        select(Lane::Priority),
+        Ok(2),
+        "past the bound, no prefill ahead"
+    );
+    // The priority request's first token: two workers free of prefill again, so a lower class
+    // may take one (least loaded: worker 2).
+    p1.prefill_done();
+    assert_eq!(select(Lane::Below), Ok(2));
 }
