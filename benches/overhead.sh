@@ -7,11 +7,16 @@
 # and that CPU over nginx's in the same round (median over rounds; use several rounds for it).
 #
 # Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
-# Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there),
+# Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there unless
+#      SKIP_BUILD=1), SERVE (the gateway to measure: a command, e.g. "target/release/kvgate serve";
+#      default the `serve` example), MOCK (a mock_worker binary; default the release example),
 #      TOKENIZER_JSON (default /work/real/tokenizer.json), PEERS (dir of setup.sh, default /work/peers),
 #      CHAT_LUA (default /work/shared/tools/peers/chat.lua),
-#      BEFORE_SERVE (optional: an older `serve` binary, run as kvgate-rr(before) and
-#      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons),
+#      BEFORE_SERVE (optional: an older gateway, a command like SERVE, run as kvgate-rr(before)
+#      and kvgate-kv(approx-tok,before) in the same run, for before/after comparisons),
+# Compare like with like: the `serve` example is built with the gateway's dev-dependencies
+# (tokio `test-util`, whose clock takes a mutex per read); `kvgate serve` is not. With
+# SERVE="<kvgate> serve" BEFORE_SERVE="<older kvgate> serve" both sides run the real binary.
 #      HYPER_H1=1 (also run kvgate kv with `server.http1 = "hyper"`: hyper's HTTP/1 server
 #      against kvgate's own loop, same binary, same run),
 #      TRACING=1 (also run kvgate rr with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
@@ -33,8 +38,8 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 [ -n "${SKIP_BUILD:-}" ] || (cd "$ROOT" && cargo build -q --release -p kvgate-gateway --features mock --example serve --example mock_worker)
-SERVE=$TGT/release/examples/serve
-MOCK=$TGT/release/examples/mock_worker
+SERVE=${SERVE:-$TGT/release/examples/serve}
+MOCK=${MOCK:-$TGT/release/examples/mock_worker}
 HZ=$(getconf CLK_TCK)
 
 wait_port() { for _ in $(seq 1 200); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
@@ -91,9 +96,9 @@ NG
   wait_port 30032
 fi
 
-start_serve() { # label port binary args...
-  local label=$1 port=$2 bin=$3; shift 3
-  "$bin" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
+start_serve() { # label port command args... (command: a binary, or "binary subcommand")
+  local label=$1 port=$2 bin; read -ra bin <<<"$3"; shift 3
+  "${bin[@]}" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
     --no-request-log --log warn "$@" & PIDS+=($!); PID[$label]=$!; PORT[$label]=$port
 }
 start_serve "kvgate-kv(approx-tok)" 30101 "$SERVE" --policy kv

@@ -197,19 +197,23 @@ pub fn session_key(
 ) -> Option<u64> {
     // One pass over the request's header names (a handful) rather than a lookup per configured
     // name (each would parse and hash it); the configured order decides between two present.
+    // `iter()` yields each name's values together, first value first: only a name's first value
+    // counts (as `HeaderMap::get` would answer), without hashing the name again to look it up.
     let mut best: Option<(usize, &[u8])> = None;
-    for name in req_headers.keys() {
+    let mut last: Option<&http::HeaderName> = None;
+    for (name, value) in req_headers.iter() {
+        if last == Some(name) {
+            continue;
+        }
+        last = Some(name);
         let Some(i) = headers.iter().position(|h| h == name.as_str()) else {
             continue;
         };
         if best.is_some_and(|(j, _)| j < i) {
             continue;
         }
-        if let Some(v) = req_headers
-            .get(name)
-            .map(|v| v.as_bytes())
-            .filter(|v| !v.is_empty())
-        {
+        let v = value.as_bytes();
+        if !v.is_empty() {
             best = Some((i, v));
         }
     }

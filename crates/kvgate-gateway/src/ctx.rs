@@ -246,12 +246,15 @@ impl RequestCtx {
                 g.observe_output(n);
             }
         }
-        // Release the worker's load first: a queued request may be waiting for it.
-        drop(self.guard.take());
+        // Release the worker's load first: a queued request may be waiting for it. The end is
+        // read once, for the guard (the slot time it teaches) and the request's duration.
+        let now = crate::clock::now();
+        if let Some(g) = self.guard.take() {
+            g.release_at(now);
+        }
         let h = self.handles();
         let tel = &*self.telemetry;
         let m = &tel.metrics;
-        let now = crate::clock::now();
         let total = now.duration_since(self.start);
         let status = match outcome {
             // 499 (nginx convention) so cancelled requests are visible in the status breakdown.

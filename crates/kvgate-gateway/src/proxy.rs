@@ -375,13 +375,15 @@ pub(crate) async fn prepare_read(
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())
     };
     let fleet = app.fleet.registry.load_full();
-    let session_headers = app.decider.router().policy().session_headers.clone();
+    // The routing policy's session headers, read where used (no guard held across an await).
+    let policy = || app.decider.router().policy();
     let mut pinned = false;
     let (pool, mut ri, spliced, max_tokens) = match ctx.endpoint.api().front {
         Front::OpenAi(_) => {
             let (pool, mut ri, spliced, max_tokens) =
                 prepare_openai(app, ctx, &bytes, &fleet).await?;
-            ri.affinity = session_key(&parts.headers, &session_headers, None, None).or(ri.affinity);
+            ri.affinity =
+                session_key(&parts.headers, &policy().session_headers, None, None).or(ri.affinity);
             (pool, ri, spliced, max_tokens)
         }
         Front::Agent { parse, prefix } => {
@@ -405,7 +407,7 @@ pub(crate) async fn prepare_read(
             };
             ri.affinity = session_key(
                 &parts.headers,
-                &session_headers,
+                &policy().session_headers,
                 agent.prompt_cache_key.as_deref(),
                 agent.user_id.as_deref(),
             );
@@ -415,7 +417,7 @@ pub(crate) async fn prepare_read(
             let pool = passthrough_pool(&fleet, &bytes).map_err(bad)?;
             ctx.model = pool.model.clone();
             let ri = RouteInput {
-                affinity: session_key(&parts.headers, &session_headers, None, None),
+                affinity: session_key(&parts.headers, &policy().session_headers, None, None),
                 ..RouteInput::default()
             };
             (pool, ri, None, None)
@@ -438,17 +440,20 @@ pub(crate) async fn prepare_read(
         &app.decider.router().admission().policy(),
         &parts.headers,
         caller,
-        &session_headers,
+        &policy().session_headers,
         &pool.model,
         ri.isl,
         max_tokens,
     )?;
-    ctx.trace.tokenized(
-        t_decide,
-        crate::clock::now(),
-        ri.isl.min(u32::MAX as u64) as u32,
-        ri.hashes.len() as u32,
-    );
+    if ctx.trace.records_steps() {
+        // Only a traced request reads the clock for its tokenize span.
+        ctx.trace.tokenized(
+            t_decide,
+            crate::clock::now(),
+            ri.isl.min(u32::MAX as u64) as u32,
+            ri.hashes.len() as u32,
+        );
+    }
     ctx.prompt_tokens_est = ri.isl.min(u32::MAX as u64) as u32;
     ctx.prompt_blocks = ri.hashes.len() as u32;
     Ok(Prepared {

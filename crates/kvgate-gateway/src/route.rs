@@ -152,12 +152,14 @@ impl Decider {
         let router = &self.router;
         let adm = router.admission();
         let ticket = adm.admit(&input.flow, pool_key(pool), at);
-        let (class, tenant, tokens, fair) = (
-            ticket.class.name.clone(),
-            ticket.tenant_label.clone(),
-            ticket.tokens,
-            ticket.fair,
-        );
+        // The flow metric's labels, kept only when flow control records them (`fair`).
+        let fair = ticket.fair.then(|| {
+            (
+                ticket.class.name.clone(),
+                ticket.tenant_label.clone(),
+                ticket.tokens,
+            )
+        });
         let waited_before = *queue_wait;
         let lane = self.lane(&ticket, pool);
         let result = wait_for_pick(
@@ -187,7 +189,7 @@ impl Decider {
             Err(r) => refusal_outcome(r),
         };
         // `kvgate_flow_*` are flow control's (on); off, `kvgate_queue_wait_seconds` has the wait.
-        if fair {
+        if let Some((class, tenant, tokens)) = fair {
             self.metrics.flow.record(
                 &class,
                 &tenant,

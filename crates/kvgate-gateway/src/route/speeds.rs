@@ -161,6 +161,13 @@ impl SpeedBoard {
         // The floor moves with the published factor: down before the cell changes, up after, so
         // a decision never reads a floor above a factor it may read.
         let new = model.fit(w).map(|fit| fit.speed().prefill);
+        // Most publications (every first token and request end) leave the prefill factor as it
+        // was: then the floor cannot move, and its lock and two order updates are skipped.
+        let old = cell.known.load(Ordering::Acquire).then(|| f(&cell.prefill));
+        if old.map(f64::to_bits) == new.map(f64::to_bits) {
+            self.publish_cell(&cell, model, w);
+            return;
+        }
         let (before, after) = {
             let mut fl = self.floor.lock();
             let before = fl.floor();
@@ -294,6 +301,12 @@ mod tests {
         model.add_worker(WorkerId(3), Speed::uniform(0.5));
         board.publish(&model, WorkerId(3));
         model.add_worker(WorkerId(7), Speed::uniform(0.5));
+        board.publish(&model, WorkerId(7));
+        assert_eq!(board.prefill_floor(), 0.5);
+        // Publishing an unchanged factor again (every first token and request end) leaves the
+        // floor's counts as they were: the removals below still find them.
+        board.publish(&model, WorkerId(3));
+        board.publish(&model, WorkerId(7));
         board.publish(&model, WorkerId(7));
         assert_eq!(board.prefill_floor(), 0.5);
         model.add_worker(WorkerId(3), Speed::uniform(0.8));
