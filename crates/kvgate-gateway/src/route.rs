@@ -47,6 +47,10 @@ pub struct RouteInput {
     /// Flow control: priority, tenant, objective and token cost (the front ends' `flow::key` builds it
     /// from the request's headers and API key; the default is priority 0, no tenant).
     pub flow: FlowKey,
+    /// How many top candidates the decision lists with its reason ([`router::Pick::explain`]),
+    /// and whether a queued request learns its place ([`Reservation::queued`]): a sampled trace
+    /// asks (`tracing.route_candidates`); 0 (the default) costs nothing.
+    pub explain: u8,
 }
 
 /// Why no worker was reserved; each front end renders it in its own error shape.
@@ -75,6 +79,21 @@ pub struct Reservation {
     pub guard: DispatchGuard,
     /// When the load was placed (the decision's end).
     pub at: Instant,
+    /// The request waited in the admission queue, and asked to know where
+    /// ([`RouteInput::explain`]): its class, tenant and place in line.
+    pub queued: Option<Queued>,
+}
+
+/// Where a request stood in the admission queue when it joined it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Queued {
+    /// Flow control's class and tenant label (with flow control off: `default`, no tenant).
+    pub class: Arc<str>,
+    pub tenant: Arc<str>,
+    /// 1 + the waiters ranked before it then (every pool's).
+    pub position: u32,
+    /// Whether flow control was on (ranks by class and tenant share; off: arrival order).
+    pub flow_control: bool,
 }
 
 /// How a request to a prefill/decode pool runs.
@@ -175,6 +194,7 @@ impl Decider {
                     now,
                     leg,
                     bypass,
+                    input.explain,
                 )
             },
             |p: &Pick| p.estimate.predicted_ms,
@@ -196,14 +216,22 @@ impl Decider {
                 result.is_ok().then_some(tokens),
             );
         }
-        let pick = result
-            .map_err(|e| match e {
-                Refusal::NoWorker(_) => {
-                    Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
-                }
-                other => other,
-            })?
-            .pick;
+        let admitted = result.map_err(|e| match e {
+            Refusal::NoWorker(_) => {
+                Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
+            }
+            other => other,
+        })?;
+        let queued = admitted
+            .position
+            .filter(|_| input.explain > 0)
+            .map(|position| Queued {
+                class,
+                tenant,
+                position,
+                flow_control: fair,
+            });
+        let pick = admitted.pick;
         let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
         router.note_session(input.affinity, &pick.worker, now);
@@ -211,6 +239,7 @@ impl Decider {
             pick,
             guard,
             at: now,
+            queued,
         })
     }
 
@@ -247,6 +276,7 @@ impl Decider {
             pick,
             guard,
             at: now,
+            queued: None,
         }
     }
 
@@ -279,6 +309,7 @@ impl Decider {
                     share: 1.0,
                 },
                 estimate: kvgate_core::TtftEstimate::default(),
+                explain: None,
             },
         };
         self.place(pick, pool, input, now)
@@ -293,8 +324,17 @@ impl Decider {
         exclude: &[WorkerId],
         now: Instant,
     ) -> Result<Pick, NoPick> {
-        self.router
-            .select(pool, &input.hashes, input.isl, input.affinity, exclude, now)
+        self.router.select_for(
+            pool,
+            &input.hashes,
+            input.isl,
+            input.affinity,
+            exclude,
+            now,
+            Leg::Whole,
+            false,
+            input.explain,
+        )
     }
 
     /// Plan a request to a prefill/decode pool (docs/routing.md §9; the steps are in `pd.rs`).
@@ -401,11 +441,12 @@ fn refusal_outcome(r: &Refusal) -> &'static str {
 }
 
 /// A pick that passed admission; `missed_objective`: served best-effort although its predicted
-/// TTFT misses its objective.
+/// TTFT misses its objective; `position`: its place in line when it queued (`None`: it did not).
 #[derive(Debug, PartialEq)]
 struct Admitted<T> {
     pick: T,
     missed_objective: bool,
+    position: Option<u32>,
 }
 
 /// The admission loop: `select` until it picks, waiting in the queue while it answers `AllBusy`
@@ -454,10 +495,12 @@ async fn wait_for_pick<T>(
                     }
                     return Err(Refusal::ObjectiveUnreachable);
                 }
+                let position = ticket.position();
                 ticket.admitted();
                 return Ok(Admitted {
                     pick: p,
                     missed_objective: missed,
+                    position,
                 });
             }
             Err(NoPick::NoWorker) => {
@@ -689,14 +732,16 @@ mod tests {
             run(10, 150.0).await,
             Ok(Admitted {
                 pick: (),
-                missed_objective: false
+                missed_objective: false,
+                position: None
             })
         );
         assert_eq!(
             run(5, 500.0).await,
             Ok(Admitted {
                 pick: (),
-                missed_objective: true
+                missed_objective: true,
+                position: None
             })
         );
         assert_eq!(run(0, 1e9).await.map(|a| a.missed_objective), Ok(false));

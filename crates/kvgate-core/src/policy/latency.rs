@@ -82,6 +82,10 @@ impl Policy for LatencyPolicy {
         true
     }
 
+    fn candidate_cost(&self, req: &RouteRequest<'_>, c: &Candidate) -> Option<f64> {
+        Some(self.cfg.cost(req, c).0)
+    }
+
     fn select(
         &self,
         req: &RouteRequest<'_>,

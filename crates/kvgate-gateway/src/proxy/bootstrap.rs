@@ -106,6 +106,7 @@ pub(crate) async fn dual_dispatch(
         pick: dpick,
         guard: dguard,
         at: now,
+        queued: queue_place,
     } = app
         .decider
         .reserve(
@@ -122,9 +123,19 @@ pub(crate) async fn dual_dispatch(
         .saturating_sub(ctx.queue_wait);
     if ctx.trace.records_steps() {
         let (start, queued) = (p.t_decide, ctx.queue_wait);
-        let prefill_span = super::trace_decision(app, &ppick, "prefill", start, now, queued);
+        let prefill_span =
+            super::trace_decision(app, &ppick, "prefill", start, now, queued, None, false);
         ctx.trace.decided(prefill_span);
-        let decode_span = super::trace_decision(app, &dpick, "decode", start, now, queued);
+        let decode_span = super::trace_decision(
+            app,
+            &dpick,
+            "decode",
+            start,
+            now,
+            queued,
+            queue_place.as_ref(),
+            false,
+        );
         ctx.trace.decided(decode_span);
     }
     app.metrics

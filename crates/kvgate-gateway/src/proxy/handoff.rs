@@ -34,8 +34,7 @@ pub(super) fn decision(
     path: &'static str,
     reason: &'static str,
 ) {
-    ctx.trace.attr("kvgate.pd.path", path);
-    ctx.trace.attr("kvgate.pd.reason", reason);
+    ctx.trace.pd_decision(path, reason);
     app.metrics
         .pd
         .decisions
@@ -150,6 +149,8 @@ pub(crate) async fn prepare_handoff(
                 now,
                 crate::clock::now(),
                 Duration::ZERO,
+                None,
+                false,
             ));
         }
         let traced = ctx

@@ -26,7 +26,7 @@
 
 use std::cmp::Ordering as Cmp;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -159,6 +159,8 @@ pub struct Ticket<'a> {
     /// Flow control on: the ticket was charged to its class's fair-share clock (off: one FIFO
     /// queue by arrival, no clock kept).
     pub fair: bool,
+    /// 1 + the waiters ranked before it when it first queued; 0: it has not queued.
+    position: AtomicU32,
 }
 
 impl Ticket<'_> {
@@ -190,6 +192,11 @@ impl Ticket<'_> {
     /// The rank's priority (the class's).
     pub fn priority(&self) -> i32 {
         self.rank.priority
+    }
+
+    /// Its place in line when it first queued (1 = first): `None` if it never queued.
+    pub fn position(&self) -> Option<u32> {
+        std::num::NonZeroU32::new(self.position.load(Ordering::Relaxed)).map(|p| p.get())
     }
 }
 
@@ -328,6 +335,7 @@ impl Admission {
             finish,
             done: false,
             fair,
+            position: AtomicU32::new(0),
         }
     }
 
@@ -360,6 +368,11 @@ impl Admission {
                 Some(_) => Ok(()),
             };
             if room.is_ok() {
+                if seen.is_none() {
+                    let ahead = q.waiters.iter().filter(|w| w.rank.before(&t.rank)).count();
+                    t.position
+                        .store(ahead.saturating_add(1) as u32, Ordering::Relaxed);
+                }
                 q.waiters.push(Waiter {
                     rank: t.rank,
                     pool: t.pool,

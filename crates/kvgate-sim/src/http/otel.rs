@@ -47,6 +47,7 @@ impl Traces {
                 Some(Exporter::start(
                     kvgate_http::otlp::Config {
                         target,
+                        ca_file: None,
                         queue: 1024,
                         max_batch: 256,
                         delay: std::time::Duration::from_millis(200),
@@ -57,7 +58,8 @@ impl Traces {
                     },
                     Hooks::none(),
                     cancel,
-                ))
+                )
+                .map_err(|why| anyhow::anyhow!("--otlp-traces-endpoint: {why}"))?)
             }
         };
         Ok(Traces {
