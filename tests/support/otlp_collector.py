@@ -30,7 +30,7 @@ def value(v):
 
 def record(req, protocol):
     with lock:
-        requests[protocol] += 1
+        requests[protocol] = requests.get(protocol, 0) + 1
         for rs in req.resource_spans:
             resource = {kv.key: value(kv.value) for kv in rs.resource.attributes}
             for ss in rs.scope_spans:
