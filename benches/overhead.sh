@@ -7,14 +7,15 @@
 # and that CPU over nginx's in the same round (median over rounds; use several rounds for it).
 #
 # Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
-# Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there),
+# Env: CARGO_TARGET_DIR (release examples `serve` and `mock_worker` are built there, unless
+#      SKIP_BUILD=1; SERVE and MOCK name other binaries, SERVE may be "path/to/kvgate serve"),
 #      TOKENIZER_JSON (default /work/real/tokenizer.json), PEERS (dir of setup.sh, default /work/peers),
 #      CHAT_LUA (default /work/shared/tools/peers/chat.lua),
 #      BEFORE_SERVE (optional: an older `serve` binary, run as kvgate-rr(before) and
 #      kvgate-kv(approx-tok,before) in the same run, for before/after comparisons),
 #      HYPER_H1=1 (also run kvgate kv with `server.http1 = "hyper"`: hyper's HTTP/1 server
 #      against kvgate's own loop, same binary, same run),
-#      TRACING=1 (also run kvgate rr with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
+#      TRACING=1 (also run kvgate rr and kv with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
 #      OTLP/HTTP to an nginx sink that answers 200: tracing's CPU per request beside tracing off;
 #      with BEFORE_SERVE, tracing off is also compared with the older binary).
 # kvgate kv runs with the approximate tokenizer, and again with the HF tokenizer when
@@ -33,8 +34,10 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT
 
 [ -n "${SKIP_BUILD:-}" ] || (cd "$ROOT" && cargo build -q --release -p kvgate-gateway --features mock --example serve --example mock_worker)
-SERVE=$TGT/release/examples/serve
-MOCK=$TGT/release/examples/mock_worker
+# SERVE / MOCK may name other binaries; SERVE (and BEFORE_SERVE) may be a command with words,
+# e.g. "target/release/kvgate serve" (the binary without the example's dev-dependencies).
+SERVE=${SERVE:-$TGT/release/examples/serve}
+MOCK=${MOCK:-$TGT/release/examples/mock_worker}
 HZ=$(getconf CLK_TCK)
 
 wait_port() { for _ in $(seq 1 200); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
@@ -92,8 +95,8 @@ NG
 fi
 
 start_serve() { # label port binary args...
-  local label=$1 port=$2 bin=$3; shift 3
-  "$bin" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
+  local label=$1 port=$2 cmd; read -ra cmd <<<"$3"; shift 3
+  "${cmd[@]}" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
     --no-request-log --log warn "$@" & PIDS+=($!); PID[$label]=$!; PORT[$label]=$port
 }
 start_serve "kvgate-kv(approx-tok)" 30101 "$SERVE" --policy kv
@@ -115,7 +118,10 @@ if [ -n "${TRACING:-}" ]; then
   done
   start_serve "kvgate-rr(trace 100%)" 30107 "$SERVE" --policy round_robin --config "$WORK/trace-1.0.toml"
   start_serve "kvgate-rr(trace 1%)" 30108 "$SERVE" --policy round_robin --config "$WORK/trace-0.01.toml"
-  TARGETS+=("kvgate-rr(trace 100%)" "kvgate-rr(trace 1%)")
+  # kv too: a sampled request's route span lists the top candidates (collected only when sampled).
+  start_serve "kvgate-kv(approx-tok,trace 100%)" 30109 "$SERVE" --policy kv --config "$WORK/trace-1.0.toml"
+  start_serve "kvgate-kv(approx-tok,trace 1%)" 30110 "$SERVE" --policy kv --config "$WORK/trace-0.01.toml"
+  TARGETS+=("kvgate-rr(trace 100%)" "kvgate-rr(trace 1%)" "kvgate-kv(approx-tok,trace 100%)" "kvgate-kv(approx-tok,trace 1%)")
 fi
 if [ -n "${BEFORE_SERVE:-}" ]; then
   start_serve "kvgate-kv(approx-tok,before)" 30104 "$BEFORE_SERVE" --policy kv
