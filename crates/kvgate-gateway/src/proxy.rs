@@ -226,7 +226,6 @@ pub(crate) async fn route_and_forward(
         ctx.attempts += 1;
         let worker = pick.worker;
         let traced = ctx.trace.attempt_start(
-            &mut p.parts.headers,
             &worker.name,
             if leg == Leg::Decode {
                 "decode"
@@ -239,7 +238,8 @@ pub(crate) async fn route_and_forward(
             Some(b) => &*prio_body.insert(b),
             None => p.spliced.as_ref().unwrap_or(&p.bytes),
         };
-        let out = outgoing(&p.parts, &worker, body, auth.enabled());
+        let mut out = outgoing(&p.parts, &worker, body, auth.enabled());
+        out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
         ctx.trace.attempt_end(traced, ended(&result));
         let can_retry = |now: Instant| {
@@ -626,6 +626,7 @@ pub(crate) fn outgoing<'a>(
         headers: &parts.headers,
         strip_client_auth,
         worker_auth: worker.auth_header.as_ref(),
+        traceparent: None,
         body,
     }
 }

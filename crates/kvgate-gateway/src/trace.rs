@@ -301,12 +301,21 @@ impl RequestTrace {
     }
 }
 
-/// An upstream attempt in flight: its span id (the worker's parent) and when it started.
+/// An upstream attempt in flight: its span id (the worker's parent), the `traceparent` the
+/// worker gets, and when it started.
 pub struct Attempt {
     span_id: [u8; 8],
+    traceparent: [u8; 55],
     start: Instant,
     worker: Arc<str>,
     leg: &'static str,
+}
+
+impl Attempt {
+    /// The `traceparent` to send the worker (`kvgate_http::client::Outgoing::traceparent`).
+    pub fn traceparent(&self) -> &[u8] {
+        &self.traceparent
+    }
 }
 
 /// What the routing decision's span says.
@@ -571,41 +580,19 @@ impl Trace {
         }
     }
 
-    /// An upstream attempt starts: `headers` (what the worker gets) carry `traceparent` with the
-    /// attempt's span id. `None` when tracing is off (the client's headers go unchanged).
-    pub fn attempt_start(
-        &self,
-        headers: &mut HeaderMap,
-        worker: &Arc<str>,
-        leg: &'static str,
-    ) -> Option<Attempt> {
+    /// An upstream attempt starts: the worker is to get [`Attempt::traceparent`] (the trace id,
+    /// the attempt's span id and the sampled flag) in place of the client's `traceparent`. `None`
+    /// when tracing is off (the client's headers go unchanged).
+    pub fn attempt_start(&self, worker: &Arc<str>, leg: &'static str) -> Option<Attempt> {
         let t = self.0.as_deref()?;
         let span_id = nonzero_id();
-        let tp = format_traceparent(&t.trace_id, &span_id, t.flags());
-        headers.insert(
-            TRACEPARENT,
-            HeaderValue::from_bytes(&tp).expect("traceparent is visible ASCII"),
-        );
         Some(Attempt {
             span_id,
+            traceparent: format_traceparent(&t.trace_id, &span_id, t.flags()),
             start: crate::clock::now(),
             worker: worker.clone(),
             leg,
         })
-    }
-
-    /// [`Trace::attempt_start`] on a copy of `headers` kept in `slot` (legs sent at once need
-    /// one each).
-    pub fn attempt_start_copy(
-        &self,
-        headers: &HeaderMap,
-        slot: &mut Option<HeaderMap>,
-        worker: &Arc<str>,
-        leg: &'static str,
-    ) -> Option<Attempt> {
-        self.0.as_ref()?;
-        let h = slot.insert(headers.clone());
-        self.attempt_start(h, worker, leg)
     }
 
     /// An upstream attempt ended: `kvgate.upstream` (a client span, the worker's parent). An

@@ -229,6 +229,9 @@ pub struct Outgoing<'a> {
     pub headers: &'a HeaderMap,
     pub strip_client_auth: bool,
     pub worker_auth: Option<&'a HeaderValue>,
+    /// A `traceparent` to send in place of the client's (tracing: the attempt's own span), written
+    /// straight into the head (no header map insert per request).
+    pub traceparent: Option<&'a [u8]>,
     pub body: &'a Bytes,
 }
 
@@ -251,7 +254,8 @@ impl Outgoing<'_> {
                 || name == header::EXPECT
                 || (name == header::AUTHORIZATION
                     && (self.strip_client_auth || self.worker_auth.is_some()))
-                || (has_connection && named_in_connection(self.headers, name.as_str()));
+                || (has_connection && named_in_connection(self.headers, name.as_str()))
+                || (self.traceparent.is_some() && name.as_str() == "traceparent");
             if skip {
                 continue;
             }
@@ -259,6 +263,9 @@ impl Outgoing<'_> {
         }
         if let Some(a) = self.worker_auth {
             push_field(&mut out, b"authorization", a.as_bytes());
+        }
+        if let Some(tp) = self.traceparent {
+            push_field(&mut out, b"traceparent", tp);
         }
         if self.body.is_empty() && matches!(*self.method, Method::GET | Method::HEAD) {
             out.extend_from_slice(b"\r\n");

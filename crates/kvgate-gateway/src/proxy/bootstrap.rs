@@ -152,19 +152,12 @@ pub(crate) async fn dual_dispatch(
     let pguard = app.decider.place(ppick, prefill, &p.ri, now).guard;
     let (pw, dw) = (pguard.worker.clone(), dpick.worker);
     // Each leg's `traceparent` names its own attempt span: each gets its own copy of the headers.
-    let (mut ph, mut dh) = (None, None);
-    let ptraced = ctx
-        .trace
-        .attempt_start_copy(&p.parts.headers, &mut ph, &pw.name, "prefill");
-    let dtraced = ctx
-        .trace
-        .attempt_start_copy(&p.parts.headers, &mut dh, &dw.name, "decode");
+    let ptraced = ctx.trace.attempt_start(&pw.name, "prefill");
+    let dtraced = ctx.trace.attempt_start(&dw.name, "decode");
     let mut pout = outgoing(&p.parts, &pw, &both, auth_enabled);
     let mut dout = outgoing(&p.parts, &dw, &both, auth_enabled);
-    if let (Some(ph), Some(dh)) = (&ph, &dh) {
-        pout.headers = ph;
-        dout.headers = dh;
-    }
+    pout.traceparent = ptraced.as_ref().map(crate::trace::Attempt::traceparent);
+    dout.traceparent = dtraced.as_ref().map(crate::trace::Attempt::traceparent);
     let started = crate::clock::now();
     let heads = tokio::try_join!(
         leg(app, conns, ctx.stream, "prefill", &pw, &pout),
