@@ -532,9 +532,16 @@ fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
     let (_s1, s1) = start_sim_with(MODEL, &[]);
     let (_s2, s2) = start_sim_with(MODEL, &[]);
     let (_gw, gw, _dir) = gateway_policy(
-        &format!("[tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 0.0\n"),
+        &format!(
+            "[tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 0.0\n"
+        ),
         "kv",
-        &["--worker", &format!("http://{s1}"), "--worker", &format!("http://{s2}")],
+        &[
+            "--worker",
+            &format!("http://{s1}"),
+            "--worker",
+            &format!("http://{s2}"),
+        ],
     );
     let prompt = "the quick brown fox jumps over the lazy dog and keeps on running ".repeat(12);
     let mut chosen = Vec::new();
@@ -566,7 +573,10 @@ fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
         assert_ne!(second["kvgate.candidate.worker"], a["kvgate.route.worker"]);
         for e in [first, second] {
             assert!(e["kvgate.candidate.cost"].is_f64(), "kv has a cost: {e}");
-            assert!(e["kvgate.candidate.predicted_ttft_ms"].as_f64() > Some(0.0), "{e}");
+            assert!(
+                e["kvgate.candidate.predicted_ttft_ms"].as_f64() > Some(0.0),
+                "{e}"
+            );
             assert!(e["kvgate.candidate.inflight"].is_i64(), "{e}");
             assert!(e["kvgate.candidate.active_blocks"].is_i64(), "{e}");
         }
@@ -582,8 +592,14 @@ fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
             assert_eq!(a["kvgate.route.reason"], "load", "a cold fleet: {route:#}");
             assert_eq!(first["kvgate.candidate.overlap_blocks"], 0);
         } else {
-            assert_eq!(a["kvgate.route.reason"], "overlap", "the same prompt again: {route:#}");
-            assert!(first["kvgate.candidate.overlap_blocks"].as_i64() > Some(0), "{route:#}");
+            assert_eq!(
+                a["kvgate.route.reason"], "overlap",
+                "the same prompt again: {route:#}"
+            );
+            assert!(
+                first["kvgate.candidate.overlap_blocks"].as_i64() > Some(0),
+                "{route:#}"
+            );
             assert_eq!(second["kvgate.candidate.overlap_blocks"], 0, "{route:#}");
         }
         chosen.push(a["kvgate.route.worker"].clone());
@@ -606,9 +622,14 @@ fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
         &["--worker", &format!("http://{s3}")],
     );
     let busy = std::thread::spawn(move || chat(gw2, "", false));
-    poll_for_blocking(Duration::from_secs(20), "the first request in flight", || {
-        (metric(gw2, &format!("kvgate_inflight_requests{{worker=\"{s3}\"}}")) >= 1.0).then_some(())
-    });
+    poll_for_blocking(
+        Duration::from_secs(20),
+        "the first request in flight",
+        || {
+            (metric(gw2, &format!("kvgate_inflight_requests{{worker=\"{s3}\"}}")) >= 1.0)
+                .then_some(())
+        },
+    );
     let trace = "66666666666666666666666666666666";
     let (status, body) = chat(
         gw2,
@@ -628,7 +649,10 @@ fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
     assert_eq!(q["kvgate.flow.class"], "interactive", "{queue:#}");
     assert_eq!(q["kvgate.flow.tenant"], "team-a", "{queue:#}");
     assert_eq!(q["kvgate.queue.flow_control"], true);
-    assert!(q["kvgate.queue.wait_ms"].as_f64() > Some(100.0), "{queue:#}");
+    assert!(
+        q["kvgate.queue.wait_ms"].as_f64() > Some(100.0),
+        "{queue:#}"
+    );
 }
 
 /// OTLP/HTTP and OTLP/gRPC over TLS (`https://`, `grpcs://`) to a collector serving a
@@ -651,14 +675,21 @@ fn spans_reach_a_tls_collector_over_https_and_grpcs() {
         let id = format!("over-{scheme}");
         let (status, body) = chat(gw, &format!("x-request-id: {id}\r\n"), false);
         assert_eq!(status, 200, "{body}");
-        let root = poll_for_blocking(Duration::from_secs(20), format!("a span over {scheme}"), || {
-            col.spans()
-                .into_iter()
-                .find(|s| s["attributes"]["kvgate.request_id"] == id.as_str())
-        });
+        let root = poll_for_blocking(
+            Duration::from_secs(20),
+            format!("a span over {scheme}"),
+            || {
+                col.spans()
+                    .into_iter()
+                    .find(|s| s["attributes"]["kvgate.request_id"] == id.as_str())
+            },
+        );
         assert_eq!(root["protocol"], protocol);
         let spans = col.trace(root["trace_id"].as_str().unwrap(), 4);
-        assert!(spans.iter().all(|s| s["protocol"] == protocol), "{spans:#?}");
+        assert!(
+            spans.iter().all(|s| s["protocol"] == protocol),
+            "{spans:#?}"
+        );
         assert_eq!(metric(gw, "kvgate_tracing_spans_failed_total"), 0.0);
     }
     // The same collector without the CA file: the handshake fails (the certificate is not

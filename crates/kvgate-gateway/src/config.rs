@@ -1297,7 +1297,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("tracing.ca_file") && err.contains("https://"), "{err}");
+        assert!(
+            err.contains("tracing.ca_file") && err.contains("https://"),
+            "{err}"
+        );
         let err = Config::from_toml("[tracing]\nroute_candidates = 33\n")
             .unwrap_err()
             .to_string();

@@ -381,7 +381,12 @@ impl Sender {
     async fn send_once(&mut self, body: Bytes) -> Result<u64, String> {
         let conn = self.conn.as_mut().expect("connected by send");
         match (conn, &self.target) {
-            (Conn::H1(s), Target::Http { authority, path, .. }) => {
+            (
+                Conn::H1(s),
+                Target::Http {
+                    authority, path, ..
+                },
+            ) => {
                 s.ready().await.map_err(|e| e.to_string())?;
                 let req = Request::post(path.as_str())
                     .header(header::HOST, authority.as_str())

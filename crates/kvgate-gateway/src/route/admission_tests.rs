@@ -452,6 +452,7 @@ async fn a_queued_ticket_knows_its_place_in_line() {
     let _ = tokio::time::timeout(Duration::from_millis(10), a.wait(&b, None, far(), false)).await;
     assert_eq!(b.position(), Some(4));
     // Re-queued after a wake-up it could not use: the first place is kept.
-    let _ = tokio::time::timeout(Duration::from_millis(10), a.wait(&b, Some(1), far(), false)).await;
+    let _ =
+        tokio::time::timeout(Duration::from_millis(10), a.wait(&b, Some(1), far(), false)).await;
     assert_eq!(b.position(), Some(4));
 }

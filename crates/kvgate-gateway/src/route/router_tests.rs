@@ -384,7 +384,17 @@ fn a_pick_explains_itself_only_when_asked() {
     let hashes = [11, 12, 13, 14];
     let sel = |explain: u8, hashes: &[u64]| {
         router
-            .select_for(&pool, hashes, 64, None, &[], now, Leg::Whole, false, explain)
+            .select_for(
+                &pool,
+                hashes,
+                64,
+                None,
+                &[],
+                now,
+                Leg::Whole,
+                false,
+                explain,
+            )
             .unwrap()
     };
     assert!(sel(0, &hashes).explain.is_none(), "not asked: nothing");
@@ -408,7 +418,9 @@ fn a_pick_explains_itself_only_when_asked() {
     assert_eq!(again.worker.name, first.worker.name);
     assert_eq!(e.candidates[0].overlap_blocks, 4);
     assert_eq!(e.candidates[0].inflight, 1);
-    assert!(e.candidates[1..].iter().all(|c| c.overlap_blocks == 0 && c.inflight == 0));
+    assert!(e.candidates[1..]
+        .iter()
+        .all(|c| c.overlap_blocks == 0 && c.inflight == 0));
 }
 
 /// Policies without a cost list candidates by predicted TTFT and say their own name.
@@ -426,7 +438,17 @@ fn a_round_robin_pick_explains_itself_by_name() {
     let router = router(&cfg, &reg);
     let pool = reg.snapshot().pool("m").cloned().unwrap();
     let p = router
-        .select_for(&pool, &[1], 16, None, &[], Instant::now(), Leg::Whole, false, 4)
+        .select_for(
+            &pool,
+            &[1],
+            16,
+            None,
+            &[],
+            Instant::now(),
+            Leg::Whole,
+            false,
+            4,
+        )
         .unwrap();
     let e = p.explain.unwrap();
     assert_eq!(e.reason, "round_robin");
