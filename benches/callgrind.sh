@@ -14,7 +14,10 @@
 #   like with like.
 # Env: CARGO_TARGET_DIR, CHAT_LUA (default /work/shared/tools/peers/chat.lua), POLICY (default kv),
 #      MOCK (a mock_worker binary; default the release example),
-#      KEEP_DIR (copy each run's callgrind files there, for callgrind_annotate).
+#      KEEP_DIR (copy each run's callgrind files there, for callgrind_annotate),
+#      TRACING=1 (each binary also runs with `[tracing]` at sample_ratio 0.01 and 1.0, exporting
+#      OTLP/HTTP to an nginx sink that answers 200: tracing's instructions per request beside
+#      tracing off, same binary, same run; needs nginx).
 # Needs valgrind (callgrind_control) and wrk.
 set -euo pipefail
 DUR=${1:-10}
@@ -42,17 +45,42 @@ MOCK_PORT=${MOCK_PORT:-18941}
 "$MOCK" 127.0.0.1:$MOCK_PORT 16 1 2>"$WORK/mock.log" & PIDS+=($!)
 wait_port $MOCK_PORT
 printf '[server]\nio_threads = 1\n' > "$WORK/one-thread.toml"
+CONFIGS=("|$WORK/one-thread.toml")
+if [ -n "${TRACING:-}" ]; then
+  command -v nginx >/dev/null || { echo "nginx not found (TRACING=1 needs it for the OTLP sink)" >&2; exit 1; }
+  mkdir -p "$WORK/sink/tmp"
+  cat > "$WORK/sink/nginx.conf" <<NG
+worker_processes 1;
+pid nginx.pid;
+error_log error.log warn;
+daemon off;
+events { worker_connections 256; }
+http {
+  access_log off;
+  client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
+  client_max_body_size 64m;
+  server { listen 127.0.0.1:30232; location / { return 200; } }
+}
+NG
+  nginx -p "$WORK/sink" -c "$WORK/sink/nginx.conf" & PIDS+=($!)
+  wait_port 30232
+  for r in 0.01 1.0; do
+    printf '[server]\nio_threads = 1\n[tracing]\notlp_endpoint = "http://127.0.0.1:30232"\nsample_ratio = %s\n' "$r" > "$WORK/trace-$r.toml"
+  done
+  CONFIGS+=("(trace 1%)|$WORK/trace-0.01.toml" "(trace 100%)|$WORK/trace-1.0.toml")
+fi
 
 echo "| binary | policy | requests | instructions | instructions / request |"
 echo "|---|---|---:|---:|---:|"
 port=30201
 for spec in "${TARGETS[@]}"; do
-  label=${spec%%=*}; read -ra cmd <<<"${spec#*=}"
-  out="$WORK/$label.callgrind"
+for conf in "${CONFIGS[@]}"; do
+  label="${spec%%=*}${conf%%|*}"; config=${conf#*|}; read -ra cmd <<<"${spec#*=}"
+  out="$WORK/run$port.callgrind"
   KVGATE_THREADS=1 TOKIO_WORKER_THREADS=1 valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$out" \
     "${cmd[@]}" --listen 127.0.0.1:$port --worker http://127.0.0.1:$MOCK_PORT --model mock-model \
-    --no-request-log --log warn --policy "$POLICY" --config "$WORK/one-thread.toml" \
-    >"$WORK/$label.log" 2>&1 & pid=$!; PIDS+=($pid)
+    --no-request-log --log warn --policy "$POLICY" --config "$config" \
+    >"$WORK/run$port.log" 2>&1 & pid=$!; PIDS+=($pid)
   wait_port $port
   # Warm-up: connections pooled, thread-locals and caches filled.
   wrk -t1 -c1 -d3s -s "$CHAT_LUA" "http://127.0.0.1:$port" >/dev/null
@@ -74,4 +102,5 @@ for spec in "${TARGETS[@]}"; do
   [ -z "${KEEP_DIR:-}" ] || { mkdir -p "$KEEP_DIR"; cp "$out"* "$KEEP_DIR/"; }
   echo "| $label | $POLICY | $reqs | $instr | $(awk -v i="$instr" -v n="$reqs" 'BEGIN{ if (n>0) printf "%.0f", i/n; else print "-" }') |"
   port=$((port + 1))
+done
 done

@@ -19,7 +19,7 @@
 # SERVE="<kvgate> serve" BEFORE_SERVE="<older kvgate> serve" both sides run the real binary.
 #      HYPER_H1=1 (also run kvgate kv with `server.http1 = "hyper"`: hyper's HTTP/1 server
 #      against kvgate's own loop, same binary, same run),
-#      TRACING=1 (also run kvgate rr with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
+#      TRACING=1 (also run kvgate rr and kv with `[tracing]` at sample_ratio 1.0 and 0.01, exporting
 #      OTLP/HTTP to an nginx sink that answers 200: tracing's CPU per request beside tracing off;
 #      with BEFORE_SERVE, tracing off is also compared with the older binary).
 # kvgate kv runs with the approximate tokenizer, and again with the HF tokenizer when
@@ -120,7 +120,10 @@ if [ -n "${TRACING:-}" ]; then
   done
   start_serve "kvgate-rr(trace 100%)" 30107 "$SERVE" --policy round_robin --config "$WORK/trace-1.0.toml"
   start_serve "kvgate-rr(trace 1%)" 30108 "$SERVE" --policy round_robin --config "$WORK/trace-0.01.toml"
-  TARGETS+=("kvgate-rr(trace 100%)" "kvgate-rr(trace 1%)")
+  # kv too: a sampled request's route span lists the top candidates (collected only when sampled).
+  start_serve "kvgate-kv(approx-tok,trace 100%)" 30109 "$SERVE" --policy kv --config "$WORK/trace-1.0.toml"
+  start_serve "kvgate-kv(approx-tok,trace 1%)" 30110 "$SERVE" --policy kv --config "$WORK/trace-0.01.toml"
+  TARGETS+=("kvgate-rr(trace 100%)" "kvgate-rr(trace 1%)" "kvgate-kv(approx-tok,trace 100%)" "kvgate-kv(approx-tok,trace 1%)")
 fi
 if [ -n "${BEFORE_SERVE:-}" ]; then
   start_serve "kvgate-kv(approx-tok,before)" 30104 "$BEFORE_SERVE" --policy kv

@@ -40,29 +40,74 @@ fn python() -> Option<String> {
     None
 }
 
-/// The collector process and its two ports.
+/// The collector process and its ports (`tls`: also OTLP/HTTP and OTLP/gRPC over TLS).
 struct Collector {
     _proc: Proc,
     http: SocketAddr,
     grpc: SocketAddr,
+    tls: Option<(SocketAddr, SocketAddr)>,
+}
+
+/// A CA certificate that signed nothing the tests serve (a self-signed EC certificate, CN
+/// `kvgate-test-other-ca`): trusting only it, the collector's certificate must be refused.
+const OTHER_CA: &str = "-----BEGIN CERTIFICATE-----
+MIIBljCCATugAwIBAgIUPP+SuuGD6bSQy0AlLUVAU3WWv/8wCgYIKoZIzj0EAwIw
+HzEdMBsGA1UEAwwUa3ZnYXRlLXRlc3Qtb3RoZXItY2EwIBcNMjYxMTI3MTIxOTQw
+WhgPMjEyNjExMDMxMjE5NDBaMB8xHTAbBgNVBAMMFGt2Z2F0ZS10ZXN0LW90aGVy
+LWNhMFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEZuy5YO14xtJlh8WtEiIQ4VNU
+2zbvmNsoEcKjEjpqMnORjrum9piNnD7HL759L5vvSiTqbfOxSmBlufEADO4tVqNT
+MFEwHQYDVR0OBBYEFMDTpzKqY7TBLsnHWqfzqc73krA6MB8GA1UdIwQYMBaAFMDT
+pzKqY7TBLsnHWqfzqc73krA6MA8GA1UdEwEB/wQFMAMBAf8wCgYIKoZIzj0EAwID
+SQAwRgIhAMqyuoj38Im6/LCsI8HTDu4kKgaflBgr0wZxQWOTqx9SAiEA6GvXTG1O
+pHn8AblxBJ+KtXMsR0PQe0L4Pd4gs/h49kI=
+-----END CERTIFICATE-----
+";
+
+/// The self-signed certificate (CN and SAN `localhost`, `127.0.0.1`) and key the gateway's TLS
+/// tests use.
+fn cert_fixture(name: &str) -> std::path::PathBuf {
+    repo_root()
+        .join("crates/kvgate-gateway/tests/fixtures")
+        .join(name)
 }
 
 impl Collector {
     fn start(py: &str) -> Collector {
+        Self::spawn(py, false)
+    }
+
+    /// With TLS listeners too, serving the certificate fixture.
+    fn start_tls(py: &str) -> Collector {
+        Self::spawn(py, true)
+    }
+
+    fn spawn(py: &str, tls: bool) -> Collector {
         let mut cmd = Command::new(py);
         cmd.arg(repo_root().join("tests/support/otlp_collector.py"));
+        if tls {
+            cmd.arg("--tls")
+                .arg(cert_fixture("cert.pem"))
+                .arg(cert_fixture("key.pem"));
+        }
         let mut p = Proc::spawn("otlp collector", cmd);
-        let (h, g) = p.wait_for(Duration::from_secs(30), |l| {
+        let ports = p.wait_for(Duration::from_secs(30), |l| {
             let port = |key: &str| {
                 let i = l.find(key)? + key.len();
                 l[i..].split_whitespace().next()?.parse::<u16>().ok()
             };
-            Some((port("http=")?, port("grpc=")?))
+            let secure = if tls {
+                Some((port("https=")?, port("grpcs=")?))
+            } else {
+                None
+            };
+            Some((port("http=")?, port("grpc=")?, secure))
         });
+        let at = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
         Collector {
             _proc: p,
-            http: SocketAddr::from(([127, 0, 0, 1], h)),
-            grpc: SocketAddr::from(([127, 0, 0, 1], g)),
+            http: at(ports.0),
+            grpc: at(ports.1),
+            tls: ports.2.map(|(h, g)| (at(h), at(g))),
         }
     }
 
@@ -96,6 +141,14 @@ fn gateway(worker: SocketAddr, tracing: &str) -> (Proc, SocketAddr, tempfile::Te
 }
 
 fn gateway_with(config: &str, workers: &[&str]) -> (Proc, SocketAddr, tempfile::TempDir) {
+    gateway_policy(config, "round_robin", workers)
+}
+
+fn gateway_policy(
+    config: &str,
+    policy: &str,
+    workers: &[&str],
+) -> (Proc, SocketAddr, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = dir.path().join("kvgate.toml");
     std::fs::write(&cfg, config).expect("config");
@@ -109,7 +162,7 @@ fn gateway_with(config: &str, workers: &[&str]) -> (Proc, SocketAddr, tempfile::
         "--model",
         MODEL,
         "--policy",
-        "round_robin",
+        policy,
         "--log",
         "info",
     ];
@@ -448,4 +501,213 @@ fn both_pd_legs_carry_their_own_attempt_span_to_their_engine() {
         legs.contains(&"prefill") && legs.contains(&"decode"),
         "{legs:?}"
     );
+}
+
+/// A chat request with `content` as its prompt.
+fn chat_prompt(gw: SocketAddr, headers: &str, content: &str) -> (u16, String) {
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"{content}"}}],"max_tokens":4}}"#
+    );
+    try_http_with(gw, "POST", "/v1/chat/completions", headers, Some(&body)).expect("chat")
+}
+
+fn events<'a>(span: &'a Value, name: &str) -> Vec<&'a Value> {
+    span["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["name"] == name)
+        .collect()
+}
+
+/// The route span of a sampled request lists its top candidates (the chosen worker first, the
+/// best loser next, each with overlap, load, predicted TTFT and the policy's cost) and why it
+/// chose: `load` on a cold fleet, `overlap` for the same prompt again. A request that queued has
+/// a queue span with its flow-control class, tenant and place in line.
+#[test]
+fn route_spans_list_the_top_candidates_and_queue_spans_the_place_in_line() {
+    let Some(py) = python() else { return };
+    let col = Collector::start(&py);
+    let endpoint = format!("http://{}", col.http);
+    let (_s1, s1) = start_sim_with(MODEL, &[]);
+    let (_s2, s2) = start_sim_with(MODEL, &[]);
+    let (_gw, gw, _dir) = gateway_policy(
+        &format!(
+            "[tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 0.0\n"
+        ),
+        "kv",
+        &[
+            "--worker",
+            &format!("http://{s1}"),
+            "--worker",
+            &format!("http://{s2}"),
+        ],
+    );
+    let prompt = "the quick brown fox jumps over the lazy dog and keeps on running ".repeat(12);
+    let mut chosen = Vec::new();
+    for (i, trace) in [
+        "44444444444444444444444444444444",
+        "55555555555555555555555555555555",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let (status, body) = chat_prompt(
+            gw,
+            &format!("traceparent: 00-{trace}-{CLIENT_SPAN}-01\r\n"),
+            &prompt,
+        );
+        assert_eq!(status, 200, "{body}");
+        let spans = col.trace(trace, 4);
+        let route = one(&spans, "kvgate.route");
+        let a = &route["attributes"];
+        assert_eq!(a["kvgate.route.policy"], "kv");
+        assert_eq!(a["kvgate.route.candidates_seen"], 2, "{route}");
+        let c = events(route, "kvgate.candidate");
+        assert_eq!(c.len(), 2, "both workers listed: {route:#}");
+        let (first, second) = (&c[0]["attributes"], &c[1]["attributes"]);
+        assert_eq!(first["kvgate.candidate.rank"], 0);
+        assert_eq!(first["kvgate.candidate.chosen"], true);
+        assert_eq!(first["kvgate.candidate.worker"], a["kvgate.route.worker"]);
+        assert_eq!(second["kvgate.candidate.chosen"], false);
+        assert_ne!(second["kvgate.candidate.worker"], a["kvgate.route.worker"]);
+        for e in [first, second] {
+            assert!(e["kvgate.candidate.cost"].is_f64(), "kv has a cost: {e}");
+            assert!(
+                e["kvgate.candidate.predicted_ttft_ms"].as_f64() > Some(0.0),
+                "{e}"
+            );
+            assert!(e["kvgate.candidate.inflight"].is_i64(), "{e}");
+            assert!(e["kvgate.candidate.active_blocks"].is_i64(), "{e}");
+        }
+        assert!(
+            first["kvgate.candidate.cost"].as_f64() <= second["kvgate.candidate.cost"].as_f64(),
+            "the chosen one is the cheapest: {route:#}"
+        );
+        assert_eq!(
+            first["kvgate.candidate.overlap_blocks"], a["kvgate.route.overlap_blocks"],
+            "{route:#}"
+        );
+        if i == 0 {
+            assert_eq!(a["kvgate.route.reason"], "load", "a cold fleet: {route:#}");
+            assert_eq!(first["kvgate.candidate.overlap_blocks"], 0);
+        } else {
+            assert_eq!(
+                a["kvgate.route.reason"], "overlap",
+                "the same prompt again: {route:#}"
+            );
+            assert!(
+                first["kvgate.candidate.overlap_blocks"].as_i64() > Some(0),
+                "{route:#}"
+            );
+            assert_eq!(second["kvgate.candidate.overlap_blocks"], 0, "{route:#}");
+        }
+        chosen.push(a["kvgate.route.worker"].clone());
+    }
+    assert_eq!(chosen[0], chosen[1], "the prompt went back to its cache");
+
+    // The queue: one worker taking one request at a time (stalled 1.5 s), flow control on. A
+    // request arriving while it is busy queues; its queue span says where.
+    let (_s3, s3) = start_sim_with(MODEL, &["--stall-ms", "1500"]);
+    let (_gw2, gw2, _dir2) = gateway_policy(
+        &format!(
+            "[routing]\nmax_inflight_per_worker = 1\n\
+             [flow_control]\nenabled = true\n\
+             [[flow_control.classes]]\nname = \"interactive\"\npriority = 10\n\
+             [[flow_control.classes]]\nname = \"batch\"\npriority = 0\n\
+             [flow_control.tenants]\nteam-a = 2.0\n\
+             [tracing]\notlp_endpoint = \"{endpoint}\"\nbatch_delay_ms = 50\nsample_ratio = 0.0\n"
+        ),
+        "kv",
+        &["--worker", &format!("http://{s3}")],
+    );
+    let busy = std::thread::spawn(move || chat(gw2, "", false));
+    poll_for_blocking(
+        Duration::from_secs(20),
+        "the first request in flight",
+        || {
+            (metric(gw2, &format!("kvgate_inflight_requests{{worker=\"{s3}\"}}")) >= 1.0)
+                .then_some(())
+        },
+    );
+    let trace = "66666666666666666666666666666666";
+    let (status, body) = chat(
+        gw2,
+        &format!(
+            "traceparent: 00-{trace}-{CLIENT_SPAN}-01\r\nx-kvgate-priority: 10\r\nx-kvgate-tenant: team-a\r\n"
+        ),
+        false,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(busy.join().expect("first request").0, 200);
+    let spans = col.trace(trace, 5);
+    let route = one(&spans, "kvgate.route");
+    let queue = one(&spans, "kvgate.queue");
+    assert_eq!(queue["parent_span_id"], route["span_id"]);
+    let q = &queue["attributes"];
+    assert_eq!(q["kvgate.queue.position"], 1, "{queue:#}");
+    assert_eq!(q["kvgate.flow.class"], "interactive", "{queue:#}");
+    assert_eq!(q["kvgate.flow.tenant"], "team-a", "{queue:#}");
+    assert_eq!(q["kvgate.queue.flow_control"], true);
+    assert!(
+        q["kvgate.queue.wait_ms"].as_f64() > Some(100.0),
+        "{queue:#}"
+    );
+}
+
+/// OTLP/HTTP and OTLP/gRPC over TLS (`https://`, `grpcs://`) to a collector serving a
+/// self-signed certificate, trusted through `tracing.ca_file`.
+#[test]
+fn spans_reach_a_tls_collector_over_https_and_grpcs() {
+    let Some(py) = python() else { return };
+    let col = Collector::start_tls(&py);
+    let (https, grpcs) = col.tls.expect("TLS ports");
+    let (_sim, sim) = start_sim_with(MODEL, &[]);
+    let ca = cert_fixture("cert.pem");
+    for (scheme, addr, protocol) in [("https", https, "https"), ("grpcs", grpcs, "grpcs")] {
+        let (_gw, gw, _dir) = gateway(
+            sim,
+            &format!(
+                "otlp_endpoint = \"{scheme}://{addr}\"\nca_file = \"{}\"\nbatch_delay_ms = 50",
+                ca.display()
+            ),
+        );
+        let id = format!("over-{scheme}");
+        let (status, body) = chat(gw, &format!("x-request-id: {id}\r\n"), false);
+        assert_eq!(status, 200, "{body}");
+        let root = poll_for_blocking(
+            Duration::from_secs(20),
+            format!("a span over {scheme}"),
+            || {
+                col.spans()
+                    .into_iter()
+                    .find(|s| s["attributes"]["kvgate.request_id"] == id.as_str())
+            },
+        );
+        assert_eq!(root["protocol"], protocol);
+        let spans = col.trace(root["trace_id"].as_str().unwrap(), 4);
+        assert!(
+            spans.iter().all(|s| s["protocol"] == protocol),
+            "{spans:#?}"
+        );
+        assert_eq!(metric(gw, "kvgate_tracing_spans_failed_total"), 0.0);
+    }
+    // The same collector without the CA file: the handshake fails (the certificate is not
+    // trusted), the request is unaffected, the spans are counted as failed.
+    let bundle = tempfile::tempdir().expect("tempdir");
+    let other_ca = bundle.path().join("other.pem");
+    std::fs::write(&other_ca, OTHER_CA).expect("write CA");
+    let (_gw, gw, _dir) = gateway(
+        sim,
+        &format!(
+            "otlp_endpoint = \"https://{https}\"\nca_file = \"{}\"\nbatch_delay_ms = 50",
+            other_ca.display()
+        ),
+    );
+    let (status, body) = chat(gw, "", false);
+    assert_eq!(status, 200, "{body}");
+    poll_for_blocking(Duration::from_secs(20), "spans counted failed", || {
+        (metric(gw, "kvgate_tracing_spans_failed_total") >= 4.0).then_some(())
+    });
+    assert_eq!(metric(gw, "kvgate_tracing_spans_exported_total"), 0.0);
 }

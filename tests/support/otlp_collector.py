@@ -2,10 +2,14 @@
 protobuf definitions (PyPI `opentelemetry-proto`), over OTLP/HTTP (POST /v1/traces, protobuf) and
 OTLP/gRPC (grpcio, TraceService/Export), and serves the spans as JSON at GET /spans.
 
-Prints `http=PORT grpc=PORT` once both listen on 127.0.0.1, then serves until killed.
+Prints `http=PORT grpc=PORT` once both listen on 127.0.0.1, then serves until killed. With
+`--tls CERT KEY` it also serves both protocols over TLS with that certificate and prints
+`https=PORT grpcs=PORT` on the same line; spans are labelled with the protocol they came by
+(`http`, `grpc`, `https`, `grpcs`). GET /spans is on the plain HTTP port.
 Used by tests/tracing.rs.
 """
 import json
+import ssl
 import sys
 import threading
 from concurrent import futures
@@ -26,7 +30,7 @@ def value(v):
 
 def record(req, protocol):
     with lock:
-        requests[protocol] += 1
+        requests[protocol] = requests.get(protocol, 0) + 1
         for rs in req.resource_spans:
             resource = {kv.key: value(kv.value) for kv in rs.resource.attributes}
             for ss in rs.scope_spans:
@@ -66,7 +70,7 @@ class Http(BaseHTTPRequestHandler):
             return
         req = trace_service_pb2.ExportTraceServiceRequest()
         req.ParseFromString(body)
-        record(req, "http")
+        record(req, self.server.protocol)
         out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
         self.send_header("content-type", "application/x-protobuf")
@@ -85,18 +89,50 @@ class Http(BaseHTTPRequestHandler):
 
 
 class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, protocol):
+        self.protocol = protocol
+
     def Export(self, request, context):
-        record(request, "grpc")
+        record(request, self.protocol)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def main():
-    http = ThreadingHTTPServer(("127.0.0.1", 0), Http)
+def http_server(protocol, context=None):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Http)
+    server.protocol = protocol
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    return server
+
+
+def grpc_server(protocol, credentials=None):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
-    grpc_port = server.add_insecure_port("127.0.0.1:0")
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(protocol), server)
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
     server.start()
-    print(f"http={http.server_address[1]} grpc={grpc_port}", flush=True)
+    return server, port
+
+
+def main():
+    http = http_server("http")
+    servers = [grpc_server("grpc")]
+    line = f"http={http.server_address[1]} grpc={servers[0][1]}"
+    if len(sys.argv) == 4 and sys.argv[1] == "--tls":
+        cert, key = sys.argv[2], sys.argv[3]
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        https = http_server("https", context)
+        threading.Thread(target=https.serve_forever, daemon=True).start()
+        with open(cert, "rb") as c, open(key, "rb") as k:
+            credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+        servers.append(grpc_server("grpcs", credentials))
+        line += f" https={https.server_address[1]} grpcs={servers[1][1]}"
+    elif len(sys.argv) != 1:
+        sys.exit("usage: otlp_collector.py [--tls CERT KEY]")
+    print(line, flush=True)
     http.serve_forever()
 
 

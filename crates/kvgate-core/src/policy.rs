@@ -47,6 +47,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// The cost this policy charges `c` for `req` (lower wins), for policies that rank by one:
+    /// `kv` (its cost model) and `latency` (predicted ms). A trace lists it per candidate.
+    fn candidate_cost(&self, _req: &RouteRequest<'_>, _c: &Candidate) -> Option<f64> {
+        None
+    }
+
     /// The `kv` policy behind this one, for callers that take the bounded path for large fleets
     /// ([`crate::select_kv_bounded`]); `None` for every other policy.
     fn as_kv(&self) -> Option<&KvPolicy> {

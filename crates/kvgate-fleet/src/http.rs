@@ -136,6 +136,7 @@ impl HttpClient {
             headers: &headers,
             strip_client_auth: false,
             worker_auth: self.auth.as_ref(),
+            traceparent: None,
             body: &body,
         };
         let fut = async {

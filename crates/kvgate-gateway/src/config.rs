@@ -104,8 +104,14 @@ impl Default for EppConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct TracingConfig {
     /// `http://host:port[/base]` (OTLP/HTTP protobuf to `{base}/v1/traces`) or `grpc://host:port`
-    /// (OTLP/gRPC); empty = tracing off.
+    /// (OTLP/gRPC); `https://` and `grpcs://` for the same over TLS; empty = tracing off.
     pub otlp_endpoint: String,
+    /// PEM certificates trusted for a TLS collector (`https://`, `grpcs://`); unset: the
+    /// system's bundle.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Top candidates a sampled request's route span lists (the chosen worker and the best
+    /// others), 0 to 32; 0 lists none.
+    pub route_candidates: u8,
     /// Share of requests without a sampled parent whose trace is exported, 0 to 1.
     pub sample_ratio: f64,
     /// A request with a valid `traceparent` follows its caller's sampled flag.
@@ -128,6 +134,8 @@ impl Default for TracingConfig {
     fn default() -> Self {
         TracingConfig {
             otlp_endpoint: String::new(),
+            ca_file: None,
+            route_candidates: 4,
             sample_ratio: 1.0,
             parent_based: true,
             always_errors: true,
@@ -1415,8 +1423,20 @@ impl Config {
             );
         }
         if !t.otlp_endpoint.is_empty() {
-            kvgate_http::otlp::Target::parse(&t.otlp_endpoint)
+            let target = kvgate_http::otlp::Target::parse(&t.otlp_endpoint)
                 .map_err(|e| anyhow::anyhow!("tracing.otlp_endpoint: {e}"))?;
+            if t.ca_file.is_some() && !target.tls() {
+                bail!(
+                    "tracing.ca_file is set but tracing.otlp_endpoint {:?} is not https:// or grpcs://",
+                    t.otlp_endpoint
+                );
+            }
+        }
+        if t.route_candidates > 32 {
+            bail!(
+                "tracing.route_candidates {} must be at most 32",
+                t.route_candidates
+            );
         }
         for (key, v) in [
             ("tracing.queue_size", t.queue_size as u64),
@@ -1458,6 +1478,29 @@ pub fn worker_name(w: &WorkerConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tracing_tls_settings_are_checked() {
+        let ok = Config::from_toml(
+            "[tracing]\notlp_endpoint = \"grpcs://c:4317\"\nca_file = \"/etc/ca.pem\"\nroute_candidates = 0\n",
+        )
+        .unwrap();
+        assert_eq!(ok.tracing.route_candidates, 0);
+        assert_eq!(Config::default().tracing.route_candidates, 4);
+        let err = Config::from_toml(
+            "[tracing]\notlp_endpoint = \"http://c:4318\"\nca_file = \"/etc/ca.pem\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("tracing.ca_file") && err.contains("https://"),
+            "{err}"
+        );
+        let err = Config::from_toml("[tracing]\nroute_candidates = 33\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tracing.route_candidates 33"), "{err}");
+    }
 
     #[test]
     fn an_unknown_worker_kind_is_refused_with_the_known_ones() {

@@ -62,6 +62,7 @@ async fn fetch_models(upstream: &Upstream, w: &Worker) -> anyhow::Result<Vec<Lbl
         headers: &headers,
         strip_client_auth: false,
         worker_auth: w.auth_header.as_ref(),
+        traceparent: None,
         body: &empty,
     };
     let fetch = async {

@@ -165,6 +165,7 @@ pub(crate) async fn route_and_forward(
             pick,
             guard,
             at: now,
+            queued: queue_place,
         } = app
             .decider
             .reserve(
@@ -206,6 +207,8 @@ pub(crate) async fn route_and_forward(
                 at,
                 now,
                 ctx.queue_wait.saturating_sub(queued_before),
+                queue_place.as_ref(),
+                p.pinned,
             ));
         }
         tried[n_tried] = pick.worker.id;
@@ -213,7 +216,6 @@ pub(crate) async fn route_and_forward(
         ctx.attempts += 1;
         let worker = pick.worker;
         let traced = ctx.trace.attempt_start(
-            &mut p.parts.headers,
             &worker.name,
             if leg == Leg::Decode {
                 "decode"
@@ -226,7 +228,8 @@ pub(crate) async fn route_and_forward(
             Some(b) => &*prio_body.insert(b),
             None => p.spliced.as_ref().unwrap_or(&p.bytes),
         };
-        let out = outgoing(&p.parts, &worker, body, auth.enabled());
+        let mut out = outgoing(&p.parts, &worker, body, auth.enabled());
+        out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
         let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
         ctx.trace.attempt_end(traced, ended(&result));
         let can_retry = |now: Instant| {
@@ -445,6 +448,7 @@ pub(crate) async fn prepare_read(
         ri.isl,
         max_tokens,
     )?;
+    ri.explain = ctx.trace.explain();
     if ctx.trace.records_steps() {
         // Only a traced request reads the clock for its tokenize span.
         ctx.trace.tokenized(
@@ -655,6 +659,7 @@ pub(crate) fn outgoing<'a>(
         headers: &parts.headers,
         strip_client_auth,
         worker_auth: worker.auth_header.as_ref(),
+        traceparent: None,
         body,
     }
 }
@@ -755,6 +760,10 @@ pub(crate) fn ended(r: &Result<Forwarded, GatewayError>) -> crate::trace::Ended<
 }
 
 /// The routing decision's span (only built when the request is traced).
+/// The route span of a sampled request: the pick, its top candidates and reason (the pick's
+/// [`crate::route::router::Explain`], there when `RouteInput::explain` asked), and where it
+/// stood in the queue. `pinned`: the request had to go to the worker that stored its response.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn trace_decision<'a>(
     app: &Proxy,
     pick: &'a crate::route::router::Pick,
@@ -762,12 +771,38 @@ pub(crate) fn trace_decision<'a>(
     start: Instant,
     end: Instant,
     queued: std::time::Duration,
+    queue: Option<&'a crate::route::Queued>,
+    pinned: bool,
 ) -> crate::trace::Decided<'a> {
     let policy = app.decider.router().policy();
     let policy = match (leg, &policy.decode_policy) {
         ("decode", Some(p)) => p.name(),
         _ => policy.policy.name(),
     };
+    let explain = pick.explain.as_deref();
+    let reason = match explain {
+        _ if pinned => "pinned",
+        Some(e) => e.reason,
+        None if pick.decision.overlap_blocks > 0 => "overlap",
+        None => "load",
+    };
+    let candidates = explain
+        .map(|e| {
+            e.candidates
+                .iter()
+                .map(|c| crate::trace::RouteCandidate {
+                    worker: &c.worker,
+                    chosen: c.chosen,
+                    overlap_blocks: c.overlap_blocks,
+                    inflight: c.inflight,
+                    active_blocks: c.active_blocks,
+                    pending_prefill_tokens: c.pending_prefill_tokens,
+                    predicted_ttft_ms: c.predicted_ttft_ms,
+                    cost: c.cost,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     crate::trace::Decided {
         policy,
         leg,
@@ -776,9 +811,18 @@ pub(crate) fn trace_decision<'a>(
         predicted_hit_ratio: pick.decision.predicted_hit_ratio,
         cost: pick.decision.cost,
         predicted_ttft_ms: pick.estimate.predicted_ms,
+        reason,
+        candidates,
+        seen: explain.map_or(1, |e| e.seen),
         start,
         end,
         queued,
+        queue: queue.map(|q| crate::trace::QueuePlace {
+            class: &q.class,
+            tenant: &q.tenant,
+            position: q.position,
+            flow_control: q.flow_control,
+        }),
     }
 }
 

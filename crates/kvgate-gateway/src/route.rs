@@ -47,6 +47,10 @@ pub struct RouteInput {
     /// Flow control: priority, tenant, objective and token cost (the front ends' `flow::key` builds it
     /// from the request's headers and API key; the default is priority 0, no tenant).
     pub flow: FlowKey,
+    /// How many top candidates the decision lists with its reason ([`router::Pick::explain`]),
+    /// and whether a queued request learns its place ([`Reservation::queued`]): a sampled trace
+    /// asks (`tracing.route_candidates`); 0 (the default) costs nothing.
+    pub explain: u8,
 }
 
 /// Why no worker was reserved; each front end renders it in its own error shape.
@@ -75,6 +79,21 @@ pub struct Reservation {
     pub guard: DispatchGuard,
     /// When the load was placed (the decision's end).
     pub at: Instant,
+    /// The request waited in the admission queue, and asked to know where
+    /// ([`RouteInput::explain`]): its class, tenant and place in line.
+    pub queued: Option<Queued>,
+}
+
+/// Where a request stood in the admission queue when it joined it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Queued {
+    /// Flow control's class and tenant label (with flow control off: `default`, no tenant).
+    pub class: Arc<str>,
+    pub tenant: Arc<str>,
+    /// 1 + the waiters ranked before it then (every pool's).
+    pub position: u32,
+    /// Whether flow control was on (ranks by class and tenant share; off: arrival order).
+    pub flow_control: bool,
 }
 
 /// How a request to a prefill/decode pool runs.
@@ -152,8 +171,10 @@ impl Decider {
         let router = &self.router;
         let adm = router.admission();
         let ticket = adm.admit(&input.flow, pool_key(pool), at);
-        // The flow metric's labels, kept only when flow control records them (`fair`).
-        let fair = ticket.fair.then(|| {
+        // The flow metric's labels, kept only when flow control records them (`fair`) or the
+        // trace's queue span names them (a sampled request).
+        let fair = ticket.fair;
+        let labels = (fair || input.explain > 0).then(|| {
             (
                 ticket.class.name.clone(),
                 ticket.tenant_label.clone(),
@@ -177,6 +198,7 @@ impl Decider {
                     now,
                     leg,
                     lane,
+                    input.explain,
                 )
             },
             |p: &Pick| p.estimate.predicted_ms,
@@ -189,23 +211,32 @@ impl Decider {
             Err(r) => refusal_outcome(r),
         };
         // `kvgate_flow_*` are flow control's (on); off, `kvgate_queue_wait_seconds` has the wait.
-        if let Some((class, tenant, tokens)) = fair {
+        if let Some((class, tenant, tokens)) = labels.as_ref().filter(|_| fair) {
             self.metrics.flow.record(
-                &class,
-                &tenant,
+                class,
+                tenant,
                 outcome,
                 queue_wait.saturating_sub(waited_before),
-                result.is_ok().then_some(tokens),
+                result.is_ok().then_some(*tokens),
             );
         }
-        let pick = result
-            .map_err(|e| match e {
-                Refusal::NoWorker(_) => {
-                    Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
-                }
-                other => other,
-            })?
-            .pick;
+        let admitted = result.map_err(|e| match e {
+            Refusal::NoWorker(_) => {
+                Refusal::NoWorker(format!("no routable worker for model `{}`", pool.model))
+            }
+            other => other,
+        })?;
+        let queued = admitted
+            .position
+            .filter(|_| input.explain > 0)
+            .zip(labels)
+            .map(|(position, (class, tenant, _))| Queued {
+                class,
+                tenant,
+                position,
+                flow_control: fair,
+            });
+        let pick = admitted.pick;
         let now = crate::clock::now();
         let guard = router.dispatch(&pick, &input.hashes, input.isl, pool.block_size, now);
         if lane == Lane::Priority {
@@ -216,6 +247,7 @@ impl Decider {
             pick,
             guard,
             at: now,
+            queued,
         })
     }
 
@@ -260,6 +292,7 @@ impl Decider {
             pick,
             guard,
             at: now,
+            queued: None,
         }
     }
 
@@ -292,6 +325,7 @@ impl Decider {
                     share: 1.0,
                 },
                 estimate: kvgate_core::TtftEstimate::default(),
+                explain: None,
             },
         };
         self.place(pick, pool, input, now)
@@ -306,8 +340,17 @@ impl Decider {
         exclude: &[WorkerId],
         now: Instant,
     ) -> Result<Pick, NoPick> {
-        self.router
-            .select(pool, &input.hashes, input.isl, input.affinity, exclude, now)
+        self.router.select_for(
+            pool,
+            &input.hashes,
+            input.isl,
+            input.affinity,
+            exclude,
+            now,
+            Leg::Whole,
+            Lane::Any,
+            input.explain,
+        )
     }
 
     /// Plan a request to a prefill/decode pool (docs/routing.md §9; the steps are in `pd.rs`).
@@ -414,11 +457,12 @@ fn refusal_outcome(r: &Refusal) -> &'static str {
 }
 
 /// A pick that passed admission; `missed_objective`: served best-effort although its predicted
-/// TTFT misses its objective.
+/// TTFT misses its objective; `position`: its place in line when it queued (`None`: it did not).
 #[derive(Debug, PartialEq)]
 struct Admitted<T> {
     pick: T,
     missed_objective: bool,
+    position: Option<u32>,
 }
 
 /// The admission loop: `select` until it picks, waiting in the queue while it answers `AllBusy`
@@ -474,10 +518,12 @@ async fn wait_for_pick<T>(
                     return Err(Refusal::ObjectiveUnreachable);
                 }
                 admission.note_admitted();
+                let position = ticket.position();
                 ticket.admitted();
                 return Ok(Admitted {
                     pick: p,
                     missed_objective: missed,
+                    position,
                 });
             }
             Err(NoPick::NoWorker) => {
@@ -709,14 +755,16 @@ mod tests {
             run(10, 150.0).await,
             Ok(Admitted {
                 pick: (),
-                missed_objective: false
+                missed_objective: false,
+                position: None
             })
         );
         assert_eq!(
             run(5, 500.0).await,
             Ok(Admitted {
                 pick: (),
-                missed_objective: true
+                missed_objective: true,
+                position: None
             })
         );
         assert_eq!(run(0, 1e9).await.map(|a| a.missed_objective), Ok(false));

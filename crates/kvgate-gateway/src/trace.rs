@@ -38,6 +38,9 @@ pub struct Tracer {
     ratio: AtomicU64,
     parent_based: AtomicBool,
     errors: AtomicBool,
+    /// `route_candidates`: top candidates a sampled request's route span lists (restart to
+    /// change).
+    route_candidates: u8,
 }
 
 /// Sampling as configured (`[tracing]`), read once per request.
@@ -75,6 +78,7 @@ impl Tracer {
         let exporter = Exporter::start(
             kvgate_http::otlp::Config {
                 target,
+                ca_file: cfg.ca_file.clone(),
                 queue: cfg.queue_size,
                 max_batch: cfg.max_batch_spans,
                 delay: Duration::from_millis(cfg.batch_delay_ms),
@@ -88,12 +92,14 @@ impl Tracer {
             },
             hooks,
             shutdown,
-        );
+        )
+        .map_err(|e| anyhow::anyhow!("tracing: {e}"))?;
         let t = Tracer {
             exporter,
             ratio: AtomicU64::new(0),
             parent_based: AtomicBool::new(true),
             errors: AtomicBool::new(true),
+            route_candidates: cfg.route_candidates,
         };
         t.set_sampling(cfg);
         Ok(Some(Arc::new(t)))
@@ -135,12 +141,7 @@ impl Tracer {
                 )
             })
             .map(Arc::from);
-        let wall = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let now = crate::clock::now();
-        let anchor_ns = wall.saturating_sub(now.saturating_duration_since(start).as_nanos() as u64);
-        Trace(Some(Box::new(RequestTrace {
+        let mut t = Box::new(RequestTrace {
             tracer: self.clone(),
             trace_id: parent.map_or_else(nonzero_id, |p| p.trace_id),
             span_id: nonzero_id(),
@@ -149,11 +150,22 @@ impl Tracer {
             sampled,
             errors: sampling.errors,
             anchor: start,
-            anchor_ns,
+            anchor_ns: 0,
             request_id: headers.get(X_REQUEST_ID).cloned(),
             attrs: Vec::new(),
-            spans: Vec::with_capacity(6),
-        })))
+            // An unsampled request records no spans unless an attempt fails.
+            spans: if sampled {
+                Vec::with_capacity(6)
+            } else {
+                Vec::new()
+            },
+            answered: None,
+            pd_local: None,
+        });
+        if sampled {
+            t.set_anchor();
+        }
+        Trace(Some(t))
     }
 }
 
@@ -168,12 +180,28 @@ pub struct RequestTrace {
     state: Option<Arc<str>>,
     sampled: bool,
     errors: bool,
-    /// The request's arrival, on the gateway's clock and in Unix nanoseconds.
+    /// The request's arrival, on the gateway's clock and in Unix nanoseconds (0 until a span is
+    /// recorded: an unsampled request reads the wall clock only if it is exported).
     anchor: Instant,
     anchor_ns: u64,
     request_id: Option<HeaderValue>,
     attrs: Attrs,
     spans: Vec<SpanRecord>,
+    /// Unsampled: the last attempt that got an answer (below 500, not 429), kept without a span
+    /// record; it becomes one only if the request is exported for failing later (a stream error).
+    answered: Option<Answered>,
+    /// The request runs whole on a decode worker of a prefill/decode pool, for this reason.
+    pd_local: Option<&'static str>,
+}
+
+/// An unsampled request's answered attempt (see `RequestTrace::answered`).
+struct Answered {
+    span_id: [u8; 8],
+    start: Instant,
+    end: Instant,
+    worker: Arc<str>,
+    leg: &'static str,
+    status: u16,
 }
 
 fn nonzero_id<const N: usize>() -> [u8; N] {
@@ -187,6 +215,56 @@ fn nonzero_id<const N: usize>() -> [u8; N] {
 }
 
 impl RequestTrace {
+    /// Anchor the request's arrival in Unix time (once).
+    fn set_anchor(&mut self) {
+        if self.anchor_ns != 0 {
+            return;
+        }
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let now = crate::clock::now();
+        self.anchor_ns = wall
+            .saturating_sub(now.saturating_duration_since(self.anchor).as_nanos() as u64)
+            .max(1);
+    }
+
+    /// An upstream attempt's span (`kvgate.upstream`, a client span under the request's).
+    #[allow(clippy::too_many_arguments)]
+    fn upstream_span(
+        &mut self,
+        span_id: [u8; 8],
+        start: Instant,
+        end: Instant,
+        worker: Arc<str>,
+        leg: &'static str,
+        ended: Ended<'_>,
+    ) -> SpanRecord {
+        self.set_anchor();
+        let mut s = self.child("kvgate.upstream", Kind::Client, self.span_id);
+        s.span_id = span_id;
+        s.start_ns = self.ns(start);
+        s.end_ns = self.ns(end);
+        s.attrs = vec![
+            ("kvgate.upstream.worker", Value::from(worker)),
+            ("kvgate.upstream.leg", Value::from(leg)),
+        ];
+        match ended {
+            Ended::Status(code) => {
+                s.attrs
+                    .push(("http.response.status_code", Value::from(u32::from(code))));
+                if code >= 500 || code == 429 {
+                    s.error = Some(Cow::Owned(format!("worker answered {code}")));
+                }
+            }
+            Ended::Error(kind, message) => {
+                s.attrs.push(("error.type", Value::from(kind)));
+                s.error = Some(Cow::Owned(message.to_owned()));
+            }
+        }
+        s
+    }
+
     fn ns(&self, t: Instant) -> u64 {
         match t.checked_duration_since(self.anchor) {
             Some(d) => self.anchor_ns + d.as_nanos() as u64,
@@ -223,12 +301,21 @@ impl RequestTrace {
     }
 }
 
-/// An upstream attempt in flight: its span id (the worker's parent) and when it started.
+/// An upstream attempt in flight: its span id (the worker's parent), the `traceparent` the
+/// worker gets, and when it started.
 pub struct Attempt {
     span_id: [u8; 8],
+    traceparent: [u8; 55],
     start: Instant,
     worker: Arc<str>,
     leg: &'static str,
+}
+
+impl Attempt {
+    /// The `traceparent` to send the worker (`kvgate_http::client::Outgoing::traceparent`).
+    pub fn traceparent(&self) -> &[u8] {
+        &self.traceparent
+    }
 }
 
 /// What the routing decision's span says.
@@ -241,10 +328,40 @@ pub struct Decided<'a> {
     pub predicted_hit_ratio: f64,
     pub cost: f64,
     pub predicted_ttft_ms: f64,
+    /// Why this worker: `overlap`, `latency`, `session`, `load`, `pinned`, or the policy's
+    /// name (`round_robin`, `random`, `consistent_hash`).
+    pub reason: &'static str,
+    /// The top candidates, the chosen one first (one `kvgate.candidate` event each), and how
+    /// many the policy saw.
+    pub candidates: Vec<RouteCandidate<'a>>,
+    pub seen: u32,
     /// Decision start and end; `queued` of it in the admission queue.
     pub start: Instant,
     pub end: Instant,
     pub queued: Duration,
+    /// Where the request stood in the admission queue (when it queued).
+    pub queue: Option<QueuePlace<'a>>,
+}
+
+/// One of a decision's top candidates.
+pub struct RouteCandidate<'a> {
+    pub worker: &'a Arc<str>,
+    pub chosen: bool,
+    pub overlap_blocks: u32,
+    pub inflight: u32,
+    pub active_blocks: u32,
+    pub pending_prefill_tokens: u64,
+    pub predicted_ttft_ms: f64,
+    /// The policy's cost, for policies that rank by one.
+    pub cost: Option<f64>,
+}
+
+/// A queued request's class, tenant and place in line when it joined the queue.
+pub struct QueuePlace<'a> {
+    pub class: &'a Arc<str>,
+    pub tenant: &'a Arc<str>,
+    pub position: u32,
+    pub flow_control: bool,
 }
 
 /// How an upstream attempt ended.
@@ -358,15 +475,57 @@ impl Trace {
                 "kvgate.route.predicted_ttft_ms",
                 Value::from(d.predicted_ttft_ms),
             ),
-            (
-                "kvgate.route.reason",
-                Value::from(if d.overlap_blocks > 0 {
-                    "overlap"
-                } else {
-                    "load"
-                }),
-            ),
+            ("kvgate.route.reason", Value::from(d.reason)),
+            ("kvgate.route.candidates_seen", Value::from(d.seen)),
         ];
+        match (d.leg, t.pd_local) {
+            ("prefill" | "decode", _) => s
+                .attrs
+                .push(("kvgate.route.pd", Value::from("disaggregated"))),
+            (_, Some(why)) => s.attrs.extend([
+                ("kvgate.route.pd", Value::from("local")),
+                ("kvgate.route.pd_reason", Value::from(why)),
+            ]),
+            _ => {}
+        }
+        let at = s.end_ns;
+        s.events = d
+            .candidates
+            .iter()
+            .enumerate()
+            .map(|(rank, c)| {
+                let mut attrs = vec![
+                    ("kvgate.candidate.rank", Value::from(rank as u32)),
+                    ("kvgate.candidate.worker", Value::from(c.worker.clone())),
+                    ("kvgate.candidate.chosen", Value::from(c.chosen)),
+                    (
+                        "kvgate.candidate.overlap_blocks",
+                        Value::from(c.overlap_blocks),
+                    ),
+                    ("kvgate.candidate.inflight", Value::from(c.inflight)),
+                    (
+                        "kvgate.candidate.active_blocks",
+                        Value::from(c.active_blocks),
+                    ),
+                    (
+                        "kvgate.candidate.pending_prefill_tokens",
+                        Value::from(c.pending_prefill_tokens),
+                    ),
+                    (
+                        "kvgate.candidate.predicted_ttft_ms",
+                        Value::from(c.predicted_ttft_ms),
+                    ),
+                ];
+                if let Some(cost) = c.cost {
+                    attrs.push(("kvgate.candidate.cost", Value::from(cost)));
+                }
+                EventRecord {
+                    name: "kvgate.candidate",
+                    time_ns: at,
+                    attrs,
+                }
+            })
+            .collect();
         let parent = s.span_id;
         t.spans.push(s);
         if !d.queued.is_zero() {
@@ -377,7 +536,40 @@ impl Trace {
                 "kvgate.queue.wait_ms",
                 Value::from(d.queued.as_secs_f64() * 1000.0),
             )];
+            if let Some(p) = &d.queue {
+                q.attrs.extend([
+                    ("kvgate.queue.position", Value::from(p.position)),
+                    ("kvgate.queue.flow_control", Value::from(p.flow_control)),
+                ]);
+                if p.flow_control {
+                    q.attrs.extend([
+                        ("kvgate.flow.class", Value::from(p.class.clone())),
+                        ("kvgate.flow.tenant", Value::from(p.tenant.clone())),
+                    ]);
+                }
+            }
             t.spans.push(q);
+        }
+    }
+
+    /// How many top candidates a decision should list for this request: `route_candidates` of a
+    /// sampled request, else 0 (nothing collected).
+    pub fn explain(&self) -> u8 {
+        self.0
+            .as_deref()
+            .filter(|t| t.sampled)
+            .map_or(0, |t| t.tracer.route_candidates)
+    }
+
+    /// The prefill/decode decision: request attributes `kvgate.pd.path` / `kvgate.pd.reason`,
+    /// and for a local run, the route spans after it say so.
+    pub fn pd_decision(&mut self, path: &'static str, reason: &'static str) {
+        if let Some(t) = self.0.as_deref_mut() {
+            t.attrs.push(("kvgate.pd.path", Value::from(path)));
+            t.attrs.push(("kvgate.pd.reason", Value::from(reason)));
+            if path == "local" {
+                t.pd_local = Some(reason);
+            }
         }
     }
 
@@ -388,69 +580,45 @@ impl Trace {
         }
     }
 
-    /// An upstream attempt starts: `headers` (what the worker gets) carry `traceparent` with the
-    /// attempt's span id. `None` when tracing is off (the client's headers go unchanged).
-    pub fn attempt_start(
-        &self,
-        headers: &mut HeaderMap,
-        worker: &Arc<str>,
-        leg: &'static str,
-    ) -> Option<Attempt> {
+    /// An upstream attempt starts: the worker is to get [`Attempt::traceparent`] (the trace id,
+    /// the attempt's span id and the sampled flag) in place of the client's `traceparent`. `None`
+    /// when tracing is off (the client's headers go unchanged).
+    pub fn attempt_start(&self, worker: &Arc<str>, leg: &'static str) -> Option<Attempt> {
         let t = self.0.as_deref()?;
         let span_id = nonzero_id();
-        let tp = format_traceparent(&t.trace_id, &span_id, t.flags());
-        headers.insert(
-            TRACEPARENT,
-            HeaderValue::from_bytes(&tp).expect("traceparent is visible ASCII"),
-        );
         Some(Attempt {
             span_id,
+            traceparent: format_traceparent(&t.trace_id, &span_id, t.flags()),
             start: crate::clock::now(),
             worker: worker.clone(),
             leg,
         })
     }
 
-    /// [`Trace::attempt_start`] on a copy of `headers` kept in `slot` (legs sent at once need
-    /// one each).
-    pub fn attempt_start_copy(
-        &self,
-        headers: &HeaderMap,
-        slot: &mut Option<HeaderMap>,
-        worker: &Arc<str>,
-        leg: &'static str,
-    ) -> Option<Attempt> {
-        self.0.as_ref()?;
-        let h = slot.insert(headers.clone());
-        self.attempt_start(h, worker, leg)
-    }
-
-    /// An upstream attempt ended: `kvgate.upstream` (a client span, the worker's parent).
+    /// An upstream attempt ended: `kvgate.upstream` (a client span, the worker's parent). An
+    /// unsampled request records it only when it failed (it may be exported for that); an
+    /// answered one is kept as plain facts until the request's end.
     pub fn attempt_end(&mut self, a: Option<Attempt>, ended: Ended<'_>) {
         let (Some(t), Some(a)) = (self.0.as_deref_mut(), a) else {
             return;
         };
-        let mut s = t.child("kvgate.upstream", Kind::Client, t.span_id);
-        s.span_id = a.span_id;
-        s.start_ns = t.ns(a.start);
-        s.end_ns = t.ns(crate::clock::now());
-        s.attrs = vec![
-            ("kvgate.upstream.worker", Value::from(a.worker)),
-            ("kvgate.upstream.leg", Value::from(a.leg)),
-        ];
-        match ended {
-            Ended::Status(code) => {
-                s.attrs
-                    .push(("http.response.status_code", Value::from(u32::from(code))));
-                if code >= 500 || code == 429 {
-                    s.error = Some(Cow::Owned(format!("worker answered {code}")));
+        let end = crate::clock::now();
+        if !t.sampled {
+            if let Ended::Status(status) = ended {
+                if status < 500 && status != 429 {
+                    t.answered = Some(Answered {
+                        span_id: a.span_id,
+                        start: a.start,
+                        end,
+                        worker: a.worker,
+                        leg: a.leg,
+                        status,
+                    });
+                    return;
                 }
             }
-            Ended::Error(kind, message) => {
-                s.attrs.push(("error.type", Value::from(kind)));
-                s.error = Some(Cow::Owned(message.to_owned()));
-            }
         }
+        let s = t.upstream_span(a.span_id, a.start, end, a.worker, a.leg, ended);
         t.spans.push(s);
     }
 
@@ -474,6 +642,18 @@ impl Trace {
         };
         if !(t.sampled || (t.errors && sum.failed)) {
             return;
+        }
+        t.set_anchor();
+        if let Some(a) = t.answered.take() {
+            let s = t.upstream_span(
+                a.span_id,
+                a.start,
+                a.end,
+                a.worker,
+                a.leg,
+                Ended::Status(a.status),
+            );
+            t.spans.push(s);
         }
         let mut root = t.child("kvgate.request", Kind::Server, t.span_id);
         root.span_id = t.span_id;

@@ -123,47 +123,57 @@ impl Tls {
     /// Trust the PEM certificates in `ca_file`; without one, the system's bundle (`SSL_CERT_FILE`,
     /// else the first of the usual paths that exists).
     pub fn load(ca_file: Option<&std::path::Path>) -> Result<Tls, String> {
-        let path = match ca_file {
-            Some(p) => p.to_path_buf(),
-            None => std::env::var_os("SSL_CERT_FILE")
-                .map(std::path::PathBuf::from)
-                .or_else(|| {
-                    SYSTEM_CA_FILES
-                        .iter()
-                        .map(std::path::PathBuf::from)
-                        .find(|p| p.is_file())
-                })
-                .ok_or_else(|| {
-                    "no system CA bundle found; set upstream.ca_file to a PEM file".to_owned()
-                })?,
-        };
-        let pem =
-            std::fs::read(&path).map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in rustls_pemfile::certs(&mut &pem[..]) {
-            let cert = cert.map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
-            // A bundle may hold certificates rustls cannot use; the others still count.
-            let _ = roots.add(cert);
-        }
-        if roots.is_empty() {
-            return Err(format!(
-                "CA file {} holds no usable certificate",
-                path.display()
-            ));
-        }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut cc = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS protocol versions: {e}"))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        cc.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let cc = client_config(ca_file, "upstream.ca_file", b"http/1.1")?;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Tls {
             connector: TlsConnector::from(Arc::new(cc)),
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
+}
+
+/// A rustls (ring) client configuration trusting the PEM certificates in `ca_file`, else the
+/// system's bundle (`SSL_CERT_FILE`, else the first of the usual paths that exists), offering
+/// `alpn`. `key` names the setting in errors (`upstream.ca_file`, `tracing.ca_file`).
+pub fn client_config(
+    ca_file: Option<&std::path::Path>,
+    key: &str,
+    alpn: &[u8],
+) -> Result<rustls::ClientConfig, String> {
+    let path = match ca_file {
+        Some(p) => p.to_path_buf(),
+        None => std::env::var_os("SSL_CERT_FILE")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                SYSTEM_CA_FILES
+                    .iter()
+                    .map(std::path::PathBuf::from)
+                    .find(|p| p.is_file())
+            })
+            .ok_or_else(|| format!("no system CA bundle found; set {key} to a PEM file"))?,
+    };
+    let pem =
+        std::fs::read(&path).map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut &pem[..]) {
+        let cert = cert.map_err(|e| format!("reading CA file {}: {e}", path.display()))?;
+        // A bundle may hold certificates rustls cannot use; the others still count.
+        let _ = roots.add(cert);
+    }
+    if roots.is_empty() {
+        return Err(format!(
+            "CA file {} holds no usable certificate",
+            path.display()
+        ));
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cc = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cc.alpn_protocols = vec![alpn.to_vec()];
+    Ok(cc)
 }
 
 /// Why a worker exchange failed.
@@ -219,6 +229,9 @@ pub struct Outgoing<'a> {
     pub headers: &'a HeaderMap,
     pub strip_client_auth: bool,
     pub worker_auth: Option<&'a HeaderValue>,
+    /// A `traceparent` to send in place of the client's (tracing: the attempt's own span), written
+    /// straight into the head (no header map insert per request).
+    pub traceparent: Option<&'a [u8]>,
     pub body: &'a Bytes,
 }
 
@@ -241,7 +254,8 @@ impl Outgoing<'_> {
                 || name == header::EXPECT
                 || (name == header::AUTHORIZATION
                     && (self.strip_client_auth || self.worker_auth.is_some()))
-                || (has_connection && named_in_connection(self.headers, name.as_str()));
+                || (has_connection && named_in_connection(self.headers, name.as_str()))
+                || (self.traceparent.is_some() && name.as_str() == "traceparent");
             if skip {
                 continue;
             }
@@ -249,6 +263,9 @@ impl Outgoing<'_> {
         }
         if let Some(a) = self.worker_auth {
             push_field(&mut out, b"authorization", a.as_bytes());
+        }
+        if let Some(tp) = self.traceparent {
+            push_field(&mut out, b"traceparent", tp);
         }
         if self.body.is_empty() && matches!(*self.method, Method::GET | Method::HEAD) {
             out.extend_from_slice(b"\r\n");

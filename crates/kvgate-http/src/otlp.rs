@@ -4,7 +4,9 @@
 //! - `http://host:port[/base]`: OTLP/HTTP, protobuf `POST {base}/v1/traces`;
 //! - `grpc://host:port`: OTLP/gRPC over HTTP/2 (cleartext), the length-prefixed message `POST`ed
 //!   to `/opentelemetry.proto.collector.trace.v1.TraceService/Export`, `grpc-status` read from the
-//!   trailers (or the head of a trailers-only answer).
+//!   trailers (or the head of a trailers-only answer);
+//! - `https://…` and `grpcs://…`: the same over TLS (rustls, as `https://` workers; ALPN
+//!   `http/1.1` and `h2`), trusting `Config::ca_file` or the system's bundle.
 //!
 //! One connection at a time, made again after any error. A collector that is down or slow costs
 //! the spans (counted as failed, or dropped when the queue fills), never a request.
@@ -28,14 +30,31 @@ const MAX_ANSWER: usize = 64 << 10;
 /// Where spans go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
-    /// OTLP/HTTP: `POST http://{authority}{path}` (path ends in `/v1/traces`).
-    Http { authority: Authority, path: String },
-    /// OTLP/gRPC over cleartext HTTP/2.
-    Grpc { authority: Authority },
+    /// OTLP/HTTP: `POST http(s)://{authority}{path}` (path ends in `/v1/traces`).
+    Http {
+        authority: Authority,
+        path: String,
+        tls: bool,
+    },
+    /// OTLP/gRPC over HTTP/2, cleartext or TLS.
+    Grpc { authority: Authority, tls: bool },
 }
 
 impl Target {
-    /// `http://host:port[/base]` or `grpc://host:port`.
+    /// Whether the collector is reached over TLS (`https://`, `grpcs://`).
+    pub fn tls(&self) -> bool {
+        match self {
+            Target::Http { tls, .. } | Target::Grpc { tls, .. } => *tls,
+        }
+    }
+
+    fn authority(&self) -> &Authority {
+        match self {
+            Target::Http { authority, .. } | Target::Grpc { authority, .. } => authority,
+        }
+    }
+
+    /// `http://host:port[/base]` or `grpc://host:port`; `https://` and `grpcs://` for TLS.
     pub fn parse(s: &str) -> Result<Target, String> {
         let uri: http::Uri = s.parse().map_err(|e| format!("{s:?} is not a URL: {e}"))?;
         let authority = uri
@@ -46,7 +65,7 @@ impl Target {
             return Err(format!("{s:?} has no port"));
         }
         match uri.scheme_str() {
-            Some("http") => {
+            Some(scheme @ ("http" | "https")) => {
                 if uri.query().is_some() {
                     return Err(format!("{s:?}: a query is not allowed"));
                 }
@@ -54,16 +73,20 @@ impl Target {
                 Ok(Target::Http {
                     authority,
                     path: format!("{base}/v1/traces"),
+                    tls: scheme == "https",
                 })
             }
-            Some("grpc") => {
+            Some(scheme @ ("grpc" | "grpcs")) => {
                 if !matches!(uri.path(), "" | "/") {
-                    return Err(format!("{s:?}: a grpc:// endpoint has no path"));
+                    return Err(format!("{s:?}: a {scheme}:// endpoint has no path"));
                 }
-                Ok(Target::Grpc { authority })
+                Ok(Target::Grpc {
+                    authority,
+                    tls: scheme == "grpcs",
+                })
             }
             _ => Err(format!(
-                "{s:?}: the scheme must be http:// (OTLP/HTTP) or grpc:// (OTLP/gRPC); TLS is not supported"
+                "{s:?}: the scheme must be http:// or https:// (OTLP/HTTP), grpc:// or grpcs:// (OTLP/gRPC)"
             )),
         }
     }
@@ -73,6 +96,8 @@ impl Target {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub target: Target,
+    /// PEM certificates trusted for a TLS target; `None`: the system's bundle.
+    pub ca_file: Option<std::path::PathBuf>,
     /// Span batches (one per finished request) waiting to be sent; beyond it they are dropped.
     pub queue: usize,
     /// Most spans in one export request.
@@ -117,12 +142,22 @@ pub struct Exporter {
 
 impl Exporter {
     /// Start the export task on the current runtime; it stops (after one last flush, within the
-    /// timeout) when `cancel` fires.
-    pub fn start(cfg: Config, hooks: Hooks, cancel: CancellationToken) -> Exporter {
+    /// timeout) when `cancel` fires. `Err`: a TLS target whose CA certificates cannot be loaded.
+    pub fn start(cfg: Config, hooks: Hooks, cancel: CancellationToken) -> Result<Exporter, String> {
+        let tls = if cfg.target.tls() {
+            let alpn: &[u8] = match cfg.target {
+                Target::Http { .. } => b"http/1.1",
+                Target::Grpc { .. } => b"h2",
+            };
+            let cc = crate::client::client_config(cfg.ca_file.as_deref(), "tracing.ca_file", alpn)?;
+            Some(tokio_rustls::TlsConnector::from(Arc::new(cc)))
+        } else {
+            None
+        };
         let (tx, rx) = mpsc::channel(cfg.queue.max(1));
         let dropped = hooks.dropped.clone();
-        tokio::spawn(run(cfg, hooks, rx, cancel));
-        Exporter { tx, dropped }
+        tokio::spawn(run(cfg, tls, hooks, rx, cancel));
+        Ok(Exporter { tx, dropped })
     }
 
     /// Queue a request's spans; never waits. A full queue (collector slow or down) drops them.
@@ -143,11 +178,12 @@ impl Exporter {
 
 async fn run(
     cfg: Config,
+    tls: Option<tokio_rustls::TlsConnector>,
     hooks: Hooks,
     mut rx: mpsc::Receiver<Vec<SpanRecord>>,
     cancel: CancellationToken,
 ) {
-    let mut sender = Sender::new(cfg.target.clone(), cfg.timeout);
+    let mut sender = Sender::new(cfg.target.clone(), tls, cfg.timeout);
     let mut buf: Vec<SpanRecord> = Vec::new();
     let mut due = tokio::time::Instant::now();
     loop {
@@ -235,6 +271,7 @@ impl Conn {
 /// One connection to the collector, made again after any error.
 struct Sender {
     target: Target,
+    tls: Option<tokio_rustls::TlsConnector>,
     timeout: Duration,
     conn: Option<Conn>,
     /// Logged once per failure streak, not once per batch.
@@ -242,9 +279,10 @@ struct Sender {
 }
 
 impl Sender {
-    fn new(target: Target, timeout: Duration) -> Sender {
+    fn new(target: Target, tls: Option<tokio_rustls::TlsConnector>, timeout: Duration) -> Sender {
         Sender {
             target,
+            tls,
             timeout,
             conn: None,
             failing: false,
@@ -267,9 +305,7 @@ impl Sender {
     }
 
     async fn connect(&self) -> Result<Conn, String> {
-        let authority = match &self.target {
-            Target::Http { authority, .. } | Target::Grpc { authority } => authority,
-        };
+        let authority = self.target.authority();
         let tcp = tokio::time::timeout(
             self.timeout,
             tokio::net::TcpStream::connect(authority.as_str()),
@@ -278,7 +314,29 @@ impl Sender {
         .map_err(|_| "connect timed out".to_string())?
         .map_err(|e| format!("connect {authority}: {e}"))?;
         let _ = tcp.set_nodelay(true);
-        let io = TokioIo::new(tcp);
+        let Some(tls) = &self.tls else {
+            return self.handshake(tcp).await;
+        };
+        let host = authority.host();
+        let bare = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let name = rustls::pki_types::ServerName::try_from(bare.to_owned())
+            .map_err(|e| format!("TLS server name {bare:?}: {e}"))?;
+        let stream = tokio::time::timeout(self.timeout, tls.connect(name, tcp))
+            .await
+            .map_err(|_| "TLS handshake timed out".to_string())?
+            .map_err(|e| format!("TLS handshake with {authority}: {e}"))?;
+        self.handshake(stream).await
+    }
+
+    /// The HTTP/1.1 or HTTP/2 handshake on an open connection (TCP or TLS).
+    async fn handshake<I>(&self, io: I) -> Result<Conn, String>
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let io = TokioIo::new(io);
         match self.target {
             Target::Http { .. } => {
                 let (send, conn) = hyper::client::conn::http1::handshake(io)
@@ -323,7 +381,12 @@ impl Sender {
     async fn send_once(&mut self, body: Bytes) -> Result<u64, String> {
         let conn = self.conn.as_mut().expect("connected by send");
         match (conn, &self.target) {
-            (Conn::H1(s), Target::Http { authority, path }) => {
+            (
+                Conn::H1(s),
+                Target::Http {
+                    authority, path, ..
+                },
+            ) => {
                 s.ready().await.map_err(|e| e.to_string())?;
                 let req = Request::post(path.as_str())
                     .header(header::HOST, authority.as_str())
@@ -342,13 +405,14 @@ impl Sender {
                 }
                 Ok(rejected_spans(&answer) as u64)
             }
-            (Conn::H2(s), Target::Grpc { authority }) => {
+            (Conn::H2(s), Target::Grpc { authority, tls }) => {
                 s.ready().await.map_err(|e| e.to_string())?;
                 let mut framed = BytesMut::with_capacity(5 + body.len());
                 framed.put_u8(0);
                 framed.put_u32(body.len() as u32);
                 framed.put_slice(&body);
-                let req = Request::post(format!("http://{authority}{GRPC_PATH}"))
+                let scheme = if *tls { "https" } else { "http" };
+                let req = Request::post(format!("{scheme}://{authority}{GRPC_PATH}"))
                     .header(header::CONTENT_TYPE, "application/grpc")
                     .header(header::TE, "trailers")
                     .body(Full::new(framed.freeze()))
@@ -405,24 +469,39 @@ mod tests {
             Target::parse("http://127.0.0.1:4318").unwrap(),
             Target::Http {
                 authority: "127.0.0.1:4318".parse().unwrap(),
-                path: "/v1/traces".into()
+                path: "/v1/traces".into(),
+                tls: false
             }
         );
         assert_eq!(
             Target::parse("http://c:4318/otlp/").unwrap(),
             Target::Http {
                 authority: "c:4318".parse().unwrap(),
-                path: "/otlp/v1/traces".into()
+                path: "/otlp/v1/traces".into(),
+                tls: false
             }
         );
         assert_eq!(
             Target::parse("grpc://c:4317").unwrap(),
             Target::Grpc {
-                authority: "c:4317".parse().unwrap()
+                authority: "c:4317".parse().unwrap(),
+                tls: false
             }
         );
+        assert_eq!(
+            Target::parse("https://c:4318/otlp").unwrap(),
+            Target::Http {
+                authority: "c:4318".parse().unwrap(),
+                path: "/otlp/v1/traces".into(),
+                tls: true
+            }
+        );
+        let grpcs = Target::parse("grpcs://c:4317").unwrap();
+        assert!(grpcs.tls());
+        assert!(matches!(grpcs, Target::Grpc { .. }));
         for (bad, why) in [
-            ("https://c:4318", "scheme"),
+            ("ftp://c:4318", "scheme"),
+            ("grpcs://c:4317/x", "no path"),
             ("c:4318", "scheme"),
             ("http://c", "no port"),
             ("grpc://c:4317/x", "no path"),

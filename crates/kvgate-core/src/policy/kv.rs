@@ -43,6 +43,10 @@ impl Policy for KvPolicy {
         Some(self)
     }
 
+    fn candidate_cost(&self, req: &RouteRequest<'_>, c: &Candidate) -> Option<f64> {
+        Some(self.cfg.cost(req, c))
+    }
+
     fn select(
         &self,
         req: &RouteRequest<'_>,

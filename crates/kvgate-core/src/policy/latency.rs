@@ -99,6 +99,10 @@ impl Policy for LatencyPolicy {
         Some(self)
     }
 
+    fn candidate_cost(&self, req: &RouteRequest<'_>, c: &Candidate) -> Option<f64> {
+        Some(self.cfg.cost(req, c).0)
+    }
+
     fn select(
         &self,
         req: &RouteRequest<'_>,

@@ -106,6 +106,7 @@ pub(crate) async fn dual_dispatch(
         pick: dpick,
         guard: dguard,
         at: now,
+        queued: queue_place,
     } = app
         .decider
         .reserve(
@@ -122,9 +123,19 @@ pub(crate) async fn dual_dispatch(
         .saturating_sub(ctx.queue_wait);
     if ctx.trace.records_steps() {
         let (start, queued) = (p.t_decide, ctx.queue_wait);
-        let prefill_span = super::trace_decision(app, &ppick, "prefill", start, now, queued);
+        let prefill_span =
+            super::trace_decision(app, &ppick, "prefill", start, now, queued, None, false);
         ctx.trace.decided(prefill_span);
-        let decode_span = super::trace_decision(app, &dpick, "decode", start, now, queued);
+        let decode_span = super::trace_decision(
+            app,
+            &dpick,
+            "decode",
+            start,
+            now,
+            queued,
+            queue_place.as_ref(),
+            false,
+        );
         ctx.trace.decided(decode_span);
     }
     app.metrics
@@ -141,19 +152,12 @@ pub(crate) async fn dual_dispatch(
     let pguard = app.decider.place(ppick, prefill, &p.ri, now).guard;
     let (pw, dw) = (pguard.worker.clone(), dpick.worker);
     // Each leg's `traceparent` names its own attempt span: each gets its own copy of the headers.
-    let (mut ph, mut dh) = (None, None);
-    let ptraced = ctx
-        .trace
-        .attempt_start_copy(&p.parts.headers, &mut ph, &pw.name, "prefill");
-    let dtraced = ctx
-        .trace
-        .attempt_start_copy(&p.parts.headers, &mut dh, &dw.name, "decode");
+    let ptraced = ctx.trace.attempt_start(&pw.name, "prefill");
+    let dtraced = ctx.trace.attempt_start(&dw.name, "decode");
     let mut pout = outgoing(&p.parts, &pw, &both, auth_enabled);
     let mut dout = outgoing(&p.parts, &dw, &both, auth_enabled);
-    if let (Some(ph), Some(dh)) = (&ph, &dh) {
-        pout.headers = ph;
-        dout.headers = dh;
-    }
+    pout.traceparent = ptraced.as_ref().map(crate::trace::Attempt::traceparent);
+    dout.traceparent = dtraced.as_ref().map(crate::trace::Attempt::traceparent);
     let started = crate::clock::now();
     let heads = tokio::try_join!(
         leg(app, conns, ctx.stream, "prefill", &pw, &pout),

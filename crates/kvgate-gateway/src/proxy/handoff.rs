@@ -34,8 +34,7 @@ pub(super) fn decision(
     path: &'static str,
     reason: &'static str,
 ) {
-    ctx.trace.attr("kvgate.pd.path", path);
-    ctx.trace.attr("kvgate.pd.reason", reason);
+    ctx.trace.pd_decision(path, reason);
     app.metrics
         .pd
         .decisions
@@ -150,11 +149,11 @@ pub(crate) async fn prepare_handoff(
                 now,
                 crate::clock::now(),
                 Duration::ZERO,
+                None,
+                false,
             ));
         }
-        let traced = ctx
-            .trace
-            .attempt_start(&mut p.parts.headers, &pick.worker.name, "prefill");
+        let traced = ctx.trace.attempt_start(&pick.worker.name, "prefill");
         let started = crate::clock::now();
         let result = prefill_leg(
             app,
@@ -165,6 +164,7 @@ pub(crate) async fn prepare_handoff(
             auth_enabled,
             timeout,
             trtllm,
+            traced.as_ref().map(crate::trace::Attempt::traceparent),
         )
         .await;
         ctx.trace.attempt_end(
@@ -283,8 +283,10 @@ async fn prefill_leg(
     auth_enabled: bool,
     timeout: Duration,
     trtllm: bool,
+    traceparent: Option<&[u8]>,
 ) -> LegResult {
-    let out = super::outgoing(&p.parts, worker, body, auth_enabled);
+    let mut out = super::outgoing(&p.parts, worker, body, auth_enabled);
+    out.traceparent = traceparent;
     let read = async {
         let fwd = attempt(app, conns, false, &worker.name, &out).await.ok()?;
         let ok = fwd.resp.status.is_success();

@@ -32,7 +32,7 @@
 
 use std::cmp::Ordering as Cmp;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -193,6 +193,8 @@ pub struct Ticket<'a> {
     /// Flow control on: the ticket was charged to its class's fair-share clock (off: one FIFO
     /// queue by arrival, no clock kept).
     pub fair: bool,
+    /// 1 + the waiters ranked before it when it first queued; 0: it has not queued.
+    position: AtomicU32,
 }
 
 impl Ticket<'_> {
@@ -237,6 +239,11 @@ impl Ticket<'_> {
     /// The rank's priority (the class's).
     pub fn priority(&self) -> i32 {
         self.rank.priority
+    }
+
+    /// Its place in line when it first queued (1 = first): `None` if it never queued.
+    pub fn position(&self) -> Option<u32> {
+        std::num::NonZeroU32::new(self.position.load(Ordering::Relaxed)).map(|p| p.get())
     }
 }
 
@@ -425,6 +432,7 @@ impl Admission {
             finish,
             done: false,
             fair,
+            position: AtomicU32::new(0),
         }
     }
 
@@ -457,6 +465,11 @@ impl Admission {
                 Some(_) => Ok(()),
             };
             if room.is_ok() {
+                if seen.is_none() {
+                    let ahead = q.waiters.iter().filter(|w| w.rank.before(&t.rank)).count();
+                    t.position
+                        .store(ahead.saturating_add(1) as u32, Ordering::Relaxed);
+                }
                 q.waiters.push(Waiter {
                     rank: t.rank,
                     tag: t.tag(),

@@ -557,3 +557,34 @@ fn a_peer_head_ranks_before_by_class_then_tag() {
     );
     assert!(!ranks_before(&heads, 3, -5, 0.0), "another pool");
 }
+
+/// A ticket learns its place in line when it first queues: 1 + the waiters ranked before it
+/// (a higher class ahead of earlier batch waiters), and keeps it when woken and re-queued.
+#[tokio::test(start_paused = true)]
+async fn a_queued_ticket_knows_its_place_in_line() {
+    let a = Arc::new(flow_admission(16));
+    let _waiters = queue_up(
+        &a,
+        vec![
+            (key(0, Some("a"), 10), "batch-1"),
+            (key(0, Some("b"), 10), "batch-2"),
+            (key(10, Some("c"), 10), "interactive-1"),
+        ],
+    )
+    .await;
+    let never = a.admit(&key(0, Some("a"), 10), 1, crate::clock::now());
+    assert_eq!(never.position(), None, "not queued yet");
+    // An interactive newcomer ranks after the interactive waiter and before both batch ones.
+    let t = a.admit(&key(10, Some("a"), 10), 1, crate::clock::now());
+    let _ = tokio::time::timeout(Duration::from_millis(10), a.wait(&t, None, far(), false)).await;
+    assert_eq!(t.position(), Some(2));
+    drop(t);
+    // A batch newcomer behind everyone: the four waiters still queued, plus itself.
+    let b = a.admit(&key(0, Some("c"), 10), 1, crate::clock::now());
+    let _ = tokio::time::timeout(Duration::from_millis(10), a.wait(&b, None, far(), false)).await;
+    assert_eq!(b.position(), Some(4));
+    // Re-queued after a wake-up it could not use: the first place is kept.
+    let _ =
+        tokio::time::timeout(Duration::from_millis(10), a.wait(&b, Some(1), far(), false)).await;
+    assert_eq!(b.position(), Some(4));
+}

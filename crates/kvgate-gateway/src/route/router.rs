@@ -232,6 +232,39 @@ pub struct Pick {
     pub decision: Decision,
     /// The request's predicted TTFT/ITL on the chosen worker.
     pub estimate: TtftEstimate,
+    /// The decision's top candidates and reason, when the request asked for them
+    /// (`RouteInput::explain`: a sampled trace); `None` otherwise, at no cost.
+    pub explain: Option<Box<Explain>>,
+}
+
+/// Why a worker was chosen, as a trace's route span tells it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Explain {
+    /// The chosen worker first, then the best of the others by the policy's cost (else by
+    /// predicted TTFT), at most the number asked for.
+    pub candidates: Vec<Considered>,
+    /// How many candidates the policy saw.
+    pub seen: u32,
+    /// `overlap` (the chosen worker holds part of the prompt), `latency` (the latency policy),
+    /// `session` (the session's last worker, or `consistent_hash` on the affinity key), `load`
+    /// (least cost or load with no cache hit), or the policy's name (`round_robin`, `random`,
+    /// `consistent_hash` without a key).
+    pub reason: &'static str,
+}
+
+/// One candidate of a decision as the policy saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Considered {
+    pub worker: Arc<str>,
+    pub chosen: bool,
+    pub overlap_blocks: u32,
+    pub inflight: u32,
+    pub active_blocks: u32,
+    pub pending_prefill_tokens: u64,
+    /// The latency model's TTFT prediction there.
+    pub predicted_ttft_ms: f64,
+    /// The policy's cost there (`kv`, `latency`); `None` for policies that rank by none.
+    pub cost: Option<f64>,
 }
 
 #[derive(Default)]
@@ -272,6 +305,71 @@ fn complete(c: &mut Candidate, w: &Worker, now: Instant) {
     c.scraped = w.state.fresh_scraped(now);
     c.kv_capacity_blocks = w.state.kv_capacity_blocks.load(Ordering::Relaxed);
     c.kv_scoring = w.state.kv_scoring.load(Ordering::Relaxed);
+}
+
+/// What a decision's explanation needs besides the candidates: the policy that chose, the
+/// session's worker (its `stable_id`) when the cost had a session term, and how many candidates
+/// to list (0: none, nothing is computed).
+struct Why<'a> {
+    policy: &'a dyn Policy,
+    preferred: Option<u64>,
+    explain: u8,
+}
+
+/// The top candidates of a decision and its reason (only for requests that asked: a sampled
+/// trace's route span).
+fn explain(
+    pool: &Pool,
+    rp: &RoutePolicy,
+    req: &RouteRequest,
+    decision: &Decision,
+    chosen: &Worker,
+    candidates: &[Candidate],
+    why: &Why<'_>,
+) -> Explain {
+    let mut all: Vec<Considered> = candidates
+        .iter()
+        .filter_map(|c| {
+            let w = pool.worker(c.worker)?;
+            Some(Considered {
+                worker: w.name.clone(),
+                chosen: c.worker == decision.worker,
+                overlap_blocks: c.overlap_blocks,
+                inflight: c.inflight,
+                active_blocks: c.active_blocks,
+                pending_prefill_tokens: c.pending_prefill_tokens,
+                predicted_ttft_ms: rp.latency.estimate(req, c).predicted_ms,
+                cost: why.policy.candidate_cost(req, c),
+            })
+        })
+        .collect();
+    let seen = all.len() as u32;
+    // The chosen one first, then by cost (or predicted TTFT), then by name (stable).
+    let key = |c: &Considered| c.cost.unwrap_or(c.predicted_ttft_ms);
+    all.sort_by(|a, b| {
+        b.chosen
+            .cmp(&a.chosen)
+            .then(key(a).total_cmp(&key(b)))
+            .then(a.worker.cmp(&b.worker))
+    });
+    all.truncate(usize::from(why.explain));
+    let overlap = all
+        .first()
+        .filter(|c| c.chosen)
+        .map_or(decision.overlap_blocks, |c| c.overlap_blocks);
+    let reason = match why.policy.name() {
+        "latency" => "latency",
+        "consistent_hash" if req.affinity_key.is_some() => "session",
+        n @ ("round_robin" | "random" | "consistent_hash") => n,
+        _ if why.preferred == Some(chosen.stable_id) => "session",
+        _ if overlap > 0 && why.policy.uses_overlap() => "overlap",
+        _ => "load",
+    };
+    Explain {
+        candidates: all,
+        seen,
+        reason,
+    }
 }
 
 /// Pools of at least this many workers route `kv` (temperature 0) on the bounded path; smaller
@@ -520,12 +618,14 @@ impl Router {
             now,
             leg,
             Lane::Any,
+            0,
         )
     }
 
     /// [`Router::select_leg`] in a flow-control [`Lane`]: `Lane::Priority` may go past the busy
     /// bound and `max_inflight_per_worker` (a high class on engines that schedule by priority,
-    /// which serve it ahead of the lower classes they hold).
+    /// which serve it ahead of the lower classes they hold). `explain` > 0: the pick carries that
+    /// many top candidates and the reason ([`Pick::explain`]).
     #[allow(clippy::too_many_arguments)]
     pub fn select_for(
         &self,
@@ -537,6 +637,7 @@ impl Router {
         now: Instant,
         leg: Leg,
         lane: Lane,
+        explain: u8,
     ) -> Result<Pick, NoPick> {
         self.select_with(
             pool,
@@ -552,6 +653,7 @@ impl Router {
                 Bounded::NONE
             },
             lane,
+            explain,
         )
     }
 
@@ -574,6 +676,7 @@ impl Router {
         leg: Leg,
         bounded: Bounded,
         lane: Lane,
+        explain: u8,
     ) -> Result<Pick, NoPick> {
         let past_busy = lane == Lane::Priority;
         let rp = self.policy.load();
@@ -671,7 +774,12 @@ impl Router {
                 // exhaustive scan below gives the same answer with its `AllBusy` / `NoWorker` rule.
                 if let Some(decision) = decision {
                     if busy_off || !all_busy(candidates, &rp.busy) {
-                        return self.picked(pool, &rp, &req, decision, candidates);
+                        let why = Why {
+                            policy,
+                            preferred: None,
+                            explain,
+                        };
+                        return self.picked(pool, &rp, &req, decision, candidates, why);
                     }
                 }
             }
@@ -736,7 +844,12 @@ impl Router {
             let decision = policy
                 .select(&req, candidates, rng)
                 .ok_or(NoPick::NoWorker)?;
-            self.picked(pool, &rp, &req, decision, candidates)
+            let why = Why {
+                policy,
+                preferred,
+                explain,
+            };
+            self.picked(pool, &rp, &req, decision, candidates, why)
         })
     }
 
@@ -809,7 +922,8 @@ impl Router {
                 || w.state.inflight.load(Ordering::Relaxed) < rp.max_inflight)
     }
 
-    /// The pick of `decision` among `candidates` (the workers the policy saw, logged).
+    /// The pick of `decision` among `candidates` (the workers the policy saw, logged; listed in
+    /// the pick when `why.explain` asks).
     fn picked(
         &self,
         pool: &Pool,
@@ -817,6 +931,7 @@ impl Router {
         req: &RouteRequest,
         decision: Decision,
         candidates: &[Candidate],
+        why: Why<'_>,
     ) -> Result<Pick, NoPick> {
         let worker = pool
             .worker(decision.worker)
@@ -836,10 +951,13 @@ impl Router {
             .find(|c| c.worker == decision.worker)
             .map(|c| rp.latency.estimate(req, c))
             .unwrap_or_default();
+        let explain = (why.explain > 0)
+            .then(|| Box::new(explain(pool, rp, req, &decision, &worker, candidates, &why)));
         Ok(Pick {
             worker,
             decision,
             estimate,
+            explain,
         })
     }
 

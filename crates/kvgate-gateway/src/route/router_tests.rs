@@ -99,6 +99,7 @@ fn check_bounded_selection(policy: &str) {
                     worker: w,
                     decision,
                     estimate: TtftEstimate::default(),
+                    explain: None,
                 }
             } else {
                 match router.select(pool, &hashes, isl, None, &[], now) {
@@ -167,6 +168,7 @@ fn check_bounded_selection(policy: &str) {
                 args.6,
                 Bounded::ALL,
                 Lane::Any,
+                0,
             );
             let exhaustive = router.select_with(
                 args.0,
@@ -178,6 +180,7 @@ fn check_bounded_selection(policy: &str) {
                 args.6,
                 Bounded::NONE,
                 Lane::Any,
+                0,
             );
             checked += 1;
             match (&bounded, &exhaustive) {
@@ -304,6 +307,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             Leg::Whole,
             Bounded::ALL,
             Lane::Any,
+            0,
         )
         .unwrap();
     assert_eq!(p.worker.id, other);
@@ -319,6 +323,7 @@ fn a_reused_worker_id_starts_with_no_load() {
             Leg::Whole,
             Bounded::ALL,
             Lane::Any,
+            0,
         )
         .unwrap();
     assert_eq!(fresh.worker.id, busy, "the reused id, idle, is picked");
@@ -384,6 +389,7 @@ fn a_session_prefers_its_last_worker_softly() {
             worker: first.worker.clone(),
             decision,
             estimate: first.estimate,
+            explain: None,
         };
         guards.push(router.dispatch(&pick, &hashes, 128, 16, now));
     }
@@ -437,11 +443,12 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
             ),
             worker: w,
             estimate: Default::default(),
+            explain: None,
         }
     };
     let select = |lane: Lane| {
         router
-            .select_for(&pool, &[], 256, None, &[], now, Leg::Whole, lane)
+            .select_for(&pool, &[], 256, None, &[], now, Leg::Whole, lane, 0)
             .map(|p| {
                 pool.workers
                     .iter()
@@ -482,4 +489,96 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
     // may take one (least loaded: worker 2).
     p1.prefill_done();
     assert_eq!(select(Lane::Below), Ok(2));
+}
+
+/// `explain`: a pick lists the chosen worker first and the best others by the policy's cost,
+/// at most the number asked for, with the reason; asked for nothing it carries nothing.
+#[test]
+fn a_pick_explains_itself_only_when_asked() {
+    let mut c = Config::default();
+    for i in 0..4 {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec!["m".into()];
+        c.workers.push(w);
+    }
+    c.routing.policy = "kv".into();
+    let cfg = Arc::new(c);
+    let (reg, _) = Registry::new(cfg.clone()).unwrap();
+    let router = router(&cfg, &reg);
+    let pool = reg.snapshot().pool("m").cloned().unwrap();
+    let now = Instant::now();
+    let hashes = [11, 12, 13, 14];
+    let sel = |explain: u8, hashes: &[u64]| {
+        router
+            .select_for(
+                &pool,
+                hashes,
+                64,
+                None,
+                &[],
+                now,
+                Leg::Whole,
+                Lane::Any,
+                explain,
+            )
+            .unwrap()
+    };
+    assert!(sel(0, &hashes).explain.is_none(), "not asked: nothing");
+    // A cold fleet: no overlap anywhere, the least cost wins.
+    let first = sel(3, &hashes);
+    let e = first.explain.as_deref().unwrap();
+    assert_eq!((e.seen, e.candidates.len(), e.reason), (4, 3, "load"));
+    assert!(e.candidates[0].chosen && e.candidates[0].worker == first.worker.name);
+    assert!(e.candidates[1..].iter().all(|c| !c.chosen));
+    let costs: Vec<f64> = e.candidates.iter().map(|c| c.cost.unwrap()).collect();
+    assert_eq!(costs[0], first.decision.cost);
+    assert!(costs.windows(2).all(|w| w[0] <= w[1]), "{costs:?}");
+    assert!(e.candidates.iter().all(|c| c.predicted_ttft_ms > 0.0));
+    // Dispatched there, the prompt's blocks are on that worker: the same prompt goes back there
+    // for its overlap, and the others (loaded less) rank after it.
+    let _g = router.dispatch(&first, &hashes, 64, 16, now);
+    let again = sel(8, &hashes);
+    let e = again.explain.as_deref().unwrap();
+    assert_eq!(e.candidates.len(), 4, "all four, fewer than asked");
+    assert_eq!(e.reason, "overlap");
+    assert_eq!(again.worker.name, first.worker.name);
+    assert_eq!(e.candidates[0].overlap_blocks, 4);
+    assert_eq!(e.candidates[0].inflight, 1);
+    assert!(e.candidates[1..]
+        .iter()
+        .all(|c| c.overlap_blocks == 0 && c.inflight == 0));
+}
+
+/// Policies without a cost list candidates by predicted TTFT and say their own name.
+#[test]
+fn a_round_robin_pick_explains_itself_by_name() {
+    let mut c = Config::default();
+    for i in 0..2 {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec!["m".into()];
+        c.workers.push(w);
+    }
+    c.routing.policy = "round_robin".into();
+    let cfg = Arc::new(c);
+    let (reg, _) = Registry::new(cfg.clone()).unwrap();
+    let router = router(&cfg, &reg);
+    let pool = reg.snapshot().pool("m").cloned().unwrap();
+    let p = router
+        .select_for(
+            &pool,
+            &[1],
+            16,
+            None,
+            &[],
+            Instant::now(),
+            Leg::Whole,
+            Lane::Any,
+            4,
+        )
+        .unwrap();
+    let e = p.explain.unwrap();
+    assert_eq!(e.reason, "round_robin");
+    assert_eq!(e.candidates.len(), 2);
+    assert!(e.candidates.iter().all(|c| c.cost.is_none()));
+    assert!(e.candidates[0].chosen);
 }

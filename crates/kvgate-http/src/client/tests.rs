@@ -144,6 +144,7 @@ fn request_heads_keep_end_to_end_fields_only() {
         headers: &h,
         strip_client_auth: false,
         worker_auth: None,
+        traceparent: None,
         body: &body,
     };
     let text = String::from_utf8(out.head()).unwrap();
@@ -161,6 +162,14 @@ fn request_heads_keep_end_to_end_fields_only() {
     let text = String::from_utf8(out.head()).unwrap();
     assert!(text.contains("authorization: Bearer worker-key\r\n"));
     assert!(!text.contains("client-key"));
+    // Tracing: the attempt's traceparent replaces the client's, once.
+    let mut h2 = h.clone();
+    h2.insert("traceparent", "00-client".parse().unwrap());
+    out.headers = &h2;
+    out.traceparent = Some(b"00-attempt");
+    let text = String::from_utf8(out.head()).unwrap();
+    assert_eq!(text.matches("traceparent").count(), 1, "{text}");
+    assert!(text.contains("traceparent: 00-attempt\r\n"), "{text}");
 }
 
 thread_local! {
@@ -283,6 +292,7 @@ async fn send_post(authority: &Authority, s: &Settings) -> Result<Response, Erro
         headers: &h,
         strip_client_auth: false,
         worker_auth: None,
+        traceparent: None,
         body: &body,
     };
     send(&req, s, &pool()).await
@@ -628,6 +638,7 @@ async fn a_body_dropped_midway_closes_its_connection() {
         headers: &h,
         strip_client_auth: false,
         worker_auth: None,
+        traceparent: None,
         body: &body,
     };
     let mut r = send(&req, &s, &pool()).await.unwrap();
@@ -713,6 +724,7 @@ async fn get_https(a: &Authority, tls: Option<Tls>) -> Result<(StatusCode, Vec<u
         headers: &h,
         strip_client_auth: false,
         worker_auth: None,
+        traceparent: None,
         body: &body,
     };
     let r = send(&req, &s, &pool()).await?;

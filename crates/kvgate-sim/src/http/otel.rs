@@ -44,20 +44,24 @@ impl Traces {
             Some(e) => {
                 let target = kvgate_http::otlp::Target::parse(e)
                     .map_err(|why| anyhow::anyhow!("--otlp-traces-endpoint: {why}"))?;
-                Some(Exporter::start(
-                    kvgate_http::otlp::Config {
-                        target,
-                        queue: 1024,
-                        max_batch: 256,
-                        delay: std::time::Duration::from_millis(200),
-                        timeout: std::time::Duration::from_secs(5),
-                        resource: vec![("service.name", Value::from("kvgate-sim"))],
-                        scope: "kvgate-sim",
-                        version: env!("CARGO_PKG_VERSION"),
-                    },
-                    Hooks::none(),
-                    cancel,
-                ))
+                Some(
+                    Exporter::start(
+                        kvgate_http::otlp::Config {
+                            target,
+                            ca_file: None,
+                            queue: 1024,
+                            max_batch: 256,
+                            delay: std::time::Duration::from_millis(200),
+                            timeout: std::time::Duration::from_secs(5),
+                            resource: vec![("service.name", Value::from("kvgate-sim"))],
+                            scope: "kvgate-sim",
+                            version: env!("CARGO_PKG_VERSION"),
+                        },
+                        Hooks::none(),
+                        cancel,
+                    )
+                    .map_err(|why| anyhow::anyhow!("--otlp-traces-endpoint: {why}"))?,
+                )
             }
         };
         Ok(Traces {

@@ -145,6 +145,8 @@ impl Conversation {
                 t_decide,
                 res.at,
                 ctx.queue_wait,
+                res.queued.as_ref(),
+                p.pinned,
             ));
         }
         // A stored response lives on its origin worker only: no fallbacks.
@@ -158,12 +160,11 @@ impl Conversation {
         let mut set = Vec::new();
         let mut remove = Vec::new();
         // The worker's spans join the request's trace: `traceparent` with the attempt's span id.
-        let mut traced = http::HeaderMap::new();
-        self.attempt = ctx.trace.attempt_start(&mut traced, &worker.name, leg_name);
-        if let Some(tp) = traced.get(crate::trace::TRACEPARENT) {
+        self.attempt = ctx.trace.attempt_start(&worker.name, leg_name);
+        if let Some(a) = &self.attempt {
             set.push(pb::set_header(
                 crate::trace::TRACEPARENT.as_str(),
-                tp.as_bytes(),
+                a.traceparent(),
             ));
         }
         // As the front door's upstream hop: client credentials never reach the worker when

@@ -180,6 +180,7 @@ impl Api {
             headers: &headers,
             strip_client_auth: false,
             worker_auth: auth.as_ref(),
+            traceparent: None,
             body: &body,
         };
         let resp =
