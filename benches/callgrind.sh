@@ -23,6 +23,8 @@ set -euo pipefail
 DUR=${1:-10}
 shift || true
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=benches/otlp-sink.sh
+. "$ROOT/benches/otlp-sink.sh"
 TGT=${CARGO_TARGET_DIR:-$ROOT/target}
 CHAT_LUA=${CHAT_LUA:-/work/shared/tools/peers/chat.lua}
 POLICY=${POLICY:-kv}
@@ -47,23 +49,7 @@ wait_port $MOCK_PORT
 printf '[server]\nio_threads = 1\n' > "$WORK/one-thread.toml"
 CONFIGS=("|$WORK/one-thread.toml")
 if [ -n "${TRACING:-}" ]; then
-  command -v nginx >/dev/null || { echo "nginx not found (TRACING=1 needs it for the OTLP sink)" >&2; exit 1; }
-  mkdir -p "$WORK/sink/tmp"
-  cat > "$WORK/sink/nginx.conf" <<NG
-worker_processes 1;
-pid nginx.pid;
-error_log error.log warn;
-daemon off;
-events { worker_connections 256; }
-http {
-  access_log off;
-  client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
-  client_max_body_size 64m;
-  server { listen 127.0.0.1:30232; location / { return 200; } }
-}
-NG
-  nginx -p "$WORK/sink" -c "$WORK/sink/nginx.conf" & PIDS+=($!)
-  wait_port 30232
+  start_otlp_sink "$WORK/sink" 30232
   for r in 0.01 1.0; do
     printf '[server]\nio_threads = 1\n[tracing]\notlp_endpoint = "http://127.0.0.1:30232"\nsample_ratio = %s\n' "$r" > "$WORK/trace-$r.toml"
   done

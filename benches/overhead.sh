@@ -28,6 +28,8 @@ set -euo pipefail
 DUR=${1:-5}
 ROUNDS=${2:-1}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=benches/otlp-sink.sh
+. "$ROOT/benches/otlp-sink.sh"
 TGT=${CARGO_TARGET_DIR:-$ROOT/target}
 TOKENIZER_JSON=${TOKENIZER_JSON:-/work/real/tokenizer.json}
 PEERS=${PEERS:-/work/peers}
@@ -78,22 +80,7 @@ wait_port 30030
 
 if [ -n "${TRACING:-}" ]; then
   # The OTLP sink: its own nginx (so the nginx target's CPU is not charged for it), 200 to every POST.
-  mkdir -p "$WORK/sink/tmp"
-  cat > "$WORK/sink/nginx.conf" <<NG
-worker_processes 1;
-pid nginx.pid;
-error_log error.log warn;
-daemon off;
-events { worker_connections 256; }
-http {
-  access_log off;
-  client_body_temp_path tmp; proxy_temp_path tmp; fastcgi_temp_path tmp; uwsgi_temp_path tmp; scgi_temp_path tmp;
-  client_max_body_size 64m;
-  server { listen 127.0.0.1:30032; location / { return 200; } }
-}
-NG
-  nginx -p "$WORK/sink" -c "$WORK/sink/nginx.conf" & PIDS+=($!)
-  wait_port 30032
+  start_otlp_sink "$WORK/sink" 30032
 fi
 
 start_serve() { # label port command args... (command: a binary, or "binary subcommand")

@@ -27,6 +27,18 @@ fn config(workers: usize, other: usize, policy: &str, rng: &mut fastrand::Rng) -
     Arc::new(c)
 }
 
+/// `workers` workers serving model `m`, routed by `policy` (the rest as configured by default).
+fn one_pool(workers: usize, policy: &str) -> Config {
+    let mut c = Config::default();
+    for i in 0..workers {
+        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
+        w.models = vec!["m".to_string()];
+        c.workers.push(w);
+    }
+    c.routing.policy = policy.into();
+    c
+}
+
 fn router(cfg: &Config, reg: &Registry) -> Router {
     let policy = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd).unwrap();
     let router = Router::new(policy, Arc::new(Admission::new(16, Duration::from_secs(1))));
@@ -333,13 +345,7 @@ fn a_reused_worker_id_starts_with_no_load() {
 /// even, but not when that worker is loaded (soft), and not at all with the term off.
 #[test]
 fn a_session_prefers_its_last_worker_softly() {
-    let mut c = Config::default();
-    for i in 0..3 {
-        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
-        w.models = vec!["m".into()];
-        c.workers.push(w);
-    }
-    c.routing.policy = "kv".into();
+    let c = one_pool(3, "kv");
     let cfg = Arc::new(c);
     let (reg, _) = Registry::new(cfg.clone()).unwrap();
     let router = router(&cfg, &reg);
@@ -415,13 +421,7 @@ fn pool_size_picks_the_bounded_paths() {
 /// first token and off the last worker with no prefill pending.
 #[test]
 fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
-    let mut c = Config::default();
-    for i in 0..3 {
-        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
-        w.models = vec!["m".to_string()];
-        c.workers.push(w);
-    }
-    c.routing.policy = "least_loaded".into();
+    let mut c = one_pool(3, "least_loaded");
     c.routing.max_inflight_per_worker = 4;
     let (reg, _) = Registry::new(Arc::new(c.clone())).unwrap();
     let router = router(&c, &reg);
@@ -495,13 +495,7 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
 /// at most the number asked for, with the reason; asked for nothing it carries nothing.
 #[test]
 fn a_pick_explains_itself_only_when_asked() {
-    let mut c = Config::default();
-    for i in 0..4 {
-        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
-        w.models = vec!["m".into()];
-        c.workers.push(w);
-    }
-    c.routing.policy = "kv".into();
+    let c = one_pool(4, "kv");
     let cfg = Arc::new(c);
     let (reg, _) = Registry::new(cfg.clone()).unwrap();
     let router = router(&cfg, &reg);
@@ -552,13 +546,7 @@ fn a_pick_explains_itself_only_when_asked() {
 /// Policies without a cost list candidates by predicted TTFT and say their own name.
 #[test]
 fn a_round_robin_pick_explains_itself_by_name() {
-    let mut c = Config::default();
-    for i in 0..2 {
-        let mut w = WorkerConfig::from_url(&format!("http://w{i}:1"));
-        w.models = vec!["m".into()];
-        c.workers.push(w);
-    }
-    c.routing.policy = "round_robin".into();
+    let c = one_pool(2, "round_robin");
     let cfg = Arc::new(c);
     let (reg, _) = Registry::new(cfg.clone()).unwrap();
     let router = router(&cfg, &reg);
