@@ -67,6 +67,7 @@ pub use latency::{
 };
 pub use load::remote::RemoteLoads;
 pub use load::{ActiveSequences, LoadGuard, OrderWeights, WorkerLoad};
+pub use nohash::{FastBuild, FastHasher};
 pub use policy::{
     policy_by_name, CacheAwareConfig, ConsistentHashConfig, LatencyPolicyConfig, Policy,
     PolicyConfig, UnknownPolicy, POLICY_NAMES,

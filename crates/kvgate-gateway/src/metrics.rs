@@ -16,10 +16,12 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+pub mod hist;
 pub mod process;
+
+pub use hist::Histogram;
 
 /// `kvgate_retries_total{reason}` values (proxy.rs), created at 0 so `rate()` works from the start.
 pub const RETRY_REASONS: [&str; 6] = [
@@ -928,8 +930,8 @@ static NEXT_METRICS_ID: AtomicU64 = AtomicU64::new(0);
 const HANDLE_CACHE_MAX: usize = 4096;
 
 thread_local! {
-    static HANDLES: RefCell<HashMap<(u64, usize, usize), Arc<RequestHandles>>> =
-        RefCell::new(HashMap::new());
+    static HANDLES: RefCell<HashMap<(u64, usize, usize), Arc<RequestHandles>, kvgate_core::FastBuild>> =
+        RefCell::new(HashMap::default());
 }
 
 /// Handles to one (model, worker)'s series in the per-request families. Each is resolved on first

@@ -316,12 +316,12 @@ impl Pool {
 #[derive(Debug, Default)]
 pub struct Fleet {
     pub workers: Vec<Arc<Worker>>,
-    /// Model name or alias → pool.
-    pub pools: HashMap<Lbl, Arc<Pool>>,
+    /// Model name or alias → pool (looked up per request: a fast hasher, the keys are config).
+    pub pools: HashMap<Lbl, Arc<Pool>, kvgate_core::FastBuild>,
     pub generation: u64,
     /// Position in `workers` by worker name, built with the snapshot: a peer's message names its
     /// worker, and a fleet of thousands must not be searched per message ([`Fleet::named`]).
-    by_name: HashMap<Lbl, u32>,
+    by_name: HashMap<Lbl, u32, kvgate_core::FastBuild>,
 }
 
 impl Fleet {
@@ -334,7 +334,7 @@ impl Fleet {
             .collect();
         Fleet {
             workers,
-            pools,
+            pools: pools.into_iter().collect(),
             generation,
             by_name,
         }
