@@ -228,6 +228,14 @@ impl RequestCtx {
 
     /// Record metrics and the log line. Idempotent; also called from the observer's `Drop`.
     pub fn finish(&mut self, outcome: Outcome) {
+        if !self.finished {
+            self.finish_at(outcome, crate::clock::now());
+        }
+    }
+
+    /// [`finish`](Self::finish) with the end already read off the clock (`now`: the instant the
+    /// worker's last bytes arrived, read once for the last token and the end).
+    pub fn finish_at(&mut self, outcome: Outcome, now: Instant) {
         if self.finished {
             return;
         }
@@ -247,8 +255,7 @@ impl RequestCtx {
             }
         }
         // Release the worker's load first: a queued request may be waiting for it. The end is
-        // read once, for the guard (the slot time it teaches) and the request's duration.
-        let now = crate::clock::now();
+        // one instant, for the guard (the slot time it teaches) and the request's duration.
         if let Some(g) = self.guard.take() {
             g.release_at(now);
         }

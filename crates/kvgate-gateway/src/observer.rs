@@ -191,6 +191,11 @@ impl Observation {
 
     /// The worker's body ended normally.
     pub fn finish_ok(&mut self) {
+        self.finish_ok_at(crate::clock::now());
+    }
+
+    /// [`finish_ok`](Self::finish_ok) with the instant the last bytes arrived.
+    pub fn finish_ok_at(&mut self, now: Instant) {
         if let Scan::JsonAgent {
             doc,
             dialect,
@@ -211,7 +216,7 @@ impl Observation {
             if let (Some(id), Dialect::Responses) = (id, dialect) {
                 self.ctx.learn_response_id(&id);
             }
-            self.ctx.on_token(crate::clock::now());
+            self.ctx.on_token(now);
         }
         if let Scan::Json { tail } | Scan::JsonPd { doc: tail, .. } = &self.scan {
             if let Some(u) = find_usage(tail) {
@@ -228,9 +233,9 @@ impl Observation {
                 self.ctx.error = Some(ErrorLabel::UpstreamOom);
             }
             // Non-stream: the whole response is the "first token" (prefill and decode done).
-            self.ctx.on_token(crate::clock::now());
+            self.ctx.on_token(now);
         }
-        self.ctx.finish(Outcome::Complete);
+        self.ctx.finish_at(Outcome::Complete, now);
     }
 
     /// The worker failed after the first byte of a stream: the request ends as a stream error
@@ -283,12 +288,14 @@ impl Observation {
 
 impl ObservedBody {
     /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
-    /// usage-only event is removed on the way to the client.
+    /// usage-only event is removed on the way to the client. `answered`: when the worker's
+    /// response (a stream: its first bytes) arrived, where the idle timer starts.
     pub fn new(
         inner: ResponseBody,
         mut ctx: RequestCtx,
         sse: bool,
         idle_timeout: Option<Duration>,
+        answered: Instant,
     ) -> Self {
         // Both kinds of body: a JSON body that stalls mid-way would otherwise hold the client
         // (and the worker's load) forever, since `response_timeout_s` ends at the head.
@@ -298,7 +305,7 @@ impl ObservedBody {
             inner,
             obs: Observation::new(ctx, sse),
             idle: idle_timeout,
-            last_data: tokio::time::Instant::now(),
+            last_data: tokio::time::Instant::from_std(answered),
             idle_timer: None,
             pending: None,
             done: false,
@@ -384,16 +391,19 @@ impl Body for ObservedBody {
                             frame = Frame::data(out);
                         }
                     }
-                    if this.idle.is_some() {
-                        this.last_data = tokio::time::Instant::now();
-                    }
                     // A body of known length ends with its last data frame: hyper stops polling
                     // once it has sent content-length bytes, so waiting for `None` would record a
                     // complete response as cancelled when the body is dropped.
-                    if this.inner.is_end_stream() {
+                    let end = this.inner.is_end_stream();
+                    // One clock read per frame at most: the idle timer's and the end's.
+                    let now = (this.idle.is_some() || end).then(tokio::time::Instant::now);
+                    if let (Some(_), Some(now)) = (this.idle, now) {
+                        this.last_data = now;
+                    }
+                    if let (true, Some(now)) = (end, now) {
                         this.done = true;
                         this.pending = this.obs.take_held();
-                        this.obs.finish_ok();
+                        this.obs.finish_ok_at(now.into_std());
                     }
                     if frame.data_ref().is_some_and(|d| d.is_empty()) {
                         // Everything in this chunk was held back or stripped.

@@ -65,6 +65,9 @@ pub(crate) struct Forwarded {
     pub resp: client::Response,
     pub first: Option<(Bytes, Instant)>,
     pub body_deadline: Option<tokio::time::Instant>,
+    /// When the response head (a stream: and its first bytes) arrived: one clock read for the
+    /// worker's outcome, the first bytes' instant and the body's idle timer.
+    pub answered: Instant,
 }
 
 /// What the request path hands back: a worker's response to stream through, or (TensorRT-LLM: a
@@ -230,7 +233,8 @@ pub(crate) async fn route_and_forward(
         };
         let mut out = outgoing(&p.parts, &worker, body, auth.enabled());
         out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
-        let result = attempt(app, conns, ctx.stream, &worker.name, &out).await;
+        let sent_at = tokio::time::Instant::from_std(now);
+        let result = attempt_at(app, conns, ctx.stream, &worker.name, &out, sent_at).await;
         ctx.trace.attempt_end(traced, ended(&result));
         let can_retry = |now: Instant| {
             n_tried < max_attempts
@@ -240,7 +244,10 @@ pub(crate) async fn route_and_forward(
                     .any(|w| !tried[..n_tried].contains(&w.id) && w.state.routable(now))
                 && app.upstream.retry.try_retry(now)
         };
-        let now = crate::clock::now();
+        let now = match &result {
+            Ok(fwd) => fwd.answered,
+            Err(_) => crate::clock::now(),
+        };
         match result {
             Ok(fwd) => {
                 let s = fwd.resp.status;
@@ -674,7 +681,19 @@ pub(crate) async fn attempt(
     worker: &str,
     out: &client::Outgoing<'_>,
 ) -> Result<Forwarded, GatewayError> {
-    let sent_at = tokio::time::Instant::now();
+    attempt_at(app, conns, stream, worker, out, tokio::time::Instant::now()).await
+}
+
+/// [`attempt`] sent at `sent_at` (the front door's: the instant its reservation was made, read
+/// once for both).
+pub(crate) async fn attempt_at(
+    app: &Proxy,
+    conns: &client::Pool,
+    stream: bool,
+    worker: &str,
+    out: &client::Outgoing<'_>,
+    sent_at: tokio::time::Instant,
+) -> Result<Forwarded, GatewayError> {
     let within = if stream {
         app.upstream.first_byte_timeout
     } else {
@@ -710,10 +729,15 @@ pub(crate) async fn attempt(
         }
         Ok(Ok(resp)) => (resp, None),
     };
+    let answered = match &first {
+        Some((_, at)) => *at,
+        None => crate::clock::now(),
+    };
     Ok(Forwarded {
         resp,
         first,
         body_deadline: (!stream).then_some(deadline),
+        answered,
     })
 }
 
@@ -902,6 +926,7 @@ fn respond_forwarded(app: &Proxy, mut ctx: RequestCtx, fwd: Forwarded) -> Respon
         resp,
         first,
         body_deadline,
+        answered,
     } = fwd;
     let client::Response {
         status,
@@ -917,7 +942,7 @@ fn respond_forwarded(app: &Proxy, mut ctx: RequestCtx, fwd: Forwarded) -> Respon
     if sse || ctx.pd.as_ref().is_some_and(|p| p.usage.is_some()) {
         headers.remove(header::CONTENT_LENGTH);
     }
-    let mut body = ObservedBody::new(body, ctx, sse, app.upstream.stream_idle_timeout);
+    let mut body = ObservedBody::new(body, ctx, sse, app.upstream.stream_idle_timeout, answered);
     body.prefetched(first, body_deadline);
     let mut r = Response::new(GwBody::Observed(Box::new(body)));
     *r.status_mut() = status;
