@@ -41,7 +41,7 @@ const MAX_EVENT: usize = 1 << 20;
 /// front end that receives the body from elsewhere (an ext_proc stream). It owns the request's
 /// context and ends it exactly once.
 pub struct Observation {
-    pub(crate) ctx: RequestCtx,
+    pub(crate) ctx: Box<RequestCtx>,
     scan: Scan,
 }
 
@@ -95,7 +95,7 @@ impl Observation {
     /// With `ctx.strip_usage` (the gateway asked for usage, the client did not), a stream's
     /// usage-only event is removed on the way to the client; a disaggregated request's usage
     /// takes the prefill leg's prompt and cached tokens.
-    pub fn new(ctx: RequestCtx, sse: bool) -> Observation {
+    pub fn new(ctx: Box<RequestCtx>, sse: bool) -> Observation {
         let pd_usage = ctx.pd.as_ref().and_then(|p| p.usage);
         let dialect = match ctx.endpoint.api().response {
             ResponseShape::OpenAi => Dialect::OpenAi,
@@ -292,7 +292,7 @@ impl ObservedBody {
     /// response (a stream: its first bytes) arrived, where the idle timer starts.
     pub fn new(
         inner: ResponseBody,
-        mut ctx: RequestCtx,
+        mut ctx: Box<RequestCtx>,
         sse: bool,
         idle_timeout: Option<Duration>,
         answered: Instant,
@@ -524,7 +524,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    fn ctx() -> RequestCtx {
+    fn ctx() -> Box<RequestCtx> {
         let tel = Arc::new(Telemetry::new(
             Arc::new(crate::metrics::Metrics::new()),
             &crate::config::SloConfig::default(),

@@ -81,7 +81,7 @@ pub(crate) enum Routed {
 }
 
 /// Answer with a gateway error, recording it.
-pub fn reject(mut ctx: RequestCtx, e: GatewayError) -> Response<GwBody> {
+pub fn reject(mut ctx: Box<RequestCtx>, e: GatewayError) -> Response<GwBody> {
     ctx.error = Some(e.label());
     // In the request's API's own error shape (and status: Anthropic's 529 for shed requests).
     let resp = e.into_response_for(ctx.endpoint.api().errors);
@@ -901,7 +901,7 @@ async fn read_body(
 }
 
 /// The client's response: a worker's through the observer, or a whole answer already read.
-pub(crate) fn respond(app: &Proxy, mut ctx: RequestCtx, routed: Routed) -> Response<GwBody> {
+pub(crate) fn respond(app: &Proxy, mut ctx: Box<RequestCtx>, routed: Routed) -> Response<GwBody> {
     let fwd = match routed {
         Routed::Worker(f) => f,
         Routed::Whole(body) => {
@@ -921,7 +921,7 @@ pub(crate) fn respond(app: &Proxy, mut ctx: RequestCtx, routed: Routed) -> Respo
 }
 
 /// Pass the worker's response through the observer (its hop-by-hop fields are already gone).
-fn respond_forwarded(app: &Proxy, mut ctx: RequestCtx, fwd: Forwarded) -> Response<GwBody> {
+fn respond_forwarded(app: &Proxy, mut ctx: Box<RequestCtx>, fwd: Forwarded) -> Response<GwBody> {
     let Forwarded {
         resp,
         first,

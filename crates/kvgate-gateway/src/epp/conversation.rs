@@ -89,7 +89,7 @@ enum Held {
     /// A request of a client API: its context (load guard, timings) before the response, its
     /// observation after.
     Api {
-        ctx: Option<RequestCtx>,
+        ctx: Option<Box<RequestCtx>>,
         obs: Option<Observation>,
     },
     /// Any other request (bodiless, another path): the load only (held for its drop).
@@ -542,7 +542,7 @@ impl Conversation {
 
     /// A rejected client-API request: recorded (as the front door's `proxy::reject`, with the
     /// status its API's clients get) and returned.
-    fn reject(&self, mut ctx: RequestCtx, e: GatewayError) -> GatewayError {
+    fn reject(&self, mut ctx: Box<RequestCtx>, e: GatewayError) -> GatewayError {
         ctx.status = e.status_for(self.shape).as_u16();
         ctx.error = Some(e.label());
         ctx.finish(Outcome::Rejected);
