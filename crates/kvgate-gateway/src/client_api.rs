@@ -199,6 +199,10 @@ pub fn session_key(
     // name (each would parse and hash it); the configured order decides between two present.
     // `iter()` yields each name's values together, first value first: only a name's first value
     // counts (as `HeaderMap::get` would answer), without hashing the name again to look it up.
+    // The configured names' lengths as a bit set: most of a request's headers (host,
+    // content-type, content-length, ...) are ruled out by their length alone.
+    let bit = |n: usize| 1u64 << n.min(63);
+    let lens = headers.iter().fold(0u64, |m, h| m | bit(h.len()));
     let mut best: Option<(usize, &[u8])> = None;
     let mut last: Option<&http::HeaderName> = None;
     for (name, value) in req_headers.iter() {
@@ -206,7 +210,11 @@ pub fn session_key(
             continue;
         }
         last = Some(name);
-        let Some(i) = headers.iter().position(|h| h == name.as_str()) else {
+        let name = name.as_str();
+        if lens & bit(name.len()) == 0 {
+            continue;
+        }
+        let Some(i) = headers.iter().position(|h| h == name) else {
             continue;
         };
         if best.is_some_and(|(j, _)| j < i) {

@@ -351,6 +351,9 @@ pub(crate) fn prioritized(
     p: &Prepared,
     worker: &crate::registry::Worker,
 ) -> Option<Bytes> {
+    if !app.decider.router().admission().forwards() {
+        return None;
+    }
     let policy = app.decider.router().admission().policy();
     let class = policy.class(p.ri.flow.priority).priority;
     let prio = crate::flow::engine_priority(&policy, worker.kind, class)?;

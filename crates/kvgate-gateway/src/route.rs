@@ -256,6 +256,9 @@ impl Decider {
     /// the priority forwarded (they schedule by it), and keeps the lower classes of such pools
     /// out of their way.
     fn lane(&self, t: &Ticket<'_>, pool: &Pool) -> Lane {
+        if !self.router.admission().forwards() {
+            return Lane::Any;
+        }
         let p = self.router.admission().policy();
         let Some(b) = p.bypass_busy_priority.filter(|_| p.enabled) else {
             return Lane::Any;

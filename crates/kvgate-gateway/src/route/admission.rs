@@ -123,6 +123,10 @@ impl ClassClock {
 pub struct Admission {
     queue: Mutex<Queue>,
     policy: ArcSwap<FlowPolicy>,
+    /// The policy forwards the priority to some worker kind (flow control on and
+    /// `forward_priority` not empty): the requests of the default setup (off) skip loading the
+    /// policy for the engine priority and the lanes.
+    forwards: AtomicBool,
     next_ticket: AtomicU64,
     max_len: AtomicUsize,
     timeout_ms: AtomicU64,
@@ -277,6 +281,7 @@ impl Admission {
                 deferred: false,
             }),
             policy: ArcSwap::from_pointee(FlowPolicy::default()),
+            forwards: AtomicBool::new(false),
             next_ticket: AtomicU64::new(1),
             max_len: AtomicUsize::new(max_len),
             timeout_ms: AtomicU64::new(timeout.as_millis() as u64),
@@ -321,7 +326,17 @@ impl Admission {
             self.reset_below
                 .store(self.next_ticket.load(Ordering::Relaxed), Ordering::Relaxed);
         }
+        self.forwards.store(
+            policy.enabled && !policy.forward_priority.is_empty(),
+            Ordering::Relaxed,
+        );
         self.policy.store(Arc::new(policy));
+    }
+
+    /// Whether any worker kind gets the priority forwarded (see [`FlowPolicy::forwards_to`]):
+    /// when not, neither the engine priority nor the lanes apply, and the policy need not be read.
+    pub fn forwards(&self) -> bool {
+        self.forwards.load(Ordering::Relaxed)
     }
 
     /// A rank as it compares now: tickets from before flow control was turned off rank by

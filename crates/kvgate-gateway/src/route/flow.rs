@@ -74,6 +74,12 @@ pub const OTHER_TENANT: &str = "other";
 /// The `tenant` label of requests without a fairness key.
 pub const NO_TENANT: &str = "none";
 
+/// The two fixed labels, allocated once: every request without a fairness key takes `none`.
+static NO_TENANT_LABEL: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| NO_TENANT.into());
+static OTHER_TENANT_LABEL: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| OTHER_TENANT.into());
+
 impl Default for FlowPolicy {
     fn default() -> Self {
         FlowPolicy::new(&FlowControlConfig::default())
@@ -161,10 +167,10 @@ impl FlowPolicy {
     /// (`none` without a fairness key).
     pub fn tenant_label(&self, tenant: Option<&str>) -> Arc<str> {
         match tenant {
-            None => NO_TENANT.into(),
+            None => NO_TENANT_LABEL.clone(),
             Some(t) => match self.tenants.get_key_value(t) {
                 Some((k, _)) => k.clone(),
-                None => OTHER_TENANT.into(),
+                None => OTHER_TENANT_LABEL.clone(),
             },
         }
     }

@@ -160,12 +160,14 @@ impl SpeedBoard {
         let cell = self.cell(w);
         // The floor moves with the published factor: down before the cell changes, up after, so
         // a decision never reads a floor above a factor it may read.
-        let new = model.fit(w).map(|fit| fit.speed().prefill);
+        // The fit's factors are computed once (each is an `exp` of the learned log-speed).
+        let fit = model.fit(w).map(|fit| (fit.speed(), fit.slots()));
+        let new = fit.map(|(s, _)| s.prefill);
         // Most publications (every first token and request end) leave the prefill factor as it
         // was: then the floor cannot move, and its lock and two order updates are skipped.
         let old = cell.known.load(Ordering::Acquire).then(|| f(&cell.prefill));
         if old.map(f64::to_bits) == new.map(f64::to_bits) {
-            self.publish_cell(&cell, model, w);
+            Self::publish_cell(&cell, fit);
             return;
         }
         let (before, after) = {
@@ -182,16 +184,15 @@ impl SpeedBoard {
         if after < before {
             self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
         }
-        self.publish_cell(&cell, model, w);
+        Self::publish_cell(&cell, fit);
         if after >= before {
             self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
         }
     }
 
-    fn publish_cell(&self, cell: &Cell, model: &LatencyModel, w: WorkerId) {
-        match model.fit(w) {
-            Some(fit) => {
-                let (s, slots) = (fit.speed(), fit.slots());
+    fn publish_cell(cell: &Cell, fit: Option<(Speed, EngineSlots)>) {
+        match fit {
+            Some((s, slots)) => {
                 set(&cell.prefill, s.prefill);
                 set(&cell.decode, s.decode);
                 cell.limit.store(slots.limit, Ordering::Relaxed);
