@@ -67,6 +67,12 @@ pub struct FlowArgs {
 struct Figures {
     idle_p99_ms: f64,
     flood_p99_ms: f64,
+    /// Under the flood, the interactive requests split by whether they arrived while another
+    /// interactive request awaited its first token (the class's own prefill in the way): the
+    /// share that did, and the TTFT p99 of each part.
+    flood_overlap_share: f64,
+    flood_overlap_p99_ms: f64,
+    flood_alone_p99_ms: f64,
     flood_attainment: f64,
     interactive_errors: u64,
     batch_errors: u64,
@@ -185,6 +191,44 @@ fn p99_ttft_ms(r: &RunResult) -> f64 {
     percentiles(&h).p99
 }
 
+/// The successful requests of `r` split by whether each was sent while another of `r`'s requests
+/// was still waiting for its first token: `(overlapped, alone)` TTFT p99s in ms and the
+/// overlapped share of the requests with a TTFT.
+fn overlap_split(r: &RunResult) -> (f64, f64, f64) {
+    let done: Vec<(Duration, Duration)> = r
+        .outcomes
+        .iter()
+        .filter(|o| o.ok())
+        .filter_map(|o| Some((o.sent_at, o.ttft?)))
+        .collect();
+    let (mut over, mut alone) = (new_histogram(), new_histogram());
+    let mut n_over = 0usize;
+    for (i, &(sent, ttft)) in done.iter().enumerate() {
+        let overlapped = done
+            .iter()
+            .enumerate()
+            .any(|(j, &(s, t))| j != i && s <= sent && sent < s + t);
+        if overlapped {
+            n_over += 1;
+            record(&mut over, ttft);
+        } else {
+            record(&mut alone, ttft);
+        }
+    }
+    let p99 = |h: &hdrhistogram::Histogram<u64>| {
+        if h.len() == 0 {
+            0.0
+        } else {
+            percentiles(h).p99
+        }
+    };
+    (
+        p99(&over),
+        p99(&alone),
+        n_over as f64 / done.len().max(1) as f64,
+    )
+}
+
 fn errors(r: &RunResult) -> u64 {
     r.outcomes.iter().filter(|o| !o.ok()).count() as u64
 }
@@ -240,6 +284,11 @@ async fn mode(a: &FlowArgs, fleet: &Fleet, mode: Mode) -> anyhow::Result<Figures
         let objective = Duration::from_millis(a.objective_ms);
         let ok: Vec<_> = inter.outcomes.iter().filter(|o| o.ok()).collect();
         f.flood_p99_ms = p99_ttft_ms(&inter);
+        (
+            f.flood_overlap_p99_ms,
+            f.flood_alone_p99_ms,
+            f.flood_overlap_share,
+        ) = overlap_split(&inter);
         f.flood_attainment = ok
             .iter()
             .filter(|o| o.ttft.is_some_and(|t| t <= objective))
@@ -395,6 +444,20 @@ fn table(a: &FlowArgs, slots: usize, off: &Figures, on: &Figures, engine: &Figur
     });
     row(
         &mut t,
+        "  arriving while another interactive request awaited its first token",
+        &|f| format!("{:.1}%", f.flood_overlap_share * 100.0),
+    );
+    row(&mut t, "  p99 of those / of the others (ms)", &|f| {
+        format!(
+            "{:.0} / {:.0}",
+            f.flood_overlap_p99_ms, f.flood_alone_p99_ms
+        )
+    });
+    row(&mut t, "  ratio of the others' p99 to idle", &|f| {
+        format!("{:.2}", f.flood_alone_p99_ms / f.idle_p99_ms.max(1e-9))
+    });
+    row(
+        &mut t,
         &format!(
             "interactive meeting {} ms TTFT under the flood",
             a.objective_ms
@@ -495,6 +558,47 @@ pub async fn run_flow(mut a: FlowArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn outcome(sent_ms: u64, ttft_ms: Option<u64>, ok: bool) -> crate::stats::Outcome {
+        crate::stats::Outcome {
+            sent_at: Duration::from_millis(sent_ms),
+            ttft: ttft_ms.map(Duration::from_millis),
+            itl: Vec::new(),
+            e2e: Duration::from_millis(ttft_ms.unwrap_or(0) + 100),
+            prompt_tokens: 1,
+            output_tokens: 1,
+            cached_tokens: None,
+            error: (!ok).then(|| "http_500".to_string()),
+        }
+    }
+
+    /// A request counts as overlapped when it was sent while another awaited its first token
+    /// (sent at or after the other's send, before the other's first token); failed requests and
+    /// requests without a first token are left out of both parts.
+    #[test]
+    fn the_overlap_split_finds_requests_sent_during_anothers_prefill() {
+        let r = RunResult {
+            outcomes: vec![
+                outcome(0, Some(30), true),    // alone
+                outcome(10, Some(50), true),   // during the first's wait (0..30)
+                outcome(100, Some(20), true),  // alone
+                outcome(120, Some(25), true),  // at the other's first token: alone
+                outcome(130, Some(40), false), // failed: out
+                outcome(200, None, true),      // no first token: out
+                outcome(205, Some(10), true),  // alone (the one before has no TTFT)
+            ],
+            duration: Duration::from_secs(1),
+        };
+        let (over, alone, share) = overlap_split(&r);
+        assert!((share - 1.0 / 5.0).abs() < 1e-9, "{share}");
+        assert!((49.0..=51.0).contains(&over), "{over}");
+        assert!((29.0..=31.0).contains(&alone), "{alone}");
+        let empty = RunResult {
+            outcomes: Vec::new(),
+            duration: Duration::ZERO,
+        };
+        assert_eq!(overlap_split(&empty), (0.0, 0.0, 0.0));
+    }
 
     #[test]
     fn the_generated_configs_parse_as_the_gateway_reads_them() {
