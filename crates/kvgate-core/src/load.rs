@@ -192,6 +192,8 @@ pub(crate) struct Inner {
     /// prompt blocks are active there, and the 64-worker words still matching.
     depth: Vec<u32>,
     alive: Vec<u64>,
+    /// Scratch of [`Inner::walk_two`]: the workers already passed to its callback.
+    seen: Vec<u64>,
     next_key: u64,
     pool: Vec<Vec<BlockHash>>,
 }
@@ -354,6 +356,68 @@ impl Inner {
             }
         }
         true
+    }
+
+    /// Visits the known workers in two load orders at once, each worker once: at every step the
+    /// next worker of the order whose next worker has the lower `prio(key_a, key_b)` (its own keys
+    /// in both orders; ties: order `a`). `f` gets, besides the worker and its load, the keys of the
+    /// next workers not yet taken from each order *before* this step: every worker not visited
+    /// yet has keys at least those (the threshold of a walk over two sorted lists). It returns
+    /// false to stop. Stops too when either order is exhausted (every worker visited). False when
+    /// either weight set gives no order (nothing was visited).
+    pub(crate) fn walk_two(
+        &mut self,
+        a: OrderWeights,
+        b: OrderWeights,
+        prio: impl Fn(f64, f64) -> f64,
+        mut f: impl FnMut((f64, f64), WorkerId, WorkerLoad) -> bool,
+    ) -> bool {
+        if self.order(a).is_none() || self.order(b).is_none() {
+            return false;
+        }
+        let Inner {
+            orders,
+            workers,
+            seen,
+            ..
+        } = self;
+        let (Some(oa), Some(ob)) = (
+            orders.iter().find(|o| o.weights == a),
+            orders.iter().find(|o| o.weights == b),
+        ) else {
+            return false;
+        };
+        seen.clear();
+        seen.resize(workers.len().div_ceil(64), 0);
+        let load = |w: WorkerId| {
+            workers[w.index()]
+                .as_ref()
+                .map(WorkerState::load)
+                .unwrap_or_default()
+        };
+        let taken = |seen: &[u64], w: WorkerId| seen[w.index() / 64] >> (w.index() % 64) & 1 == 1;
+        let (mut ia, mut ib) = (oa.iter().peekable(), ob.iter().peekable());
+        loop {
+            // Workers already taken from the other order are passed over.
+            while ia.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+            while ib.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+            let (Some(&(ka, wa)), Some(&(kb, wb))) = (ia.peek(), ib.peek()) else {
+                return true;
+            };
+            let (la, lb) = (load(wa), load(wb));
+            let from_a = prio(ka, b.key(&la)) <= prio(a.key(&lb), kb);
+            let (w, l) = if from_a {
+                ia.next();
+                (wa, la)
+            } else {
+                ib.next();
+                (wb, lb)
+            };
+            seen[w.index() / 64] |= 1 << (w.index() % 64);
+            if !f((ka, kb), w, l) {
+                return true;
+            }
+        }
     }
 
     /// A known worker's load (`None`: not known).

@@ -718,8 +718,8 @@ impl Router {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
                     // `active`); `active` is locked inside. Speeds are read without a lock
-                    // (the floor first: a publication lowers it before the factor it covers).
-                    let speed_floor = self.speeds.prefill_floor();
+                    // (the bounds first: a publication loosens them before the factor they cover).
+                    let speed_bounds = self.speeds.bounds();
                     let index = self.index.read();
                     let mut remote = self.cluster.get().map(|_| self.remote.lock());
                     let speeds = self.speeds.view();
@@ -761,7 +761,7 @@ impl Router {
                             &self.active,
                             &req,
                             now,
-                            speed_floor,
+                            speed_bounds,
                             scores,
                             candidates,
                             prepare,
@@ -1007,7 +1007,7 @@ impl Router {
             );
             (c.clone(), id)
         });
-        pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);
+        pick.worker.state.add_inflight();
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
         self.speeds
             .record_routed(pick.worker.id, pick.estimate.predicted_ms);
@@ -1190,7 +1190,7 @@ impl Drop for DispatchGuard {
         if let Some((c, id)) = &self.cluster {
             c.free(*id);
         }
-        self.worker.state.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.state.sub_inflight();
         // What the end of the request teaches, in one lock: its decode speed, its output and how
         // long it held an engine slot there (the slot wait; only requests the engine ran: an early
         // failure says nothing about it).
