@@ -380,12 +380,13 @@ fn explain(
 const BOUNDED_FROM_WORKERS: usize = 32;
 
 /// Pools of at least this many workers route `latency` (temperature 0, no SLO) on the bounded
-/// path. Its lower bound leaves out the decode slowdown a worker's running requests add, so under
-/// load it visits much of the fleet: `fleet_bench` (one run, p99 exhaustive → bounded) had it
-/// slower than the scan at 256 (18.1 → 21.4 µs), 1,024 (64.4 → 84.6 µs) and 2,048 workers
-/// (91.9 → 140.5 µs, though p50 64.5 → 11.2 µs) and faster only at 4,096 (197.8 → 44.9 µs)
+/// path. Its lower bound counts the running requests' decode slowdown (with the decode speed
+/// ceiling) and the walk takes the non-holders by pending prefill and by in-flight requests at
+/// once; `fleet_bench` (one run, p99 exhaustive → bounded) has it faster than the scan from 128
+/// workers (12.0 → 8.6 µs; 1,024: 48.6 → 13.4 µs; 4,096: 263.6 → 44.8 µs) but not at 64 (5.0 →
+/// 6.5 µs: the workers' own speeds are in no order, so it still visits 37 of them)
 /// (docs/routing.md §8b).
-const LATENCY_BOUNDED_FROM_WORKERS: usize = 4096;
+const LATENCY_BOUNDED_FROM_WORKERS: usize = 128;
 
 /// Which policies [`Router::select_with`] may route on the bounded path (§8b).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
