@@ -108,9 +108,10 @@ pub fn select_kv_bounded(
 /// Bounds of the speed factors every worker may have, for [`select_latency_bounded`]: no worker's
 /// prefill factor (`Candidate::speed.prefill`) is below `prefill_floor` and no worker's decode
 /// factor (`Candidate::speed.decode`) above `decode_ceiling`, e.g. the fastest and the slowest
-/// known worker's (with the default of unknown workers). A floor that is not finite and positive:
-/// every known worker is visited; a ceiling that is not finite: the decode slowdown a worker's
-/// running requests suffer is bounded without it (looser, still a lower bound).
+/// known worker's (with the default of unknown workers). A floor that is not finite and positive,
+/// or a ceiling that is NaN or negative (no bound known): every known worker is visited; a
+/// ceiling of +∞ (none): the decode step is bounded by the request's own prefill instead (looser,
+/// still a lower bound).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SpeedBounds {
     /// No prefill factor is below it.
@@ -243,7 +244,7 @@ pub fn select_latency_bounded(
         && model.pending_weight.is_finite()
         && floor.is_finite()
         && floor > 0.0
-        && !(speeds.decode_ceiling < 0.0);
+        && speeds.decode_ceiling >= 0.0;
     let lb = LatencyBound::new(cfg, uncached, speeds);
     let walk = bounded.then_some(Walk::Two(BY_PENDING, BY_INFLIGHT));
     visit_bounded(
@@ -353,18 +354,13 @@ fn visit_bounded(
             visit(w, load, &mut best, candidates);
             true
         }),
-        Some(Walk::Two(a, b)) => g.walk_two(
-            a,
-            b,
-            |ka, kb| bound(ka, kb),
-            |(ka, kb), w, load| {
-                if stop(best, bound(ka, kb)) {
-                    return false;
-                }
-                visit(w, load, &mut best, candidates);
-                true
-            },
-        ),
+        Some(Walk::Two(a, b)) => g.walk_two(a, b, &bound, |(ka, kb), w, load| {
+            if stop(best, bound(ka, kb)) {
+                return false;
+            }
+            visit(w, load, &mut best, candidates);
+            true
+        }),
     };
     if !walked {
         // No order to walk (no weights, or weights without a lower bound): every known worker.

@@ -710,7 +710,7 @@ impl Router {
                 bounded.kv && preferred.is_none() && !sampling
             });
             // `latency` at temperature 0 without an SLO picks the lowest cost too, which the
-            // bounded walk finds with the speed floor (docs/routing.md §8b).
+            // bounded walk finds with the speed bounds (docs/routing.md §8b).
             let latency = policy.as_latency().filter(|l| {
                 let cfg = l.config();
                 bounded.latency && preferred.is_none() && cfg.temperature <= 0.0 && !cfg.slo_on()
