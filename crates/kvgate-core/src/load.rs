@@ -397,22 +397,44 @@ impl Inner {
         };
         let taken = |seen: &[u64], w: WorkerId| seen[w.index() / 64] >> (w.index() % 64) & 1 == 1;
         let (mut ia, mut ib) = (oa.iter().peekable(), ob.iter().peekable());
+        // Each order's next worker not taken yet: (key, worker, load, prio), kept until it is
+        // taken (by either order).
+        type Head = Option<(f64, WorkerId, WorkerLoad, f64)>;
+        let (mut ha, mut hb): (Head, Head) = (None, None);
         loop {
-            // Workers already taken from the other order are passed over.
-            while ia.next_if(|&(_, w)| taken(seen, w)).is_some() {}
-            while ib.next_if(|&(_, w)| taken(seen, w)).is_some() {}
-            let (Some(&(ka, wa)), Some(&(kb, wb))) = (ia.peek(), ib.peek()) else {
+            if ha.is_none() {
+                while ia.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+                let Some(&(k, w)) = ia.peek() else {
+                    return true;
+                };
+                let l = load(w);
+                ha = Some((k, w, l, prio(k, b.key(&l))));
+            }
+            if hb.is_none() {
+                while ib.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+                let Some(&(k, w)) = ib.peek() else {
+                    return true;
+                };
+                let l = load(w);
+                hb = Some((k, w, l, prio(a.key(&l), k)));
+            }
+            let (Some((ka, wa, la, pa)), Some((kb, wb, lb, pb))) = (ha, hb) else {
                 return true;
             };
-            let (la, lb) = (load(wa), load(wb));
-            let from_a = prio(ka, b.key(&la)) <= prio(a.key(&lb), kb);
-            let (w, l) = if from_a {
+            let (w, l) = if pa <= pb {
                 ia.next();
                 (wa, la)
             } else {
                 ib.next();
                 (wb, lb)
             };
+            // The other order's head may be this same worker: taken now, so looked up again.
+            if wa == w {
+                ha = None;
+            }
+            if wb == w {
+                hb = None;
+            }
             seen[w.index() / 64] |= 1 << (w.index() % 64);
             if !f((ka, kb), w, l) {
                 return true;
