@@ -14,7 +14,7 @@
 //! load order is exercised), how often both pick the same worker and the largest relative cost
 //! difference, the memory per indexed (block, worker) entry and the event ingest rate; then the
 //! same for the `latency` policy ([`select_latency_bounded`] against every worker scored, learned
-//! prefill speeds 0.8–1.6 by worker, 5k calls each, no dispatch between calls).
+//! prefill speeds 0.8–1.6 by worker, decode speed 1, 5k calls each, no dispatch between calls).
 
 use criterion::{criterion_group, Criterion};
 use kvgate_core::policy::{KvPolicy, LatencyPolicy, LatencyPolicyConfig};
@@ -181,7 +181,10 @@ impl Path {
             &f.active,
             &req(h),
             now,
-            SPEED_FLOOR,
+            SpeedBounds {
+                prefill_floor: SPEED_FLOOR,
+                decode_ceiling: 1.0,
+            },
             &mut self.scores,
             &mut self.cands,
             |c| {

@@ -75,7 +75,7 @@ pub use policy::{
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,
     score_candidates, select_kv_bounded, select_latency_bounded, BusyThresholds, Candidate,
-    Decision, Eligibility, KvCostConfig, RouteRequest, ScrapedLoad,
+    Decision, Eligibility, KvCostConfig, RouteRequest, ScrapedLoad, SpeedBounds,
 };
 
 /// A chained KV block hash as computed by the router (see [`hash`]). Also used for the engine's

@@ -192,6 +192,8 @@ pub(crate) struct Inner {
     /// prompt blocks are active there, and the 64-worker words still matching.
     depth: Vec<u32>,
     alive: Vec<u64>,
+    /// Scratch of [`Inner::walk_two`]: the workers already passed to its callback.
+    seen: Vec<u64>,
     next_key: u64,
     pool: Vec<Vec<BlockHash>>,
 }
@@ -354,6 +356,90 @@ impl Inner {
             }
         }
         true
+    }
+
+    /// Visits the known workers in two load orders at once, each worker once: at every step the
+    /// next worker of the order whose next worker has the lower `prio(key_a, key_b)` (its own keys
+    /// in both orders; ties: order `a`). `f` gets, besides the worker and its load, the keys of the
+    /// next workers not yet taken from each order *before* this step: every worker not visited
+    /// yet has keys at least those (the threshold of a walk over two sorted lists). It returns
+    /// false to stop. Stops too when either order is exhausted (every worker visited). False when
+    /// either weight set gives no order (nothing was visited).
+    pub(crate) fn walk_two(
+        &mut self,
+        a: OrderWeights,
+        b: OrderWeights,
+        prio: impl Fn(f64, f64) -> f64,
+        mut f: impl FnMut((f64, f64), WorkerId, WorkerLoad) -> bool,
+    ) -> bool {
+        if self.order(a).is_none() || self.order(b).is_none() {
+            return false;
+        }
+        let Inner {
+            orders,
+            workers,
+            seen,
+            ..
+        } = self;
+        let (Some(oa), Some(ob)) = (
+            orders.iter().find(|o| o.weights == a),
+            orders.iter().find(|o| o.weights == b),
+        ) else {
+            return false;
+        };
+        seen.clear();
+        seen.resize(workers.len().div_ceil(64), 0);
+        let load = |w: WorkerId| {
+            workers[w.index()]
+                .as_ref()
+                .map(WorkerState::load)
+                .unwrap_or_default()
+        };
+        let taken = |seen: &[u64], w: WorkerId| seen[w.index() / 64] >> (w.index() % 64) & 1 == 1;
+        let (mut ia, mut ib) = (oa.iter().peekable(), ob.iter().peekable());
+        // Each order's next worker not taken yet: (key, worker, load, prio), kept until it is
+        // taken (by either order).
+        type Head = Option<(f64, WorkerId, WorkerLoad, f64)>;
+        let (mut ha, mut hb): (Head, Head) = (None, None);
+        loop {
+            if ha.is_none() {
+                while ia.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+                let Some(&(k, w)) = ia.peek() else {
+                    return true;
+                };
+                let l = load(w);
+                ha = Some((k, w, l, prio(k, b.key(&l))));
+            }
+            if hb.is_none() {
+                while ib.next_if(|&(_, w)| taken(seen, w)).is_some() {}
+                let Some(&(k, w)) = ib.peek() else {
+                    return true;
+                };
+                let l = load(w);
+                hb = Some((k, w, l, prio(a.key(&l), k)));
+            }
+            let (Some((ka, wa, la, pa)), Some((kb, wb, lb, pb))) = (ha, hb) else {
+                return true;
+            };
+            let (w, l) = if pa <= pb {
+                ia.next();
+                (wa, la)
+            } else {
+                ib.next();
+                (wb, lb)
+            };
+            // The other order's head may be this same worker: taken now, so looked up again.
+            if wa == w {
+                ha = None;
+            }
+            if wb == w {
+                hb = None;
+            }
+            seen[w.index() / 64] |= 1 << (w.index() % 64);
+            if !f((ka, kb), w, l) {
+                return true;
+            }
+        }
     }
 
     /// A known worker's load (`None`: not known).

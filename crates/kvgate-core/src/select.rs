@@ -15,7 +15,7 @@
 //! probability ∝ exp(−(c_i − min) / ((max − min) · T)), uniform when all are equal.
 
 pub mod bounded;
-pub use bounded::{select_kv_bounded, select_latency_bounded};
+pub use bounded::{select_kv_bounded, select_latency_bounded, SpeedBounds};
 
 use crate::index::{KvIndex, OverlapScores};
 use crate::load::ActiveSequences;

@@ -42,15 +42,12 @@ use crate::registry::{Pool, Worker};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Whether `worker` has more requests in flight than the average decode-capable worker of `decode`
-/// plus one (then a short prompt is not run locally there: `route::Decider::plan_pd`).
-pub fn crowded(decode: &Pool, worker: &Worker) -> bool {
-    let n = decode.workers.len().max(1) as u64;
-    let total: u64 = decode
-        .workers
-        .iter()
-        .map(|w| u64::from(w.state.inflight.load(Ordering::Relaxed)))
-        .sum();
+/// Whether `worker` has more requests in flight than the average decode-capable worker of the
+/// split plus one (then a short prompt is not run locally there: `route::Decider::plan_pd`). The
+/// total is the split's maintained sum ([`RoleSplit::decode_inflight`]): no pass over the pool.
+pub fn crowded(roles: &RoleSplit, worker: &Worker) -> bool {
+    let n = roles.decode.workers.len().max(1) as u64;
+    let total = roles.decode_inflight();
     let mine = u64::from(worker.state.inflight.load(Ordering::Relaxed));
     // mine > mean + 1, in integers.
     mine * n > total + n
@@ -117,15 +114,14 @@ pub fn roles(pool: &Pool) -> Arc<RoleSplit> {
             return s;
         }
     }
-    let s = Arc::new(RoleSplit {
+    let s = Arc::new(RoleSplit::new(
         generation,
-        applies: pool
-            .workers
+        pool.workers
             .iter()
             .any(|w| w.role() == Some(WorkerRole::Prefill)),
-        decode: Arc::new(sub_pool(pool, WorkerRole::can_decode)),
-        prefill: Arc::new(sub_pool(pool, WorkerRole::can_prefill)),
-    });
+        Arc::new(sub_pool(pool, WorkerRole::can_decode)),
+        Arc::new(sub_pool(pool, WorkerRole::can_prefill)),
+    ));
     pool.roles.store(Some(s.clone()));
     s
 }
@@ -427,6 +423,116 @@ mod tests {
             ids(&c.prefill),
             ids(&sub_pool(pool, WorkerRole::can_prefill))
         );
+    }
+
+    /// The decode workers' in-flight sum that `crowded` reads is kept by the workers as requests
+    /// come and go: it equals the sum over the split's decode workers after adds, frees, a split
+    /// made while requests were in flight, a worker left out of a newer split (removed) and the
+    /// old split dropped, and after concurrent adds and frees racing splits made and dropped.
+    #[test]
+    fn the_decode_inflight_sum_is_kept_through_adds_frees_and_removals() {
+        let mut cfg = crate::config::Config::default();
+        for (i, role) in [
+            WorkerRole::Prefill,
+            WorkerRole::Decode,
+            WorkerRole::Decode,
+            WorkerRole::Both,
+            WorkerRole::Decode,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut w = crate::config::WorkerConfig::from_url(&format!("http://10.0.1.{i}:8000"));
+            w.role = role.into();
+            w.models = vec!["m".into()];
+            cfg.workers.push(w);
+        }
+        let (reg, _) = crate::registry::Registry::new(Arc::new(cfg)).unwrap();
+        let fleet = reg.snapshot();
+        let pool = fleet.pool("m").unwrap();
+        let sum = |p: &Pool| -> u64 {
+            p.workers
+                .iter()
+                .map(|w| u64::from(w.state.inflight.load(Ordering::Relaxed)))
+                .sum()
+        };
+        let split = roles(pool);
+        assert_eq!(split.decode.workers.len(), 4);
+        assert_eq!(split.decode_inflight(), 0);
+        // Adds and frees on every worker, the prefill worker too (not counted).
+        let ws = &pool.workers;
+        for (w, n) in [(0, 3), (1, 2), (2, 5), (3, 1), (4, 4)] {
+            for _ in 0..n {
+                ws[w].state.add_inflight();
+            }
+        }
+        ws[2].state.sub_inflight();
+        ws[0].state.sub_inflight();
+        assert_eq!(split.decode_inflight(), sum(&split.decode));
+        assert_eq!(split.decode_inflight(), 2 + 4 + 1 + 4);
+        // A worker with the pool's mean + 1 or fewer is not crowded; one above it is.
+        assert!(!crowded(&split, &ws[3]));
+        for _ in 0..3 {
+            ws[2].state.add_inflight();
+        }
+        assert!(crowded(&split, &ws[2]));
+        // A newer split without worker 2 (it was removed), made while requests are in flight:
+        // it starts at its workers' sum and does not count worker 2's requests.
+        let newer = RoleSplit::new(
+            0,
+            true,
+            Arc::new(Pool::new(
+                pool.model.clone(),
+                vec![ws[1].clone(), ws[3].clone(), ws[4].clone()],
+                pool.block_size,
+                pool.tokenizer.clone(),
+            )),
+            split.prefill.clone(),
+        );
+        assert_eq!(newer.decode_inflight(), 2 + 1 + 4);
+        ws[2].state.add_inflight();
+        ws[1].state.sub_inflight();
+        assert_eq!(newer.decode_inflight(), sum(&newer.decode));
+        assert_eq!(split.decode_inflight(), sum(&split.decode));
+        // The old split dropped: its workers stop counting in it, the newer one is unchanged.
+        let old_sum = Arc::clone(&split.decode_inflight);
+        drop(split);
+        pool.roles.store(None);
+        assert_eq!(
+            Arc::strong_count(&old_sum),
+            1,
+            "a worker still counts in a dropped split"
+        );
+        ws[4].state.sub_inflight();
+        assert_eq!(newer.decode_inflight(), sum(&newer.decode));
+        // Concurrent adds and frees racing splits made and dropped: every split still alive at
+        // the end holds its workers' exact sum.
+        std::thread::scope(|s| {
+            for t in 0..3usize {
+                s.spawn(move || {
+                    for i in 0..20_000usize {
+                        let w = &ws[(i * 7 + t) % ws.len()];
+                        w.state.add_inflight();
+                        if i % 3 != 0 {
+                            w.state.sub_inflight();
+                        }
+                    }
+                });
+            }
+            for i in 0..200 {
+                let keep: Vec<_> = ws.iter().skip(i % 3).cloned().collect();
+                let p = Arc::new(Pool::new(
+                    pool.model.clone(),
+                    keep,
+                    pool.block_size,
+                    pool.tokenizer.clone(),
+                ));
+                drop(RoleSplit::new(0, true, p, newer.prefill.clone()));
+            }
+        });
+        assert_eq!(newer.decode_inflight(), sum(&newer.decode));
+        let last = roles(pool);
+        assert_eq!(last.decode_inflight(), sum(&last.decode));
     }
 
     #[test]

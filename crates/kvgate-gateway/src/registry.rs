@@ -82,6 +82,12 @@ pub struct WorkerState {
     /// What its `/server_info` announced, packed by [`pack_role`]; 0 until known. Kept across
     /// reloads and monitor restarts, like the rest of this state.
     detected_role: AtomicU32,
+    /// Running sums of `inflight` over the worker sets this worker is in (each PD pool's decode
+    /// workers: [`RoleSplit::decode_inflight`]), moved with every change of `inflight`
+    /// ([`WorkerState::add_inflight`]). The lock is taken for reading by each change (they do not
+    /// exclude each other) and for writing when the worker joins or leaves a set, so a set's sum
+    /// always equals its workers' `inflight` summed.
+    sums: parking_lot::RwLock<Vec<Arc<AtomicU64>>>,
 }
 
 impl WorkerState {
@@ -103,6 +109,50 @@ impl WorkerState {
             kv_capacity_blocks: AtomicU32::new(0),
             role_auto: AtomicBool::new(false),
             detected_role: AtomicU32::new(0),
+            sums: parking_lot::RwLock::new(Vec::new()),
+        }
+    }
+
+    /// One more request in flight here (counted in every sum this worker is in).
+    pub fn add_inflight(&self) {
+        let sums = self.sums.read();
+        self.inflight.fetch_add(1, Ordering::Relaxed);
+        for s in sums.iter() {
+            s.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// One request fewer in flight here (see [`WorkerState::add_inflight`]).
+    pub fn sub_inflight(&self) {
+        let sums = self.sums.read();
+        self.inflight.fetch_sub(1, Ordering::Relaxed);
+        for s in sums.iter() {
+            s.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts this worker's in-flight requests in `sum` from now on (its current ones added).
+    pub(crate) fn join_sum(&self, sum: &Arc<AtomicU64>) {
+        let mut sums = self.sums.write();
+        if sums.iter().any(|s| Arc::ptr_eq(s, sum)) {
+            return;
+        }
+        sum.fetch_add(
+            u64::from(self.inflight.load(Ordering::Relaxed)),
+            Ordering::Relaxed,
+        );
+        sums.push(sum.clone());
+    }
+
+    /// Stops counting this worker in `sum` (its current in-flight requests taken out).
+    pub(crate) fn leave_sum(&self, sum: &Arc<AtomicU64>) {
+        let mut sums = self.sums.write();
+        if let Some(i) = sums.iter().position(|s| Arc::ptr_eq(s, sum)) {
+            sums.swap_remove(i);
+            sum.fetch_sub(
+                u64::from(self.inflight.load(Ordering::Relaxed)),
+                Ordering::Relaxed,
+            );
         }
     }
 
@@ -261,6 +311,40 @@ pub struct RoleSplit {
     pub decode: Arc<Pool>,
     /// Its prefill-capable workers.
     pub prefill: Arc<Pool>,
+    /// `inflight` summed over `decode`'s workers, kept by them as requests come and go
+    /// ([`WorkerState::add_inflight`]): `pd::crowded` reads it instead of a pass over the pool.
+    pub(crate) decode_inflight: Arc<AtomicU64>,
+}
+
+impl RoleSplit {
+    /// The split of a pool into `decode` and `prefill` workers; its decode workers count their
+    /// in-flight requests in [`RoleSplit::decode_inflight`] from now on, until it is dropped.
+    pub fn new(generation: u64, applies: bool, decode: Arc<Pool>, prefill: Arc<Pool>) -> Self {
+        let decode_inflight = Arc::new(AtomicU64::new(0));
+        for w in &decode.workers {
+            w.state.join_sum(&decode_inflight);
+        }
+        RoleSplit {
+            generation,
+            applies,
+            decode,
+            prefill,
+            decode_inflight,
+        }
+    }
+
+    /// Requests in flight on the decode workers, summed (no pass over them).
+    pub fn decode_inflight(&self) -> u64 {
+        self.decode_inflight.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for RoleSplit {
+    fn drop(&mut self) {
+        for w in &self.decode.workers {
+            w.state.leave_sum(&self.decode_inflight);
+        }
+    }
 }
 
 /// The workers serving one model name.

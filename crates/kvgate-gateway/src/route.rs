@@ -391,7 +391,7 @@ impl Decider {
                         == 0;
                 (
                     uncached,
-                    crate::pd::crowded(&decode, &pick.worker),
+                    crate::pd::crowded(&roles, &pick.worker),
                     idle.then_some(pick.estimate),
                 )
             }

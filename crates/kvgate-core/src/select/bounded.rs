@@ -29,15 +29,28 @@
 //! always the same cost, the same worker whenever the minimum is unique. Temperature > 0 (every
 //! worker has a probability) and weights without a lower bound visit every known worker.
 //!
-//! **`latency`** ([`select_latency_bounded`]): a non-holder's latency cost is at least its
-//! predicted prefill, `speed.prefill · prefill_ms(pending_weight · pending + isl)` (the slot wait,
-//! the half decode step, the decode step it may wait for instead and the decode slowdown it
-//! inflicts are all ≥ 0, see [`crate::LatencyConfig::estimate`]). The caller gives a floor of
-//! every worker's prefill speed factor (the fastest known worker's), and the order by pending
-//! prefill tokens then bounds every non-holder not yet visited: the same early stop, valid while
-//! the timing curve's prefill time does not decrease with more tokens from `isl` on (checked per
+//! **`latency`** ([`select_latency_bounded`]): a non-holder's latency cost
+//! ([`crate::LatencyConfig::estimate`] plus `decode_weight` × the decode slowdown it inflicts on
+//! the `n` requests running there) is at least
+//! ```text
+//! ½·s + max(P, s) + decode_weight · n · max(P0 − s, 0)        (slot and KV waits ≥ 0 left out)
+//! P  = speed.prefill · prefill_ms(pending_weight · pending + isl)   ≥ floor · prefill_ms(…)
+//! P0 = speed.prefill · prefill_ms(isl)                               ≥ floor · prefill_ms(isl)
+//! s  = speed.decode · decode_ms(KV usage)  (0 when n = 0)            ≤ ceiling · max decode_ms
+//! ```
+//! with the caller's [`SpeedBounds`] (the fastest prefill and the slowest decode factor of the
+//! fleet, maintained by the caller). Taking the least over every `s` the ceiling allows gives a
+//! bound that rises with both the pending prefill tokens and the running requests (see
+//! `LatencyBound`). The non-holders are walked in two maintained orders at once, by pending
+//! prefill tokens and by in-flight requests, each step taking the worker whose own bound is the
+//! lower; every worker not reached yet has at least the next pending count of the first order
+//! and the next in-flight count of the second, so the bound at those two keys bounds them all and
+//! the walk stops once it passes the best cost found (ties visited, as for `kv`). Valid while the
+//! timing curve's prefill time does not decrease with more tokens from `isl` on (checked per
 //! request; otherwise every known worker is visited). With an SLO set, or a temperature, the
-//! policy's rule is not "lowest cost" and every known worker is visited.
+//! policy's rule is not "lowest cost" and every known worker is visited. The property tests
+//! `latency_bounded_matches_exhaustive` (same cost, same worker when unique) and
+//! `latency_bound_is_a_tight_lower_bound` (below every cost, reached at the bounds) hold this.
 //!
 //! Contract: a worker is seen as a non-holder only once [`crate::ActiveSequences`] knows it
 //! ([`crate::ActiveSequences::add_worker`] when it joins, or its first request).
@@ -75,7 +88,7 @@ pub fn select_kv_bounded(
         + req.hashes.len() as f64;
     // Temperature > 0: every known worker has a probability, so the walk visits them all.
     let early_stop = cfg.temperature <= 0.0;
-    let weights = Some(OrderWeights::for_kv(cfg, req.block_size));
+    let walk = Some(Walk::One(OrderWeights::for_kv(cfg, req.block_size)));
     visit_bounded(
         index,
         active,
@@ -84,21 +97,119 @@ pub fn select_kv_bounded(
         scores,
         candidates,
         prepare,
-        weights,
+        walk,
         early_stop,
-        |key| base + key,
+        |key, _| base + key,
         |c| (busy.is_off() || !is_busy(c, busy)).then(|| cfg.cost(req, c)),
     );
     policy.select(req, candidates, rng)
 }
 
+/// Bounds of the speed factors every worker may have, for [`select_latency_bounded`]: no worker's
+/// prefill factor (`Candidate::speed.prefill`) is below `prefill_floor` and no worker's decode
+/// factor (`Candidate::speed.decode`) above `decode_ceiling`, e.g. the fastest and the slowest
+/// known worker's (with the default of unknown workers). A floor that is not finite and positive,
+/// or a ceiling that is NaN or negative (no bound known): every known worker is visited; a
+/// ceiling of +∞ (none): the decode step is bounded by the request's own prefill instead (looser,
+/// still a lower bound).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeedBounds {
+    /// No prefill factor is below it.
+    pub prefill_floor: f64,
+    /// No decode factor is above it.
+    pub decode_ceiling: f64,
+}
+
+impl SpeedBounds {
+    /// Every worker at exactly `speed` (a floor and ceiling that hold with equality).
+    pub fn exactly(speed: crate::Speed) -> Self {
+        SpeedBounds {
+            prefill_floor: speed.prefill,
+            decode_ceiling: speed.decode,
+        }
+    }
+}
+
+/// The two load orders the bounded `latency` walk takes the non-holders in, at once: by pending
+/// prefill tokens and by in-flight requests ([`crate::load::Inner::walk_two`]).
+const BY_PENDING: OrderWeights = OrderWeights {
+    pending: 1.0,
+    active: 0.0,
+    inflight: 0.0,
+};
+const BY_INFLIGHT: OrderWeights = OrderWeights {
+    pending: 0.0,
+    active: 0.0,
+    inflight: 1.0,
+};
+
+/// The lower bound of a non-holder's `latency` cost from its pending prefill tokens and in-flight
+/// requests, for one request (module docs): with `n` requests in flight, `P` = floor ·
+/// prefill_ms(pending_weight · pending + isl) and `P0` = floor · prefill_ms(isl) (the request's own
+/// prefill, at most `P`), and `s` ∈ [0, `s_max`] the worker's decode step (decode factor ×
+/// decode_ms(KV usage) ≤ ceiling × the curve's highest decode step), the cost is at least
+/// `½·s + max(P, s) + decode_weight · n · max(P0 − s, 0)`. That is convex and piecewise linear
+/// in `s`, least at `s` = 0 or `s` = m = min(P0, s_max):
+/// `P + decode_weight·(P0 − m)·n + m·min(decode_weight·n, ½)`, rising with both loads.
+#[derive(Debug, Clone, Copy)]
+struct LatencyBound {
+    floor: f64,
+    pending_weight: f64,
+    uncached: f64,
+    curve: crate::TimingCurve,
+    /// decode_weight · (P0 − m).
+    per_request: f64,
+    /// m.
+    m: f64,
+    decode_weight: f64,
+}
+
+impl LatencyBound {
+    fn new(cfg: &crate::policy::LatencyPolicyConfig, uncached: f64, speeds: SpeedBounds) -> Self {
+        let curve = cfg.model.curve;
+        let floor = speeds.prefill_floor;
+        let p0 = floor * curve.prefill_ms(uncached);
+        // The curve's highest decode step over KV usage 0..=1 (at an end or at the vertex).
+        let [da, db, _] = curve.decode;
+        let mut top = curve.decode_ms(0.0).max(curve.decode_ms(1.0));
+        if da < 0.0 {
+            top = top.max(curve.decode_ms(-db / (2.0 * da)));
+        }
+        let s_max = speeds.decode_ceiling * top;
+        // No usable ceiling: the step may be as long as the own prefill (m = P0).
+        let m = if s_max.is_finite() && s_max >= 0.0 {
+            p0.min(s_max)
+        } else {
+            p0
+        };
+        LatencyBound {
+            floor,
+            pending_weight: cfg.model.pending_weight,
+            uncached,
+            curve,
+            per_request: cfg.decode_weight * (p0 - m),
+            m,
+            decode_weight: cfg.decode_weight,
+        }
+    }
+
+    /// The bound for a worker with at least `pending` prefill tokens and `inflight` requests.
+    #[inline]
+    fn at(&self, pending: f64, inflight: f64) -> f64 {
+        self.floor
+            * self
+                .curve
+                .prefill_ms(self.pending_weight * pending + self.uncached)
+            + self.per_request * inflight
+            + self.m * (self.decode_weight * inflight).min(0.5)
+    }
+}
+
 /// The `latency` decision of `policy` for `req` over the workers `active` knows, visiting only
-/// the holders of the prompt's first block and the others in order of pending prefill tokens
-/// until their cost's lower bound passes the best cost found (module docs).
+/// the holders of the prompt's first block and the others in order of pending prefill tokens and
+/// of in-flight requests until their cost's lower bound passes the best cost found (module docs).
 ///
-/// `speed_floor`: no worker's prefill speed factor (`Candidate::speed.prefill`, which `prepare`
-/// fills) is below it, e.g. the fastest known worker's factor (or the default for unknown
-/// workers, whichever is lower). Not finite or not positive: every known worker is visited.
+/// `speeds`: bounds of every worker's speed factors (which `prepare` fills, see [`SpeedBounds`]).
 /// `prepare`, `candidates`, `scores`: as for [`select_kv_bounded`]; the caller must fill the
 /// latency fit (speed, slots) in `prepare`.
 #[allow(clippy::too_many_arguments)]
@@ -108,7 +219,7 @@ pub fn select_latency_bounded(
     active: &ActiveSequences,
     req: &RouteRequest<'_>,
     now: Instant,
-    speed_floor: f64,
+    speeds: SpeedBounds,
     scores: &mut OverlapScores,
     candidates: &mut Vec<Candidate>,
     prepare: impl FnMut(&mut Candidate) -> bool,
@@ -123,20 +234,19 @@ pub fn select_latency_bounded(
     // The bound needs `prefill_ms` not to decrease from `uncached` tokens on (more pending tokens
     // never lower it), every other term ≥ 0 and the policy's rule to be the lowest cost.
     let monotone = a >= 0.0 && 2.0 * a * uncached + b >= 0.0;
+    let floor = speeds.prefill_floor;
     let bounded = monotone
         && !cfg.slo_on()
         && cfg.temperature <= 0.0
         && cfg.decode_weight >= 0.0
+        && cfg.decode_weight.is_finite()
         && model.pending_weight >= 0.0
         && model.pending_weight.is_finite()
-        && speed_floor.is_finite()
-        && speed_floor > 0.0;
-    let weights = bounded.then_some(OrderWeights {
-        pending: 1.0,
-        active: 0.0,
-        inflight: 0.0,
-    });
-    let pw = model.pending_weight;
+        && floor.is_finite()
+        && floor > 0.0
+        && speeds.decode_ceiling >= 0.0;
+    let lb = LatencyBound::new(cfg, uncached, speeds);
+    let walk = bounded.then_some(Walk::Two(BY_PENDING, BY_INFLIGHT));
     visit_bounded(
         index,
         active,
@@ -145,12 +255,21 @@ pub fn select_latency_bounded(
         scores,
         candidates,
         prepare,
-        weights,
+        walk,
         true,
-        |pending| speed_floor * model.curve.prefill_ms(pw * pending + uncached),
+        |pending, inflight| lb.at(pending, inflight),
         |c| (busy.is_off() || !is_busy(c, busy)).then(|| cfg.cost(req, c).0),
     );
     policy.select(req, candidates, rng)
+}
+
+/// The order(s) [`visit_bounded`] takes the non-holders in.
+#[derive(Debug, Clone, Copy)]
+enum Walk {
+    /// One load order; the bound is of its key (the second argument 0).
+    One(OrderWeights),
+    /// Two load orders at once ([`crate::load::Inner::walk_two`]); the bound is of both keys.
+    Two(OrderWeights, OrderWeights),
 }
 
 /// Fills `candidates` with the holders of the prompt's first block (index or in flight) and the
@@ -168,9 +287,9 @@ fn visit_bounded(
     scores: &mut OverlapScores,
     candidates: &mut Vec<Candidate>,
     mut prepare: impl FnMut(&mut Candidate) -> bool,
-    weights: Option<OrderWeights>,
+    walk: Option<Walk>,
     early_stop: bool,
-    bound: impl Fn(f64) -> f64,
+    bound: impl Fn(f64, f64) -> f64,
     cost: impl Fn(&Candidate) -> Option<f64>,
 ) {
     let n = req.hashes.len();
@@ -213,25 +332,36 @@ fn visit_bounded(
     }
     candidates.truncate(kept);
     let is_holder = |held: &[Candidate], w| held.binary_search_by_key(&w, |c| c.worker).is_ok();
-    let walked = weights.is_some_and(|weights| {
-        g.walk_order(weights, |key, w, load| {
-            if early_stop && best.is_finite() {
-                let slack = 1e-9 * best.abs().max(1.0);
-                if bound(key) > best + slack {
-                    return false;
-                }
+    let stop = |best: f64, lower: f64| {
+        early_stop && best.is_finite() && lower > best + 1e-9 * best.abs().max(1.0)
+    };
+    let mut visit = |w, load, best: &mut f64, candidates: &mut Vec<Candidate>| {
+        if is_holder(&candidates[..kept], w) {
+            return;
+        }
+        let mut c = non_holder(w, load, n);
+        if prepare(&mut c) {
+            note(&c, best);
+            candidates.push(c);
+        }
+    };
+    let walked = match walk {
+        None => false,
+        Some(Walk::One(weights)) => g.walk_order(weights, |key, w, load| {
+            if stop(best, bound(key, 0.0)) {
+                return false;
             }
-            if is_holder(&candidates[..kept], w) {
-                return true;
-            }
-            let mut c = non_holder(w, load, n);
-            if prepare(&mut c) {
-                note(&c, &mut best);
-                candidates.push(c);
-            }
+            visit(w, load, &mut best, candidates);
             true
-        })
-    });
+        }),
+        Some(Walk::Two(a, b)) => g.walk_two(a, b, &bound, |(ka, kb), w, load| {
+            if stop(best, bound(ka, kb)) {
+                return false;
+            }
+            visit(w, load, &mut best, candidates);
+            true
+        }),
+    };
     if !walked {
         // No order to walk (no weights, or weights without a lower bound): every known worker.
         g.walk_order(
@@ -241,12 +371,7 @@ fn visit_bounded(
                 inflight: 0.0,
             },
             |_, w, load| {
-                if !is_holder(&candidates[..kept], w) {
-                    let mut c = non_holder(w, load, n);
-                    if prepare(&mut c) {
-                        candidates.push(c);
-                    }
-                }
+                visit(w, load, &mut best, candidates);
                 true
             },
         );

@@ -255,7 +255,8 @@ proptest! {
     /// The same for the `latency` policy: learned speeds, engine slots (slot and KV waits), KV
     /// capacities, scraped KV usage, peers' load, busy thresholds, several decode weights and
     /// timing curves (one whose prefill time falls with more tokens: no bound, every worker
-    /// visited), with the speed floor the fastest worker's factor or below it: the same cost
+    /// visited), with the speed floor the fastest worker's factor or below it and the decode
+    /// ceiling the slowest worker's factor, above it or none: the same cost
     /// always, the same worker whenever that cost is unique among the eligible workers.
     #[test]
     fn latency_bounded_matches_exhaustive(
@@ -264,14 +265,25 @@ proptest! {
         running in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, 0..2000u64, any::<bool>()), 0..200),
         extra in prop::collection::vec(extra_strategy(), 150),
         fits in prop::collection::vec(fit_strategy(), 150),
-        query in (0..8usize, 0..12usize, 0..3000u64),
-        knobs in (0..3usize, 0..2usize, 0..3usize, any::<bool>(), any::<bool>(), 0..2usize),
+        query in (0..8usize, 0..12usize, prop_oneof![0..3000u64, 3000..8000u64]),
+        knobs in (0..3usize, 0..2usize, 0..3usize, any::<bool>(), any::<bool>(), 0..2usize, 0..3usize),
+        base in prop_oneof![Just(0u32), 1..5u32],
+        uniform_decode in any::<bool>(),
         busy in prop::option::of((2..30u32, 0..3u32)),
         seed in any::<u64>(),
     ) {
         let now = Instant::now();
-        let (index, active, _guards) = fleet(workers, &held, &running, now);
-        let (dw, pend, curve, slot_wait, kv_wait, floor) = knobs;
+        let (index, active, mut _guards) = fleet(workers, &held, &running, now);
+        let (dw, pend, curve, slot_wait, kv_wait, floor, ceiling) = knobs;
+        // Every worker running `base` more requests: no idle worker, so the bound's in-flight
+        // terms decide where the walk stops.
+        for w in 0..workers as u32 {
+            for r in 0..base {
+                let g = active.add(WorkerId(w), 0, &[crate::select::mix(u64::from(w) << 8 | u64::from(r))], 100, 0);
+                g.mark_prefill_done();
+                _guards.push(g);
+            }
+        }
         let curve = match curve {
             0 => TimingCurve::default(),
             1 => TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [0.0, 10.0, 8.0] },
@@ -290,9 +302,15 @@ proptest! {
         });
         let policy = LatencyPolicy::new(cfg, busy);
         let extra = &extra[..workers];
-        let fits = &fits[..workers];
+        // Half the cases: every decode factor 1 (a ceiling below the own prefill of long prompts).
+        let fits: Vec<Fit> = fits[..workers].iter().map(|&(p, d, s, c)| (p, if uniform_decode { 1.0 } else { d }, s, c)).collect();
+        let fits = &fits[..];
         let fastest = fits.iter().map(|f| f.0).fold(f64::INFINITY, f64::min);
-        let speed_floor = [fastest, fastest * 0.5][floor];
+        let slowest_decode = fits.iter().map(|f| f.1).fold(0.0, f64::max);
+        let speeds = SpeedBounds {
+            prefill_floor: [fastest, fastest * 0.5][floor],
+            decode_ceiling: [slowest_decode, slowest_decode * 2.0, f64::INFINITY][ceiling],
+        };
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
         let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + query.2, block_size: BS as u32, affinity_key: None };
         let at = now + Duration::from_secs(1);
@@ -305,7 +323,7 @@ proptest! {
             policy.select(&req, &cands, &mut fastrand::Rng::with_seed(seed)).map(|d| (d, cands))
         };
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
-        let got = select_latency_bounded(&policy, &index, &active, &req, at, speed_floor, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
+        let got = select_latency_bounded(&policy, &index, &active, &req, at, speeds, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
         match (want, got) {
             (None, None) => {}
             (Some((want, all)), Some(got)) => {
@@ -320,6 +338,65 @@ proptest! {
                 prop_assert_eq!(mine, theirs);
             }
             (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
+        }
+    }
+
+    /// The bound of a non-holder's `latency` cost from its pending tokens and in-flight requests
+    /// is below the cost of every worker whose speeds are within the bounds, whatever its KV
+    /// usage, slots and waits; and it is reached (so it cannot be raised) by a worker at the
+    /// floor and the ceiling, at the curve's longest decode step, when that step is shorter than
+    /// the request's own prefill and the running requests' weight is at least ½.
+    #[test]
+    fn latency_bound_is_a_tight_lower_bound(
+        fit in fit_strategy(),
+        slack in (1.0..3.0f64, 0.2..1.0f64, 0.0..=1.0f64),
+        load in (0..5000u64, 0..12u32, 0..40u32, 0..60u32),
+        isl in 1..9000u64,
+        knobs in (0..3usize, 0..2usize, 0..2usize, any::<bool>(), any::<bool>()),
+        tight in any::<bool>(),
+    ) {
+        let (dw, pend, curve, slot_wait, kv_wait) = knobs;
+        let curve = [TimingCurve::default(), TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [-20.0, 30.0, 8.0] }][curve];
+        let cfg = LatencyPolicyConfig {
+            model: LatencyConfig { curve, pending_weight: [1.0, 0.5][pend], slot_wait, kv_wait },
+            decode_weight: [0.0, 0.25, 1.0][dw],
+            ..LatencyPolicyConfig::default()
+        };
+        let (pending, inflight, active_blocks, cap) = load;
+        let (p, d, slots, _) = fit;
+        // The bounds: the floor `slack.0` times below the prefill factor, the ceiling
+        // `1 / slack.1` times above the decode factor.
+        let bounds = SpeedBounds { prefill_floor: p / slack.0, decode_ceiling: d / slack.1 };
+        let mut c = Candidate::new(WorkerId(0));
+        c.pending_prefill_tokens = pending;
+        c.inflight = inflight;
+        c.active_blocks = active_blocks;
+        c.kv_capacity_blocks = cap;
+        c.new_blocks = 16;
+        c.speed = Speed { prefill: p, decode: d };
+        c.slots = slots.map_or(EngineSlots::UNKNOWN, |(limit, service_ms, output_tokens)| EngineSlots { limit, service_ms, output_tokens });
+        c.scraped = Some(ScrapedLoad { kv_usage: slack.2 as f32, waiting: 0, running: 0 });
+        let req_hashes = [1u64; 4];
+        let req = RouteRequest { hashes: &req_hashes, isl_tokens: isl, block_size: 16, affinity_key: None };
+        let uncached = (isl as f64).max(1.0);
+        let lb = LatencyBound::new(&cfg, uncached, bounds);
+        let at = lb.at(pending as f64, f64::from(inflight));
+        let cost = cfg.cost(&req, &c).0;
+        prop_assert!(at <= cost * (1.0 + 1e-12) + 1e-9, "bound {} above cost {}", at, cost);
+        if tight {
+            // A worker at the bounds: the longest decode step (KV usage at the curve's top).
+            let [da, db, _] = curve.decode;
+            let top = if da < 0.0 { (-db / (2.0 * da)).clamp(0.0, 1.0) } else { 1.0 };
+            c.speed = Speed { prefill: bounds.prefill_floor, decode: bounds.decode_ceiling };
+            c.scraped = Some(ScrapedLoad { kv_usage: top as f32, waiting: 0, running: 0 });
+            c.slots = EngineSlots::UNKNOWN;
+            let cost = cfg.cost(&req, &c).0;
+            prop_assert!(at <= cost * (1.0 + 1e-6) + 1e-9, "bound {} above cost {}", at, cost);
+            let s = bounds.decode_ceiling * curve.decode_ms(top as f32 as f64);
+            let p0 = bounds.prefill_floor * curve.prefill_ms(uncached);
+            if inflight > 0 && s <= p0 && cfg.decode_weight * f64::from(inflight) >= 0.5 {
+                prop_assert!((cost - at).abs() <= 1e-6 * cost.max(1.0), "bound {} below the cost {} it should reach", at, cost);
+            }
         }
     }
 
@@ -459,7 +536,7 @@ fn latency_on_a_large_fleet_visits_few_workers() {
         &active,
         &req,
         now,
-        1.0,
+        SpeedBounds::exactly(Speed::default()),
         &mut scores,
         &mut cands,
         |_| true,
@@ -475,4 +552,75 @@ fn latency_on_a_large_fleet_visits_few_workers() {
     // 21 workers tie at the least pending prefill: the same cost (the pick among them is the
     // tie-break's).
     assert_eq!(d.cost, want.cost);
+}
+
+/// `latency` on a large fleet with nothing pending and 1 to 8 requests in flight on each worker
+/// (the load the running requests' decode slowdown is about): the walk by in-flight requests stops
+/// after the least loaded, where a walk by pending prefill alone would visit most of the fleet.
+#[test]
+fn latency_counts_the_running_requests() {
+    let now = Instant::now();
+    let active = ActiveSequences::new();
+    let mut guards = Vec::new();
+    for w in 0..2048u32 {
+        active.add_worker(WorkerId(w));
+        let running = 1 + crate::select::mix(u64::from(w)) % 8;
+        for r in 0..running {
+            let h = [crate::select::mix(u64::from(w) << 8 | r)];
+            let g = active.add(WorkerId(w), 0, &h, 1000, 0);
+            g.mark_prefill_done();
+            guards.push(g);
+        }
+    }
+    let index = KvIndex::new();
+    let h = block_hashes(&tokens(1, 10), BS, BASE_SEED);
+    let req = RouteRequest {
+        hashes: &h,
+        isl_tokens: 4096,
+        block_size: BS as u32,
+        affinity_key: None,
+    };
+    let policy = LatencyPolicy::new(LatencyPolicyConfig::default(), BusyThresholds::default());
+    let speed = |c: &mut Candidate| {
+        c.speed = Speed {
+            prefill: 0.8 + f64::from(c.worker.0 % 9) * 0.1,
+            decode: 1.0,
+        };
+        true
+    };
+    let bounds = SpeedBounds {
+        prefill_floor: 0.8,
+        decode_ceiling: 1.0,
+    };
+    let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+    let mut rng = fastrand::Rng::with_seed(1);
+    let d = select_latency_bounded(
+        &policy,
+        &index,
+        &active,
+        &req,
+        now,
+        bounds,
+        &mut scores,
+        &mut cands,
+        speed,
+        &mut rng,
+    )
+    .unwrap();
+    let visited = cands.len();
+    let ones = (0..2048u64)
+        .filter(|&w| crate::select::mix(w) % 8 == 0)
+        .count();
+    assert!(
+        visited <= ones + 8,
+        "visited {visited} workers ({ones} with one request)"
+    );
+    let mut all: Vec<Candidate> = (0..2048).map(|w| Candidate::new(WorkerId(w))).collect();
+    crate::score_candidates(&index, &active, req.hashes, now, &mut scores, &mut all);
+    for c in &mut all {
+        speed(c);
+    }
+    let want = policy.select(&req, &all, &mut rng).unwrap();
+    assert_eq!(d.cost, want.cost);
+    assert_eq!(d.worker, want.worker);
 }

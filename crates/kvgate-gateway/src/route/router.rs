@@ -380,12 +380,13 @@ fn explain(
 const BOUNDED_FROM_WORKERS: usize = 32;
 
 /// Pools of at least this many workers route `latency` (temperature 0, no SLO) on the bounded
-/// path. Its lower bound leaves out the decode slowdown a worker's running requests add, so under
-/// load it visits much of the fleet: `fleet_bench` (one run, p99 exhaustive → bounded) had it
-/// slower than the scan at 256 (18.1 → 21.4 µs), 1,024 (64.4 → 84.6 µs) and 2,048 workers
-/// (91.9 → 140.5 µs, though p50 64.5 → 11.2 µs) and faster only at 4,096 (197.8 → 44.9 µs)
+/// path. Its lower bound counts the running requests' decode slowdown (with the decode speed
+/// ceiling) and the walk takes the non-holders by pending prefill and by in-flight requests at
+/// once; `fleet_bench` (one run, p99 exhaustive → bounded) has it faster than the scan from 128
+/// workers (12.0 → 8.6 µs; 1,024: 48.6 → 13.4 µs; 4,096: 263.6 → 44.8 µs) but not at 64 (5.0 →
+/// 6.5 µs: the workers' own speeds are in no order, so it still visits 37 of them)
 /// (docs/routing.md §8b).
-const LATENCY_BOUNDED_FROM_WORKERS: usize = 4096;
+const LATENCY_BOUNDED_FROM_WORKERS: usize = 128;
 
 /// Which policies [`Router::select_with`] may route on the bounded path (§8b).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -709,7 +710,7 @@ impl Router {
                 bounded.kv && preferred.is_none() && !sampling
             });
             // `latency` at temperature 0 without an SLO picks the lowest cost too, which the
-            // bounded walk finds with the speed floor (docs/routing.md §8b).
+            // bounded walk finds with the speed bounds (docs/routing.md §8b).
             let latency = policy.as_latency().filter(|l| {
                 let cfg = l.config();
                 bounded.latency && preferred.is_none() && cfg.temperature <= 0.0 && !cfg.slo_on()
@@ -718,8 +719,8 @@ impl Router {
                 let decision = {
                     // Lock order as everywhere: index, peers' loads (their guards free into
                     // `active`); `active` is locked inside. Speeds are read without a lock
-                    // (the floor first: a publication lowers it before the factor it covers).
-                    let speed_floor = self.speeds.prefill_floor();
+                    // (the bounds first: a publication loosens them before the factor they cover).
+                    let speed_bounds = self.speeds.bounds();
                     let index = self.index.read();
                     let mut remote = self.cluster.get().map(|_| self.remote.lock());
                     let speeds = self.speeds.view();
@@ -761,7 +762,7 @@ impl Router {
                             &self.active,
                             &req,
                             now,
-                            speed_floor,
+                            speed_bounds,
                             scores,
                             candidates,
                             prepare,
@@ -1007,7 +1008,7 @@ impl Router {
             );
             (c.clone(), id)
         });
-        pick.worker.state.inflight.fetch_add(1, Ordering::Relaxed);
+        pick.worker.state.add_inflight();
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
         self.speeds
             .record_routed(pick.worker.id, pick.estimate.predicted_ms);
@@ -1190,7 +1191,7 @@ impl Drop for DispatchGuard {
         if let Some((c, id)) = &self.cluster {
             c.free(*id);
         }
-        self.worker.state.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.state.sub_inflight();
         // What the end of the request teaches, in one lock: its decode speed, its output and how
         // long it held an engine slot there (the slot wait; only requests the engine ran: an early
         // failure says nothing about it).

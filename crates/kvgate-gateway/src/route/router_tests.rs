@@ -411,8 +411,11 @@ fn pool_size_picks_the_bounded_paths() {
     let b = Bounded::for_pool;
     assert_eq!(b(31), Bounded::NONE);
     assert!(b(32).kv && !b(32).latency);
-    // `latency` only where fleet_bench had the bounded walk faster than the scan (§8b).
-    assert!(b(4095).kv && !b(4095).latency);
+    // `latency` only where fleet_bench had the bounded walk faster than the scan (§8b): from
+    // 128 workers.
+    assert!(b(64).kv && !b(64).latency);
+    assert!(b(127).kv && !b(127).latency);
+    assert_eq!(b(128), Bounded::ALL);
     assert_eq!(b(4096), Bounded::ALL);
 }
 

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use kvgate_core::{Candidate, EngineSlots, LatencyModel, Speed, WorkerId};
+use kvgate_core::{Candidate, EngineSlots, LatencyModel, Speed, SpeedBounds, WorkerId};
 
 /// One worker's published speed and slots.
 #[derive(Default)]
@@ -39,15 +39,18 @@ fn set(a: &AtomicU64, v: f64) {
 /// its end) and its cells are shared between the old and the new one, so a reader holding the
 /// old vector still reads live values.
 ///
-/// It also keeps the *prefill speed floor*: no worker's published prefill factor (nor the
-/// default of an unknown worker) is below it, maintained at each publication from a multiset of
-/// the known workers' factors (O(log workers), no pass over the fleet). The bounded `latency`
-/// decision uses it to bound every unvisited worker's cost ([`SpeedBoard::prefill_floor`]).
+/// It also keeps the *prefill speed floor* and the *decode speed ceiling*: no worker's published
+/// prefill factor (nor the default of an unknown worker) is below the floor, and no decode factor
+/// above the ceiling, maintained at each publication from multisets of the known workers' factors
+/// (O(log workers), no pass over the fleet). The bounded `latency` decision uses them to bound
+/// every unvisited worker's cost ([`SpeedBoard::bounds`]).
 pub struct SpeedBoard {
     cells: ArcSwap<Vec<Arc<Cell>>>,
     floor: parking_lot::Mutex<Floor>,
     /// The floor (f64 bits; 0 = none: every worker is visited).
     floor_bits: AtomicU64,
+    /// The decode ceiling (f64 bits; NaN = none: every worker is visited).
+    ceiling_bits: AtomicU64,
 }
 
 impl Default for SpeedBoard {
@@ -57,20 +60,22 @@ impl Default for SpeedBoard {
             floor: Default::default(),
             // Every worker unknown: the default speed.
             floor_bits: AtomicU64::new(Speed::default().prefill.to_bits()),
+            ceiling_bits: AtomicU64::new(Speed::default().decode.to_bits()),
         }
     }
 }
 
-/// The known workers' prefill factors, for [`SpeedBoard::prefill_floor`].
+/// The known workers' published factors of one kind (prefill or decode), for
+/// [`SpeedBoard::prefill_floor`] and [`SpeedBoard::decode_ceiling`].
 #[derive(Default)]
-struct Floor {
+struct Factors {
     /// Positive finite factors (f64 bits, which order as the values do) → workers with it.
     factors: std::collections::BTreeMap<u64, u32>,
-    /// Workers published with a factor that is not positive and finite: no floor while any.
+    /// Workers published with a factor that is not positive and finite: no bound while any.
     odd: u32,
 }
 
-impl Floor {
+impl Factors {
     fn add(&mut self, v: f64, by: i32) {
         if v.is_finite() && v > 0.0 {
             let n = self.factors.entry(v.to_bits()).or_insert(0);
@@ -83,16 +88,40 @@ impl Floor {
         }
     }
 
-    /// The lowest factor, the unknown workers' default included; 0 when there is none.
-    fn floor(&self) -> f64 {
+    /// The lowest factor, `default` (the unknown workers') included; 0 when there is none.
+    fn floor(&self, default: f64) -> f64 {
         if self.odd > 0 {
             return 0.0;
         }
-        let default = Speed::default().prefill;
         self.factors
             .keys()
             .next()
             .map_or(default, |&b| f64::from_bits(b).min(default))
+    }
+
+    /// The highest factor, `default` included; NaN when there is none.
+    fn ceiling(&self, default: f64) -> f64 {
+        if self.odd > 0 {
+            return f64::NAN;
+        }
+        self.factors
+            .keys()
+            .next_back()
+            .map_or(default, |&b| f64::from_bits(b).max(default))
+    }
+}
+
+/// The multisets behind the floor and the ceiling.
+#[derive(Default)]
+struct Floor {
+    prefill: Factors,
+    decode: Factors,
+}
+
+impl Floor {
+    fn bounds(&self) -> (f64, f64) {
+        let d = Speed::default();
+        (self.prefill.floor(d.prefill), self.decode.ceiling(d.decode))
     }
 }
 
@@ -154,40 +183,65 @@ impl SpeedBoard {
         f64::from_bits(self.floor_bits.load(Ordering::SeqCst))
     }
 
+    /// A ceiling of every worker's decode speed factor (the slowest known worker's, or the
+    /// default of unknown workers when higher); NaN when none is known to hold.
+    pub fn decode_ceiling(&self) -> f64 {
+        f64::from_bits(self.ceiling_bits.load(Ordering::SeqCst))
+    }
+
+    /// Both, for a bounded `latency` decision: read before any speed factor is read.
+    pub fn bounds(&self) -> SpeedBounds {
+        SpeedBounds {
+            prefill_floor: self.prefill_floor(),
+            decode_ceiling: self.decode_ceiling(),
+        }
+    }
+
     /// Copy `w`'s fit from `model` (or its absence). Call with the model's lock held, after any
     /// change to `w`.
     pub fn publish(&self, model: &LatencyModel, w: WorkerId) {
         let cell = self.cell(w);
-        // The floor moves with the published factor: down before the cell changes, up after, so
-        // a decision never reads a floor above a factor it may read.
+        // The bounds move with the published factors: loosened before the cell changes,
+        // tightened after, so a decision never reads a floor above (or a ceiling below) a factor
+        // it may read.
         // The fit's factors are computed once (each is an `exp` of the learned log-speed).
         let fit = model.fit(w).map(|fit| (fit.speed(), fit.slots()));
-        let new = fit.map(|(s, _)| s.prefill);
-        // Most publications (every first token and request end) leave the prefill factor as it
-        // was: then the floor cannot move, and its lock and two order updates are skipped.
-        let old = cell.known.load(Ordering::Acquire).then(|| f(&cell.prefill));
-        if old.map(f64::to_bits) == new.map(f64::to_bits) {
+        let new = fit.map(|(s, _)| s);
+        // Most publications (every first token and request end) leave both factors as they were:
+        // then the bounds cannot move, and their lock and order updates are skipped.
+        let old = cell.known.load(Ordering::Acquire).then(|| Speed {
+            prefill: f(&cell.prefill),
+            decode: f(&cell.decode),
+        });
+        let bits = |s: Option<Speed>| s.map(|s| (s.prefill.to_bits(), s.decode.to_bits()));
+        if bits(old) == bits(new) {
             Self::publish_cell(&cell, fit);
             return;
         }
         let (before, after) = {
             let mut fl = self.floor.lock();
-            let before = fl.floor();
-            if cell.known.load(Ordering::Acquire) {
-                fl.add(f(&cell.prefill), -1);
+            let before = fl.bounds();
+            if let Some(o) = old {
+                fl.prefill.add(o.prefill, -1);
+                fl.decode.add(o.decode, -1);
             }
             if let Some(v) = new {
-                fl.add(v, 1);
+                fl.prefill.add(v.prefill, 1);
+                fl.decode.add(v.decode, 1);
             }
-            (before, fl.floor())
+            (before, fl.bounds())
         };
-        if after < before {
-            self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
+        // A NaN ceiling (none holds) counts as the loosest.
+        let looser_ceiling = |a: f64, b: f64| a.is_nan() || (!b.is_nan() && a > b);
+        if after.0 < before.0 {
+            self.floor_bits.store(after.0.to_bits(), Ordering::SeqCst);
+        }
+        if looser_ceiling(after.1, before.1) {
+            self.ceiling_bits.store(after.1.to_bits(), Ordering::SeqCst);
         }
         Self::publish_cell(&cell, fit);
-        if after >= before {
-            self.floor_bits.store(after.to_bits(), Ordering::SeqCst);
-        }
+        self.floor_bits.store(after.0.to_bits(), Ordering::SeqCst);
+        self.ceiling_bits.store(after.1.to_bits(), Ordering::SeqCst);
     }
 
     fn publish_cell(cell: &Cell, fit: Option<(Speed, EngineSlots)>) {
@@ -325,6 +379,51 @@ mod tests {
             let mut c = Candidate::new(WorkerId(w));
             board.view().fill(&mut c);
             assert!(c.speed.prefill >= board.prefill_floor());
+        }
+    }
+
+    /// The decode ceiling is the highest published decode factor (or the default of unknown
+    /// workers), through additions, changes and removals; a change of the decode factor alone
+    /// moves it too.
+    #[test]
+    fn the_decode_ceiling_follows_the_published_factors() {
+        let mut model = LatencyModel::new(LearnConfig::default());
+        let board = SpeedBoard::default();
+        // Factors are kept in log space: equal to the seeds up to rounding.
+        let close = |got: f64, want: f64| assert!((got - want).abs() < 1e-9, "{got} != {want}");
+        close(board.decode_ceiling(), 1.0);
+        let both = |p, d| Speed {
+            prefill: p,
+            decode: d,
+        };
+        model.add_worker(WorkerId(0), both(1.0, 0.5));
+        board.publish(&model, WorkerId(0));
+        close(board.decode_ceiling(), 1.0);
+        model.add_worker(WorkerId(2), both(1.0, 3.0));
+        board.publish(&model, WorkerId(2));
+        model.add_worker(WorkerId(4), both(0.7, 3.0));
+        board.publish(&model, WorkerId(4));
+        close(board.decode_ceiling(), 3.0);
+        close(board.prefill_floor(), 0.7);
+        board.publish(&model, WorkerId(2));
+        board.publish(&model, WorkerId(2));
+        close(board.decode_ceiling(), 3.0);
+        // Worker 2's decode factor alone changes.
+        model.add_worker(WorkerId(2), both(1.0, 2.0));
+        board.publish(&model, WorkerId(2));
+        close(board.decode_ceiling(), 3.0);
+        model.remove_worker(WorkerId(4));
+        board.publish(&model, WorkerId(4));
+        close(board.decode_ceiling(), 2.0);
+        close(board.prefill_floor(), 1.0);
+        model.remove_worker(WorkerId(2));
+        board.publish_all(&model);
+        close(board.decode_ceiling(), 1.0);
+        for w in [0u32, 2, 4, 9] {
+            let mut c = Candidate::new(WorkerId(w));
+            board.view().fill(&mut c);
+            assert!(c.speed.decode <= board.bounds().decode_ceiling);
+            assert!(c.speed.prefill >= board.bounds().prefill_floor);
         }
     }
 
