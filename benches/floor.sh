@@ -18,11 +18,17 @@
 #              first 1000 requests; skipped with a note when unset or not a file
 #   PEERS      a directory where ../shared/tools/peers/setup.sh installed the peer routers
 #              (PEERS/venv/bin/vllm-router, PEERS/venv/bin/smg): the script then starts the sims
-#              itself, puts vllm-router (kv_aware, fed the sims' KV events) and smg (cache_aware)
-#              in front of them and adds both as --external rows (the floor needs a kvgate with
+#              itself (fresh for every run), puts vllm-router (kv_aware if its --help lists it,
+#              else cache_aware; fed the sims' KV events) in front of them, and smg with SMG=1,
+#              and adds them as --external rows (the floor then needs a kvgate with
 #              `bench compare --sim-floor`)
-#   SMG        0 leaves smg out of the peer rows (default 1)
+#   SMG        1 adds smg (cache_aware) to the peer rows (default 0: smg 0.3.2 rejects token-id
+#              prompts with HTTP 422, so its row is all errors unless the prompts are text:
+#              COMPARE_ARGS="--api text" with the same tokenizer on sims and gateways, where the
+#              oracle and the floor, computed on the bench's token ids, are only indicative)
+#   SIM_ARGS   extra `kvgate sim` arguments (word-split), given to the sims and to the floor
 #   COMPARE_ARGS  extra arguments for every `bench compare` (word-split), e.g. "--seed 7"
+#   SUMMARY_ONLY  1: run nothing, print the table of the runs already in OUT_DIR
 set -euo pipefail
 
 OUT=${1:-floor-out}
@@ -32,8 +38,11 @@ POLICIES=${POLICIES:-round_robin,kv,latency}
 WORKLOADS=${WORKLOADS:-agentic20 agentic60 multi-turn shared-prefix mooncake}
 MOONCAKE=${MOONCAKE:-}
 PEERS=${PEERS:-}
-SMG=${SMG:-1}
+SMG=${SMG:-0}
 read -r -a COMPARE_EXTRA <<<"${COMPARE_ARGS:-}"
+read -r -a SIM_EXTRA <<<"${SIM_ARGS:-}"
+SIM_FOR_COMPARE=()
+for a in "${SIM_EXTRA[@]}"; do SIM_FOR_COMPARE+=("--sim-arg=$a"); done
 MODEL=sim-model
 BS=16
 
@@ -41,7 +50,7 @@ BS=16
 [[ "$RUNS" =~ ^[1-9][0-9]*$ ]] || { echo "floor.sh: RUNS must be a positive integer, got '$RUNS'" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "floor.sh: needs python3" >&2; exit 2; }
 if [ -n "$PEERS" ]; then
-    for b in vllm-router smg; do
+    for b in vllm-router $([ "$SMG" != 0 ] && echo smg); do
         [ -x "$PEERS/venv/bin/$b" ] || { echo "floor.sh: $PEERS/venv/bin/$b missing (run ../shared/tools/peers/setup.sh $PEERS)" >&2; exit 2; }
     done
     "$KVGATE" bench compare --help | grep -q -- '--sim-floor' \
@@ -149,7 +158,7 @@ run_one() { # name run_dir
         read -r -a ports <<<"$(free_ports "$NW" 4)"
         base=${ports[0]} vr=${ports[1]} vrp=${ports[2]} smg=${ports[3]} smgp=${ports[4]}
         "$KVGATE" sim --workers "$NW" --host 127.0.0.1 --base-port "$base" --block-size "$BS" \
-            --num-gpu-blocks "$NB" --model "$MODEL" >"$dir/sim.log" 2>&1 &
+            --num-gpu-blocks "$NB" --model "$MODEL" "${SIM_EXTRA[@]}" >"$dir/sim.log" 2>&1 &
         PIDS+=($!)
         local simpid=$!
         for ((i = 0; i < NW; i++)); do
@@ -178,7 +187,7 @@ run_one() { # name run_dir
     else
         fleet=(--workers "$NW" --block-size "$BS" --num-gpu-blocks "$NB")
     fi
-    "$KVGATE" bench compare --quiet --model "$MODEL" "${fleet[@]}" "${WL_ARGS[@]}" \
+    "$KVGATE" bench compare --quiet --model "$MODEL" "${fleet[@]}" "${SIM_FOR_COMPARE[@]}" "${WL_ARGS[@]}" \
         --policies "$POLICIES" "${ext[@]}" "${COMPARE_EXTRA[@]}" --out-dir "$dir" \
         >"$dir/compare.out" 2>"$dir/compare.err" &
     CMP=$!
@@ -194,6 +203,7 @@ run_one() { # name run_dir
 
 FAILED=0
 for name in $WORKLOADS; do
+    [ "${SUMMARY_ONLY:-0}" = 1 ] && break
     workload "$name" || continue
     for ((r = 1; r <= RUNS; r++)); do
         echo "floor.sh: $name run $r/$RUNS ($(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
