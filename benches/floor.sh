@@ -233,15 +233,15 @@ for name in names:
     print(f"\n### {name}: {len(runs)} runs; TTFT floor p50 {f(fl50)} ms, p99 {f(fl99)} ms; "
           f"oracle hit {f(med([r['oracle']['infinite_hit_rate'] for r in runs]), 3)}\n")
     print("| policy | TTFT p50 ms | p50 / floor | TTFT p99 ms | p99 / floor p99 | p50 spread | "
-          "hit / oracle | step wait ms | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "hit / oracle | step wait ms | p50 / (floor + step wait) | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = []
     for r in runs:
         for row in r["rows"]:
             if row["policy"] not in order:
                 order.append(row["policy"])
     for pol in order:
-        p50, p99, r50, r99, hit, wait, errs = [], [], [], [], [], [], 0
+        p50, p99, r50, r99, hit, wait, rw, errs = [], [], [], [], [], [], [], 0
         for r, fl in zip(runs, floors):
             row = next((x for x in r["rows"] if x["policy"] == pol), None)
             if row is None:
@@ -254,12 +254,15 @@ for name in names:
             if fl:
                 r50.append(s["ttft_ms"]["p50"] / fl["p50_ms"]); r99.append(s["ttft_ms"]["p99"] / fl["p99_ms"])
             hit.append(row.get("hit_over_oracle"))
-            wait.append((row.get("engine") or {}).get("step_wait_ms"))
+            w = (row.get("engine") or {}).get("step_wait_ms")
+            wait.append(w)
+            if fl and w is not None:
+                rw.append(s["ttft_ms"]["p50"] / (fl["p50_ms"] + w))
         m50 = med(p50)
         spread = (max(p50) - min(p50)) / m50 if len(p50) > 1 and m50 else None
         print(f"| {pol} | {f(m50)} | {f(med(r50), 2, '×')} | {f(med(p99))} | {f(med(r99), 2, '×')} | "
               f"{f(None if spread is None else 100 * spread, 0, '%')} | {f(med(hit), 2)} | "
-              f"{f(med(wait))} | {errs} |")
+              f"{f(med(wait))} | {f(med(rw), 2, '×')} | {errs} |")
     print(f"\nper run p50 ms: " + "; ".join(
         f"{pol} " + " / ".join(f(next((x['summary']['ttft_ms']['p50'] for x in r['rows'] if x['policy'] == pol), None))
                                for r in runs) for pol in order))
