@@ -263,8 +263,9 @@ for name in names:
         print(f"| {pol} | {f(m50)} | {f(med(r50), 2, '×')} | {f(med(p99))} | {f(med(r99), 2, '×')} | "
               f"{f(None if spread is None else 100 * spread, 0, '%')} | {f(med(hit), 2)} | "
               f"{f(med(wait))} | {f(med(rw), 2, '×')} | {errs} |")
-    print(f"\nper run p50 ms: " + "; ".join(
-        f"{pol} " + " / ".join(f(next((x['summary']['ttft_ms']['p50'] for x in r['rows'] if x['policy'] == pol), None))
-                               for r in runs) for pol in order))
+    for q in ("p50", "p99"):
+        print(f"\nper run {q} ms: " + "; ".join(
+            f"{pol} " + " / ".join(f(next((x['summary']['ttft_ms'][q] for x in r['rows'] if x['policy'] == pol), None))
+                                   for r in runs) for pol in order))
 EOF
 exit "$FAILED"
