@@ -79,8 +79,8 @@ trap stop_all EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# N consecutive free loopback ports from a base whose +1000 range is free too (sims' HTTP and
-# KV-event ports), then more single free ports: prints them space-separated.
+# N consecutive free loopback ports from a base whose +1000 and +1100 ranges are free too (sims'
+# HTTP, KV-event and replay ports), then more single free ports: prints them space-separated.
 free_ports() { # n_consecutive n_single
     python3 - "$1" "$2" <<'EOF'
 import random, socket, sys
@@ -95,7 +95,7 @@ def free(p):
         s.close()
 for _ in range(500):
     b = random.randrange(20000, 40000)
-    if all(free(b + i) and free(b + 1000 + i) for i in range(n)):
+    if all(free(b + i) and free(b + 1000 + i) and free(b + 1100 + i) for i in range(n)):
         break
 else:
     sys.exit("no free port range")
@@ -109,10 +109,14 @@ EOF
 }
 
 wait_http() { # url pid what
-    python3 - "$1" <<'EOF' &
-import sys, time, urllib.request
+    python3 - "$1" "$2" <<'EOF' &
+import os, sys, time, urllib.request
 deadline = time.time() + 60
 while time.time() < deadline:
+    try:
+        os.kill(int(sys.argv[2]), 0)
+    except ProcessLookupError:
+        sys.exit(1)
     try:
         with urllib.request.urlopen(sys.argv[1], timeout=2) as r:
             if 200 <= r.status < 300:
@@ -154,20 +158,30 @@ run_one() { # name run_dir
     mkdir -p "$dir"
     local fleet=() ext=()
     if [ -n "$PEERS" ]; then
-        local ports base vr vrp smg smgp i urls=() sources=() events=()
-        read -r -a ports <<<"$(free_ports "$NW" 4)"
-        base=${ports[0]} vr=${ports[1]} vrp=${ports[2]} smg=${ports[3]} smgp=${ports[4]}
-        "$KVGATE" sim --workers "$NW" --host 127.0.0.1 --base-port "$base" --block-size "$BS" \
-            --num-gpu-blocks "$NB" --model "$MODEL" "${SIM_EXTRA[@]}" >"$dir/sim.log" 2>&1 &
-        PIDS+=($!)
-        local simpid=$!
+        local ports base vr vrp smg smgp i simpid attempt urls=() sources=() events=()
+        # Another process may take a port between the check and the bind: a few fresh tries.
+        for attempt in 1 2 3; do
+            read -r -a ports <<<"$(free_ports "$NW" 4)"
+            base=${ports[0]} vr=${ports[1]} vrp=${ports[2]} smg=${ports[3]} smgp=${ports[4]}
+            "$KVGATE" sim --workers "$NW" --host 127.0.0.1 --base-port "$base" --block-size "$BS" \
+                --num-gpu-blocks "$NB" --model "$MODEL" "${SIM_EXTRA[@]}" >"$dir/sim.log" 2>&1 &
+            simpid=$!
+            PIDS+=("$simpid")
+            local ok=1
+            for ((i = 0; i < NW; i++)); do
+                wait_http "http://127.0.0.1:$((base + i))/health" "$simpid" sim || { ok=0; break; }
+            done
+            [ "$ok" = 1 ] && break
+            stop_all
+            [ "$attempt" = 3 ] && return 1
+            echo "floor.sh: retrying the sims on other ports" >&2
+        done
         for ((i = 0; i < NW; i++)); do
             urls+=("http://127.0.0.1:$((base + i))")
             events+=("tcp://127.0.0.1:$((base + 1000 + i))")
             sources+=(--kv-event-source "http://127.0.0.1:$((base + i))=tcp://127.0.0.1:$((base + 1000 + i))")
             fleet+=(--worker "http://127.0.0.1:$((base + i))" --worker-kv-events "tcp://127.0.0.1:$((base + 1000 + i))")
         done
-        for u in "${urls[@]}"; do wait_http "$u/health" "$simpid" sim || return 1; done
         "$PEERS/venv/bin/vllm-router" --host 127.0.0.1 --port "$vr" --policy "$VLLM_POLICY" \
             --prometheus-host 127.0.0.1 --prometheus-port "$vrp" "${sources[@]}" \
             --kv-event-model "$MODEL" --kv-event-block-size "$BS" \
