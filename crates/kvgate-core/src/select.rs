@@ -271,9 +271,7 @@ impl KvCostConfig {
         let raw = (pending + req.isl_tokens as f64) / bs;
         let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
-        let queued = self
-            .queue_time
-            .map_or(0.0, |l| l.start_wait_blocks(req, c));
+        let queued = self.queue_time.map_or(0.0, |l| l.start_wait_blocks(req, c));
         self.prefill_weight * (prefill + queued)
             + decode
             + self.request_weight * f64::from(c.inflight)

@@ -400,7 +400,11 @@ fn queue_time_charges_the_predicted_start_wait_as_prefill_blocks() {
     let mut rng = fastrand::Rng::with_seed(1);
     let cands = [holder, idle];
     let pick = |cfg: &KvCostConfig, rng: &mut fastrand::Rng| {
-        pick_by_cost(&[cfg.cost(&r, &cands[0]), cfg.cost(&r, &cands[1])], 0.0, rng)
+        pick_by_cost(
+            &[cfg.cost(&r, &cands[0]), cfg.cost(&r, &cands[1])],
+            0.0,
+            rng,
+        )
     };
     assert_eq!(pick(&plain, &mut rng), Some(0));
     assert_eq!(pick(&timed, &mut rng), Some(1));
