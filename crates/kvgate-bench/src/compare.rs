@@ -132,6 +132,11 @@ pub struct FleetArgs {
     /// the gateways an exact index).
     #[arg(long = "worker-kv-events")]
     pub worker_kv_events: Vec<String>,
+    /// The `--worker` URLs are `kvgate sim` workers started with this command's `--block-size`,
+    /// `--num-gpu-blocks`, `--speedup` and `--sim-arg` settings (e.g. by a script that also puts
+    /// peer routers in front of them): compute the TTFT floor for them as for a started fleet.
+    #[arg(long, requires = "worker_urls")]
+    pub sim_floor: bool,
     /// Every prefill worker's `bootstrap_port` (SGLang handoff, `pd_protocol=sglang`) is the port
     /// of its own URL: `kvgate sim --pd-protocol sglang` serves the rendezvous on its HTTP port.
     /// Needs the generated config, i.e. KV-event endpoints (a started fleet or `--worker-kv-events`).
@@ -203,15 +208,16 @@ fn sim_args(f: &FleetArgs, model: &str) -> Vec<String> {
 }
 
 /// The configuration the sims of a started, unified fleet run with, read by the sim's own argument
-/// parser from the command line they get; `None` for given workers or a PD fleet (their timing
-/// is not the bench's to know, or not one prefill per request).
+/// parser from the command line they get (or, with `--sim-floor`, that given sims were started
+/// with); `None` for other given workers or a PD fleet (their timing is not the bench's to know,
+/// or not one prefill per request).
 fn started_sim_config(f: &FleetArgs, model: &str) -> Option<kvgate_sim::SimConfig> {
     #[derive(clap::Parser)]
     struct Sim {
         #[command(flatten)]
         args: kvgate_sim::cli::SimArgs,
     }
-    if !f.worker_urls.is_empty() || f.prefill_workers.is_some() {
+    if (!f.worker_urls.is_empty() && !f.sim_floor) || f.prefill_workers.is_some() {
         return None;
     }
     let args = sim_args(f, model);
@@ -721,5 +727,16 @@ mod tests {
         // Given workers, or a PD fleet: not known.
         assert!(started_sim_config(&fleet(&["--worker", "http://127.0.0.1:9"]), "m").is_none());
         assert!(started_sim_config(&fleet(&["--prefill-workers", "2"]), "m").is_none());
+        // Given sims said to run with this command's settings: known.
+        let given = fleet(&[
+            "--worker",
+            "http://127.0.0.1:9",
+            "--sim-floor",
+            "--sim-arg=--prefill-coeffs=1,2,3",
+        ]);
+        let c = started_sim_config(&given, "m").expect("--sim-floor: the given settings");
+        assert_eq!(c.timing.prefill, [1.0, 2.0, 3.0]);
+        // --sim-floor without --worker is refused by the parser.
+        assert!(<P as clap::Parser>::try_parse_from(["x", "--sim-floor"]).is_err());
     }
 }

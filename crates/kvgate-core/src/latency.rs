@@ -264,16 +264,39 @@ impl LatencyConfig {
             uncached_tokens: uncached,
             predicted_ms: 0.0,
             predicted_itl_ms: c.speed.decode * itl_ref_ms,
-            slot_wait_ms: self.slot_wait_ms(req, c),
+            slot_wait_ms: self.start_wait_ms(req, c),
         };
         e.predicted_ms = e.at_speed(c.speed);
         e
     }
 
+    /// Predicted wait before `c`'s engine can start `req` (for a sequence slot and for KV memory,
+    /// as [`LatencyConfig::estimate`] predicts it), as the number of `req.block_size` prompt
+    /// blocks `c` prefills in that time: the wait over the curve's cost of one more block
+    /// (at its linear term, the smallest, so never fewer blocks than the wait is worth) at `c`'s
+    /// learned prefill speed. The `kv` cost's time-based queue term
+    /// ([`crate::KvCostConfig::queue_time`]). 0 when no wait is predicted, or when the curve has
+    /// no positive per-token term.
+    #[inline]
+    pub fn start_wait_blocks(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
+        let wait = self.start_wait_ms(req, c);
+        if wait <= 0.0 {
+            return 0.0;
+        }
+        let per_block =
+            self.curve.prefill[1].max(0.0) * f64::from(req.block_size.max(1)) * c.speed.prefill;
+        if per_block.is_finite() && per_block > 0.0 {
+            wait / per_block
+        } else {
+            // A curve without a per-token term gives no exchange rate: no term.
+            0.0
+        }
+    }
+
     /// Predicted wait before `c`'s engine starts the request: for a sequence slot and for KV
     /// memory, whichever is longer (both are waits for running requests to end).
     #[inline]
-    fn slot_wait_ms(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
+    pub fn start_wait_ms(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
         let slot = if self.slot_wait {
             c.slots.wait_ms(c.inflight)
         } else {

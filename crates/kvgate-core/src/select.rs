@@ -8,6 +8,8 @@
 //! decode_blocks  = active_blocks + new_blocks          (potential decode blocks)
 //! cost           = prefill_weight · prefill_blocks + decode_blocks + request_weight · inflight
 //! ```
+//! With [`KvCostConfig::queue_time`] the prefill term also counts the predicted wait for a slot or
+//! KV memory as the prompt blocks prefilled in that time.
 //! Temperature 0 picks the minimum cost; exact ties go to the tied worker ranked highest by
 //! rendezvous hashing on the request's first block none of them holds (uniformly at random when the
 //! prompt has no such block), so every replica, and every request that opens the same new prefix,
@@ -238,6 +240,14 @@ pub struct KvCostConfig {
     /// (Dynamo). Below 1 a long cached prefix outweighs a short-lived burst of prompt work on its
     /// worker: `prefill_weight` cannot do that, since it scales both sides (docs/bench.md, Mooncake).
     pub pending_weight: f64,
+    /// Queueing seen as time (`routing.kv_queue_time`; default off): the latency model's predicted
+    /// wait before the worker's engine can start the request — for a sequence slot and for KV
+    /// memory ([`crate::latency::LatencyConfig::start_wait_ms`]), which the block counts above do
+    /// not see — is charged as the prompt blocks that take as long to prefill on that worker
+    /// (the curve's cost of one more block at its learned prefill speed), times `prefill_weight`.
+    /// So a worker whose cached prefix sits behind a full KV cache costs what it would cost to
+    /// recompute that prefix elsewhere once the wait exceeds it. `None` = off.
+    pub queue_time: Option<crate::latency::LatencyConfig>,
 }
 
 impl Default for KvCostConfig {
@@ -247,6 +257,7 @@ impl Default for KvCostConfig {
             temperature: 0.0,
             request_weight: 0.0,
             pending_weight: 1.0,
+            queue_time: None,
         }
     }
 }
@@ -260,7 +271,10 @@ impl KvCostConfig {
         let raw = (pending + req.isl_tokens as f64) / bs;
         let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
-        self.prefill_weight * prefill + decode + self.request_weight * f64::from(c.inflight)
+        let queued = self.queue_time.map_or(0.0, |l| l.start_wait_blocks(req, c));
+        self.prefill_weight * (prefill + queued)
+            + decode
+            + self.request_weight * f64::from(c.inflight)
     }
 }
 

@@ -376,6 +376,10 @@ pub struct RoutingConfig {
     /// `latency` policy: predict the wait for KV memory on a worker whose in-flight requests'
     /// blocks plus this request's exceed its reported capacity.
     pub latency_kv_wait: bool,
+    /// `kv` policy: also charge the latency model's predicted wait before a worker's engine can
+    /// start the request (a sequence slot, KV memory; per `latency_slot_wait` / `latency_kv_wait`)
+    /// as the prompt blocks that take as long to prefill there (queueing seen as time).
+    pub kv_queue_time: bool,
     /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
     /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
     /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
@@ -419,6 +423,7 @@ impl Default for RoutingConfig {
             latency_prefill_coeffs: None,
             latency_slot_wait: true,
             latency_kv_wait: true,
+            kv_queue_time: false,
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,

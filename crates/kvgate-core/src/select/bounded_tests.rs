@@ -220,7 +220,7 @@ proptest! {
             drop(guards.swap_remove(i));
         }
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
-        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0 };
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None };
         let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
             active_blocks: Some(a),
             waiting: Some(w),
@@ -247,6 +247,69 @@ proptest! {
                 let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
                 prop_assert_eq!(mine, theirs);
                 prop_assert_eq!(got.overlap_blocks, theirs.effective_overlap());
+            }
+            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
+        }
+    }
+
+    /// The same for `kv` with the time-based queue term (`queue_time`): learned speeds, engine
+    /// slots and KV capacities (so slot and KV-memory waits), two timing curves: a term that only
+    /// raises costs keeps the bounded walk exact.
+    #[test]
+    fn kv_queue_time_bounded_matches_exhaustive(
+        workers in 1..150usize,
+        held in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, any::<bool>()), 0..40),
+        running in prop::collection::vec((0..150usize, 0..6usize, 1..12usize, 0..2000u64, any::<bool>()), 0..200),
+        extra in prop::collection::vec(extra_strategy(), 150),
+        fits in prop::collection::vec(fit_strategy(), 150),
+        query in (0..8usize, 0..12usize),
+        knobs in (0..3usize, 0..2usize, any::<bool>(), any::<bool>()),
+        busy in prop::option::of((2..30u32, 0..3u32)),
+        seed in any::<u64>(),
+    ) {
+        let now = Instant::now();
+        let (index, active, _guards) = fleet(workers, &held, &running, now);
+        let (pw, curve, slot_wait, kv_wait) = knobs;
+        let curve = [TimingCurve::default(), TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [0.0, 10.0, 8.0] }][curve];
+        let cfg = KvCostConfig {
+            prefill_weight: [0.0, 1.0, 4.0][pw],
+            pending_weight: 0.25,
+            queue_time: Some(LatencyConfig { curve, pending_weight: 1.0, slot_wait, kv_wait }),
+            ..KvCostConfig::default()
+        };
+        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
+            active_blocks: Some(a),
+            waiting: Some(w),
+            ..BusyThresholds::default()
+        });
+        let policy = KvPolicy::new(cfg, busy);
+        let extra = &extra[..workers];
+        let fits = &fits[..workers];
+        let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
+        let at = now + Duration::from_secs(1);
+        let want = {
+            let mut cands: Vec<Candidate> = (0..workers as u32).map(|w| Candidate::new(WorkerId(w))).collect();
+            let mut scores = OverlapScores::new();
+            crate::score_candidates(&index, &active, req.hashes, at, &mut scores, &mut cands);
+            let mut prep = prepared_latency(extra, fits);
+            cands.retain_mut(|c| prep(c));
+            policy.select(&req, &cands, &mut fastrand::Rng::with_seed(seed)).map(|d| (d, cands))
+        };
+        let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
+        let got = select_kv_bounded(&policy, &index, &active, &req, at, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
+        match (want, got) {
+            (None, None) => {}
+            (Some((want, all)), Some(got)) => {
+                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
+                let el = crate::Eligibility::new(&all, &busy);
+                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c) == want.cost).count();
+                if at_min == 1 {
+                    prop_assert_eq!(got.worker, want.worker);
+                }
+                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
+                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
+                prop_assert_eq!(mine, theirs);
             }
             (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
         }

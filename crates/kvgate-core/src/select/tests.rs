@@ -341,3 +341,83 @@ fn ties_key_on_the_first_block_no_tied_worker_holds() {
         (3, 1.0)
     );
 }
+
+#[test]
+fn queue_time_charges_the_predicted_start_wait_as_prefill_blocks() {
+    use crate::latency::{EngineSlots, LatencyConfig, Speed, TimingCurve};
+    let h = vec![0u64; 20];
+    let r = req(&h, 320);
+    // The holder: 18 of 20 blocks cached, but a full KV cache (1000 of 1024 blocks held by 4
+    // requests) whose requests take 400 ms: the first end is a whole request time away.
+    let mut holder = Candidate::new(WorkerId(0));
+    holder.overlap_blocks = 18;
+    holder.new_blocks = 20;
+    holder.active_blocks = 1000;
+    holder.inflight = 4;
+    holder.kv_capacity_blocks = 1024;
+    holder.slots = EngineSlots {
+        limit: 0,
+        service_ms: 400.0,
+        output_tokens: 16.0,
+    };
+    // An idle worker without the prefix.
+    let mut idle = Candidate::new(WorkerId(1));
+    idle.new_blocks = 20;
+    idle.kv_capacity_blocks = 1024;
+    let plain = KvCostConfig::default();
+    let lat = LatencyConfig::default();
+    let timed = KvCostConfig {
+        queue_time: Some(lat),
+        ..plain
+    };
+    // Off by default.
+    assert_eq!(KvCostConfig::default().queue_time, None);
+    let wait = lat.start_wait_ms(&r, &holder);
+    assert_eq!(wait, 400.0, "a full cache: one whole request time");
+    // 400 ms over 0.01518344 ms/token · 16 tokens ≈ 1646.5 blocks, times prefill_weight 4.
+    let per_block = TimingCurve::default().prefill[1] * 16.0;
+    let extra = 4.0 * 400.0 / per_block;
+    assert!((timed.cost(&r, &holder) - plain.cost(&r, &holder) - extra).abs() < 1e-6);
+    // No wait predicted: the same cost as without the term.
+    assert_eq!(timed.cost(&r, &idle), plain.cost(&r, &idle));
+    // A slower prefill makes the same wait fewer blocks (the blocks it would recompute take
+    // longer there).
+    holder.speed = Speed {
+        prefill: 2.0,
+        decode: 1.0,
+    };
+    assert!((timed.cost(&r, &holder) - plain.cost(&r, &holder) - extra / 2.0).abs() < 1e-6);
+    holder.speed = Speed::default();
+
+    // Where it decides: a holder with a light decode load but a full cache (few, long requests).
+    // By blocks it wins (cached 18 blocks · 4 outweigh the active difference); by time it loses.
+    holder.active_blocks = 1010;
+    holder.inflight = 1;
+    idle.active_blocks = 1000;
+    idle.inflight = 1;
+    idle.slots = holder.slots;
+    idle.kv_capacity_blocks = 4096;
+    let mut rng = fastrand::Rng::with_seed(1);
+    let cands = [holder, idle];
+    let pick = |cfg: &KvCostConfig, rng: &mut fastrand::Rng| {
+        pick_by_cost(
+            &[cfg.cost(&r, &cands[0]), cfg.cost(&r, &cands[1])],
+            0.0,
+            rng,
+        )
+    };
+    assert_eq!(pick(&plain, &mut rng), Some(0));
+    assert_eq!(pick(&timed, &mut rng), Some(1));
+    // A curve without a per-token term gives no exchange rate: no term.
+    let flat = KvCostConfig {
+        queue_time: Some(LatencyConfig {
+            curve: TimingCurve {
+                prefill: [0.0, 0.0, 16.5],
+                ..TimingCurve::default()
+            },
+            ..lat
+        }),
+        ..plain
+    };
+    assert_eq!(flat.cost(&r, &cands[0]), plain.cost(&r, &cands[0]));
+}

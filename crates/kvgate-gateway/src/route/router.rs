@@ -119,6 +119,7 @@ impl RoutePolicy {
             cfg.pending_prefill_weight
         );
         pc.kv.pending_weight = cfg.pending_prefill_weight;
+        pc.kv.queue_time = cfg.kv_queue_time.then_some(latency);
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

@@ -573,3 +573,21 @@ fn a_round_robin_pick_explains_itself_by_name() {
     assert!(e.candidates.iter().all(|c| c.cost.is_none()));
     assert!(e.candidates[0].chosen);
 }
+
+#[test]
+fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
+    let kv = |toml: &str| {
+        let cfg = Config::from_toml(toml).expect("config");
+        let p = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd).expect("policy");
+        *p.policy.as_kv().expect("kv policy").config()
+    };
+    // Off by default.
+    assert_eq!(kv("").queue_time, None);
+    // On: the latency model's settings, the slot and KV-memory switches included.
+    let on = kv("[routing]\nkv_queue_time = true\nlatency_kv_wait = false\n");
+    let l = on.queue_time.expect("queue_time on");
+    assert!(l.slot_wait && !l.kv_wait);
+    assert_eq!(l.curve, TimingCurve::default());
+    // Not a `kv` key only in name: a wrong type is refused.
+    assert!(Config::from_toml("[routing]\nkv_queue_time = 1\n").is_err());
+}
