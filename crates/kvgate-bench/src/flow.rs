@@ -216,7 +216,7 @@ fn overlap_split(r: &RunResult) -> (f64, f64, f64) {
         }
     }
     let p99 = |h: &hdrhistogram::Histogram<u64>| {
-        if h.len() == 0 {
+        if h.is_empty() {
             0.0
         } else {
             percentiles(h).p99

@@ -929,9 +929,11 @@ impl Metrics {
 static NEXT_METRICS_ID: AtomicU64 = AtomicU64::new(0);
 const HANDLE_CACHE_MAX: usize = 4096;
 
+/// (metrics id, model label address, worker label address) → that pair's handles.
+type HandleCache = HashMap<(u64, usize, usize), Arc<RequestHandles>, kvgate_core::FastBuild>;
+
 thread_local! {
-    static HANDLES: RefCell<HashMap<(u64, usize, usize), Arc<RequestHandles>, kvgate_core::FastBuild>> =
-        RefCell::new(HashMap::default());
+    static HANDLES: RefCell<HandleCache> = RefCell::new(HashMap::default());
 }
 
 /// Handles to one (model, worker)'s series in the per-request families. Each is resolved on first

@@ -192,7 +192,7 @@ fn only_the_route_table_and_the_admin_api_see_app_state() {
         "api.rs",
         "api/",
     ];
-    let files = code_of(&[src.clone()]);
+    let files = code_of(std::slice::from_ref(&src));
     let mut seen = 0;
     for (path, code) in &files {
         let rel = path
