@@ -360,11 +360,11 @@ pub(crate) fn prioritized(
     crate::flow::splice_priority(p.spliced.as_ref().unwrap_or(&p.bytes), prio).map(Bytes::from)
 }
 
-/// The request once its body is read: what the front door ([`route_and_forward`]) and the endpoint picker
-/// (`epp/conversation.rs`) share. The client API's parse (400), the pool (404; a stored
-/// response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered through
-/// the chat template), the session affinity and the flow-control key (400 on a malformed flow
-/// header).
+/// The request once its body is read: what the front door ([`route_and_forward`]) and the
+/// endpoint picker (`epp/conversation.rs`) share. The client API's parse (400), the pool (404; a
+/// stored response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered
+/// through the chat template), the session affinity and the flow-control key (400 on a malformed
+/// flow header).
 pub(crate) async fn prepare_read(
     app: &Arc<Proxy>,
     ctx: &mut RequestCtx,
