@@ -41,25 +41,80 @@ fn prepared(extra: &[Extra]) -> impl FnMut(&mut Candidate) -> bool + '_ {
     }
 }
 
-/// The plain twin: every worker scored, then the policy.
+/// The plain twin: every one of `workers` scored, completed by `prep` (which leaves out those
+/// it refuses), then the policy.
+#[allow(clippy::too_many_arguments)]
 fn exhaustive(
     policy: &dyn Policy,
     index: &KvIndex,
     active: &ActiveSequences,
     req: &RouteRequest<'_>,
     now: Instant,
-    extra: &[Extra],
+    workers: usize,
+    mut prep: impl FnMut(&mut Candidate) -> bool,
     rng: &mut fastrand::Rng,
 ) -> Option<(Decision, Vec<Candidate>)> {
-    let mut cands: Vec<Candidate> = (0..extra.len() as u32)
+    let mut cands: Vec<Candidate> = (0..workers as u32)
         .map(|w| Candidate::new(WorkerId(w)))
         .collect();
     let mut scores = OverlapScores::new();
     crate::score_candidates(index, active, req.hashes, now, &mut scores, &mut cands);
-    let mut prep = prepared(extra);
     cands.retain_mut(|c| prep(c));
     let d = policy.select(req, &cands, rng)?;
     Some((d, cands))
+}
+
+/// The property tests' busy thresholds: none, or (active blocks, waiting).
+fn thresholds(busy: Option<(u32, u32)>) -> BusyThresholds {
+    busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
+        active_blocks: Some(a),
+        waiting: Some(w),
+        ..BusyThresholds::default()
+    })
+}
+
+/// The bounded walk's decision `got` (with the candidates it `visited`) against the exhaustive
+/// scan's `want` (with every eligible candidate): both or neither decide; the same cost always;
+/// the same worker when that cost is reached by one eligible worker only (`cost` is the policy's
+/// cost of a candidate); the chosen worker seen exactly as the scan saw it.
+fn same_as_exhaustive(
+    want: Option<(Decision, Vec<Candidate>)>,
+    got: Option<Decision>,
+    visited: &[Candidate],
+    busy: &BusyThresholds,
+    cost: impl Fn(&Candidate) -> f64,
+) -> Result<(), TestCaseError> {
+    match (want, got) {
+        (None, None) => {}
+        (Some((want, all)), Some(got)) => {
+            prop_assert_eq!(
+                got.cost,
+                want.cost,
+                "bounded {:?} exhaustive {:?}",
+                got,
+                want
+            );
+            let el = crate::Eligibility::new(&all, busy);
+            let at_min = all
+                .iter()
+                .filter(|c| el.ok(c) && cost(c) == want.cost)
+                .count();
+            if at_min == 1 {
+                prop_assert_eq!(got.worker, want.worker);
+            }
+            let mine = visited.iter().find(|c| c.worker == got.worker).unwrap();
+            let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
+            prop_assert_eq!(mine, theirs);
+            prop_assert_eq!(got.overlap_blocks, theirs.effective_overlap());
+        }
+        (want, got) => prop_assert!(
+            false,
+            "exhaustive {:?} bounded {:?}",
+            want.map(|w| w.0),
+            got
+        ),
+    }
+    Ok(())
 }
 
 /// A fleet of `workers` known workers holding (`held`: worker, group, blocks, exact) and running
@@ -221,35 +276,15 @@ proptest! {
         }
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
         let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None };
-        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
-            active_blocks: Some(a),
-            waiting: Some(w),
-            ..BusyThresholds::default()
-        });
+        let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
         let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
         let extra = &extra[..workers];
-        let want = exhaustive(&policy, &index, &active, &req, now + Duration::from_secs(1), extra, &mut fastrand::Rng::with_seed(seed));
+        let want = exhaustive(&policy, &index, &active, &req, now + Duration::from_secs(1), extra.len(), prepared(extra), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
         let got = select_kv_bounded(&policy, &index, &active, &req, now + Duration::from_secs(1), &mut scores, &mut cands, prepared(extra), &mut fastrand::Rng::with_seed(seed));
-        match (want, got) {
-            (None, None) => {}
-            (Some((want, all)), Some(got)) => {
-                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
-                let el = crate::Eligibility::new(&all, &busy);
-                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c) == want.cost).count();
-                if at_min == 1 {
-                    prop_assert_eq!(got.worker, want.worker);
-                }
-                // The visited candidate carries exactly the exhaustive scan's view of the worker.
-                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
-                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
-                prop_assert_eq!(mine, theirs);
-                prop_assert_eq!(got.overlap_blocks, theirs.effective_overlap());
-            }
-            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
-        }
+        same_as_exhaustive(want, got, &cands, &busy, |c| cfg.cost(&req, c))?;
     }
 
     /// The same for `kv` with the time-based queue term (`queue_time`): learned speeds, engine
@@ -277,42 +312,17 @@ proptest! {
             queue_time: Some(LatencyConfig { curve, pending_weight: 1.0, slot_wait, kv_wait }),
             ..KvCostConfig::default()
         };
-        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
-            active_blocks: Some(a),
-            waiting: Some(w),
-            ..BusyThresholds::default()
-        });
+        let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let extra = &extra[..workers];
         let fits = &fits[..workers];
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
         let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
         let at = now + Duration::from_secs(1);
-        let want = {
-            let mut cands: Vec<Candidate> = (0..workers as u32).map(|w| Candidate::new(WorkerId(w))).collect();
-            let mut scores = OverlapScores::new();
-            crate::score_candidates(&index, &active, req.hashes, at, &mut scores, &mut cands);
-            let mut prep = prepared_latency(extra, fits);
-            cands.retain_mut(|c| prep(c));
-            policy.select(&req, &cands, &mut fastrand::Rng::with_seed(seed)).map(|d| (d, cands))
-        };
+        let want = exhaustive(&policy, &index, &active, &req, at, workers, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
         let got = select_kv_bounded(&policy, &index, &active, &req, at, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
-        match (want, got) {
-            (None, None) => {}
-            (Some((want, all)), Some(got)) => {
-                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
-                let el = crate::Eligibility::new(&all, &busy);
-                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c) == want.cost).count();
-                if at_min == 1 {
-                    prop_assert_eq!(got.worker, want.worker);
-                }
-                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
-                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
-                prop_assert_eq!(mine, theirs);
-            }
-            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
-        }
+        same_as_exhaustive(want, got, &cands, &busy, |c| cfg.cost(&req, c))?;
     }
 
     /// The same for the `latency` policy: learned speeds, engine slots (slot and KV waits), KV
@@ -358,11 +368,7 @@ proptest! {
             decode_weight: [0.0, 0.25, 1.0][dw],
             ..LatencyPolicyConfig::default()
         };
-        let busy = busy.map_or(BusyThresholds::default(), |(a, w)| BusyThresholds {
-            active_blocks: Some(a),
-            waiting: Some(w),
-            ..BusyThresholds::default()
-        });
+        let busy = thresholds(busy);
         let policy = LatencyPolicy::new(cfg, busy);
         let extra = &extra[..workers];
         // Half the cases: every decode factor 1 (a ceiling below the own prefill of long prompts).
@@ -377,31 +383,10 @@ proptest! {
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
         let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + query.2, block_size: BS as u32, affinity_key: None };
         let at = now + Duration::from_secs(1);
-        let want = {
-            let mut cands: Vec<Candidate> = (0..workers as u32).map(|w| Candidate::new(WorkerId(w))).collect();
-            let mut scores = OverlapScores::new();
-            crate::score_candidates(&index, &active, req.hashes, at, &mut scores, &mut cands);
-            let mut prep = prepared_latency(extra, fits);
-            cands.retain_mut(|c| prep(c));
-            policy.select(&req, &cands, &mut fastrand::Rng::with_seed(seed)).map(|d| (d, cands))
-        };
+        let want = exhaustive(&policy, &index, &active, &req, at, workers, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
         let got = select_latency_bounded(&policy, &index, &active, &req, at, speeds, &mut scores, &mut cands, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
-        match (want, got) {
-            (None, None) => {}
-            (Some((want, all)), Some(got)) => {
-                prop_assert_eq!(got.cost, want.cost, "bounded {:?} exhaustive {:?}", got, want);
-                let el = crate::Eligibility::new(&all, &busy);
-                let at_min = all.iter().filter(|c| el.ok(c) && cfg.cost(&req, c).0 == want.cost).count();
-                if at_min == 1 {
-                    prop_assert_eq!(got.worker, want.worker);
-                }
-                let mine = cands.iter().find(|c| c.worker == got.worker).unwrap();
-                let theirs = all.iter().find(|c| c.worker == got.worker).unwrap();
-                prop_assert_eq!(mine, theirs);
-            }
-            (want, got) => prop_assert!(false, "exhaustive {:?} bounded {:?}", want.map(|w| w.0), got),
-        }
+        same_as_exhaustive(want, got, &cands, &busy, |c| cfg.cost(&req, c).0)?;
     }
 
     /// The bound of a non-holder's `latency` cost from its pending tokens and in-flight requests
@@ -558,7 +543,17 @@ fn a_large_fleet_visits_few_workers() {
         );
     }
     let extra = vec![Some((WorkerLoad::default(), true, None)); 2048];
-    let (want, _) = exhaustive(&policy, &index, &active, &req, now, &extra, &mut rng).unwrap();
+    let (want, _) = exhaustive(
+        &policy,
+        &index,
+        &active,
+        &req,
+        now,
+        extra.len(),
+        prepared(&extra),
+        &mut rng,
+    )
+    .unwrap();
     assert_eq!(d.cost, want.cost);
 }
 
@@ -611,7 +606,17 @@ fn latency_on_a_large_fleet_visits_few_workers() {
         assert!(cands.iter().any(|c| c.worker == WorkerId(w)));
     }
     let extra = vec![Some((WorkerLoad::default(), true, None)); 2048];
-    let (want, _) = exhaustive(&policy, &index, &active, &req, now, &extra, &mut rng).unwrap();
+    let (want, _) = exhaustive(
+        &policy,
+        &index,
+        &active,
+        &req,
+        now,
+        extra.len(),
+        prepared(&extra),
+        &mut rng,
+    )
+    .unwrap();
     // 21 workers tie at the least pending prefill: the same cost (the pick among them is the
     // tie-break's).
     assert_eq!(d.cost, want.cost);
