@@ -341,6 +341,9 @@ pub struct RoutingConfig {
     /// Share of a worker's in-flight prefill tokens charged in the `kv` cost (1 = Dynamo; below 1
     /// keeps long cached prefixes through bursts of prompt work on their worker).
     pub pending_prefill_weight: f64,
+    /// `kv` policy: each request in flight on a worker costs this many blocks (Dynamo's
+    /// per-request decode weight; 0 = KV blocks only).
+    pub request_weight: f64,
     /// Softmax temperature over normalised cost; 0 = argmin with random tie-break.
     pub temperature: f64,
     /// A worker is busy once it has this many in-flight requests through this gateway (0 = never).
@@ -409,6 +412,7 @@ impl Default for RoutingConfig {
             // Dynamo charges all of it (1); 0.25 measured better on every workload we ran
             // (docs/bench.md, "pending_prefill_weight default").
             pending_prefill_weight: 0.25,
+            request_weight: 0.0,
             temperature: 0.0,
             max_inflight_per_worker: 0,
             busy_active_blocks: None,

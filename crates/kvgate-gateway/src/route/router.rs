@@ -119,6 +119,12 @@ impl RoutePolicy {
             cfg.pending_prefill_weight
         );
         pc.kv.pending_weight = cfg.pending_prefill_weight;
+        anyhow::ensure!(
+            cfg.request_weight.is_finite() && cfg.request_weight >= 0.0,
+            "routing.request_weight must be a finite number >= 0, got {}",
+            cfg.request_weight
+        );
+        pc.kv.request_weight = cfg.request_weight;
         pc.kv.queue_time = cfg.kv_queue_time.then_some(latency);
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {

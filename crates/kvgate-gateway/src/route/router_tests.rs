@@ -591,3 +591,30 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
     // Not a `kv` key only in name: a wrong type is refused.
     assert!(Config::from_toml("[routing]\nkv_queue_time = 1\n").is_err());
 }
+
+#[test]
+fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
+    let build = |toml: &str| {
+        let cfg = Config::from_toml(toml).expect("config");
+        RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
+    };
+    let kv = |toml: &str| {
+        *build(toml)
+            .expect("policy")
+            .policy
+            .as_kv()
+            .expect("kv")
+            .config()
+    };
+    assert_eq!(kv("").request_weight, 0.0);
+    assert_eq!(
+        kv("[routing]\nrequest_weight = 24.5\n").request_weight,
+        24.5
+    );
+    for bad in ["-1.0", "nan", "inf"] {
+        let err = build(&format!("[routing]\nrequest_weight = {bad}\n"))
+            .err()
+            .unwrap_or_else(|| panic!("request_weight = {bad} accepted"));
+        assert!(err.to_string().contains("routing.request_weight"), "{err}");
+    }
+}
