@@ -279,7 +279,14 @@ impl LatencyConfig {
     /// no positive per-token term.
     #[inline]
     pub fn start_wait_blocks(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
-        let wait = self.start_wait_ms(req, c);
+        self.wait_blocks(req, c, false)
+    }
+
+    /// [`LatencyConfig::start_wait_blocks`] of [`LatencyConfig::unseen_wait_ms`]: with `step`,
+    /// the step in progress and a decode step longer than the prompt's own step count too.
+    #[inline]
+    pub fn wait_blocks(&self, req: &RouteRequest<'_>, c: &Candidate, step: bool) -> f64 {
+        let wait = self.unseen_wait_ms(req, c, step);
         if wait <= 0.0 {
             return 0.0;
         }
@@ -291,6 +298,28 @@ impl LatencyConfig {
             // A curve without a per-token term gives no exchange rate: no term.
             0.0
         }
+    }
+
+    /// The part of the predicted TTFT on `c` that is not the prefill itself, in ms: the start
+    /// wait ([`LatencyConfig::start_wait_ms`]) and, with `step` and requests in flight there,
+    /// the wait for the step in progress (half a decode step) and the part of a decode step the
+    /// prompt's own step does not cover (that step lasts at least a decode step):
+    /// `estimate(req, c).predicted_ms − speed.prefill · prefill_ms(queued + uncached)`, the slot
+    /// and KV waits per `slot_wait` / `kv_wait`.
+    #[inline]
+    pub fn unseen_wait_ms(&self, req: &RouteRequest<'_>, c: &Candidate, step: bool) -> f64 {
+        let start = self.start_wait_ms(req, c);
+        if !step || c.inflight == 0 {
+            return start;
+        }
+        let p = c.scraped.map_or(0.0, |s| f64::from(s.kv_usage));
+        let s = c.speed.decode * self.curve.decode_ms(p);
+        let queued = self.pending_weight * c.pending_prefill_tokens as f64;
+        let own = c.speed.prefill
+            * self
+                .curve
+                .prefill_ms(queued + Self::uncached_tokens(req, c));
+        start + 0.5 * s + (s - own).max(0.0)
     }
 
     /// Predicted wait before `c`'s engine starts the request: for a sequence slot and for KV

@@ -248,6 +248,11 @@ pub struct KvCostConfig {
     /// So a worker whose cached prefix sits behind a full KV cache costs what it would cost to
     /// recompute that prefix elsewhere once the wait exceeds it. `None` = off.
     pub queue_time: Option<crate::latency::LatencyConfig>,
+    /// With `queue_time`: the step in progress and a decode step longer than the prompt's own
+    /// step count as waits too ([`crate::latency::LatencyConfig::unseen_wait_ms`]): everything
+    /// the latency estimate adds to the prefill, so an idle worker is preferred to a busy holder
+    /// of a short cached prefix (`routing.kv_step_wait`; default off).
+    pub step_wait: bool,
 }
 
 impl Default for KvCostConfig {
@@ -258,6 +263,7 @@ impl Default for KvCostConfig {
             request_weight: 0.0,
             pending_weight: 1.0,
             queue_time: None,
+            step_wait: false,
         }
     }
 }
@@ -271,7 +277,9 @@ impl KvCostConfig {
         let raw = (pending + req.isl_tokens as f64) / bs;
         let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
-        let queued = self.queue_time.map_or(0.0, |l| l.start_wait_blocks(req, c));
+        let queued = self
+            .queue_time
+            .map_or(0.0, |l| l.wait_blocks(req, c, self.step_wait));
         self.prefill_weight * (prefill + queued)
             + decode
             + self.request_weight * f64::from(c.inflight)

@@ -383,6 +383,10 @@ pub struct RoutingConfig {
     /// start the request (a sequence slot, KV memory; per `latency_slot_wait` / `latency_kv_wait`)
     /// as the prompt blocks that take as long to prefill there (queueing seen as time).
     pub kv_queue_time: bool,
+    /// `kv` policy with `kv_queue_time`: the wait for the step in progress and a decode step
+    /// longer than the request's own prefill step count too (all the latency estimate adds to
+    /// the prefill), so an idle worker is preferred to a busy holder of a short cached prefix.
+    pub kv_step_wait: bool,
     /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
     /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
     /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
@@ -428,6 +432,7 @@ impl Default for RoutingConfig {
             latency_slot_wait: true,
             latency_kv_wait: true,
             kv_queue_time: false,
+            kv_step_wait: false,
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,

@@ -275,7 +275,7 @@ proptest! {
             drop(guards.swap_remove(i));
         }
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
-        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None };
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false };
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
@@ -289,7 +289,7 @@ proptest! {
 
     /// The same for `kv` with the time-based queue term (`queue_time`): learned speeds, engine
     /// slots and KV capacities (so slot and KV-memory waits), two timing curves: a term that only
-    /// raises costs keeps the bounded walk exact.
+    /// raises costs keeps the bounded walk exact; with and without the step wait.
     #[test]
     fn kv_queue_time_bounded_matches_exhaustive(
         workers in 1..150usize,
@@ -298,18 +298,19 @@ proptest! {
         extra in prop::collection::vec(extra_strategy(), 150),
         fits in prop::collection::vec(fit_strategy(), 150),
         query in (0..8usize, 0..12usize),
-        knobs in (0..3usize, 0..2usize, any::<bool>(), any::<bool>()),
+        knobs in (0..3usize, 0..2usize, any::<bool>(), any::<bool>(), any::<bool>()),
         busy in prop::option::of((2..30u32, 0..3u32)),
         seed in any::<u64>(),
     ) {
         let now = Instant::now();
         let (index, active, _guards) = fleet(workers, &held, &running, now);
-        let (pw, curve, slot_wait, kv_wait) = knobs;
+        let (pw, curve, slot_wait, kv_wait, step_wait) = knobs;
         let curve = [TimingCurve::default(), TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [0.0, 10.0, 8.0] }][curve];
         let cfg = KvCostConfig {
             prefill_weight: [0.0, 1.0, 4.0][pw],
             pending_weight: 0.25,
             queue_time: Some(LatencyConfig { curve, pending_weight: 1.0, slot_wait, kv_wait }),
+            step_wait,
             ..KvCostConfig::default()
         };
         let busy = thresholds(busy);

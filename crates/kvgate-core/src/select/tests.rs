@@ -421,3 +421,81 @@ fn queue_time_charges_the_predicted_start_wait_as_prefill_blocks() {
     };
     assert_eq!(flat.cost(&r, &cands[0]), plain.cost(&r, &cands[0]));
 }
+
+#[test]
+fn step_wait_charges_the_step_in_progress_and_a_longer_decode_step() {
+    use crate::latency::{LatencyConfig, Speed};
+    use crate::select::ScrapedLoad;
+    // A 12-block prompt (192 tokens + 8): the holder has 10 blocks cached but 4 requests in
+    // flight at 40 % KV usage; the other worker is idle with nothing cached.
+    let h = vec![0u64; 12];
+    let r = req(&h, 200);
+    let mut holder = Candidate::new(WorkerId(0));
+    holder.overlap_blocks = 10;
+    holder.new_blocks = 2;
+    holder.active_blocks = 400;
+    holder.inflight = 4;
+    holder.scraped = Some(ScrapedLoad {
+        kv_usage: 0.4,
+        waiting: 0,
+        running: 4,
+    });
+    let mut idle = Candidate::new(WorkerId(1));
+    idle.new_blocks = 12;
+    let lat = LatencyConfig::default();
+    let plain = KvCostConfig {
+        queue_time: Some(lat),
+        ..KvCostConfig::default()
+    };
+    let stepped = KvCostConfig {
+        step_wait: true,
+        ..plain
+    };
+    // Off by default; no waits of any kind predicted here, so queue_time alone adds nothing.
+    assert!(!KvCostConfig::default().step_wait);
+    assert_eq!(
+        plain.cost(&r, &holder),
+        KvCostConfig::default().cost(&r, &holder)
+    );
+    // The wait is the latency estimate minus its prefill part.
+    let e = lat.estimate(&r, &holder);
+    let unseen = lat.unseen_wait_ms(&r, &holder, true);
+    let prefill = holder.speed.prefill * e.prefill_ms;
+    assert!(
+        (unseen - (e.predicted_ms - prefill)).abs() < 1e-9,
+        "{unseen} vs {e:?}"
+    );
+    let step = lat.curve.decode_ms(f64::from(0.4f32));
+    assert!((unseen - (0.5 * step + (step - prefill).max(0.0))).abs() < 1e-9);
+    assert!(unseen > 0.0);
+    // In blocks: the wait over the curve's ms per block, times prefill_weight.
+    let per_block = lat.curve.prefill[1] * 16.0;
+    let extra = 4.0 * unseen / per_block;
+    assert!((stepped.cost(&r, &holder) - plain.cost(&r, &holder) - extra).abs() < 1e-6);
+    // An idle worker has no step in progress: nothing added.
+    assert_eq!(stepped.cost(&r, &idle), plain.cost(&r, &idle));
+    // The decision it changes: a holder with few active blocks. By blocks it stays (4 · 10
+    // cached blocks outweigh its 40 active ones); by time the idle worker wins (the step in
+    // progress and a decode step longer than the 2-block prefill cost more than recomputing
+    // 10 blocks).
+    let mut light = [holder, idle];
+    light[0].active_blocks = 40;
+    let pick = |cfg: &KvCostConfig| {
+        pick_by_cost(
+            &[cfg.cost(&r, &light[0]), cfg.cost(&r, &light[1])],
+            0.0,
+            &mut fastrand::Rng::with_seed(3),
+        )
+    };
+    assert_eq!(pick(&plain), Some(0));
+    assert_eq!(pick(&stepped), Some(1));
+    // A faster decode (half the step) halves the step part.
+    let mut fast = holder;
+    fast.speed = Speed {
+        prefill: 1.0,
+        decode: 0.5,
+    };
+    let half = lat.unseen_wait_ms(&r, &fast, true);
+    let s2 = 0.5 * step;
+    assert!((half - (0.5 * s2 + (s2 - prefill).max(0.0))).abs() < 1e-9);
+}

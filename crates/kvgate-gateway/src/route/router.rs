@@ -126,6 +126,11 @@ impl RoutePolicy {
         );
         pc.kv.request_weight = cfg.request_weight;
         pc.kv.queue_time = cfg.kv_queue_time.then_some(latency);
+        anyhow::ensure!(
+            !cfg.kv_step_wait || cfg.kv_queue_time,
+            "routing.kv_step_wait needs routing.kv_queue_time = true (it adds to that term)"
+        );
+        pc.kv.step_wait = cfg.kv_step_wait;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

@@ -590,6 +590,14 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
     assert_eq!(l.curve, TimingCurve::default());
     // Not a `kv` key only in name: a wrong type is refused.
     assert!(Config::from_toml("[routing]\nkv_queue_time = 1\n").is_err());
+    // The step wait: off by default, on with the queue term, refused without it.
+    assert!(!on.step_wait);
+    assert!(kv("[routing]\nkv_queue_time = true\nkv_step_wait = true\n").step_wait);
+    let cfg = Config::from_toml("[routing]\nkv_step_wait = true\n").expect("config");
+    let err = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
+        .err()
+        .expect("kv_step_wait without kv_queue_time accepted");
+    assert!(err.to_string().contains("kv_queue_time"), "{err}");
 }
 
 #[test]
