@@ -20,6 +20,10 @@
 //!
 //! With `--epp [POLICY]` two rows follow the policies' on the same fleet and workload: Envoy's own
 //! round robin, and Envoy + `kvgate epp` (the Gateway API endpoint-picker path).
+//!
+//! With `--loaded-floor POLICY,...` `floor:<policy>` rows come last: the same workload, each
+//! request carrying the infinite oracle's hit in the sims' assumed-cache header, so every worker
+//! serves it at that hit and the rows measure what load alone costs (`report::LoadedFloor`).
 
 pub mod capacity;
 pub mod children;

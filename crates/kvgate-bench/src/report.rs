@@ -407,8 +407,11 @@ mod tests {
             r.hit_over_oracle = Some(hit);
             r
         };
+        let mut base = rows[0].clone();
+        base.summary.ttft_ms.p50 = 12.0;
+        base.summary.ttft_ms.p99 = 12.0;
         let mut with_floor = vec![
-            rows[0].clone(),
+            base,
             floor("floor:rr", 8.0, 30.0, 1.0),
             floor("floor:lat", 6.0, 40.0, 1.0),
             floor("floor:bad", 1.0, 1.0, 0.5),
