@@ -28,7 +28,7 @@
 #              oracle and the floor, computed on the bench's token ids, are only indicative)
 #   SIM_ARGS   extra `kvgate sim` arguments (word-split), given to the sims and to the floor
 #   COMPARE_ARGS  extra arguments for every `bench compare` (word-split), e.g. "--seed 7"
-#   LOADED_FLOOR  `bench compare --loaded-floor` entries (default round_robin,least_loaded,latency;
+#   LOADED_FLOOR  `bench compare --loaded-floor` entries (default least_loaded,latency;
 #              empty: no loaded floor): the same trace again per entry with every request at the
 #              infinite cache's hit on whichever worker it goes to (sims with
 #              --assume-cached-header); summary.md gets the loaded floor (best p50 / best p99 of
@@ -41,7 +41,7 @@ KVGATE=${KVGATE:-target/release/kvgate}
 RUNS=${RUNS:-3}
 POLICIES=${POLICIES:-round_robin,kv,latency}
 # --loaded-floor rows (empty: none); the loaded floor is their best p50 and best p99.
-LOADED_FLOOR=${LOADED_FLOOR-round_robin,least_loaded,latency}
+LOADED_FLOOR=${LOADED_FLOOR-least_loaded,latency}
 WORKLOADS=${WORKLOADS:-agentic20 agentic60 multi-turn shared-prefix mooncake}
 MOONCAKE=${MOONCAKE:-}
 PEERS=${PEERS:-}

@@ -850,7 +850,9 @@ mod tests {
         // A fleet this command starts: fine (its sims get the flag).
         assert_eq!(loaded_floor_refusal(&a), None);
         // Not given: off.
-        let none = <P as clap::Parser>::try_parse_from(["x"]).expect("defaults").a;
+        let none = <P as clap::Parser>::try_parse_from(["x"])
+            .expect("defaults")
+            .a;
         assert!(none.loaded_floor.is_empty());
         let refused = |extra: &[&str], why: &str| {
             let r = loaded_floor_refusal(&args(extra)).expect("refused");

@@ -422,12 +422,11 @@ mod tests {
         assert_eq!(f.rows, ["floor:rr", "floor:lat"]);
         assert_eq!(
             with_floor[0].over_loaded_floor,
-            Some(FloorRatio {
-                p50: 2.0,
-                p99: 0.4
-            })
+            Some(FloorRatio { p50: 2.0, p99: 0.4 })
         );
-        assert!(with_floor[1..].iter().all(|r| r.over_loaded_floor.is_none()));
+        assert!(with_floor[1..]
+            .iter()
+            .all(|r| r.over_loaded_floor.is_none()));
         let t = compare_table(&with_floor, &o);
         assert!(
             t.contains("TTFT loaded floor (every request at the infinite cache's hit on any worker, best of: floor:rr, floor:lat): p50 6.0 ms (floor:lat), p99 30.0 ms (floor:rr)\n"),
