@@ -28,6 +28,11 @@
 #              oracle and the floor, computed on the bench's token ids, are only indicative)
 #   SIM_ARGS   extra `kvgate sim` arguments (word-split), given to the sims and to the floor
 #   COMPARE_ARGS  extra arguments for every `bench compare` (word-split), e.g. "--seed 7"
+#   LOADED_FLOOR  `bench compare --loaded-floor` entries (default least_loaded,latency;
+#              empty: no loaded floor): the same trace again per entry with every request at the
+#              infinite cache's hit on whichever worker it goes to (sims with
+#              --assume-cached-header); summary.md gets the loaded floor (best p50 / best p99 of
+#              those rows, median over runs) and each policy's ratios to it
 #   SUMMARY_ONLY  1: run nothing, print the table of the runs already in OUT_DIR
 set -euo pipefail
 
@@ -35,12 +40,22 @@ OUT=${1:-floor-out}
 KVGATE=${KVGATE:-target/release/kvgate}
 RUNS=${RUNS:-3}
 POLICIES=${POLICIES:-round_robin,kv,latency}
+# --loaded-floor rows (empty: none); the loaded floor is their best p50 and best p99.
+LOADED_FLOOR=${LOADED_FLOOR-least_loaded,latency}
 WORKLOADS=${WORKLOADS:-agentic20 agentic60 multi-turn shared-prefix mooncake}
 MOONCAKE=${MOONCAKE:-}
 PEERS=${PEERS:-}
 SMG=${SMG:-0}
 read -r -a COMPARE_EXTRA <<<"${COMPARE_ARGS:-}"
 read -r -a SIM_EXTRA <<<"${SIM_ARGS:-}"
+FLOOR_ARGS=()
+if [ -n "$LOADED_FLOOR" ]; then
+    FLOOR_ARGS=(--loaded-floor "$LOADED_FLOOR")
+    # Sims this script starts (PEERS) honour the assumed-cache header; bench compare adds the
+    # flag to the sims it starts itself.
+    [[ " ${SIM_EXTRA[*]} " == *" --assume-cached-header "* ]] || [ -z "$PEERS" ] \
+        || SIM_EXTRA+=(--assume-cached-header)
+fi
 SIM_FOR_COMPARE=()
 for a in "${SIM_EXTRA[@]}"; do SIM_FOR_COMPARE+=("--sim-arg=$a"); done
 MODEL=sim-model
@@ -57,6 +72,10 @@ if [ -n "$PEERS" ]; then
         || { echo "floor.sh: $KVGATE has no 'bench compare --sim-floor' (the floor of a fleet started here); rebuild it" >&2; exit 2; }
     VLLM_POLICY=kv_aware
     "$PEERS/venv/bin/vllm-router" --help 2>&1 | grep -q 'kv_aware' || VLLM_POLICY=cache_aware
+fi
+if [ -n "$LOADED_FLOOR" ]; then
+    "$KVGATE" bench compare --help | grep -q -- '--loaded-floor' \
+        || { echo "floor.sh: $KVGATE has no 'bench compare --loaded-floor'; rebuild it or set LOADED_FLOOR=" >&2; exit 2; }
 fi
 mkdir -p "$OUT"
 
@@ -202,7 +221,7 @@ run_one() { # name run_dir
         fleet=(--workers "$NW" --block-size "$BS" --num-gpu-blocks "$NB")
     fi
     "$KVGATE" bench compare --quiet --model "$MODEL" "${fleet[@]}" "${SIM_FOR_COMPARE[@]}" "${WL_ARGS[@]}" \
-        --policies "$POLICIES" "${ext[@]}" "${COMPARE_EXTRA[@]}" --out-dir "$dir" \
+        --policies "$POLICIES" "${FLOOR_ARGS[@]}" "${ext[@]}" "${COMPARE_EXTRA[@]}" --out-dir "$dir" \
         >"$dir/compare.out" 2>"$dir/compare.err" &
     CMP=$!
     local rc=0
@@ -244,11 +263,21 @@ for name in names:
     floors = [r["oracle"].get("ttft_floor") for r in runs]
     fl50 = med([x["p50_ms"] for x in floors if x])
     fl99 = med([x["p99_ms"] for x in floors if x])
+    loaded = [r.get("loaded_floor") for r in runs]
+    ld50 = med([x["p50_ms"] for x in loaded if x])
+    ld99 = med([x["p99_ms"] for x in loaded if x])
     print(f"\n### {name}: {len(runs)} runs; TTFT floor p50 {f(fl50)} ms, p99 {f(fl99)} ms; "
           f"oracle hit {f(med([r['oracle']['infinite_hit_rate'] for r in runs]), 3)}\n")
-    print("| policy | TTFT p50 ms | p50 / floor | TTFT p99 ms | p99 / floor p99 | p50 spread | "
-          "hit / oracle | step wait ms | p50 / (floor + step wait) | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if any(loaded):
+        best = lambda k: ", ".join(sorted({x[k] for x in loaded if x}))
+        print(f"TTFT loaded floor (median over runs of each run's best floor: row): p50 {f(ld50)} ms "
+              f"(best: {best('p50_row')}), p99 {f(ld99)} ms (best: {best('p99_row')}). "
+              "÷ loaded: median over runs of the per-run ratio; (m) = median p50 (p99) ÷ median "
+              "loaded floor p50 (p99), the ratio of medians.\n")
+    print("| policy | TTFT p50 ms | p50 / floor | p50 ÷ loaded | p50 ÷ loaded (m) | TTFT p99 ms | "
+          "p99 / floor p99 | p99 ÷ loaded | p99 ÷ loaded (m) | p50 spread | hit / oracle | "
+          "step wait ms | p50 / (floor + step wait) | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     order = []
     for r in runs:
         for row in r["rows"]:
@@ -256,6 +285,7 @@ for name in names:
                 order.append(row["policy"])
     for pol in order:
         p50, p99, r50, r99, hit, wait, rw, errs = [], [], [], [], [], [], [], 0
+        l50, l99 = [], []
         for r, fl in zip(runs, floors):
             row = next((x for x in r["rows"] if x["policy"] == pol), None)
             if row is None:
@@ -267,14 +297,21 @@ for name in names:
             p50.append(s["ttft_ms"]["p50"]); p99.append(s["ttft_ms"]["p99"])
             if fl:
                 r50.append(s["ttft_ms"]["p50"] / fl["p50_ms"]); r99.append(s["ttft_ms"]["p99"] / fl["p99_ms"])
+            lr = row.get("over_loaded_floor")
+            if lr:
+                l50.append(lr["p50"]); l99.append(lr["p99"])
             hit.append(row.get("hit_over_oracle"))
             w = (row.get("engine") or {}).get("step_wait_ms")
             wait.append(w)
             if fl and w is not None:
                 rw.append(s["ttft_ms"]["p50"] / (fl["p50_ms"] + w))
-        m50 = med(p50)
+        m50, m99 = med(p50), med(p99)
         spread = (max(p50) - min(p50)) / m50 if len(p50) > 1 and m50 else None
-        print(f"| {pol} | {f(m50)} | {f(med(r50), 2, '×')} | {f(med(p99))} | {f(med(r99), 2, '×')} | "
+        floor_row = pol.startswith("floor:")
+        lm50 = m50 / ld50 if m50 and ld50 and not floor_row else None
+        lm99 = m99 / ld99 if m99 and ld99 and not floor_row else None
+        print(f"| {pol} | {f(m50)} | {f(med(r50), 2, '×')} | {f(med(l50), 2, '×')} | {f(lm50, 2, '×')} | "
+              f"{f(m99)} | {f(med(r99), 2, '×')} | {f(med(l99), 2, '×')} | {f(lm99, 2, '×')} | "
               f"{f(None if spread is None else 100 * spread, 0, '%')} | {f(med(hit), 2)} | "
               f"{f(med(wait))} | {f(med(rw), 2, '×')} | {errs} |")
     for q in ("p50", "p99"):

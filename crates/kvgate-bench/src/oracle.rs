@@ -57,6 +57,16 @@ fn infinite_hits(wl: &Workload, block_size: usize) -> Vec<usize> {
         .collect()
 }
 
+/// `wl` with every request carrying the infinite cache's hit as `sim_cached_tokens` (what
+/// `bench compare --loaded-floor` sends as the sim's assumed-cache header).
+pub fn with_infinite_hits(wl: &Workload, block_size: usize) -> Workload {
+    let mut out = wl.clone();
+    for (r, hit) in out.requests.iter_mut().zip(infinite_hits(wl, block_size)) {
+        r.sim_cached_tokens = Some(hit);
+    }
+    out
+}
+
 /// The TTFT floor ([`TtftFloor`]) of `wl` on sims with this timing and speed-up.
 pub fn ttft_floor(
     wl: &Workload,
@@ -194,6 +204,7 @@ mod tests {
                     prompt: p.to_vec(),
                     max_tokens: 1,
                     turn: None,
+                    sim_cached_tokens: None,
                 })
                 .collect(),
         }

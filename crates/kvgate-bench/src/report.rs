@@ -33,6 +33,78 @@ pub struct PolicyRow {
     /// Means per request from the workers' own histograms over the row (`compare/engine.rs`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub engine: Option<crate::compare::engine::EngineSplit>,
+    /// A `--loaded-floor` row (`floor:<policy>`): every request carried the infinite cache's hit
+    /// in the sims' assumed-cache header.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub loaded_floor: bool,
+    /// This row's TTFT p50 and p99 over the loaded floor's ([`LoadedFloor`]); other rows only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub over_loaded_floor: Option<FloorRatio>,
+}
+
+/// The loaded floor of a `bench compare --loaded-floor` run: the best TTFT p50 and the best p99
+/// among its `floor:` rows (each may come from a different row).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LoadedFloor {
+    /// The `floor:` rows it is the best of.
+    pub rows: Vec<String>,
+    pub p50_ms: f64,
+    pub p50_row: String,
+    pub p99_ms: f64,
+    pub p99_row: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct FloorRatio {
+    pub p50: f64,
+    pub p99: f64,
+}
+
+/// Below this hit ÷ oracle a `floor:` row did not get the hits it asked for (sims without
+/// `--assume-cached-header`): flagged in the table.
+const FLOOR_HIT_MIN: f64 = 0.95;
+
+/// The loaded floor of `rows`: the best p50 and p99 of the `floor:` rows that served requests
+/// and got their hits.
+pub fn loaded_floor(rows: &[PolicyRow]) -> Option<LoadedFloor> {
+    let floor: Vec<&PolicyRow> = rows
+        .iter()
+        .filter(|r| {
+            r.loaded_floor
+                && r.summary.succeeded > 0
+                && r.hit_over_oracle.is_none_or(|h| h >= FLOOR_HIT_MIN)
+        })
+        .collect();
+    let best = |q: fn(&PolicyRow) -> f64| {
+        floor
+            .iter()
+            .min_by(|a, b| q(a).total_cmp(&q(b)))
+            .map(|r| (q(r), r.policy.clone()))
+    };
+    let (p50_ms, p50_row) = best(|r| r.summary.ttft_ms.p50)?;
+    let (p99_ms, p99_row) = best(|r| r.summary.ttft_ms.p99)?;
+    Some(LoadedFloor {
+        rows: floor.iter().map(|r| r.policy.clone()).collect(),
+        p50_ms,
+        p50_row,
+        p99_ms,
+        p99_row,
+    })
+}
+
+/// Sets every other row's ratio to the loaded floor; returns the floor.
+pub fn apply_loaded_floor(rows: &mut [PolicyRow]) -> Option<LoadedFloor> {
+    let f = loaded_floor(rows)?;
+    for r in rows
+        .iter_mut()
+        .filter(|r| !r.loaded_floor && r.summary.succeeded > 0)
+    {
+        r.over_loaded_floor = (f.p50_ms > 0.0 && f.p99_ms > 0.0).then(|| FloorRatio {
+            p50: r.summary.ttft_ms.p50 / f.p50_ms,
+            p99: r.summary.ttft_ms.p99 / f.p99_ms,
+        });
+    }
+    Some(f)
 }
 
 /// One gateway replica's share of a row's requests.
@@ -142,6 +214,40 @@ pub fn compare_table(rows: &[PolicyRow], oracle: &Oracle) -> String {
             f.p50_ms, f.p99_ms, f.mean_ms
         );
     }
+    if let Some(f) = loaded_floor(rows) {
+        let _ = writeln!(
+            t,
+            "TTFT loaded floor (every request at the infinite cache's hit on any worker, best of: {}): p50 {:.1} ms ({}), p99 {:.1} ms ({})",
+            f.rows.join(", "),
+            f.p50_ms,
+            f.p50_row,
+            f.p99_ms,
+            f.p99_row
+        );
+        let ratios: Vec<String> = rows
+            .iter()
+            .filter_map(|r| {
+                r.over_loaded_floor
+                    .map(|x| format!("{} {:.2} / {:.2}", r.policy, x.p50, x.p99))
+            })
+            .collect();
+        if !ratios.is_empty() {
+            let _ = writeln!(
+                t,
+                "TTFT p50 / p99 ÷ the loaded floor's: {}",
+                ratios.join("; ")
+            );
+        }
+    }
+    for r in rows.iter().filter(|r| r.loaded_floor) {
+        if let Some(h) = r.hit_over_oracle.filter(|&h| h < FLOOR_HIT_MIN) {
+            let _ = writeln!(
+                t,
+                "warning: {} reached only {h:.2} of the oracle's hit: its sims did not honour the assumed-cache header (kvgate sim --assume-cached-header), so it is no floor",
+                r.policy
+            );
+        }
+    }
     if rows.iter().any(|r| r.engine.is_some()) {
         let _ = writeln!(
             t,
@@ -249,6 +355,8 @@ mod tests {
             replica_traffic: vec![],
             sync_lag: None,
             engine: None,
+            loaded_floor: false,
+            over_loaded_floor: None,
         }];
         let t = compare_table(&rows, &o);
         assert!(!t.contains("at the engines"), "{t}");
@@ -289,6 +397,46 @@ mod tests {
             sum_s: 0.004,
             count: 4,
         });
+        // Loaded floor: the best p50 and the best p99 of the `floor:` rows that got their hits.
+        let floor = |name: &str, p50: f64, p99: f64, hit: f64| {
+            let mut r = rows[0].clone();
+            r.policy = name.into();
+            r.loaded_floor = true;
+            r.summary.ttft_ms.p50 = p50;
+            r.summary.ttft_ms.p99 = p99;
+            r.hit_over_oracle = Some(hit);
+            r
+        };
+        let mut base = rows[0].clone();
+        base.summary.ttft_ms.p50 = 12.0;
+        base.summary.ttft_ms.p99 = 12.0;
+        let mut with_floor = vec![
+            base,
+            floor("floor:rr", 8.0, 30.0, 1.0),
+            floor("floor:lat", 6.0, 40.0, 1.0),
+            floor("floor:bad", 1.0, 1.0, 0.5),
+        ];
+        let f = apply_loaded_floor(&mut with_floor).expect("floor rows");
+        assert_eq!((f.p50_ms, f.p50_row.as_str()), (6.0, "floor:lat"));
+        assert_eq!((f.p99_ms, f.p99_row.as_str()), (30.0, "floor:rr"));
+        assert_eq!(f.rows, ["floor:rr", "floor:lat"]);
+        assert_eq!(
+            with_floor[0].over_loaded_floor,
+            Some(FloorRatio { p50: 2.0, p99: 0.4 })
+        );
+        assert!(with_floor[1..]
+            .iter()
+            .all(|r| r.over_loaded_floor.is_none()));
+        let t = compare_table(&with_floor, &o);
+        assert!(
+            t.contains("TTFT loaded floor (every request at the infinite cache's hit on any worker, best of: floor:rr, floor:lat): p50 6.0 ms (floor:lat), p99 30.0 ms (floor:rr)\n"),
+            "{t}"
+        );
+        assert!(t.contains("÷ the loaded floor's: kv 2.00 / 0.40\n"), "{t}");
+        assert!(t.contains("warning: floor:bad reached only 0.50"), "{t}");
+        assert_eq!(loaded_floor(&rows), None);
+        assert!(!compare_table(&rows, &o).contains("loaded floor"));
+
         let t = compare_table(&[rows[0].clone(), two], &o);
         assert!(t.contains("| errors | replicas |\n"), "{t}");
         assert!(t.contains("| 1.50 | 0 | 1 |\n"), "{t}");

@@ -26,6 +26,9 @@ pub struct Request {
     /// Agent workloads: the session and the message structure of the prompt (what the chat,
     /// Responses and Messages clients render as messages); `None`: one user message.
     pub turn: Option<Turn>,
+    /// `bench compare --loaded-floor`: prompt tokens the serving sim must treat as cached, sent as
+    /// its `x-kvgate-sim-cached-tokens` header (`kvgate sim --assume-cached-header`).
+    pub sim_cached_tokens: Option<usize>,
 }
 
 /// Where a request sits in an agent session, and how its prompt splits into messages.
@@ -202,6 +205,7 @@ mod tests {
                 prompt,
                 max_tokens: 1,
                 turn: None,
+                sim_cached_tokens: None,
             }
         };
         // The third request repeats the first: reuse exists only past the first two.

@@ -97,6 +97,7 @@ fn workload(prompts: &[Vec<u32>], max_tokens: u32) -> Workload {
                 prompt: p.clone(),
                 max_tokens,
                 turn: None,
+                sim_cached_tokens: None,
             })
             .collect(),
     }

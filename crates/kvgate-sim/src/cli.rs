@@ -74,6 +74,11 @@ pub struct SimArgs {
     pub max_model_len: Option<usize>,
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Honour the request header `x-kvgate-sim-cached-tokens: N`: the prompt's first N / block_size
+    /// full blocks count as cached on this worker (allocated and reported stored if not held, no
+    /// prefill time for them), as `kvgate bench compare --loaded-floor` needs. Off: ignored.
+    #[arg(long, conflicts_with = "no_prefix_caching")]
+    pub assume_cached_header: bool,
     /// Divide every step time by this (0 = no delay).
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -196,6 +201,7 @@ impl SimArgs {
             scheduling_policy: self.scheduling_policy,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_prefix_caching,
+            assume_cached_header: self.assume_cached_header,
             speedup: self.speedup,
             timing: TimingModel {
                 prefill: self.prefill_coeffs.unwrap_or(d.prefill),

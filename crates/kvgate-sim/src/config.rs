@@ -315,6 +315,10 @@ pub struct SimConfig {
     /// (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`; off by default as in vLLM, and then `store`
     /// is silently ignored).
     pub responses_store: bool,
+    /// `--assume-cached-header`: honour the request header `x-kvgate-sim-cached-tokens: N` (the
+    /// first N / block_size full prompt blocks count as cached on this worker; see docs/sim.md).
+    /// Off: the header is ignored.
+    pub assume_cached_header: bool,
 }
 
 impl Default for SimConfig {
@@ -345,6 +349,7 @@ impl Default for SimConfig {
             faults: Faults::default(),
             pd: PdConfig::default(),
             responses_store: false,
+            assume_cached_header: false,
         }
     }
 }
@@ -368,7 +373,7 @@ impl SimConfig {
         speedup: f64, timing: TimingModel, seed: u64, mean_output_tokens: u32, kv_events: bool,
         kv_events_encoding: EventEncoding, kv_events_topic: String, dp_rank: u32, faults: Faults,
         kv_events_buffer_steps: usize, pd: PdConfig, scheduling_policy: SchedulingPolicy,
-        responses_store: bool,
+        responses_store: bool, assume_cached_header: bool,
     }
 
     /// Usable blocks (vLLM keeps one null block out of the pool).

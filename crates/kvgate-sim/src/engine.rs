@@ -28,6 +28,8 @@ pub struct EngineConfig {
     /// request: vLLM 0.32's v1 scheduler).
     pub priority_scheduling: bool,
     pub enable_prefix_caching: bool,
+    /// `--assume-cached-header`: honour [`NewRequest::assumed_cached_tokens`] (off: ignored).
+    pub assume_cached: bool,
     pub seed: u64,
     pub mean_output_tokens: u32,
 }
@@ -152,6 +154,7 @@ impl Engine {
             hashes: Vec::new(),
             cached_blocks: 0,
             num_cached_tokens: None,
+            assumed_cached_tokens: r.assumed_cached_tokens,
             out_key: key,
             kv: r.kv,
         });
@@ -311,7 +314,21 @@ impl Engine {
                     }
                 }
             }
-            let hit_tokens = hit.len() * bs;
+            // `--assume-cached-header`: the request's first `assumed` full blocks count as cached
+            // on this worker whether it holds them or not; a missing one is taken from the free
+            // queue and registered below as if an earlier request had computed it.
+            let assumed = if self.cfg.assume_cached && self.cfg.enable_prefix_caching {
+                (r.assumed_cached_tokens / bs).min((total - 1) / bs)
+            } else {
+                0
+            };
+            // Block ids of the cached prefix in order; `None` = assumed but not held.
+            let mut prefix: Vec<Option<usize>> = hit.iter().copied().map(Some).collect();
+            for h in r.hashes.iter().take(assumed).skip(hit.len()) {
+                prefix.push(self.pool.lookup(h));
+            }
+            let held: Vec<usize> = prefix.iter().flatten().copied().collect();
+            let hit_tokens = prefix.len() * bs;
             // A decode leg whose KV was pulled: only the last prompt token is computed here.
             let remote = matches!(r.kv, KvTransfer::RemotePrefill | KvTransfer::Bootstrapped);
             let pulled_as_cached = r.kv == KvTransfer::RemotePrefill;
@@ -321,8 +338,8 @@ impl Engine {
                 0
             };
             let n = (total - hit_tokens - pulled).min(*budget);
-            let need = blocks_for(hit_tokens + pulled + n, bs) - hit.len();
-            let idle_hits = hit
+            let need = blocks_for(hit_tokens + pulled + n, bs) - held.len();
+            let idle_hits = held
                 .iter()
                 .filter(|&&id| self.pool.is_unreferenced(id))
                 .count();
@@ -330,21 +347,33 @@ impl Engine {
                 break; // Nobody overtakes the head of the queue.
             }
             let mut r = self.waiting.pop_front().expect("front exists");
-            for &id in &hit {
+            for &id in &held {
                 self.pool.touch(id);
             }
-            r.blocks = hit.clone();
-            r.cached_blocks = hit.len();
             r.computed = hit_tokens + pulled;
             if remote {
                 // A preempted decode leg recomputes like any request (its pulled blocks are cached).
                 r.kv = KvTransfer::None;
             }
-            let new = self
+            let mut new = self
                 .pool
                 .allocate(need, &mut self.events)
-                .expect("checked free count");
-            r.blocks.extend(new);
+                .expect("checked free count")
+                .into_iter();
+            let mut blocks = Vec::with_capacity(need + held.len());
+            let mut fresh = Vec::new();
+            for (b, id) in prefix.iter().enumerate() {
+                let id = id.unwrap_or_else(|| {
+                    let id = new.next().expect("need counts the assumed blocks");
+                    fresh.push(b);
+                    id
+                });
+                blocks.push(id);
+            }
+            blocks.extend(new);
+            r.blocks = blocks;
+            self.store_assumed(&r, &fresh);
+            r.cached_blocks = prefix.len();
             if r.num_cached_tokens.is_none() {
                 // vLLM reports pulled tokens as cached (local + external); SGLang does not.
                 let reported = if pulled_as_cached { pulled } else { 0 };

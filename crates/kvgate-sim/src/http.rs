@@ -46,6 +46,33 @@ pub fn json(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
     r
 }
 
+/// `--assume-cached-header`: the prompt tokens the request's `x-kvgate-sim-cached-tokens` header
+/// says are cached (0 without the header, or whatever it says when the flag is off); a value that
+/// is not a non-negative integer is a 400.
+#[allow(clippy::result_large_err)]
+fn assumed_cached(sh: &Shared, headers: &http::HeaderMap) -> Result<usize, Response<Body>> {
+    if !sh.cfg.assume_cached_header {
+        return Ok(0);
+    }
+    let Some(v) = headers.get(crate::CACHED_TOKENS_HEADER) else {
+        return Ok(0);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .ok_or_else(|| {
+            error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "header `{}` must be a non-negative integer (prompt tokens), got {:?}",
+                    crate::CACHED_TOKENS_HEADER,
+                    String::from_utf8_lossy(v.as_bytes())
+                ),
+                Some(crate::CACHED_TOKENS_HEADER),
+            )
+        })
+}
+
 /// OpenAI error body, vLLM flavour: `type` like "BadRequestError", `code` the HTTP status.
 pub fn error(
     status: StatusCode,
@@ -144,9 +171,12 @@ pub async fn route(
         (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/completions") => {
             let chat = path == "/v1/chat/completions";
             let span = sh.traces.arrived(req.headers(), &path);
-            let resp = match read_body(req).await {
-                Ok(b) => completions::handle(sh, b, chat).await?,
+            let resp = match assumed_cached(&sh, req.headers()) {
                 Err(r) => r,
+                Ok(assumed) => match read_body(req).await {
+                    Ok(b) => completions::handle(sh, b, chat, assumed).await?,
+                    Err(r) => r,
+                },
             };
             match span {
                 Some(s) => s.wrap(resp),

@@ -30,3 +30,8 @@ pub use engine::CacheEntry;
 pub use fleet::{FleetPorts, SimFleet};
 pub use publisher::END_SEQ;
 pub use server::{replay_addr_for, SimHandle, SimWorker};
+
+/// Request header honoured with `--assume-cached-header` (`SimConfig::assume_cached_header`): a
+/// non-negative integer N of prompt tokens; the first N / block_size full blocks of the prompt
+/// count as cached on the worker that serves it (see docs/sim.md).
+pub const CACHED_TOKENS_HEADER: &str = "x-kvgate-sim-cached-tokens";

@@ -124,6 +124,7 @@ impl Scheduler {
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             priority_scheduling: cfg.scheduling_policy == crate::config::SchedulingPolicy::Priority,
             enable_prefix_caching: cfg.enable_prefix_caching,
+            assume_cached: cfg.assume_cached_header,
             seed: cfg.seed,
             mean_output_tokens: cfg.mean_output_tokens,
         });

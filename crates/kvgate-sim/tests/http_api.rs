@@ -574,3 +574,58 @@ async fn a_request_arriving_mid_step_waits_for_the_step_in_progress() {
     promtool_check(&text);
     w.shutdown().await;
 }
+
+/// POST with the sim's assumed-cache header.
+async fn post_assuming(c: &HttpClient, url: &str, body: &Value, cached: &str) -> (u16, Value) {
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .header(kvgate_sim::CACHED_TOKENS_HEADER, cached)
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            serde_json::to_vec(body).unwrap(),
+        )))
+        .unwrap();
+    let resp = c.request(req).await.expect("request failed");
+    let st = resp.status().as_u16();
+    let b = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (st, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn assume_cached_header_is_honoured_only_with_the_flag() {
+    let body = |seed| json!({"prompt": ids(seed, 200), "max_tokens": 2, "ignore_eos": true});
+    // Flag off: the header (even a malformed one) is ignored.
+    let off = SimWorker::spawn(fast(), local(), None).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/completions", off.base_url());
+    let (st, v) = post_assuming(&c, &url, &body(1), "100").await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (st, _) = post_assuming(&c, &url, &body(2), "lots").await;
+    assert_eq!(st, 200);
+    off.shutdown().await;
+
+    let on = SimWorker::spawn(fast().assume_cached_header(true), local(), None)
+        .await
+        .unwrap();
+    let url = format!("{}/v1/completions", on.base_url());
+    // 100 tokens = 6 full blocks of 16 on a cold worker.
+    let (st, v) = post_assuming(&c, &url, &body(3), "100").await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 96);
+    assert_eq!(on.metrics().engine.prefix_cache_hits, 96);
+    let chat = json!({"messages": [{"role": "user", "content": words("a", 60)}], "max_tokens": 1});
+    let chat_url = format!("{}/v1/chat/completions", on.base_url());
+    let (st, v) = post_assuming(&c, &chat_url, &chat, "32").await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+    for bad in ["-1", "1.5", "lots", ""] {
+        let (st, v) = post_assuming(&c, &url, &body(4), bad).await;
+        assert_eq!(st, 400, "{bad:?}: {v}");
+        assert_eq!(v["error"]["type"], "BadRequestError", "{v}");
+        assert_eq!(v["error"]["param"], kvgate_sim::CACHED_TOKENS_HEADER);
+    }
+    on.shutdown().await;
+}

@@ -24,6 +24,7 @@ fn predicted(c: &SimConfig, prompts: &[Vec<u32>], warm: &[Vec<u32>]) -> (Vec<f64
         max_num_batched_tokens: c.max_num_batched_tokens,
         priority_scheduling: false,
         enable_prefix_caching: c.enable_prefix_caching,
+        assume_cached: false,
         seed: c.seed,
         mean_output_tokens: c.mean_output_tokens,
     });
@@ -36,6 +37,7 @@ fn predicted(c: &SimConfig, prompts: &[Vec<u32>], warm: &[Vec<u32>]) -> (Vec<f64
                 ignore_eos: true,
                 kv: Default::default(),
                 priority: 0,
+                assumed_cached_tokens: 0,
             });
         }
         let (mut t, mut steps) = (0.0, 0);

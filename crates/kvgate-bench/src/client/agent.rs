@@ -150,6 +150,9 @@ pub struct Built {
 /// The request body for `api`; `chain`: a Responses `previous_response_id` to continue from.
 pub fn build(api: Api, model: &str, r: &Request, chain: Option<&Chain>) -> Built {
     let mut headers = Vec::new();
+    if let Some(n) = r.sim_cached_tokens {
+        headers.push((kvgate_sim::CACHED_TOKENS_HEADER, n.to_string()));
+    }
     let common = |v: &mut Value| {
         // vLLM extension: produce exactly the requested tokens, so lengths follow the workload.
         v["ignore_eos"] = json!(true);

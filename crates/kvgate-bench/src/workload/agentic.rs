@@ -111,6 +111,7 @@ impl Agentic {
                         parts: parts.clone(),
                         prev_parts,
                     }),
+                    sim_cached_tokens: None,
                 });
                 prev_parts = parts.len();
                 push_random(&mut rng, output_len as usize, &mut history);

@@ -108,6 +108,7 @@ pub fn build(rows: &[Row], time_scale: f64, seed: u64) -> Workload {
                 prompt,
                 max_tokens: r.generated_tokens.max(1),
                 turn: None,
+                sim_cached_tokens: None,
             }
         })
         .collect();

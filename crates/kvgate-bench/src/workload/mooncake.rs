@@ -114,6 +114,7 @@ pub fn build(
             prompt,
             max_tokens: rec.output_length.clamp(1, u32::MAX as u64) as u32,
             turn: None,
+            sim_cached_tokens: None,
         });
     }
     // Replay in arrival order even if the file is not sorted (stable: ties keep file order).

@@ -49,6 +49,7 @@ impl MultiTurn {
                     prompt,
                     max_tokens: output_len.max(1),
                     turn: None,
+                    sim_cached_tokens: None,
                 });
             }
         }

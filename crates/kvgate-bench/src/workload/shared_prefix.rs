@@ -38,6 +38,7 @@ impl SharedPrefix {
                     prompt,
                     max_tokens: output_len.max(1),
                     turn: None,
+                    sim_cached_tokens: None,
                 });
             }
         }

@@ -2,6 +2,7 @@
 //! (→ `AllBlocksCleared`) and the `/sim/cache` snapshot.
 
 use super::block_pool::{wire_hash, CachedBlock};
+use super::request::Request;
 use super::Engine;
 use crate::kv_events::KvEvent;
 
@@ -59,6 +60,59 @@ impl Engine {
         }
         r.cached_blocks = r.cached_blocks.max(full);
         if let Some(ev) = run {
+            self.events.push(ev);
+        }
+    }
+
+    /// `--assume-cached-header`: registers the blocks at positions `fresh` (ascending) of an
+    /// admitted request's prompt, just allocated for its assumed-cached prefix, as cached blocks
+    /// an earlier request computed: each run of consecutive positions is one `BlockStored`, so a
+    /// router's index sees what this worker now holds.
+    pub(super) fn store_assumed(&mut self, r: &Request, fresh: &[usize]) {
+        let bs = self.cfg.block_size;
+        let mut run: Option<(usize, KvEvent)> = None;
+        for &b in fresh {
+            let parent = (b > 0).then(|| r.hashes[b - 1]);
+            let tokens = &r.tokens[b * bs..(b + 1) * bs];
+            let stored = self.pool.cache_block(
+                r.blocks[b],
+                CachedBlock {
+                    hash: r.hashes[b],
+                    parent,
+                    tokens: tokens.to_vec(),
+                },
+            );
+            debug_assert!(stored, "an assumed block is allocated only when not cached");
+            match &mut run {
+                Some((
+                    last,
+                    KvEvent::BlockStored {
+                        block_hashes,
+                        token_ids,
+                        ..
+                    },
+                )) if *last + 1 == b => {
+                    block_hashes.push(wire_hash(r.hashes[b]));
+                    token_ids.extend_from_slice(tokens);
+                    *last = b;
+                }
+                _ => {
+                    if let Some((_, ev)) = run.take() {
+                        self.events.push(ev);
+                    }
+                    run = Some((
+                        b,
+                        KvEvent::BlockStored {
+                            block_hashes: vec![wire_hash(r.hashes[b])],
+                            parent_block_hash: parent.map(wire_hash),
+                            token_ids: tokens.to_vec(),
+                            block_size: bs,
+                        },
+                    ));
+                }
+            }
+        }
+        if let Some((_, ev)) = run {
             self.events.push(ev);
         }
     }

@@ -49,6 +49,10 @@ pub struct NewRequest {
     pub kv: KvTransfer,
     /// vLLM's `priority` (lower first; only with the priority scheduling policy).
     pub priority: i64,
+    /// Prompt tokens the client says this worker already holds (the sim's
+    /// `x-kvgate-sim-cached-tokens` header with `--assume-cached-header`; 0 = none): the first
+    /// `assumed_cached_tokens / block_size` full blocks are cached on admission.
+    pub assumed_cached_tokens: usize,
 }
 
 #[derive(Debug)]
@@ -68,6 +72,8 @@ pub(crate) struct Request {
     pub cached_blocks: usize,
     /// Prompt tokens served from the prefix cache at first scheduling (`cached_tokens`).
     pub num_cached_tokens: Option<usize>,
+    /// See [`NewRequest::assumed_cached_tokens`].
+    pub assumed_cached_tokens: usize,
     /// Key for the deterministic output stream.
     pub out_key: u64,
     pub kv: KvTransfer,

@@ -10,6 +10,7 @@ fn cfg(blocks: usize) -> EngineConfig {
         max_num_batched_tokens: 64,
         priority_scheduling: false,
         enable_prefix_caching: true,
+        assume_cached: false,
         seed: 1,
         mean_output_tokens: 8,
     }
@@ -23,6 +24,7 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
         ignore_eos: true,
         kv: Default::default(),
         priority: 0,
+        assumed_cached_tokens: 0,
     }
 }
 
@@ -207,6 +209,7 @@ fn outputs_are_deterministic_and_natural_stop_is_reported() {
             ignore_eos: false,
             kv: Default::default(),
             priority: 0,
+            assumed_cached_tokens: 0,
         });
         drain(&mut e, 10_000).0
     };
@@ -346,4 +349,127 @@ fn priority_policy_preempts_the_lowest_priority_when_blocks_run_out() {
         "the cache ran short and the low-priority request gave way"
     );
     assert!(!e.has_work());
+}
+
+/// `--assume-cached-header`: runs `r` alone and returns (model TTFT in ms under the default timing
+/// model, the (id, cached) it started with, the free blocks while it ran, the events of its
+/// admission: those published before its first step ran).
+fn ttft_alone(e: &mut Engine, r: NewRequest) -> (f64, (RequestId, usize), usize, Vec<KvEvent>) {
+    let timing = crate::config::TimingModel::default();
+    e.add_request(r);
+    let (mut t, mut started, mut free, mut first_events) = (0.0, None, 0, None);
+    loop {
+        let step = e.schedule();
+        assert!(!step.is_empty(), "nothing scheduled");
+        t += timing.step_ms(step.prefill_tokens, step.decode_seqs, step.kv_usage);
+        if started.is_none() {
+            started = step.started.first().copied();
+            free = e.num_free_blocks();
+            first_events = Some(e.take_events());
+        }
+        let outs = e.complete(&step);
+        if !outs.is_empty() {
+            drain(e, 100);
+            return (t, started.expect("started"), free, first_events.unwrap());
+        }
+    }
+}
+
+fn assuming(mut c: EngineConfig) -> EngineConfig {
+    c.assume_cached = true;
+    c
+}
+
+fn stored(ev: &[KvEvent]) -> Vec<(Vec<u64>, Option<u64>, usize)> {
+    ev.iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                ..
+            } => Some((block_hashes.clone(), *parent_block_hash, token_ids.len())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn assumed_cached_prefix_costs_and_pins_what_a_real_cached_prefix_does() {
+    // Real: a first request computes 80 tokens (20 blocks of 4), a second one shares them.
+    let shared: Vec<u32> = (0..80).collect();
+    let mut long = shared.clone();
+    long.extend(1000..1400); // 100 more blocks: a prefill step well above a decode step
+    let mut real = Engine::new(cfg(512));
+    real.add_request(req(1, shared.clone(), 1));
+    let (_, _, warm_events) = drain(&mut real, 100);
+    let (real_ttft, real_started, real_free, _) = ttft_alone(&mut real, req(2, long.clone(), 1));
+
+    // Assumed: a cold engine told by the header that the first 82 tokens are cached (20 full
+    // blocks; the partial block does not count).
+    let mut cold = Engine::new(assuming(cfg(512)));
+    let warm_free = cold.num_free_blocks();
+    let r = NewRequest {
+        assumed_cached_tokens: 82,
+        ..req(2, long.clone(), 1)
+    };
+    let (ttft, started, free, events) = ttft_alone(&mut cold, r);
+    assert_eq!(started, (2, 80));
+    assert_eq!(started, real_started);
+    assert!((ttft - real_ttft).abs() < 1e-9, "{ttft} vs {real_ttft}");
+    // The assumed blocks are held by the running request like the real hit: same free count
+    // (the real engine's idle warm blocks are evictable, so free counts match).
+    assert_eq!(free, real_free);
+    // 20 assumed blocks + the first 64-token chunk's 16 (max_num_batched_tokens 64).
+    assert_eq!(warm_free - free, 20 + 16);
+    // Reported stored exactly as the warm-up request's own prompt blocks were.
+    let assumed = stored(&events);
+    let warm: Vec<u64> = stored(&warm_events)
+        .into_iter()
+        .flat_map(|(h, _, _)| h)
+        .collect();
+    assert_eq!(assumed, vec![(warm[..20].to_vec(), None, 80)]);
+    assert_eq!(cold.counters.prefix_cache_hits, 80);
+    // Cached afterwards: a plain request with the same prefix hits them.
+    let (_, s, _) = {
+        cold.add_request(req(3, long.clone(), 1));
+        drain(&mut cold, 100)
+    };
+    assert_eq!(s, vec![(3, long.len() - 4)]);
+}
+
+#[test]
+fn assumed_blocks_fill_the_gaps_of_a_partial_hit_and_are_capped_by_the_prompt() {
+    let prompt: Vec<u32> = (0..40).collect(); // 10 blocks
+    let mut e = Engine::new(assuming(cfg(128)));
+    e.add_request(req(1, prompt[..8].to_vec(), 1)); // 2 blocks really cached
+    let (_, _, ev) = drain(&mut e, 100);
+    let held = stored(&ev)[0].0.clone();
+    // The header claims more than the prompt: capped at 9 blocks (one token is always computed).
+    let r = NewRequest {
+        assumed_cached_tokens: 1_000,
+        ..req(2, prompt.clone(), 1)
+    };
+    let (_, started, _, events) = ttft_alone(&mut e, r);
+    assert_eq!(started, (2, 36));
+    let s = stored(&events);
+    // Blocks 2..9 are new, chained to the held block 1; nothing re-reported for blocks 0 and 1.
+    assert_eq!(s[0].0.len(), 7);
+    assert_eq!(s[0].1, Some(held[1]));
+    assert_eq!(s[0].2, 28);
+    assert!(s[0].0.iter().all(|h| !held.contains(h)));
+}
+
+#[test]
+fn assumed_cached_tokens_are_ignored_without_the_flag() {
+    let prompt: Vec<u32> = (0..40).collect();
+    let mut e = Engine::new(cfg(128));
+    let r = NewRequest {
+        assumed_cached_tokens: 32,
+        ..req(1, prompt, 1)
+    };
+    let (_, started, _, events) = ttft_alone(&mut e, r);
+    assert_eq!(started, (1, 0));
+    assert!(stored(&events).is_empty(), "{events:?}");
+    assert_eq!(e.counters.prefix_cache_hits, 0);
 }

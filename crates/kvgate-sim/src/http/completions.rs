@@ -67,8 +67,9 @@ pub async fn handle(
     sh: Arc<Shared>,
     body: Bytes,
     chat: bool,
+    assumed_cached_tokens: usize,
 ) -> Result<Response<Body>, std::io::Error> {
-    match prepare(&sh, &body, chat).await {
+    match prepare(&sh, &body, chat, assumed_cached_tokens).await {
         Ok(r) => r,
         Err(resp) => Ok(*resp),
     }
@@ -78,6 +79,7 @@ async fn prepare(
     sh: &Arc<Shared>,
     body: &Bytes,
     chat: bool,
+    assumed_cached_tokens: usize,
 ) -> Result<Result<Response<Body>, std::io::Error>, Bad> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}"), "body"))?;
@@ -279,6 +281,7 @@ async fn prepare(
                 ignore_eos,
                 kv,
                 priority,
+                assumed_cached_tokens,
             };
             let idx = (p * n as usize + j) as u32;
             if sh

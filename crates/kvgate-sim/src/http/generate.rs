@@ -57,6 +57,8 @@ pub async fn submit(
         kv: KvTransfer::None,
         // The agent APIs carry no `priority` here: vLLM's default (0) under `--scheduling-policy priority`.
         priority: 0,
+        // The sim's assumed-cache header is honoured on the OpenAI completions routes only.
+        assumed_cached_tokens: 0,
     };
     sh.cmd
         .send(Command::Submit {
