@@ -58,6 +58,88 @@ fn header_name_matches_the_general_parse() {
     }
 }
 
+/// The one-number shortcut of `parse_len` gives what the general comma-list reader gives.
+#[test]
+fn parse_len_shortcut_matches_the_list_reader() {
+    let mut values: Vec<String> = vec![
+        String::new(),
+        " 5".into(),
+        "5 ".into(),
+        "5,5".into(),
+        "+5".into(),
+        "-5".into(),
+        "5a".into(),
+        "0x5".into(),
+        "18446744073709551615".into(),
+        "18446744073709551616".into(),
+    ];
+    for len in 1..=21 {
+        values.push("9".repeat(len));
+        values.push(format!("1{}", "0".repeat(len - 1)));
+        values.push("0".repeat(len));
+        values.push(format!("{}7", "0".repeat(len - 1)));
+    }
+    for v in &values {
+        assert_eq!(
+            parse_len(v.as_bytes()),
+            parse_len_list(v.as_bytes()),
+            "{v:?}"
+        );
+    }
+    assert_eq!(parse_len(b"1234"), Some(1234));
+    assert_eq!(
+        parse_len(b"9999999999999999999"),
+        Some(9_999_999_999_999_999_999)
+    );
+    assert_eq!(parse_len(b"99999999999999999999"), None);
+}
+
+/// The word-at-a-time compare is exactly `eq_ignore_ascii_case` against the lowercase name,
+/// for every name it is used with, with every byte of every position replaced by every value
+/// (one at a time), in lower and upper case.
+#[test]
+fn eq_lower_is_a_case_insensitive_compare() {
+    for lower in [
+        "host",
+        "date",
+        "expect",
+        "accept",
+        "server",
+        "user-agent",
+        "connection",
+        "content-type",
+        "authorization",
+        "content-length",
+        "accept-encoding",
+        "transfer-encoding",
+    ] {
+        let lower = lower.as_bytes();
+        let check = |b: &[u8]| {
+            assert_eq!(
+                eq_lower(b, lower),
+                b.eq_ignore_ascii_case(lower),
+                "{:?} vs {:?}",
+                String::from_utf8_lossy(b),
+                String::from_utf8_lossy(lower)
+            );
+        };
+        check(lower);
+        check(&lower.to_ascii_uppercase());
+        check(&lower[1..]);
+        check(&[lower, b"x"].concat());
+        for at in 0..lower.len() {
+            for v in 0..=255u8 {
+                let mut b = lower.to_vec();
+                b[at] = v;
+                check(&b);
+                let mut up = lower.to_ascii_uppercase();
+                up[at] = v;
+                check(&up);
+            }
+        }
+    }
+}
+
 fn fold(fields: &[(&str, &str)]) -> Result<FramingFields, FramingError> {
     let mut f = FramingFields::default();
     for (n, v) in fields {
@@ -145,3 +227,4 @@ fn connection_host_and_expect_are_noted() {
     );
     assert_eq!(f.field(b"x-other", b"1").unwrap(), FieldKind::Other);
 }
+
