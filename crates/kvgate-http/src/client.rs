@@ -33,7 +33,7 @@
 //! by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
 
 use std::future::poll_fn;
-use std::io::{self, IoSlice, Write as _};
+use std::io::{self, IoSlice};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -48,7 +48,9 @@ use pool::Key;
 pub use pool::Pool;
 
 use crate::chunked::{Chunk, ChunkError, Decode, Step};
-use crate::head::{header_name, is_hop_by_hop, push_field, FieldKind, FramingFields, MAX_HEADERS};
+use crate::head::{
+    header_name, is_hop_by_hop, push_decimal, push_field, FieldKind, FramingFields, MAX_HEADERS,
+};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
@@ -270,7 +272,9 @@ impl Outgoing<'_> {
         if self.body.is_empty() && matches!(*self.method, Method::GET | Method::HEAD) {
             out.extend_from_slice(b"\r\n");
         } else {
-            let _ = write!(out, "content-length: {}\r\n\r\n", self.body.len());
+            out.extend_from_slice(b"content-length: ");
+            push_decimal(&mut out, self.body.len() as u64);
+            out.extend_from_slice(b"\r\n\r\n");
         }
         out
     }

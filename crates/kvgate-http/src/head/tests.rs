@@ -228,3 +228,18 @@ fn connection_host_and_expect_are_noted() {
     assert_eq!(f.field(b"x-other", b"1").unwrap(), FieldKind::Other);
 }
 
+/// `push_decimal` writes what `format!` writes.
+#[test]
+fn push_decimal_matches_format() {
+    let mut values = vec![0u64, 1, 9, 10, 99, 100, 1234, u64::MAX, u64::MAX - 1];
+    for k in 0..20 {
+        let p = 10u64.pow(k);
+        values.extend([p, p - 1, p + 1]);
+    }
+    for n in values {
+        let mut out = b"x".to_vec();
+        push_decimal(&mut out, n);
+        assert_eq!(out, format!("x{n}").into_bytes(), "{n}");
+    }
+}
+
