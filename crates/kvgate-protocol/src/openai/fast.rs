@@ -75,16 +75,24 @@ struct Reader<'a> {
 }
 
 /// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
-/// exit inside, so the compiler vectorises them.
+/// exit inside, so the compiler vectorises them: 64 bytes, then 16, then one at a time (64-byte
+/// blocks: less loop and test per byte; 477 instructions for the 1.3 KB bench body, 564 with 32).
 #[inline]
 fn has_control(b: &[u8]) -> bool {
-    let mut blocks = b.chunks_exact(32);
+    let any = |block: &[u8]| block.iter().fold(false, |any, &c| any | (c < 0x20));
+    let mut blocks = b.chunks_exact(64);
     for block in &mut blocks {
-        if block.iter().fold(false, |any, &c| any | (c < 0x20)) {
+        if any(block) {
             return true;
         }
     }
-    blocks.remainder().iter().any(|&c| c < 0x20)
+    let mut small = blocks.remainder().chunks_exact(16);
+    for block in &mut small {
+        if any(block) {
+            return true;
+        }
+    }
+    small.remainder().iter().any(|&c| c < 0x20)
 }
 
 fn hex(c: u8) -> Option<u32> {

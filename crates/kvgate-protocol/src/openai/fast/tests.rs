@@ -2,7 +2,7 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::super::request::serde_fields;
-use super::fields;
+use super::{fields, has_control};
 
 /// Same answer as serde whenever the fast reader answers.
 fn agree(body: &str, with_messages: bool) -> Result<bool, TestCaseError> {
@@ -235,4 +235,24 @@ fn the_property_exercises_the_fast_path() {
         fast * 5 > total,
         "only {fast} of {total} generated bodies read fast"
     );
+}
+
+/// The blocked control-byte check finds one control byte at any position of any length (every
+/// block size and remainder), and none in a body without one.
+#[test]
+fn has_control_finds_a_control_byte_anywhere() {
+    for len in 0..200 {
+        let clean = vec![b'a'; len];
+        assert!(!has_control(&clean), "{len}");
+        // The bytes around the threshold: 0x1f is a control byte, 0x20 (space) and 0x7f are not.
+        assert!(!has_control(&vec![0x20; len]), "{len}");
+        assert!(!has_control(&vec![0x7f; len]), "{len}");
+        for at in 0..len {
+            for c in [0u8, b'\n', 0x1f] {
+                let mut b = clean.clone();
+                b[at] = c;
+                assert!(has_control(&b), "{len} {at} {c}");
+            }
+        }
+    }
 }
