@@ -19,6 +19,53 @@ use http::header::{self, HeaderName};
 /// Most header fields in a head, requests and responses alike (hyper's default for requests).
 pub const MAX_HEADERS: usize = 100;
 
+/// Where one field lies in its head's buffer: name start and end, value start and end.
+pub(crate) type Span = (u32, u32, u32, u32);
+
+/// Fields kept on the stack by [`FieldSpans`]; more go to the heap.
+const INLINE_SPANS: usize = 16;
+
+/// The spans of a head's fields, noted while it is parsed and used once it is split off. The
+/// first [`INLINE_SPANS`] live on the stack (a head has a handful): an array with room for
+/// [`MAX_HEADERS`] was zeroed on every head (~100 instructions each).
+pub(crate) struct FieldSpans {
+    inline: [Span; INLINE_SPANS],
+    len: usize,
+    more: Vec<Span>,
+}
+
+impl Default for FieldSpans {
+    fn default() -> Self {
+        FieldSpans {
+            inline: [(0, 0, 0, 0); INLINE_SPANS],
+            len: 0,
+            more: Vec::new(),
+        }
+    }
+}
+
+impl FieldSpans {
+    pub(crate) fn push(&mut self, s: Span) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => *slot = s,
+            None => self.more.push(s),
+        }
+        self.len += 1;
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The spans in the order they were pushed.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Span> + '_ {
+        self.inline[..self.len.min(INLINE_SPANS)]
+            .iter()
+            .chain(&self.more)
+            .copied()
+    }
+}
+
 /// The framing-relevant fields of one head, folded in one field at a time.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct FramingFields {

@@ -243,3 +243,17 @@ fn push_decimal_matches_format() {
     }
 }
 
+/// Field spans past the inline ones go to the heap and come back in order.
+#[test]
+fn field_spans_keep_every_field_in_order() {
+    for n in [0u32, 1, 15, 16, 17, 40, MAX_HEADERS as u32] {
+        let mut s = FieldSpans::default();
+        for i in 0..n {
+            s.push((i, i + 1, i + 2, i + 3));
+        }
+        assert_eq!(s.len(), n as usize);
+        let got: Vec<Span> = s.iter().collect();
+        let want: Vec<Span> = (0..n).map(|i| (i, i + 1, i + 2, i + 3)).collect();
+        assert_eq!(got, want, "{n}");
+    }
+}
