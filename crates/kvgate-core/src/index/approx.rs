@@ -130,28 +130,48 @@ impl ApproxWorker {
     /// Inserts or refreshes `h` (not when it was recorded less than TTL / [`REFRESH_DIVISOR`]
     /// ago); true when it is new.
     pub(crate) fn touch(&mut self, h: BlockHash, now_ns: u64) -> bool {
+        let mut new = false;
+        self.touch_each(std::slice::from_ref(&h), now_ns, |_, n| new = n);
+        new
+    }
+
+    /// [`Self::touch`] of each of `hashes` in order, calling `f(i, new)` right after block `i`'s
+    /// (a request's blocks: one call, the clock and the refresh interval read once, and a block
+    /// used again recently costs one probe and a compare).
+    #[inline]
+    pub(crate) fn touch_each(
+        &mut self,
+        hashes: &[BlockHash],
+        now_ns: u64,
+        mut f: impl FnMut(usize, bool),
+    ) {
         use std::collections::hash_map::Entry;
         self.clock = self.clock.max(now_ns);
-        let stamp = self.next_stamp;
-        let new = match self.last_use.entry(h) {
-            Entry::Occupied(mut e) => {
-                if self.clock - e.get().0 < self.ttl_ns / REFRESH_DIVISOR {
-                    return false;
+        let clock = self.clock;
+        let fresh = self.ttl_ns / REFRESH_DIVISOR;
+        for (i, &h) in hashes.iter().enumerate() {
+            let stamp = self.next_stamp;
+            let new = match self.last_use.entry(h) {
+                Entry::Occupied(mut e) => {
+                    if clock - e.get().0 < fresh {
+                        f(i, false);
+                        continue;
+                    }
+                    e.insert((clock, stamp));
+                    false
                 }
-                e.insert((self.clock, stamp));
-                false
+                Entry::Vacant(e) => {
+                    e.insert((clock, stamp));
+                    true
+                }
+            };
+            self.next_stamp += 1;
+            self.queue.push_back((h, stamp));
+            if self.queue.len() == 1 || self.at_front(h) {
+                self.trim_front(); // first entry, or the front was this block's older entry
             }
-            Entry::Vacant(e) => {
-                e.insert((self.clock, stamp));
-                true
-            }
-        };
-        self.next_stamp += 1;
-        self.queue.push_back((h, stamp));
-        if self.queue.len() == 1 || self.at_front(h) {
-            self.trim_front(); // first entry, or the front was this block's older entry
+            f(i, new);
         }
-        new
     }
 
     /// Removes blocks whose TTL has passed, reporting each to `gone`.
