@@ -172,6 +172,7 @@ impl ApproxWorker {
             }
             f(i, new);
         }
+        self.debug_check_front();
     }
 
     /// Removes blocks whose TTL has passed, reporting each to `gone`.
@@ -181,7 +182,10 @@ impl ApproxWorker {
             match self.last_use.get(&h) {
                 Some(&(t, live)) if live == stamp => {
                     if t.saturating_add(self.ttl_ns) > now_ns {
-                        break;
+                        // A live front: what `trim_front` would find, without asking again.
+                        self.front_time = t;
+                        self.debug_check_front();
+                        return n;
                     }
                     self.last_use.remove(&h);
                     gone(h);
@@ -191,17 +195,19 @@ impl ApproxWorker {
             }
             self.queue.pop_front();
         }
-        self.trim_front();
+        self.front_time = NO_FRONT;
         n
     }
 
     /// Evicts least recently used blocks until within capacity.
     pub(crate) fn enforce_capacity(&mut self, mut gone: impl FnMut(BlockHash)) -> usize {
         let mut n = 0;
+        let mut popped = false;
         while self.last_use.len() > self.capacity {
             let Some((h, stamp)) = self.queue.pop_front() else {
                 break;
             };
+            popped = true;
             if self
                 .last_use
                 .get(&h)
@@ -213,8 +219,31 @@ impl ApproxWorker {
             }
         }
         self.maybe_compact();
-        self.trim_front();
+        if popped {
+            self.trim_front();
+        } else {
+            // Nothing left the queue: its front, and so `front_time`, is as every method leaves
+            // it (the front entry live and its time recorded).
+            self.debug_check_front();
+        }
         n
+    }
+
+    /// Debug builds: the invariant every method keeps, checked (the front entry is live and
+    /// `front_time` is its last use; `NO_FRONT` when the queue is empty).
+    #[inline]
+    fn debug_check_front(&self) {
+        #[cfg(debug_assertions)]
+        {
+            let want = match self.queue.front() {
+                None => NO_FRONT,
+                Some((h, stamp)) => match self.last_use.get(h) {
+                    Some(&(t, live)) if live == *stamp => t,
+                    other => panic!("queue front {h:#x}/{stamp} is stale: {other:?}"),
+                },
+            };
+            assert_eq!(self.front_time, want, "front_time out of date");
+        }
     }
 
     fn maybe_compact(&mut self) {
