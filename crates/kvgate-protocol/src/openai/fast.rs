@@ -145,6 +145,27 @@ impl<'a> Reader<'a> {
         if !self.eat(b'"') {
             return None;
         }
+        // Most strings have no escape: borrowed in one search, without the escape machinery
+        // (out of line, so this path saves and restores few registers).
+        let b = self.bytes();
+        let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
+        if b[self.i + k] != b'"' {
+            return self.escaped_string();
+        }
+        if self.controls && has_control(&b[self.i..self.i + k]) {
+            return None;
+        }
+        // Quotes are ASCII: the cut is on a char boundary.
+        let text = &self.s[self.i..self.i + k];
+        self.i += k + 1;
+        Some(Cow::Borrowed(text))
+    }
+
+    /// The rest of [`Self::string`] (the cursor just past the opening quote) for a string with
+    /// an escape: unescaped into an owned string.
+    #[cold]
+    #[inline(never)]
+    fn escaped_string(&mut self) -> Option<Cow<'a, str>> {
         let b = self.bytes();
         let mut seg = self.i;
         let mut owned: Option<String> = None;
