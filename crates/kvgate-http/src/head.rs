@@ -192,8 +192,7 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
         || name == header::UPGRADE
         || name == header::PROXY_AUTHENTICATE
         || name == header::PROXY_AUTHORIZATION
-        || name.as_str() == "keep-alive"
-        || name.as_str() == "proxy-connection"
+        || matches!(name.as_str(), "keep-alive" | "proxy-connection")
 }
 
 /// Append `name: value\r\n`.
