@@ -2,7 +2,7 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::super::request::serde_fields;
-use super::{fields, has_control};
+use super::{fields, has_control, quote_or_backslash};
 
 /// Same answer as serde whenever the fast reader answers.
 fn agree(body: &str, with_messages: bool) -> Result<bool, TestCaseError> {
@@ -252,6 +252,37 @@ fn has_control_finds_a_control_byte_anywhere() {
                 let mut b = clean.clone();
                 b[at] = c;
                 assert!(has_control(&b), "{len} {at} {c}");
+            }
+        }
+    }
+}
+
+/// The word-at-a-time search finds what memchr2 finds: every length up to 40, the quote or
+/// backslash at every position (and none), with bytes that differ from them by one bit around.
+#[test]
+fn quote_or_backslash_matches_memchr2() {
+    for len in 0..40 {
+        for filler in [b'a', b'"' ^ 1, b'\\' ^ 1, 0x80 | b'"', 0xff, 0] {
+            let clean = vec![filler; len];
+            assert_eq!(
+                quote_or_backslash(&clean),
+                memchr::memchr2(b'"', b'\\', &clean),
+                "{len} {filler}"
+            );
+            for at in 0..len {
+                for c in [b'"', b'\\'] {
+                    let mut s = clean.clone();
+                    s[at] = c;
+                    // A second hit later must not win.
+                    if at + 3 < len {
+                        s[at + 3] = b'"';
+                    }
+                    assert_eq!(
+                        quote_or_backslash(&s),
+                        memchr::memchr2(b'"', b'\\', &s),
+                        "{len} {filler} {at} {c}"
+                    );
+                }
             }
         }
     }
