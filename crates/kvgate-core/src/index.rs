@@ -450,15 +450,15 @@ impl KvIndex {
         let mut added = 0;
         // Slot of the previous block, found only when a new block needs it as a placement hint.
         let mut prev = None;
-        for (i, &h) in hashes.iter().enumerate() {
-            if a.touch(h, now_ns) {
+        a.touch_each(hashes, now_ns, |i, new| {
+            if new {
                 let after = prev.or_else(|| i.checked_sub(1).and_then(|j| blocks.find(hashes[j])));
-                prev = Some(blocks.link(h, worker, after).0);
+                prev = Some(blocks.link(hashes[i], worker, after).0);
                 added += 1;
             } else {
                 prev = None;
             }
-        }
+        });
         gone += a.enforce_capacity(|h| {
             blocks.unlink(h, worker);
         });

@@ -33,7 +33,7 @@
 //! by `upstream.pool_max_idle_per_host` and `upstream.pool_idle_timeout_s`.
 
 use std::future::poll_fn;
-use std::io::{self, IoSlice, Write as _};
+use std::io::{self, IoSlice};
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -48,7 +48,10 @@ use pool::Key;
 pub use pool::Pool;
 
 use crate::chunked::{Chunk, ChunkError, Decode, Step};
-use crate::head::{header_name, is_hop_by_hop, push_field, FieldKind, FramingFields, MAX_HEADERS};
+use crate::head::{
+    header_name, is_hop_by_hop, push_decimal, push_field, FieldKind, FieldSpans, FramingFields,
+    MAX_HEADERS,
+};
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::Authority;
 use http::{Method, StatusCode};
@@ -270,7 +273,9 @@ impl Outgoing<'_> {
         if self.body.is_empty() && matches!(*self.method, Method::GET | Method::HEAD) {
             out.extend_from_slice(b"\r\n");
         } else {
-            let _ = write!(out, "content-length: {}\r\n\r\n", self.body.len());
+            out.extend_from_slice(b"content-length: ");
+            push_decimal(&mut out, self.body.len() as u64);
+            out.extend_from_slice(b"\r\n\r\n");
         }
         out
     }
@@ -447,8 +452,7 @@ pub(crate) enum Parsed {
 pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Parsed>, Error> {
     // Where each kept field's name and value lie in the head: the header map is built after the
     // head is split off, its values sharing that buffer instead of a copy each.
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
-    let mut kept = 0;
+    let mut spans = FieldSpans::default();
     let (len, status, http11);
     let mut framing = FramingFields::default();
     // Fields the worker's `Connection` header names (hop-by-hop too), beyond close/keep-alive.
@@ -512,13 +516,12 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<P
                 FieldKind::Framing if name.len() == 17 => continue, // transfer-encoding
                 _ => {}
             }
-            spans[kept] = (
+            spans.push((
                 at(name),
                 at(name) + name.len() as u32,
                 at(f.value),
                 at(f.value) + f.value.len() as u32,
-            );
-            kept += 1;
+            ));
         }
         framing
             .finish()
@@ -530,8 +533,8 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<P
         }
     }
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(kept);
-    for &(ns, ne, vs, ve) in &spans[..kept] {
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    for (ns, ne, vs, ve) in spans.iter() {
         let raw = &head[ns as usize..ne as usize];
         let name = header_name(raw).map_err(|_| {
             Error::Io(format!(

@@ -19,6 +19,53 @@ use http::header::{self, HeaderName};
 /// Most header fields in a head, requests and responses alike (hyper's default for requests).
 pub const MAX_HEADERS: usize = 100;
 
+/// Where one field lies in its head's buffer: name start and end, value start and end.
+pub(crate) type Span = (u32, u32, u32, u32);
+
+/// Fields kept on the stack by [`FieldSpans`]; more go to the heap.
+const INLINE_SPANS: usize = 16;
+
+/// The spans of a head's fields, noted while it is parsed and used once it is split off. The
+/// first [`INLINE_SPANS`] live on the stack (a head has a handful): an array with room for
+/// [`MAX_HEADERS`] was zeroed on every head (~100 instructions each).
+pub(crate) struct FieldSpans {
+    inline: [Span; INLINE_SPANS],
+    len: usize,
+    more: Vec<Span>,
+}
+
+impl Default for FieldSpans {
+    fn default() -> Self {
+        FieldSpans {
+            inline: [(0, 0, 0, 0); INLINE_SPANS],
+            len: 0,
+            more: Vec::new(),
+        }
+    }
+}
+
+impl FieldSpans {
+    pub(crate) fn push(&mut self, s: Span) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => *slot = s,
+            None => self.more.push(s),
+        }
+        self.len += 1;
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The spans in the order they were pushed.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Span> + '_ {
+        self.inline[..self.len.min(INLINE_SPANS)]
+            .iter()
+            .chain(&self.more)
+            .copied()
+    }
+}
+
 /// The framing-relevant fields of one head, folded in one field at a time.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct FramingFields {
@@ -60,7 +107,7 @@ impl FramingFields {
     /// Fold in one field (`name` in any case).
     pub fn field(&mut self, name: &[u8], value: &[u8]) -> Result<FieldKind, FramingError> {
         match name.len() {
-            14 if name.eq_ignore_ascii_case(b"content-length") => {
+            14 if eq_lower(name, b"content-length") => {
                 let n = parse_len(value).ok_or(FramingError("invalid content-length"))?;
                 if self.length.is_some_and(|m| m != n) {
                     return Err(FramingError("conflicting content-length fields"));
@@ -68,7 +115,7 @@ impl FramingFields {
                 self.length = Some(n);
                 Ok(FieldKind::Framing)
             }
-            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
+            17 if eq_lower(name, b"transfer-encoding") => {
                 if self.chunked || !value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
                     return Err(FramingError(
                         "unsupported transfer-encoding (only a single `chunked` is accepted)",
@@ -77,7 +124,7 @@ impl FramingFields {
                 self.chunked = true;
                 Ok(FieldKind::Framing)
             }
-            10 if name.eq_ignore_ascii_case(b"connection") => {
+            10 if eq_lower(name, b"connection") => {
                 for t in value.split(|&b| b == b',') {
                     let t = t.trim_ascii();
                     if t.eq_ignore_ascii_case(b"close") {
@@ -88,11 +135,11 @@ impl FramingFields {
                 }
                 Ok(FieldKind::Connection)
             }
-            4 if name.eq_ignore_ascii_case(b"host") => {
+            4 if eq_lower(name, b"host") => {
                 self.hosts += 1;
                 Ok(FieldKind::Other)
             }
-            6 if name.eq_ignore_ascii_case(b"expect") => {
+            6 if eq_lower(name, b"expect") => {
                 self.expect_continue = value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
                 Ok(FieldKind::Other)
             }
@@ -111,6 +158,16 @@ impl FramingFields {
 
 /// A `content-length` value: digits only, or a comma list of equal values.
 pub fn parse_len(v: &[u8]) -> Option<u64> {
+    // The common case, one plain number: read in one pass (the general path below gives the
+    // same for it).
+    if !v.is_empty() && v.len() <= 19 && v.iter().all(u8::is_ascii_digit) {
+        return Some(v.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')));
+    }
+    parse_len_list(v)
+}
+
+/// [`parse_len`] for any value: a comma list of equal numbers.
+fn parse_len_list(v: &[u8]) -> Option<u64> {
     let mut out: Option<u64> = None;
     for part in v.split(|&b| b == b',') {
         let part = part.trim_ascii();
@@ -135,8 +192,7 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
         || name == header::UPGRADE
         || name == header::PROXY_AUTHENTICATE
         || name == header::PROXY_AUTHORIZATION
-        || name.as_str() == "keep-alive"
-        || name.as_str() == "proxy-connection"
+        || matches!(name.as_str(), "keep-alive" | "proxy-connection")
 }
 
 /// Append `name: value\r\n`.
@@ -145,6 +201,22 @@ pub fn push_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
+}
+
+/// Append `n` in decimal: what `write!(out, "{n}")` writes, without the formatting machinery
+/// (~300 instructions for a content-length through `io::Write::write_fmt`).
+pub fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[at..]);
 }
 
 /// `HeaderName::from_bytes`, with the fields nearly every request and response carries looked up
@@ -172,14 +244,37 @@ pub fn header_name(b: &[u8]) -> Result<HeaderName, header::InvalidHeaderName> {
 
 /// `b` equals `lower` (lowercase letters and `-` only) ignoring ASCII case: a letter position
 /// accepts the byte with bit 5 cleared too (its capital), any other position only itself.
-/// Branch-free over the bytes, so the compiler can compare a fixed-length name in a few words.
+/// Branch-free, eight bytes at a time from 8 bytes on (the last word overlapping the one before
+/// it), so a fixed-length name costs a few word compares instead of a lowercasing per byte.
 #[inline(always)]
 fn eq_lower(b: &[u8], lower: &[u8]) -> bool {
-    b.len() == lower.len()
-        && b.iter()
+    let n = lower.len();
+    if b.len() != n {
+        return false;
+    }
+    if n < 8 {
+        return b
+            .iter()
             .zip(lower)
             .fold(0u8, |d, (&x, &y)| d | ((x | ((y & 0x40) >> 1)) ^ y))
-            == 0
+            == 0;
+    }
+    let word = |s: &[u8], i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[i..i + 8]);
+        u64::from_le_bytes(w)
+    };
+    let diff = |i: usize| {
+        let y = word(lower, i);
+        (word(b, i) | ((y & 0x4040_4040_4040_4040) >> 1)) ^ y
+    };
+    let mut d = diff(n - 8);
+    let mut i = 0;
+    while i + 8 < n {
+        d |= diff(i);
+        i += 8;
+    }
+    d == 0
 }
 
 #[cfg(test)]

@@ -45,7 +45,7 @@ use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
 use crate::chunked::{chunk_prefix, Decode, Step};
-use crate::head::{header_name, parse_len, push_field, FramingFields, MAX_HEADERS};
+use crate::head::{header_name, parse_len, push_field, FieldSpans, FramingFields, MAX_HEADERS};
 /// What a connection opening with HTTP/2 (prior knowledge) sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Read buffer growth step.
@@ -701,7 +701,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
         ),
     };
     // Where each piece lies in `buf`: the parsed head borrows it, the request shares it.
-    let mut spans = [(0u32, 0u32, 0u32, 0u32); MAX_HEADERS];
+    let mut spans = FieldSpans::default();
     let (len, n_fields, method, path, minor, framing, keep_alive, expect_continue);
     {
         let mut fields = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
@@ -726,11 +726,11 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
         minor = req.version.unwrap_or(1);
         let mut f = FramingFields::default();
         n_fields = req.headers.len();
-        for (i, h) in req.headers.iter().enumerate() {
+        for h in req.headers.iter() {
             let name = h.name.as_bytes();
             let (ns, ne) = span(name);
             let (vs, ve) = span(h.value);
-            spans[i] = (ns, ne, vs, ve);
+            spans.push((ns, ne, vs, ve));
             f.field(name, h.value).map_err(|e| Reject::bad(e.0))?;
         }
         f.finish().map_err(|e| Reject::bad(e.0))?;
@@ -759,7 +759,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
     let uri =
         Uri::from_maybe_shared(slice(path)).map_err(|_| Reject::bad("invalid request target"))?;
     let mut headers = HeaderMap::with_capacity(n_fields);
-    for &(ns, ne, vs, ve) in &spans[..n_fields] {
+    for (ns, ne, vs, ve) in spans.iter() {
         let name = header_name(&head[ns as usize..ne as usize])
             .map_err(|_| Reject::bad("invalid header field name"))?;
         let value = HeaderValue::from_maybe_shared(slice((vs, ve)))

@@ -130,28 +130,49 @@ impl ApproxWorker {
     /// Inserts or refreshes `h` (not when it was recorded less than TTL / [`REFRESH_DIVISOR`]
     /// ago); true when it is new.
     pub(crate) fn touch(&mut self, h: BlockHash, now_ns: u64) -> bool {
+        let mut new = false;
+        self.touch_each(std::slice::from_ref(&h), now_ns, |_, n| new = n);
+        new
+    }
+
+    /// [`Self::touch`] of each of `hashes` in order, calling `f(i, new)` right after block `i`'s
+    /// (a request's blocks: one call, the clock and the refresh interval read once, and a block
+    /// used again recently costs one probe and a compare).
+    #[inline]
+    pub(crate) fn touch_each(
+        &mut self,
+        hashes: &[BlockHash],
+        now_ns: u64,
+        mut f: impl FnMut(usize, bool),
+    ) {
         use std::collections::hash_map::Entry;
         self.clock = self.clock.max(now_ns);
-        let stamp = self.next_stamp;
-        let new = match self.last_use.entry(h) {
-            Entry::Occupied(mut e) => {
-                if self.clock - e.get().0 < self.ttl_ns / REFRESH_DIVISOR {
-                    return false;
+        let clock = self.clock;
+        let fresh = self.ttl_ns / REFRESH_DIVISOR;
+        for (i, &h) in hashes.iter().enumerate() {
+            let stamp = self.next_stamp;
+            let new = match self.last_use.entry(h) {
+                Entry::Occupied(mut e) => {
+                    if clock - e.get().0 < fresh {
+                        f(i, false);
+                        continue;
+                    }
+                    e.insert((clock, stamp));
+                    false
                 }
-                e.insert((self.clock, stamp));
-                false
+                Entry::Vacant(e) => {
+                    e.insert((clock, stamp));
+                    true
+                }
+            };
+            self.next_stamp += 1;
+            self.queue.push_back((h, stamp));
+            if self.queue.len() == 1 || self.at_front(h) {
+                self.trim_front(); // first entry, or the front was this block's older entry
             }
-            Entry::Vacant(e) => {
-                e.insert((self.clock, stamp));
-                true
-            }
-        };
-        self.next_stamp += 1;
-        self.queue.push_back((h, stamp));
-        if self.queue.len() == 1 || self.at_front(h) {
-            self.trim_front(); // first entry, or the front was this block's older entry
+            f(i, new);
         }
-        new
+        self.debug_check_front();
     }
 
     /// Removes blocks whose TTL has passed, reporting each to `gone`.
@@ -161,7 +182,10 @@ impl ApproxWorker {
             match self.last_use.get(&h) {
                 Some(&(t, live)) if live == stamp => {
                     if t.saturating_add(self.ttl_ns) > now_ns {
-                        break;
+                        // A live front: what `trim_front` would find, without asking again.
+                        self.front_time = t;
+                        self.debug_check_front();
+                        return n;
                     }
                     self.last_use.remove(&h);
                     gone(h);
@@ -171,17 +195,19 @@ impl ApproxWorker {
             }
             self.queue.pop_front();
         }
-        self.trim_front();
+        self.front_time = NO_FRONT;
         n
     }
 
     /// Evicts least recently used blocks until within capacity.
     pub(crate) fn enforce_capacity(&mut self, mut gone: impl FnMut(BlockHash)) -> usize {
         let mut n = 0;
+        let mut popped = false;
         while self.last_use.len() > self.capacity {
             let Some((h, stamp)) = self.queue.pop_front() else {
                 break;
             };
+            popped = true;
             if self
                 .last_use
                 .get(&h)
@@ -193,8 +219,31 @@ impl ApproxWorker {
             }
         }
         self.maybe_compact();
-        self.trim_front();
+        if popped {
+            self.trim_front();
+        } else {
+            // Nothing left the queue: its front, and so `front_time`, is as every method leaves
+            // it (the front entry live and its time recorded).
+            self.debug_check_front();
+        }
         n
+    }
+
+    /// Debug builds: the invariant every method keeps, checked (the front entry is live and
+    /// `front_time` is its last use; `NO_FRONT` when the queue is empty).
+    #[inline]
+    fn debug_check_front(&self) {
+        #[cfg(debug_assertions)]
+        {
+            let want = match self.queue.front() {
+                None => NO_FRONT,
+                Some((h, stamp)) => match self.last_use.get(h) {
+                    Some(&(t, live)) if live == *stamp => t,
+                    other => panic!("queue front {h:#x}/{stamp} is stale: {other:?}"),
+                },
+            };
+            assert_eq!(self.front_time, want, "front_time out of date");
+        }
     }
 
     fn maybe_compact(&mut self) {

@@ -58,6 +58,88 @@ fn header_name_matches_the_general_parse() {
     }
 }
 
+/// The one-number shortcut of `parse_len` gives what the general comma-list reader gives.
+#[test]
+fn parse_len_shortcut_matches_the_list_reader() {
+    let mut values: Vec<String> = vec![
+        String::new(),
+        " 5".into(),
+        "5 ".into(),
+        "5,5".into(),
+        "+5".into(),
+        "-5".into(),
+        "5a".into(),
+        "0x5".into(),
+        "18446744073709551615".into(),
+        "18446744073709551616".into(),
+    ];
+    for len in 1..=21 {
+        values.push("9".repeat(len));
+        values.push(format!("1{}", "0".repeat(len - 1)));
+        values.push("0".repeat(len));
+        values.push(format!("{}7", "0".repeat(len - 1)));
+    }
+    for v in &values {
+        assert_eq!(
+            parse_len(v.as_bytes()),
+            parse_len_list(v.as_bytes()),
+            "{v:?}"
+        );
+    }
+    assert_eq!(parse_len(b"1234"), Some(1234));
+    assert_eq!(
+        parse_len(b"9999999999999999999"),
+        Some(9_999_999_999_999_999_999)
+    );
+    assert_eq!(parse_len(b"99999999999999999999"), None);
+}
+
+/// The word-at-a-time compare is exactly `eq_ignore_ascii_case` against the lowercase name,
+/// for every name it is used with, with every byte of every position replaced by every value
+/// (one at a time), in lower and upper case.
+#[test]
+fn eq_lower_is_a_case_insensitive_compare() {
+    for lower in [
+        "host",
+        "date",
+        "expect",
+        "accept",
+        "server",
+        "user-agent",
+        "connection",
+        "content-type",
+        "authorization",
+        "content-length",
+        "accept-encoding",
+        "transfer-encoding",
+    ] {
+        let lower = lower.as_bytes();
+        let check = |b: &[u8]| {
+            assert_eq!(
+                eq_lower(b, lower),
+                b.eq_ignore_ascii_case(lower),
+                "{:?} vs {:?}",
+                String::from_utf8_lossy(b),
+                String::from_utf8_lossy(lower)
+            );
+        };
+        check(lower);
+        check(&lower.to_ascii_uppercase());
+        check(&lower[1..]);
+        check(&[lower, b"x"].concat());
+        for at in 0..lower.len() {
+            for v in 0..=255u8 {
+                let mut b = lower.to_vec();
+                b[at] = v;
+                check(&b);
+                let mut up = lower.to_ascii_uppercase();
+                up[at] = v;
+                check(&up);
+            }
+        }
+    }
+}
+
 fn fold(fields: &[(&str, &str)]) -> Result<FramingFields, FramingError> {
     let mut f = FramingFields::default();
     for (n, v) in fields {
@@ -144,4 +226,34 @@ fn connection_host_and_expect_are_noted() {
         FieldKind::Framing
     );
     assert_eq!(f.field(b"x-other", b"1").unwrap(), FieldKind::Other);
+}
+
+/// `push_decimal` writes what `format!` writes.
+#[test]
+fn push_decimal_matches_format() {
+    let mut values = vec![0u64, 1, 9, 10, 99, 100, 1234, u64::MAX, u64::MAX - 1];
+    for k in 0..20 {
+        let p = 10u64.pow(k);
+        values.extend([p, p - 1, p + 1]);
+    }
+    for n in values {
+        let mut out = b"x".to_vec();
+        push_decimal(&mut out, n);
+        assert_eq!(out, format!("x{n}").into_bytes(), "{n}");
+    }
+}
+
+/// Field spans past the inline ones go to the heap and come back in order.
+#[test]
+fn field_spans_keep_every_field_in_order() {
+    for n in [0u32, 1, 15, 16, 17, 40, MAX_HEADERS as u32] {
+        let mut s = FieldSpans::default();
+        for i in 0..n {
+            s.push((i, i + 1, i + 2, i + 3));
+        }
+        assert_eq!(s.len(), n as usize);
+        let got: Vec<Span> = s.iter().collect();
+        let want: Vec<Span> = (0..n).map(|i| (i, i + 1, i + 2, i + 3)).collect();
+        assert_eq!(got, want, "{n}");
+    }
 }

@@ -75,16 +75,47 @@ struct Reader<'a> {
 }
 
 /// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
-/// exit inside, so the compiler vectorises them.
+/// exit inside, so the compiler vectorises them: 64 bytes, then 16, then one at a time (64-byte
+/// blocks: less loop and test per byte; 477 instructions for the 1.3 KB bench body, 564 with 32).
 #[inline]
 fn has_control(b: &[u8]) -> bool {
-    let mut blocks = b.chunks_exact(32);
+    let any = |block: &[u8]| block.iter().fold(false, |any, &c| any | (c < 0x20));
+    let mut blocks = b.chunks_exact(64);
     for block in &mut blocks {
-        if block.iter().fold(false, |any, &c| any | (c < 0x20)) {
+        if any(block) {
             return true;
         }
     }
-    blocks.remainder().iter().any(|&c| c < 0x20)
+    let mut small = blocks.remainder().chunks_exact(16);
+    for block in &mut small {
+        if any(block) {
+            return true;
+        }
+    }
+    small.remainder().iter().any(|&c| c < 0x20)
+}
+
+/// Where the first `"` or `\\` of `s` is. Most strings of a request (its keys, roles, model
+/// names) end within 16 bytes: those are read as two 8-byte words (a zero-byte test per word on
+/// `s` xor each byte, whose lowest flagged byte is exact), without memchr2's setup per call;
+/// anything longer is memchr2's from there.
+#[inline]
+fn quote_or_backslash(s: &[u8]) -> Option<usize> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
+    let mut at = 0;
+    while at < 16 && at + 8 <= s.len() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[at..at + 8]);
+        let w = u64::from_le_bytes(w);
+        let hit = zero(w ^ (ONES * u64::from(b'"'))) | zero(w ^ (ONES * u64::from(b'\\')));
+        if hit != 0 {
+            return Some(at + (hit.trailing_zeros() / 8) as usize);
+        }
+        at += 8;
+    }
+    memchr::memchr2(b'"', b'\\', &s[at..]).map(|k| at + k)
 }
 
 fn hex(c: u8) -> Option<u32> {
@@ -137,6 +168,27 @@ impl<'a> Reader<'a> {
         if !self.eat(b'"') {
             return None;
         }
+        // Most strings have no escape: borrowed in one search, without the escape machinery
+        // (out of line, so this path saves and restores few registers).
+        let b = self.bytes();
+        let k = quote_or_backslash(&b[self.i..])?;
+        if b[self.i + k] != b'"' {
+            return self.escaped_string();
+        }
+        if self.controls && has_control(&b[self.i..self.i + k]) {
+            return None;
+        }
+        // Quotes are ASCII: the cut is on a char boundary.
+        let text = &self.s[self.i..self.i + k];
+        self.i += k + 1;
+        Some(Cow::Borrowed(text))
+    }
+
+    /// The rest of [`Self::string`] (the cursor just past the opening quote) for a string with
+    /// an escape: unescaped into an owned string.
+    #[cold]
+    #[inline(never)]
+    fn escaped_string(&mut self) -> Option<Cow<'a, str>> {
         let b = self.bytes();
         let mut seg = self.i;
         let mut owned: Option<String> = None;
@@ -198,7 +250,7 @@ impl<'a> Reader<'a> {
         }
         let b = self.bytes();
         loop {
-            let k = memchr::memchr2(b'"', b'\\', &b[self.i..])?;
+            let k = quote_or_backslash(&b[self.i..])?;
             if self.controls && has_control(&b[self.i..self.i + k]) {
                 return None;
             }

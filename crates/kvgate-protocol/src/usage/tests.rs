@@ -38,6 +38,9 @@ fn worker_usage_shapes_take_the_fast_path() {
         ),
         (r#"{}"#, (0, 0, None)),
         (r#"{"completion_tokens":18446744073709551615}"#, (0, u64::MAX, None)),
+        // 19 digits (the most that cannot overflow) and 20 that do not.
+        (r#"{"prompt_tokens":9999999999999999999}"#, (9_999_999_999_999_999_999, 0, None)),
+        (r#"{"prompt_tokens":10000000000000000000}"#, (10_000_000_000_000_000_000, 0, None)),
     ] {
         let fast = usage_fast(obj.as_bytes());
         assert_eq!(key(fast), Some(want), "{obj}");
@@ -60,6 +63,12 @@ fn other_shapes_are_left_to_serde() {
         r#"{"extra":[1,2],"prompt_tokens":3}"#,
         r#"{"extra":"text","prompt_tokens":3}"#,
         r#"{"pro\u006dpt_tokens":3}"#,
+        // Escapes in keys the fast path does not match by name: serde unescapes them.
+        r#"{"tot\u0061l_tokens":3}"#,
+        r#"{"x\"y":3}"#,
+        r#"{"prompt_tokens\"":3}"#,
+        r#"{"prompt_tokens_details":{"c\u0061ched_tokens":1}}"#,
+        "{\"x\ty\":3}",
         r#"{"prompt_tokens":3,}"#,
         r#"{"prompt_tokens":3"#,
         r#"{"prompt_tokens" 3}"#,

@@ -2,7 +2,7 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 
 use super::super::request::serde_fields;
-use super::fields;
+use super::{fields, has_control, quote_or_backslash};
 
 /// Same answer as serde whenever the fast reader answers.
 fn agree(body: &str, with_messages: bool) -> Result<bool, TestCaseError> {
@@ -235,4 +235,55 @@ fn the_property_exercises_the_fast_path() {
         fast * 5 > total,
         "only {fast} of {total} generated bodies read fast"
     );
+}
+
+/// The blocked control-byte check finds one control byte at any position of any length (every
+/// block size and remainder), and none in a body without one.
+#[test]
+fn has_control_finds_a_control_byte_anywhere() {
+    for len in 0..200 {
+        let clean = vec![b'a'; len];
+        assert!(!has_control(&clean), "{len}");
+        // The bytes around the threshold: 0x1f is a control byte, 0x20 (space) and 0x7f are not.
+        assert!(!has_control(&vec![0x20; len]), "{len}");
+        assert!(!has_control(&vec![0x7f; len]), "{len}");
+        for at in 0..len {
+            for c in [0u8, b'\n', 0x1f] {
+                let mut b = clean.clone();
+                b[at] = c;
+                assert!(has_control(&b), "{len} {at} {c}");
+            }
+        }
+    }
+}
+
+/// The word-at-a-time search finds what memchr2 finds: every length up to 40, the quote or
+/// backslash at every position (and none), with bytes that differ from them by one bit around.
+#[test]
+fn quote_or_backslash_matches_memchr2() {
+    for len in 0..40 {
+        for filler in [b'a', b'"' ^ 1, b'\\' ^ 1, 0x80 | b'"', 0xff, 0] {
+            let clean = vec![filler; len];
+            assert_eq!(
+                quote_or_backslash(&clean),
+                memchr::memchr2(b'"', b'\\', &clean),
+                "{len} {filler}"
+            );
+            for at in 0..len {
+                for c in [b'"', b'\\'] {
+                    let mut s = clean.clone();
+                    s[at] = c;
+                    // A second hit later must not win.
+                    if at + 3 < len {
+                        s[at + 3] = b'"';
+                    }
+                    assert_eq!(
+                        quote_or_backslash(&s),
+                        memchr::memchr2(b'"', b'\\', &s),
+                        "{len} {filler} {at} {c}"
+                    );
+                }
+            }
+        }
+    }
 }
