@@ -82,7 +82,8 @@ pub struct PolicyConfig {
 }
 
 /// Every policy name [`policy_by_name`] accepts, default first.
-pub const POLICY_NAMES: [&str; 8] = [
+pub const POLICY_NAMES: [&str; 9] = [
+    "kv_time",
     "kv",
     "latency",
     "round_robin",
@@ -115,6 +116,7 @@ pub fn policy_by_name(name: &str, cfg: &PolicyConfig) -> Result<Box<dyn Policy>,
     let norm = name.trim().to_ascii_lowercase().replace('-', "_");
     Ok(match norm.as_str() {
         "kv" => Box::new(KvPolicy::new(cfg.kv, cfg.busy)),
+        "kv_time" => Box::new(KvPolicy::time(cfg.kv, cfg.latency.model, cfg.busy)),
         "latency" => Box::new(LatencyPolicy::new(cfg.latency, cfg.busy)),
         "round_robin" => Box::new(RoundRobin::new(cfg.busy)),
         "random" => Box::new(Random::new(cfg.busy)),

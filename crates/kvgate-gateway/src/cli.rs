@@ -40,7 +40,7 @@ pub struct ServeArgs {
     /// Model the `--worker`s serve (repeatable); default: discovered from each worker's /v1/models.
     #[arg(long = "model", env = "KVGATE_MODELS", value_delimiter = ',')]
     pub models: Vec<String>,
-    /// Routing policy: kv, latency, round_robin, random, least_loaded, power_of_two, consistent_hash, cache_aware.
+    /// Routing policy: kv_time (default), kv, latency, round_robin, random, least_loaded, power_of_two, consistent_hash, cache_aware.
     #[arg(long, env = "KVGATE_POLICY")]
     pub policy: Option<String>,
     /// KV block size in tokens (must match the workers').

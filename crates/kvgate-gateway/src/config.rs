@@ -410,7 +410,7 @@ pub struct RoutingConfig {
 impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
-            policy: "kv".into(),
+            policy: "kv_time".into(),
             block_size: 16,
             prefill_weight: 4.0,
             // Dynamo charges all of it (1); 0.25 measured better on every workload we ran
@@ -1616,7 +1616,7 @@ mod tests {
             "[[workers]]\nurl = \"http://10.0.0.1:8000\"\nmodels = [\"m\"]\ncost_per_hour = 2.5\n",
         )
         .unwrap();
-        assert_eq!(cfg.routing.policy, "kv");
+        assert_eq!(cfg.routing.policy, "kv_time");
         assert_eq!(cfg.workers.len(), 1);
         assert_eq!(worker_name(&cfg.workers[0]), "10.0.0.1:8000");
         assert!(Config::from_toml("[[workers]]\nurl = \"ftp://x\"\n").is_err());

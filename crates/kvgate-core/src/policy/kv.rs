@@ -1,5 +1,7 @@
-//! `kv` (default): the KV-aware cost model of [`crate::select`] — prefill work not covered by the
-//! worker's cache plus the decode blocks it would hold — picked by temperature.
+//! `kv`: the KV-aware cost model of [`crate::select`] — prefill work not covered by the worker's
+//! cache plus the decode blocks it would hold — picked by temperature; `kv_time` (the gateway's
+//! default): the same with the latency model's predicted wait for a sequence slot or KV memory
+//! charged as the prompt blocks prefilled in that time ([`KvCostConfig::queue_time`]).
 
 use super::Policy;
 use crate::select::{
@@ -7,16 +9,44 @@ use crate::select::{
 };
 
 /// Cost-based KV-aware routing.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KvPolicy {
     cfg: KvCostConfig,
     busy: BusyThresholds,
+    name: &'static str,
+}
+
+impl Default for KvPolicy {
+    fn default() -> Self {
+        Self::new(KvCostConfig::default(), BusyThresholds::default())
+    }
 }
 
 impl KvPolicy {
-    /// With this cost model and busy thresholds.
+    /// `kv`: with this cost model and busy thresholds.
     pub fn new(cfg: KvCostConfig, busy: BusyThresholds) -> Self {
-        Self { cfg, busy }
+        Self {
+            cfg,
+            busy,
+            name: "kv",
+        }
+    }
+
+    /// `kv_time`: the same cost with queueing seen as time always on
+    /// ([`KvCostConfig::queue_time`] = `latency`, whatever `cfg` says).
+    pub fn time(
+        cfg: KvCostConfig,
+        latency: crate::latency::LatencyConfig,
+        busy: BusyThresholds,
+    ) -> Self {
+        Self {
+            cfg: KvCostConfig {
+                queue_time: Some(latency),
+                ..cfg
+            },
+            busy,
+            name: "kv_time",
+        }
     }
 
     /// The cost model.
@@ -32,7 +62,7 @@ impl KvPolicy {
 
 impl Policy for KvPolicy {
     fn name(&self) -> &'static str {
-        "kv"
+        self.name
     }
 
     fn uses_overlap(&self) -> bool {

@@ -386,3 +386,25 @@ mod latency_policy {
         assert_eq!(pick(&policy(0.0, 0.0), &big_req(&h), &c, &mut rng), 0);
     }
 }
+
+#[test]
+fn kv_time_is_kv_with_the_queue_term_on() {
+    let cfg = PolicyConfig::default();
+    assert_eq!(cfg.kv.queue_time, None);
+    let t = policy_by_name("kv-time", &cfg).unwrap();
+    assert_eq!(t.name(), "kv_time");
+    let k = t
+        .as_kv()
+        .expect("kv_time is a kv policy (bounded walk, explanations)");
+    assert_eq!(k.config().queue_time, Some(cfg.latency.model));
+    assert_eq!(
+        KvCostConfig {
+            queue_time: None,
+            ..*k.config()
+        },
+        cfg.kv
+    );
+    // `kv` keeps its meaning: no queue term unless configured.
+    let plain = policy_by_name("kv", &cfg).unwrap();
+    assert_eq!(plain.as_kv().unwrap().config().queue_time, None);
+}

@@ -126,9 +126,11 @@ impl RoutePolicy {
         );
         pc.kv.request_weight = cfg.request_weight;
         pc.kv.queue_time = cfg.kv_queue_time.then_some(latency);
+        let policy_name = cfg.policy.trim().to_ascii_lowercase().replace('-', "_");
         anyhow::ensure!(
-            !cfg.kv_step_wait || cfg.kv_queue_time,
-            "routing.kv_step_wait needs routing.kv_queue_time = true (it adds to that term)"
+            !cfg.kv_step_wait || cfg.kv_queue_time || policy_name == "kv_time",
+            "routing.kv_step_wait needs routing.kv_queue_time = true or policy kv_time (it adds \
+             to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
         pc.kv.temperature = cfg.temperature;

@@ -581,10 +581,17 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
         let p = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd).expect("policy");
         *p.policy.as_kv().expect("kv policy").config()
     };
-    // Off by default.
-    assert_eq!(kv("").queue_time, None);
+    // Off by default under `kv`; always on under `kv_time`, the default policy.
+    assert_eq!(kv("[routing]\npolicy = \"kv\"\n").queue_time, None);
+    assert_eq!(kv("").queue_time, Some(LatencyConfig::default()));
+    let t = kv("[routing]\nkv_queue_time = false\nlatency_slot_wait = false\n");
+    assert!(
+        !t.queue_time
+            .expect("kv_time: on whatever kv_queue_time says")
+            .slot_wait
+    );
     // On: the latency model's settings, the slot and KV-memory switches included.
-    let on = kv("[routing]\nkv_queue_time = true\nlatency_kv_wait = false\n");
+    let on = kv("[routing]\npolicy = \"kv\"\nkv_queue_time = true\nlatency_kv_wait = false\n");
     let l = on.queue_time.expect("queue_time on");
     assert!(l.slot_wait && !l.kv_wait);
     assert_eq!(l.curve, TimingCurve::default());
@@ -592,8 +599,15 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
     assert!(Config::from_toml("[routing]\nkv_queue_time = 1\n").is_err());
     // The step wait: off by default, on with the queue term, refused without it.
     assert!(!on.step_wait);
-    assert!(kv("[routing]\nkv_queue_time = true\nkv_step_wait = true\n").step_wait);
-    let cfg = Config::from_toml("[routing]\nkv_step_wait = true\n").expect("config");
+    assert!(
+        kv("[routing]\npolicy = \"kv\"\nkv_queue_time = true\nkv_step_wait = true\n").step_wait
+    );
+    assert!(
+        kv("[routing]\nkv_step_wait = true\n").step_wait,
+        "kv_time needs no kv_queue_time"
+    );
+    let cfg =
+        Config::from_toml("[routing]\npolicy = \"kv\"\nkv_step_wait = true\n").expect("config");
     let err = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
         .err()
         .expect("kv_step_wait without kv_queue_time accepted");
