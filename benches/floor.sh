@@ -10,7 +10,7 @@
 # Environment:
 #   KVGATE     kvgate binary (default target/release/kvgate; build it with --release)
 #   RUNS       runs per workload (3)
-#   POLICIES   --policies of every run (round_robin,kv,latency); entries may carry keys
+#   POLICIES   --policies of every run (round_robin,kv_time,kv,latency: kv_time is the default); entries may carry keys
 #              (kv:prefill_weight=1, LABEL=kv:...), see docs/bench.md
 #   WORKLOADS  any of: agentic20 agentic60 multi-turn shared-prefix mooncake
 #              (default: all five; mooncake only with MOONCAKE)
@@ -39,7 +39,7 @@ set -euo pipefail
 OUT=${1:-floor-out}
 KVGATE=${KVGATE:-target/release/kvgate}
 RUNS=${RUNS:-3}
-POLICIES=${POLICIES:-round_robin,kv,latency}
+POLICIES=${POLICIES:-round_robin,kv_time,kv,latency}
 # --loaded-floor rows (empty: none); the loaded floor is their best p50 and best p99.
 LOADED_FLOOR=${LOADED_FLOOR-least_loaded,latency}
 WORKLOADS=${WORKLOADS:-agentic20 agentic60 multi-turn shared-prefix mooncake}
