@@ -45,7 +45,9 @@ use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 
 use crate::chunked::{chunk_prefix, Decode, Step};
-use crate::head::{header_name, parse_len, push_field, FieldSpans, FramingFields, MAX_HEADERS};
+use crate::head::{
+    decimal, header_name, parse_len, push_field, FieldSpans, FramingFields, MAX_HEADERS,
+};
 /// What a connection opening with HTTP/2 (prior knowledge) sends first.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// Read buffer growth step.
@@ -662,20 +664,6 @@ async fn write_all<S: AsyncWrite + Unpin>(io: &mut S, bufs: &mut [IoSlice<'_>]) 
         IoSlice::advance_slices(&mut bufs, n);
     }
     Ok(())
-}
-
-/// `n` in decimal, written at the end of `buf`.
-fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = 20;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    &buf[i..]
 }
 
 /// Whether `buf` holds an empty line (the end of a head) ending past `from`.
