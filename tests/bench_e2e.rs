@@ -154,9 +154,18 @@ fn check_outputs(out: &Path, stdout: &str, names: &[&str], n: u64) -> Vec<f64> {
             "{name}: {s}"
         );
         let hit = s["hit_rate"].as_f64().unwrap();
+        // A loaded-floor row gets every hit of the oracle by header, and the sims' real cache on
+        // top: a request that reached a sim after a later-sent one sharing its prefix (the two
+        // overtook each other on the way) hits blocks the oracle, which takes the send order,
+        // does not give it. Only routed rows are bounded by the oracle.
+        let bound = if name.starts_with("floor:") {
+            1.0
+        } else {
+            oracle
+        };
         assert!(
-            (0.0..=oracle + 1e-9).contains(&hit),
-            "{name}: hit {hit} above the oracle {oracle}"
+            (0.0..=bound + 1e-9).contains(&hit),
+            "{name}: hit {hit} above {bound} (oracle {oracle})"
         );
         let per_worker = row["worker_mean_running"].as_array().unwrap();
         assert!(!per_worker.is_empty(), "{name}: load sampled");
@@ -223,12 +232,13 @@ fn bench_compare_loaded_floor_rows() {
     let json = read_json(&out.join("compare.json"));
     let oracle = json["oracle"]["infinite_hit_rate"].as_f64().unwrap();
     // Round robin over 2 cold sims misses some of the oracle's hits; the floor rows get them all,
-    // whichever worker each request went to.
+    // whichever worker each request went to (and, when two requests overtook each other on the
+    // way, a few the oracle's send order does not count: see check_outputs).
     assert!(hits[0] < oracle, "{hits:?} vs {oracle}");
     for (row, hit) in names.iter().zip(&hits).skip(1) {
         assert!(
-            (hit - oracle).abs() < 1e-9,
-            "{row}: hit {hit} vs oracle {oracle}"
+            *hit >= oracle - 1e-9,
+            "{row}: hit {hit} below the oracle {oracle}"
         );
     }
     let rows = json["rows"].as_array().unwrap();
