@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The container image built and run for real in CI (tests/container_image.rs runs it).
 #
-#   .ci/docker.sh start DIR    install Debian's docker.io + debootstrap if missing, start dockerd in
-#                              the background (data under DIR, socket DIR/docker.sock, pid DIR/dockerd.pid)
+#   .ci/docker.sh start DIR    install Debian's docker.io + debootstrap if missing, start containerd
+#                              and dockerd in the background (data under DIR, socket DIR/docker.sock)
 #   .ci/docker.sh build DIR    build the stand-in base images, then deploy/Dockerfile as kvgate:ci
-#   .ci/docker.sh stop DIR     stop that dockerd by its pid and remove DIR
+#   .ci/docker.sh stop DIR     stop that dockerd and containerd by their pids and remove DIR
 #
 # Base images cannot be pulled here (no registry but the package registries), so the stand-ins are
 # made locally and passed to deploy/Dockerfile as its RUST_IMAGE / RUNTIME_IMAGE build arguments:
@@ -31,17 +31,46 @@ start)
       docker.io debootstrap iptables
   fi
   mkdir -p "$dir"
+  # containerd is started here, not by dockerd: dockerd gives the containerd it spawns a fixed time
+  # to answer and exits when it does not (seen once in CI while the workspace compiled beside it:
+  # containerd booted in 7.4 s, dockerd had already given up). Our own containerd gets as long as it
+  # needs; dockerd is pointed at its socket, and restarted (twice at most) if it still exits early.
+  printf '%s\n' 'version = 2' \
+    "root = \"$dir/containerd-root\"" "state = \"$dir/containerd-state\"" \
+    'disabled_plugins = ["io.containerd.grpc.v1.cri"]' \
+    '[grpc]' "  address = \"$dir/containerd.sock\"" \
+    '[debug]' "  address = \"$dir/containerd-debug.sock\"" >"$dir/containerd.toml"
+  setsid /usr/bin/containerd --config "$dir/containerd.toml" \
+    >"$dir/containerd.log" 2>&1 </dev/null &
+  echo $! >"$dir/containerd.pid.launch"
+  up=
+  for _ in $(seq 1 900); do
+    if /usr/bin/ctr --address "$dir/containerd.sock" version >/dev/null 2>&1; then up=1; break; fi
+    kill -0 "$(cat "$dir/containerd.pid.launch")" 2>/dev/null || break
+    sleep 0.2
+  done
+  if [ -z "$up" ]; then
+    echo "containerd did not come up; its log:" >&2
+    tail -n 40 "$dir/containerd.log" >&2
+    exit 1
+  fi
   # No bridge and no iptables rules: the image's containers use the host network (the tests talk
   # to them on 127.0.0.1), so the daemon leaves the machine's firewall alone.
-  setsid /usr/sbin/dockerd --data-root "$dir/data" --exec-root "$dir/exec" \
-    -H "$DOCKER_HOST" --pidfile "$dir/dockerd.pid" \
-    --iptables=false --ip-masq=false --bridge=none \
-    >"$dir/dockerd.log" 2>&1 </dev/null &
-  echo $! >"$dir/dockerd.pid.launch"
-  for _ in $(seq 1 300); do
-    "$docker" version >/dev/null 2>&1 && exit 0
-    kill -0 "$(cat "$dir/dockerd.pid.launch")" 2>/dev/null || break
-    sleep 0.2
+  for attempt in 1 2 3; do
+    setsid /usr/sbin/dockerd --data-root "$dir/data" --exec-root "$dir/exec" \
+      -H "$DOCKER_HOST" --pidfile "$dir/dockerd.pid" --containerd "$dir/containerd.sock" \
+      --iptables=false --ip-masq=false --bridge=none \
+      >>"$dir/dockerd.log" 2>&1 </dev/null &
+    echo $! >"$dir/dockerd.pid.launch"
+    for _ in $(seq 1 900); do
+      "$docker" version >/dev/null 2>&1 && exit 0
+      kill -0 "$(cat "$dir/dockerd.pid.launch")" 2>/dev/null || break
+      sleep 0.2
+    done
+    # Still running after 180 s without answering: stop it before the next attempt.
+    kill "$(cat "$dir/dockerd.pid.launch")" 2>/dev/null || true
+    wait "$(cat "$dir/dockerd.pid.launch")" 2>/dev/null || true
+    echo "dockerd attempt $attempt did not come up" >&2
   done
   echo "dockerd did not come up; its log:" >&2
   tail -n 40 "$dir/dockerd.log" >&2
@@ -100,6 +129,13 @@ stop)
     # Leftover containers first (a failed test may leave one), then the daemon itself.
     ids=$("$docker" ps -aq 2>/dev/null || true)
     [ -z "$ids" ] || "$docker" rm -f $ids >/dev/null 2>&1 || true
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  # Then containerd (after dockerd, which stops its containers through it).
+  if [ -f "$dir/containerd.pid.launch" ]; then
+    pid=$(cat "$dir/containerd.pid.launch")
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -9 "$pid" 2>/dev/null || true
