@@ -149,6 +149,7 @@ fn bench_query_and_select(c: &mut Criterion) {
             isl_tokens: PROMPT_TOKENS as u64,
             block_size: BS as u32,
             affinity_key: None,
+            hot: Default::default(),
         };
         policy.select(&req, cands, &mut rng)
     };
@@ -183,6 +184,7 @@ fn bench_query_and_select(c: &mut Criterion) {
                     isl_tokens: PROMPT_TOKENS as u64,
                     block_size: BS as u32,
                     affinity_key: None,
+                    hot: Default::default(),
                 };
                 latency.select(&req, &cands, &mut rng2)
             })
@@ -364,6 +366,7 @@ fn report() {
                     isl_tokens: PROMPT_TOKENS as u64,
                     block_size: BS as u32,
                     affinity_key: None,
+                    hot: Default::default(),
                 };
                 black_box(policy.select(&req, &cands, &mut rng)).unwrap()
             });
@@ -423,6 +426,7 @@ fn report() {
                     isl_tokens: PROMPT_TOKENS as u64,
                     block_size: BS as u32,
                     affinity_key: None,
+                    hot: Default::default(),
                 };
                 if use_latency {
                     model.fill(&mut cands);

@@ -108,6 +108,7 @@ fn req(h: &[u64]) -> RouteRequest<'_> {
         isl_tokens: PROMPT_TOKENS as u64,
         block_size: BS as u32,
         affinity_key: None,
+        hot: Default::default(),
     }
 }
 

@@ -36,7 +36,7 @@
 //! let mut scores = OverlapScores::new();
 //! let mut candidates = vec![Candidate::new(WorkerId(0)), Candidate::new(WorkerId(1))];
 //! score_candidates(&index, &active, &hashes, Instant::now(), &mut scores, &mut candidates);
-//! let req = RouteRequest { hashes: &hashes, isl_tokens: 40, block_size: 16, affinity_key: None };
+//! let req = RouteRequest { hashes: &hashes, isl_tokens: 40, block_size: 16, affinity_key: None, hot: Default::default() };
 //! let mut rng = fastrand::Rng::with_seed(7);
 //! let decision = policy.select(&req, &candidates, &mut rng).unwrap();
 //! let guard = active.add(decision.worker, 1, &hashes, 40, 0);
@@ -75,7 +75,7 @@ pub use policy::{
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,
     score_candidates, select_kv_bounded, select_latency_bounded, BusyThresholds, Candidate,
-    Decision, Eligibility, KvCostConfig, RouteRequest, ScrapedLoad, SpeedBounds,
+    Decision, Eligibility, HotPrefix, KvCostConfig, RouteRequest, ScrapedLoad, SpeedBounds,
 };
 
 /// A chained KV block hash as computed by the router (see [`hash`]). Also used for the engine's

@@ -113,6 +113,13 @@ impl Active {
         self.sets.get(h).map(|b| &b.set).filter(|s| !s.is_empty())
     }
 
+    /// How many in-flight requests hold `h`, over every worker.
+    fn holders(&self, h: &BlockHash) -> u32 {
+        self.sets.get(h).map_or(0, |b| {
+            b.set.len() as u32 + b.extra.iter().map(|&(_, n)| n).sum::<u32>()
+        })
+    }
+
     fn is_active_on(&self, h: &BlockHash, w: WorkerId) -> bool {
         self.sets.get(h).is_some_and(|b| b.set.contains(w))
     }
@@ -580,6 +587,23 @@ impl ActiveSequences {
     /// request would add there). Assumes chained hashes (see [`crate::hash`]).
     pub fn new_blocks_for(&self, worker: WorkerId, hashes: &[BlockHash]) -> u32 {
         self.lock().new_blocks(worker, hashes)
+    }
+
+    /// The prompt's leading blocks that requests in flight hold right now on any worker, and how
+    /// many requests hold the last of them (the `kv` cost's replication term,
+    /// [`crate::KvCostConfig::replicate`]). Active blocks are unions of whole chained prefixes, so
+    /// the blocks active somewhere are a prefix of the prompt: O(log n) lookups.
+    pub fn hot_prefix(&self, hashes: &[BlockHash]) -> crate::HotPrefix {
+        let g = self.lock();
+        let active = &g.active;
+        if hashes.first().and_then(|h| active.get(h)).is_none() {
+            return crate::HotPrefix::default();
+        }
+        let end = prefix_end(0, hashes.len(), |i| active.get(&hashes[i]).is_some());
+        crate::HotPrefix {
+            blocks: end as u32,
+            holders: active.holders(&hashes[end - 1]),
+        }
     }
 
     /// Fills `active_blocks`, `new_blocks`, `pending_prefill_tokens` and `inflight` of every candidate

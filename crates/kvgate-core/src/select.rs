@@ -111,6 +111,32 @@ pub struct RouteRequest<'a> {
     pub block_size: u32,
     /// Session affinity key (session header / `prompt_cache_key` hash) for `consistent_hash`.
     pub affinity_key: Option<u64>,
+    /// The prompt's leading blocks requests in flight hold right now
+    /// ([`crate::ActiveSequences::hot_prefix`]); read by the `kv` cost's replication term
+    /// ([`KvCostConfig::replicate`]). `HotPrefix::default()` (none) when that term is off.
+    pub hot: HotPrefix,
+}
+
+/// The prompt's leading blocks that requests in flight hold right now, on any worker: a prefix in
+/// use (a system prompt every new session shares), as opposed to a session's own history, which no
+/// other request holds between its turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HotPrefix {
+    /// How many leading blocks of the prompt are active somewhere.
+    pub blocks: u32,
+    /// How many requests in flight hold the last of them (over every worker).
+    pub holders: u32,
+}
+
+impl HotPrefix {
+    /// The share of a hot block's prefill the replication term waives on a worker without it:
+    /// `holders / (holders + 1)`, the miss spread over the requests that share the prefix now and
+    /// the one being routed (½ for one other holder, ⅞ for seven).
+    #[inline]
+    pub fn waiver(&self) -> f64 {
+        let k = f64::from(self.holders);
+        k / (k + 1.0)
+    }
 }
 
 /// A policy's pick.
@@ -253,6 +279,15 @@ pub struct KvCostConfig {
     /// the latency estimate adds to the prefill, so an idle worker is preferred to a busy holder
     /// of a short cached prefix (`routing.kv_step_wait`; default off).
     pub step_wait: bool,
+    /// Replication of a prefix in use (`routing.kv_replicate`, 0..=1; 0 = off): on a worker
+    /// without them, the prompt's hot blocks ([`RouteRequest::hot`]: held by requests in flight
+    /// right now) are charged `1 − replicate · holders / (holders + 1)` of their prefill. Opening a
+    /// second holder of a prefix that concurrent requests share costs one miss and serves the next
+    /// ones, so the requests that only share that prefix (new sessions over a common system prompt)
+    /// spread by load instead of queueing behind its one holder; a session's own history is held by
+    /// no other request between its turns and keeps its full charge, so sessions stay where their
+    /// history is.
+    pub replicate: f64,
 }
 
 impl Default for KvCostConfig {
@@ -264,6 +299,7 @@ impl Default for KvCostConfig {
             pending_weight: 1.0,
             queue_time: None,
             step_wait: false,
+            replicate: 0.0,
         }
     }
 }
@@ -275,7 +311,8 @@ impl KvCostConfig {
         let bs = f64::from(req.block_size.max(1));
         let pending = self.pending_weight * c.pending_prefill_tokens as f64;
         let raw = (pending + req.isl_tokens as f64) / bs;
-        let prefill = (raw - f64::from(c.effective_overlap())).max(0.0);
+        let overlap = c.effective_overlap();
+        let prefill = (raw - f64::from(overlap) - self.replicated(req, overlap)).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
         let queued = self
             .queue_time
@@ -283,6 +320,18 @@ impl KvCostConfig {
         self.prefill_weight * (prefill + queued)
             + decode
             + self.request_weight * f64::from(c.inflight)
+    }
+}
+
+impl KvCostConfig {
+    /// The blocks of `req`'s hot prefix a worker with `overlap` cached blocks is not charged for
+    /// ([`KvCostConfig::replicate`]).
+    #[inline]
+    pub fn replicated(&self, req: &RouteRequest<'_>, overlap: u32) -> f64 {
+        if self.replicate <= 0.0 || req.hot.blocks <= overlap {
+            return 0.0;
+        }
+        self.replicate * req.hot.waiver() * f64::from(req.hot.blocks - overlap)
     }
 }
 

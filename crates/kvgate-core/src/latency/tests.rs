@@ -32,6 +32,7 @@ fn plain_req(isl: u64) -> RouteRequest<'static> {
         isl_tokens: isl,
         block_size: 16,
         affinity_key: None,
+        hot: Default::default(),
     }
 }
 

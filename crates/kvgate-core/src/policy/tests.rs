@@ -12,6 +12,7 @@ fn req(hashes: &[u64]) -> RouteRequest<'_> {
         isl_tokens: hashes.len() as u64 * 16,
         block_size: 16,
         affinity_key: None,
+        hot: Default::default(),
     }
 }
 
@@ -214,6 +215,7 @@ mod latency_policy {
             isl_tokens: 4096,
             block_size: 16,
             affinity_key: None,
+            hot: Default::default(),
         }
     }
 

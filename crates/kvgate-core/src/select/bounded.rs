@@ -4,7 +4,8 @@
 //! worker of the pool. But a worker that holds none of the prompt's blocks (not in the index, not
 //! in flight there) has overlap 0 and `new_blocks` = the whole prompt, so its `kv` cost is
 //! ```text
-//! cost = prefill_weight · isl / block_size + blocks(prompt)          (the same for every such worker)
+//! cost = prefill_weight · (isl / block_size − replicated) + blocks(prompt)   (the same for every
+//!                                                                       such worker)
 //!      + prefill_weight · pending_weight / block_size · pending_prefill_tokens
 //!      + active_blocks + request_weight · inflight                    (its load key)
 //! ```
@@ -84,7 +85,9 @@ pub fn select_kv_bounded(
     let cfg = policy.config();
     let busy = policy.busy();
     // Every non-holder's cost is this plus its load key (module docs).
-    let base = cfg.prefill_weight * (req.isl_tokens as f64 / f64::from(req.block_size.max(1)))
+    // (With replication on, a non-holder is waived the same share of the hot prefix: overlap 0.)
+    let base = cfg.prefill_weight
+        * (req.isl_tokens as f64 / f64::from(req.block_size.max(1)) - cfg.replicated(req, 0))
         + req.hashes.len() as f64;
     // Temperature > 0: every known worker has a probability, so the walk visits them all.
     let early_stop = cfg.temperature <= 0.0;

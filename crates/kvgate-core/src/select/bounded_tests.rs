@@ -279,7 +279,7 @@ proptest! {
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
-        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None, hot: Default::default() };
         let extra = &extra[..workers];
         let want = exhaustive(&policy, &index, &active, &req, now + Duration::from_secs(1), extra.len(), prepared(extra), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
@@ -318,7 +318,7 @@ proptest! {
         let extra = &extra[..workers];
         let fits = &fits[..workers];
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
-        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None };
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None, hot: Default::default() };
         let at = now + Duration::from_secs(1);
         let want = exhaustive(&policy, &index, &active, &req, at, workers, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
@@ -382,7 +382,7 @@ proptest! {
             decode_ceiling: [slowest_decode, slowest_decode * 2.0, f64::INFINITY][ceiling],
         };
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
-        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + query.2, block_size: BS as u32, affinity_key: None };
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + query.2, block_size: BS as u32, affinity_key: None, hot: Default::default() };
         let at = now + Duration::from_secs(1);
         let want = exhaustive(&policy, &index, &active, &req, at, workers, prepared_latency(extra, fits), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
@@ -426,7 +426,7 @@ proptest! {
         c.slots = slots.map_or(EngineSlots::UNKNOWN, |(limit, service_ms, output_tokens)| EngineSlots { limit, service_ms, output_tokens });
         c.scraped = Some(ScrapedLoad { kv_usage: slack.2 as f32, waiting: 0, running: 0 });
         let req_hashes = [1u64; 4];
-        let req = RouteRequest { hashes: &req_hashes, isl_tokens: isl, block_size: 16, affinity_key: None };
+        let req = RouteRequest { hashes: &req_hashes, isl_tokens: isl, block_size: 16, affinity_key: None, hot: Default::default() };
         let uncached = (isl as f64).max(1.0);
         let lb = LatencyBound::new(&cfg, uncached, bounds);
         let at = lb.at(pending as f64, f64::from(inflight));
@@ -520,6 +520,7 @@ fn a_large_fleet_visits_few_workers() {
         isl_tokens: 40,
         block_size: BS as u32,
         affinity_key: None,
+        hot: Default::default(),
     };
     let policy = KvPolicy::new(KvCostConfig::default(), BusyThresholds::default());
     let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
@@ -585,6 +586,7 @@ fn latency_on_a_large_fleet_visits_few_workers() {
         isl_tokens: 40,
         block_size: BS as u32,
         affinity_key: None,
+        hot: Default::default(),
     };
     let policy = LatencyPolicy::new(LatencyPolicyConfig::default(), BusyThresholds::default());
     let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());
@@ -648,6 +650,7 @@ fn latency_counts_the_running_requests() {
         isl_tokens: 4096,
         block_size: BS as u32,
         affinity_key: None,
+        hot: Default::default(),
     };
     let policy = LatencyPolicy::new(LatencyPolicyConfig::default(), BusyThresholds::default());
     let speed = |c: &mut Candidate| {

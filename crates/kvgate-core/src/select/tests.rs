@@ -8,6 +8,7 @@ fn req(hashes: &[u64], isl: u64) -> RouteRequest<'_> {
         isl_tokens: isl,
         block_size: 16,
         affinity_key: None,
+        hot: Default::default(),
     }
 }
 

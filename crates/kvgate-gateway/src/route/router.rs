@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use kvgate_cluster::Cluster;
 use kvgate_core::{
     all_busy, score_candidates, select_kv_bounded, select_latency_bounded, ActiveSequences,
-    BusyThresholds, Candidate, Decision, IndexMode, KvIndex, LatencyConfig, LatencyModel,
+    BusyThresholds, Candidate, Decision, HotPrefix, IndexMode, KvIndex, LatencyConfig, LatencyModel,
     LearnConfig, LoadGuard, OverlapScores, Policy, PolicyConfig, RemoteLoads, RouteRequest, Speed,
     TimingCurve, TtftEstimate, WorkerId,
 };
@@ -133,6 +133,13 @@ impl RoutePolicy {
              to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
+        if let Some(r) = cfg.kv_replicate {
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&r),
+                "routing.kv_replicate must be a number from 0 to 1, got {r}"
+            );
+        }
+        pc.kv.replicate = cfg.kv_replicate.unwrap_or(0.0);
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,
@@ -700,11 +707,17 @@ impl Router {
             (Leg::Decode, Some(p)) => p.as_ref(),
             _ => rp.policy.as_ref(),
         };
+        // The prompt's prefix in use right now, for the `kv` cost's replication term.
+        let hot = match policy.as_kv() {
+            Some(kv) if kv.config().replicate > 0.0 => self.active.hot_prefix(hashes),
+            _ => HotPrefix::default(),
+        };
         let req = RouteRequest {
             hashes,
             isl_tokens: isl,
             block_size: pool.block_size,
             affinity_key,
+            hot,
         };
         SCRATCH.with(|s| {
             let s = &mut *s.borrow_mut();

@@ -103,6 +103,7 @@ fn check_bounded_selection(policy: &str) {
                         isl_tokens: isl,
                         block_size: 16,
                         affinity_key: None,
+                        hot: Default::default(),
                     },
                     &Candidate::new(w.id),
                     0.0,
@@ -217,6 +218,7 @@ fn check_bounded_selection(policy: &str) {
                         isl_tokens: isl,
                         block_size: pool.block_size,
                         affinity_key: None,
+                        hot: Default::default(),
                     };
                     let tied = SCRATCH.with(|s| {
                         let s = s.borrow();
@@ -387,6 +389,7 @@ fn a_session_prefers_its_last_worker_softly() {
                 isl_tokens: 128,
                 block_size: 16,
                 affinity_key: None,
+                hot: Default::default(),
             },
             &Candidate::new(first.worker.id),
             0.0,
@@ -440,6 +443,7 @@ fn lanes_keep_prefill_steps_out_of_the_priority_class_way() {
                     isl_tokens: 256,
                     block_size: 16,
                     affinity_key: None,
+                    hot: Default::default(),
                 },
                 &Candidate::new(w.id),
                 0.0,
