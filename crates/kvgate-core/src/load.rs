@@ -23,7 +23,7 @@
 
 use crate::index::worker_set::{bits, WorkerSet};
 use crate::nohash::HashKeyed;
-use crate::select::Candidate;
+use crate::select::{Candidate, HotPrefix};
 use crate::{BlockHash, WorkerId};
 pub use order::OrderWeights;
 use std::collections::HashMap;
@@ -593,14 +593,14 @@ impl ActiveSequences {
     /// many requests hold the last of them (the `kv` cost's replication term,
     /// [`crate::KvCostConfig::replicate`]). Active blocks are unions of whole chained prefixes, so
     /// the blocks active somewhere are a prefix of the prompt: O(log n) lookups.
-    pub fn hot_prefix(&self, hashes: &[BlockHash]) -> crate::HotPrefix {
+    pub fn hot_prefix(&self, hashes: &[BlockHash]) -> HotPrefix {
         let g = self.lock();
         let active = &g.active;
         if hashes.first().and_then(|h| active.get(h)).is_none() {
-            return crate::HotPrefix::default();
+            return HotPrefix::default();
         }
         let end = prefix_end(0, hashes.len(), |i| active.get(&hashes[i]).is_some());
-        crate::HotPrefix {
+        HotPrefix {
             blocks: end as u32,
             holders: active.holders(&hashes[end - 1]),
         }

@@ -275,11 +275,13 @@ proptest! {
             drop(guards.swap_remove(i));
         }
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
-        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false };
+        // The replication term (off, half, full) with the prompt's hot prefix from the same load.
+        let replicate = [0.0, 0.5, 1.0][(seed % 3) as usize];
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, replicate };
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
-        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None, hot: Default::default() };
+        let req = RouteRequest { hashes: &h, isl_tokens: (query.1 * BS) as u64 + 1, block_size: BS as u32, affinity_key: None, hot: active.hot_prefix(&h) };
         let extra = &extra[..workers];
         let want = exhaustive(&policy, &index, &active, &req, now + Duration::from_secs(1), extra.len(), prepared(extra), &mut fastrand::Rng::with_seed(seed));
         let (mut scores, mut cands) = (OverlapScores::new(), Vec::new());

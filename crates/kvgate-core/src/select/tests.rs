@@ -500,3 +500,51 @@ fn step_wait_charges_the_step_in_progress_and_a_longer_decode_step() {
     let s2 = 0.5 * step;
     assert!((half - (0.5 * s2 + (s2 - prefill).max(0.0))).abs() < 1e-9);
 }
+
+/// The replication term: a worker without the hot prefix is waived `replicate · k/(k+1)` of its
+/// uncached hot blocks; holders, a cold prefix and `replicate = 0` change nothing.
+#[test]
+fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
+    let h = vec![0u64; 20];
+    let mut r = req(&h, 320);
+    let mut cold = Candidate::new(WorkerId(0));
+    cold.new_blocks = 20;
+    let mut holder = Candidate::new(WorkerId(1));
+    holder.overlap_blocks = 12;
+    holder.new_blocks = 8;
+    holder.active_blocks = 40;
+    let mut partial = Candidate::new(WorkerId(2));
+    partial.overlap_blocks = 4;
+    partial.new_blocks = 20;
+    let off = KvCostConfig::default();
+    let on = KvCostConfig {
+        replicate: 1.0,
+        ..KvCostConfig::default()
+    };
+    let half = KvCostConfig {
+        replicate: 0.5,
+        ..KvCostConfig::default()
+    };
+    // Nothing in flight: no term.
+    for c in [&cold, &holder, &partial] {
+        assert_eq!(on.cost(&r, c), off.cost(&r, c));
+    }
+    // 12 blocks hot, three requests hold them: ¾ of each uncached hot block waived.
+    r.hot = HotPrefix {
+        blocks: 12,
+        holders: 3,
+    };
+    assert_eq!(r.hot.waiver(), 0.75);
+    assert_eq!(on.cost(&r, &holder), off.cost(&r, &holder));
+    assert_eq!(off.cost(&r, &cold), 4.0 * 20.0 + 20.0);
+    assert_eq!(on.cost(&r, &cold), 4.0 * (20.0 - 9.0) + 20.0);
+    assert_eq!(half.cost(&r, &cold), 4.0 * (20.0 - 4.5) + 20.0);
+    assert_eq!(on.cost(&r, &partial), 4.0 * (16.0 - 6.0) + 20.0);
+    // Cold worker vs the loaded holder: off, the holder wins by 48 blocks; on, the cold one does.
+    assert!(off.cost(&r, &holder) < off.cost(&r, &cold));
+    assert!(on.cost(&r, &cold) < on.cost(&r, &holder));
+    // A worker that does not score overlap is cold, whatever the index says.
+    let mut blind = holder;
+    blind.kv_scoring = false;
+    assert_eq!(on.cost(&r, &blind), 4.0 * (20.0 - 9.0) + 48.0);
+}
