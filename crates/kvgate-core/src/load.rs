@@ -113,10 +113,11 @@ impl Active {
         self.sets.get(h).map(|b| &b.set).filter(|s| !s.is_empty())
     }
 
-    /// How many in-flight requests hold `h`, over every worker.
-    fn holders(&self, h: &BlockHash) -> u32 {
-        self.sets.get(h).map_or(0, |b| {
-            b.set.len() as u32 + b.extra.iter().map(|&(_, n)| n).sum::<u32>()
+    /// How many in-flight requests hold `h` (over every worker), and on how many workers.
+    fn holders(&self, h: &BlockHash) -> (u32, u32) {
+        self.sets.get(h).map_or((0, 0), |b| {
+            let workers = b.set.len() as u32;
+            (workers + b.extra.iter().map(|&(_, n)| n).sum::<u32>(), workers)
         })
     }
 
@@ -600,9 +601,11 @@ impl ActiveSequences {
             return HotPrefix::default();
         }
         let end = prefix_end(0, hashes.len(), |i| active.get(&hashes[i]).is_some());
+        let (holders, workers) = active.holders(&hashes[end - 1]);
         HotPrefix {
             blocks: end as u32,
-            holders: active.holders(&hashes[end - 1]),
+            holders,
+            workers,
         }
     }
 

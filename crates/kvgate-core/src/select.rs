@@ -126,16 +126,20 @@ pub struct HotPrefix {
     pub blocks: u32,
     /// How many requests in flight hold the last of them (over every worker).
     pub holders: u32,
+    /// On how many workers they are in flight (the prefix's replicas in use).
+    pub workers: u32,
 }
 
 impl HotPrefix {
-    /// The share of a hot block's prefill the replication term waives on a worker without it:
-    /// `holders / (holders + 1)`, the miss spread over the requests that share the prefix now and
-    /// the one being routed (½ for one other holder, ⅞ for seven).
+    /// The share of a hot block's prefill the replication term waives on a worker without it,
+    /// before `replicate`: `max(0, holders − workers) / (holders + 1)`: 0 while the prefix has
+    /// no more concurrent users than replicas in use (one request on one worker: nothing to
+    /// relieve), rising towards 1 as its users outnumber its replicas (five requests on one
+    /// worker: ⅔; on two: ½).
     #[inline]
     pub fn waiver(&self) -> f64 {
         let k = f64::from(self.holders);
-        k / (k + 1.0)
+        (k - f64::from(self.workers)).max(0.0) / (k + 1.0)
     }
 }
 
@@ -331,7 +335,7 @@ impl KvCostConfig {
         if self.replicate <= 0.0 || req.hot.blocks <= overlap {
             return 0.0;
         }
-        self.replicate * req.hot.waiver() * f64::from(req.hot.blocks - overlap)
+        (self.replicate * req.hot.waiver()).min(1.0) * f64::from(req.hot.blocks - overlap)
     }
 }
 

@@ -276,7 +276,7 @@ proptest! {
         }
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
         // The replication term (off, half, full) with the prompt's hot prefix from the same load.
-        let replicate = [0.0, 0.5, 1.0][(seed % 3) as usize];
+        let replicate = [0.0, 0.5, 1.0, 3.0][(seed % 4) as usize];
         let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, replicate };
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);

@@ -501,8 +501,10 @@ fn step_wait_charges_the_step_in_progress_and_a_longer_decode_step() {
     assert!((half - (0.5 * s2 + (s2 - prefill).max(0.0))).abs() < 1e-9);
 }
 
-/// The replication term: a worker without the hot prefix is waived `replicate · k/(k+1)` of its
-/// uncached hot blocks; holders, a cold prefix and `replicate = 0` change nothing.
+/// The replication term: a worker without the hot prefix is waived
+/// `min(1, replicate · max(0, k − w)/(k + 1))` of its uncached hot blocks (k requests on w workers
+/// hold the prefix); holders, a cold prefix, users no more than replicas and `replicate = 0`
+/// change nothing.
 #[test]
 fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
     let h = vec![0u64; 20];
@@ -517,34 +519,43 @@ fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
     partial.overlap_blocks = 4;
     partial.new_blocks = 20;
     let off = KvCostConfig::default();
-    let on = KvCostConfig {
-        replicate: 1.0,
-        ..KvCostConfig::default()
-    };
-    let half = KvCostConfig {
-        replicate: 0.5,
+    let on = |replicate| KvCostConfig {
+        replicate,
         ..KvCostConfig::default()
     };
     // Nothing in flight: no term.
     for c in [&cold, &holder, &partial] {
-        assert_eq!(on.cost(&r, c), off.cost(&r, c));
+        assert_eq!(on(1.0).cost(&r, c), off.cost(&r, c));
     }
-    // 12 blocks hot, three requests hold them: ¾ of each uncached hot block waived.
+    // As many users as replicas: nothing to relieve.
     r.hot = HotPrefix {
         blocks: 12,
-        holders: 3,
+        holders: 2,
+        workers: 2,
     };
-    assert_eq!(r.hot.waiver(), 0.75);
-    assert_eq!(on.cost(&r, &holder), off.cost(&r, &holder));
+    assert_eq!(r.hot.waiver(), 0.0);
+    assert_eq!(on(1.0).cost(&r, &cold), off.cost(&r, &cold));
+    // 12 blocks hot, seven requests on three workers hold them: ½ of each uncached hot block.
+    r.hot = HotPrefix {
+        blocks: 12,
+        holders: 7,
+        workers: 3,
+    };
+    assert_eq!(r.hot.waiver(), 0.5);
+    assert_eq!(on(1.0).cost(&r, &holder), off.cost(&r, &holder));
     assert_eq!(off.cost(&r, &cold), 4.0 * 20.0 + 20.0);
-    assert_eq!(on.cost(&r, &cold), 4.0 * (20.0 - 9.0) + 20.0);
-    assert_eq!(half.cost(&r, &cold), 4.0 * (20.0 - 4.5) + 20.0);
-    assert_eq!(on.cost(&r, &partial), 4.0 * (16.0 - 6.0) + 20.0);
-    // Cold worker vs the loaded holder: off, the holder wins by 48 blocks; on, the cold one does.
+    assert_eq!(on(1.0).cost(&r, &cold), 4.0 * (20.0 - 6.0) + 20.0);
+    assert_eq!(on(0.5).cost(&r, &cold), 4.0 * (20.0 - 3.0) + 20.0);
+    assert_eq!(on(1.0).cost(&r, &partial), 4.0 * (16.0 - 4.0) + 20.0);
+    // `replicate` above 1 scales the share up to the whole hot part, never past it.
+    assert_eq!(on(1.5).cost(&r, &cold), 4.0 * (20.0 - 9.0) + 20.0);
+    assert_eq!(on(3.0).cost(&r, &cold), 4.0 * (20.0 - 12.0) + 20.0);
+    assert_eq!(on(30.0).cost(&r, &cold), on(3.0).cost(&r, &cold));
+    // Cold worker vs the loaded holder: off, the holder wins; fully on, the cold one does.
     assert!(off.cost(&r, &holder) < off.cost(&r, &cold));
-    assert!(on.cost(&r, &cold) < on.cost(&r, &holder));
+    assert!(on(3.0).cost(&r, &cold) < on(3.0).cost(&r, &holder));
     // A worker that does not score overlap is cold, whatever the index says.
     let mut blind = holder;
     blind.kv_scoring = false;
-    assert_eq!(on.cost(&r, &blind), 4.0 * (20.0 - 9.0) + 48.0);
+    assert_eq!(on(1.0).cost(&r, &blind), 4.0 * (20.0 - 6.0) + 48.0);
 }

@@ -135,8 +135,8 @@ impl RoutePolicy {
         pc.kv.step_wait = cfg.kv_step_wait;
         if let Some(r) = cfg.kv_replicate {
             anyhow::ensure!(
-                (0.0..=1.0).contains(&r),
-                "routing.kv_replicate must be a number from 0 to 1, got {r}"
+                r.is_finite() && r >= 0.0,
+                "routing.kv_replicate must be a finite number >= 0, got {r}"
             );
         }
         pc.kv.replicate = cfg.kv_replicate.unwrap_or(0.0);
