@@ -139,7 +139,7 @@ impl RoutePolicy {
                 "routing.kv_replicate must be a finite number >= 0, got {r}"
             );
         }
-        pc.kv.replicate = cfg.kv_replicate.unwrap_or(0.0);
+        pc.kv_replicate = cfg.kv_replicate;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

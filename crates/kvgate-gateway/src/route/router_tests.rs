@@ -644,3 +644,36 @@ fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
         assert!(err.to_string().contains("routing.request_weight"), "{err}");
     }
 }
+
+#[test]
+fn kv_replicate_defaults_per_policy_reaches_the_cost_and_bad_values_are_refused() {
+    let build = |toml: &str| {
+        let cfg = Config::from_toml(toml).expect("config");
+        RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
+    };
+    let replicate = |toml: &str| {
+        build(toml)
+            .expect("policy")
+            .policy
+            .as_kv()
+            .expect("kv")
+            .config()
+            .replicate
+    };
+    // Unset: on in the default kv_time, off in kv (which keeps its meaning).
+    assert_eq!(replicate(""), kvgate_core::KV_TIME_REPLICATE);
+    assert!(kvgate_core::KV_TIME_REPLICATE > 0.0);
+    assert_eq!(replicate("[routing]\npolicy = \"kv\"\n"), 0.0);
+    assert_eq!(replicate("[routing]\nkv_replicate = 0\n"), 0.0);
+    assert_eq!(
+        replicate("[routing]\npolicy = \"kv\"\nkv_replicate = 2.5\n"),
+        2.5
+    );
+    for bad in ["-1.0", "nan", "inf"] {
+        let err = build(&format!("[routing]\nkv_replicate = {bad}\n"))
+            .err()
+            .unwrap_or_else(|| panic!("kv_replicate = {bad} accepted"));
+        assert!(err.to_string().contains("routing.kv_replicate"), "{err}");
+    }
+    assert!(Config::from_toml("[routing]\nkv_replicate = \"high\"\n").is_err());
+}
