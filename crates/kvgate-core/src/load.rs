@@ -117,7 +117,10 @@ impl Active {
     fn holders(&self, h: &BlockHash) -> (u32, u32) {
         self.sets.get(h).map_or((0, 0), |b| {
             let workers = b.set.len() as u32;
-            (workers + b.extra.iter().map(|&(_, n)| n).sum::<u32>(), workers)
+            (
+                workers + b.extra.iter().map(|&(_, n)| n).sum::<u32>(),
+                workers,
+            )
         })
     }
 

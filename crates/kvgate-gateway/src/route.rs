@@ -497,6 +497,8 @@ async fn wait_for_pick<T>(
     loop {
         let newcomer = woken.is_none() && queued_at.is_none();
         let mut kick = false;
+        // A release while `select` runs is caught when we queue (`wait_observed`).
+        let observed = admission.generation();
         match select(now) {
             Ok(p) if newcomer && admission.ahead(&ticket) => {
                 // A better-ranked request waits for this pool: it gets the capacity.
@@ -556,7 +558,7 @@ async fn wait_for_pick<T>(
         // A gateway shutting down sends its queue away at once (503 `shutting_down`, retryable
         // elsewhere) rather than holding it into the end of the grace period.
         let waited = tokio::select! {
-            w = admission.wait(&ticket, woken, deadline, kick) => w,
+            w = admission.wait_observed(&ticket, woken, Some(observed), deadline, kick) => w,
             _ = shutdown.cancelled() => {
                 *queue_wait += crate::clock::since(q0);
                 return Err(Refusal::ShuttingDown);
@@ -652,6 +654,42 @@ mod tests {
         for w in waiters {
             assert_eq!(w.await.unwrap(), Ok(()));
         }
+    }
+
+    /// A release made while a request's selection runs (it saw no capacity, the capacity frees
+    /// before it is queued, no waiter to wake) is not lost: once queued it is woken for it and
+    /// takes the capacity at once. Before the fix it waited its whole queue timeout beside the
+    /// freed worker (the paused clock would have run to the 30 s timeout).
+    #[tokio::test(start_paused = true)]
+    async fn a_release_during_the_selection_is_not_lost() {
+        let adm = admission::Admission::new(8, Duration::from_secs(30));
+        let mut waited = Duration::ZERO;
+        let ticket = adm.admit(&FlowKey::default(), 1, crate::clock::now());
+        let start = tokio::time::Instant::now();
+        let calls = AtomicUsize::new(0);
+        let r = wait_for_pick::<()>(
+            &adm,
+            &CancellationToken::new(),
+            crate::clock::now(),
+            ticket,
+            |_| {
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The only busy request ends as this selection found nothing free.
+                    adm.release();
+                    Err(NoPick::AllBusy)
+                } else {
+                    Ok(())
+                }
+            },
+            |_| 0.0,
+            &mut waited,
+        )
+        .await;
+        assert_eq!(r.map(|a| a.pick), Ok(()));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert_eq!(start.elapsed(), Duration::ZERO, "woken at once, no timer");
+        assert_eq!(adm.wakeups(), 1);
+        assert!(adm.is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -146,6 +146,8 @@ pub struct Admission {
     /// `kvgate_flow_cluster_deferrals_total`, `kvgate_flow_cluster_fallback_total`.
     deferrals: Counter,
     fallback: Counter,
+    /// `Queue::generation`, readable without the lock ([`Admission::generation`]).
+    released: AtomicU64,
 }
 
 struct Queue {
@@ -293,6 +295,7 @@ impl Admission {
             bus_up: AtomicBool::new(true),
             deferrals: Counter::default(),
             fallback: Counter::default(),
+            released: AtomicU64::new(0),
         }
     }
 
@@ -472,6 +475,35 @@ impl Admission {
         deadline: tokio::time::Instant,
         kick: bool,
     ) -> Result<Generation, WaitError> {
+        self.wait_observed(t, seen, None, deadline, kick).await
+    }
+
+    /// The release count now: read before a selection and passed to
+    /// [`Admission::wait_observed`], which then catches a release made while that selection
+    /// ran (its waiter was not in the queue yet to be woken).
+    pub fn generation(&self) -> Generation {
+        self.released.load(Ordering::Acquire)
+    }
+
+    fn next_release(&self, q: &mut Queue) -> Generation {
+        q.generation += 1;
+        self.released.store(q.generation, Ordering::Release);
+        q.generation
+    }
+
+    /// [`Admission::wait`] for a caller whose selection began at release `observed`
+    /// ([`Admission::generation`]): a release since then found this waiter outside the queue, so
+    /// once queued the best waiter that has not tried it is woken for it (maybe this one). Without
+    /// that, capacity freed between a selection that saw none and the queueing went unused until
+    /// the next release (a newcomer could wait its whole timeout beside an idle worker).
+    pub async fn wait_observed(
+        &self,
+        t: &Ticket<'_>,
+        seen: Option<Generation>,
+        observed: Option<Generation>,
+        deadline: tokio::time::Instant,
+        kick: bool,
+    ) -> Result<Generation, WaitError> {
         let (tx, rx) = oneshot::channel();
         {
             let mut q = self.queue.lock();
@@ -497,7 +529,9 @@ impl Admission {
             }
             // Refused or queued, the free capacity seen is offered to the waiters.
             if kick {
-                q.generation += 1;
+                let g = self.next_release(&mut q);
+                self.wake_best(&mut q, g);
+            } else if room.is_ok() && observed.is_some_and(|o| q.generation > o) {
                 let g = q.generation;
                 self.wake_best(&mut q, g);
             }
@@ -556,8 +590,7 @@ impl Admission {
     /// try it).
     pub fn release(&self) {
         let mut q = self.queue.lock();
-        q.generation += 1;
-        let g = q.generation;
+        let g = self.next_release(&mut q);
         self.wake_best(&mut q, g);
     }
 
@@ -763,8 +796,7 @@ impl Admission {
         }
         q.peers.insert(from.to_owned(), (now, report.heads.clone()));
         if std::mem::take(&mut q.deferred) {
-            q.generation += 1;
-            let g = q.generation;
+            let g = self.next_release(&mut q);
             self.wake_best(&mut q, g);
         }
     }

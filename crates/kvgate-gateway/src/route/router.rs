@@ -21,9 +21,9 @@ use arc_swap::ArcSwap;
 use kvgate_cluster::Cluster;
 use kvgate_core::{
     all_busy, score_candidates, select_kv_bounded, select_latency_bounded, ActiveSequences,
-    BusyThresholds, Candidate, Decision, HotPrefix, IndexMode, KvIndex, LatencyConfig, LatencyModel,
-    LearnConfig, LoadGuard, OverlapScores, Policy, PolicyConfig, RemoteLoads, RouteRequest, Speed,
-    TimingCurve, TtftEstimate, WorkerId,
+    BusyThresholds, Candidate, Decision, HotPrefix, IndexMode, KvIndex, LatencyConfig,
+    LatencyModel, LearnConfig, LoadGuard, OverlapScores, Policy, PolicyConfig, RemoteLoads,
+    RouteRequest, Speed, TimingCurve, TtftEstimate, WorkerId,
 };
 use parking_lot::{Mutex, RwLock};
 
