@@ -236,27 +236,46 @@ enum Out {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
-    /// Read from the client into `buf` until data arrives, EOF, `timer` fires or (when `idle`)
+    /// Read from the client into `buf` until data arrives, EOF, `due` passes or (when `idle`)
     /// shutdown starts.
+    ///
+    /// `timer` is moved only when it is armed later than `due`: a timer armed earlier (the last
+    /// request's deadline) is left where it is, and when it fires before `due` it is moved to
+    /// `due` then. Moving it for every request (take it out of the timer wheel, put it back)
+    /// cost more than the read.
     async fn fill(
         &mut self,
-        timer: Pin<&mut Sleep>,
+        mut timer: Pin<&mut Sleep>,
+        due: tokio::time::Instant,
         shutdown: Option<&CancellationToken>,
     ) -> io::Result<Fill> {
         if self.buf.capacity() - self.buf.len() < 1024 {
             self.buf.reserve(READ_CHUNK);
         }
-        let cancelled = async {
+        if timer.deadline() > due {
+            timer.as_mut().reset(due);
+        }
+        let mut cancelled = pin!(async {
             match shutdown {
                 Some(s) => s.cancelled().await,
                 None => std::future::pending().await,
             }
-        };
-        tokio::select! {
-            biased;
-            r = self.io.read_buf(&mut self.buf) => Ok(if r? == 0 { Fill::Eof } else { Fill::Data }),
-            _ = timer => Ok(Fill::Timeout),
-            _ = cancelled => Ok(Fill::Shutdown),
+        });
+        loop {
+            tokio::select! {
+                biased;
+                r = self.io.read_buf(&mut self.buf) => {
+                    return Ok(if r? == 0 { Fill::Eof } else { Fill::Data })
+                }
+                _ = timer.as_mut() => {
+                    if timer.deadline() >= due {
+                        return Ok(Fill::Timeout);
+                    }
+                    // Armed for an earlier request: not this one's deadline yet.
+                    timer.as_mut().reset(due);
+                }
+                _ = cancelled.as_mut() => return Ok(Fill::Shutdown),
+            }
         }
     }
 
@@ -266,7 +285,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         shutdown: &CancellationToken,
         first: bool,
     ) -> Result<HeadRead, Reject> {
-        let mut armed = false;
+        let mut due = None;
         // Bytes known to hold no end of the head: a head trickled in byte by byte is parsed once
         // it is complete, not once per byte (which would cost its length squared).
         let mut scanned = 0;
@@ -289,14 +308,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
                     }
                 }
             }
-            if !armed {
-                let deadline = tokio::time::Instant::now() + self.limits.read_timeout;
-                timer.as_mut().reset(deadline);
-                armed = true;
-            }
+            let due =
+                *due.get_or_insert_with(|| tokio::time::Instant::now() + self.limits.read_timeout);
             // Shutdown closes a connection between requests, not one in the middle of a head.
             let idle = self.buf.is_empty();
-            match self.fill(timer.as_mut(), idle.then_some(shutdown)).await {
+            match self
+                .fill(timer.as_mut(), due, idle.then_some(shutdown))
+                .await
+            {
                 Ok(Fill::Data) => {}
                 Ok(Fill::Eof | Fill::Timeout | Fill::Shutdown) | Err(_) => {
                     return Ok(HeadRead::Closed)
@@ -361,14 +380,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
     /// body's `deadline` (past it: 408).
     async fn more_body(
         &mut self,
-        mut timer: Pin<&mut Sleep>,
+        timer: Pin<&mut Sleep>,
         deadline: tokio::time::Instant,
     ) -> Result<(), BodyFail> {
         let now = tokio::time::Instant::now();
-        timer
-            .as_mut()
-            .reset((now + self.limits.read_timeout).min(deadline));
-        match self.fill(timer, None).await {
+        let due = (now + self.limits.read_timeout).min(deadline);
+        match self.fill(timer, due, None).await {
             Ok(Fill::Data) => Ok(()),
             Ok(Fill::Timeout) if tokio::time::Instant::now() >= deadline => {
                 Err(BodyFail::Bad(Reject {
