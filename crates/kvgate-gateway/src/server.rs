@@ -434,10 +434,8 @@ fn spawn_conn<F, Fut>(
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let h = handler.clone();
-    let h1h = {
-        let h = h.clone();
-        move |req: Request<h1server::RequestBody>| h(req.map(ReqBody::from))
-    };
+    // kvgate's loop builds the request with `ReqBody` itself (no `map` per request).
+    let h1h = h.clone();
     let svc = {
         let h = h.clone();
         service_fn(move |req: Request<Incoming>| {

@@ -110,7 +110,10 @@ pub enum Ended<S> {
 }
 
 /// Serve the requests of one client connection until it closes, fails, or shutdown.
-pub async fn serve<S, F, Fut, B>(
+///
+/// The handler gets the body as its own type `RB` (made from [`RequestBody`]): the request is
+/// built once, with that body, instead of being taken apart and rebuilt by the caller.
+pub async fn serve<S, F, Fut, B, RB>(
     io: S,
     handler: &F,
     limits: &Limits,
@@ -118,7 +121,8 @@ pub async fn serve<S, F, Fut, B>(
 ) -> Ended<S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
-    F: Fn(Request<RequestBody>) -> Fut,
+    RB: From<RequestBody>,
+    F: Fn(Request<RB>) -> Fut,
     Fut: Future<Output = Response<B>>,
     B: Body<Data = Bytes> + Unpin,
 {
@@ -142,7 +146,7 @@ where
         };
         first = false;
         let Head {
-            req,
+            parts,
             framing,
             mut keep_alive,
             expect_continue,
@@ -157,10 +161,9 @@ where
         };
         let unread = matches!(body, RequestBody::TooLarge);
         keep_alive &= !unread;
-        let (parts, ()) = req.into_parts();
         let version = parts.version;
         let head_only = parts.method == Method::HEAD;
-        let req = Request::from_parts(parts, body);
+        let req = Request::from_parts(parts, RB::from(body));
         // Pinned where it is made: the handler's future is kilobytes, not worth moving.
         let fut = pin!(handler(req));
         let Some(resp) = c.watch(fut).await else {
@@ -199,7 +202,7 @@ enum HeadRead {
 
 /// A parsed request head.
 pub(crate) struct Head {
-    pub(crate) req: Request<()>,
+    pub(crate) parts: http::request::Parts,
     pub(crate) framing: Framing,
     pub(crate) keep_alive: bool,
     pub(crate) expect_continue: bool,
@@ -771,17 +774,17 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
             .map_err(|_| Reject::bad("invalid header field value"))?;
         headers.append(name, value);
     }
-    let mut req = Request::new(());
-    *req.method_mut() = method;
-    *req.uri_mut() = uri;
-    *req.version_mut() = if minor == 0 {
+    let (mut parts, ()) = Request::new(()).into_parts();
+    parts.method = method;
+    parts.uri = uri;
+    parts.version = if minor == 0 {
         Version::HTTP_10
     } else {
         Version::HTTP_11
     };
-    *req.headers_mut() = headers;
+    parts.headers = headers;
     Ok(Some(Head {
-        req,
+        parts,
         framing,
         keep_alive,
         expect_continue,
