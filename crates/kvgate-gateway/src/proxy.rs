@@ -289,6 +289,9 @@ pub(crate) async fn route_and_forward(
                 }
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
+                // Sent: the client's header map is reused for the next head on this thread.
+                kvgate_http::head::recycle(std::mem::take(&mut p.parts.headers));
+                crate::prompt::recycle_hashes(std::mem::take(&mut p.ri.hashes));
                 return Ok(Routed::Worker(fwd));
             }
             Err(e) => {

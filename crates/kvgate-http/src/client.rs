@@ -570,7 +570,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<P
         }
     }
     let head = buf.split_to(len).freeze();
-    let mut headers = HeaderMap::with_capacity(spans.len());
+    let mut headers = crate::head::header_map(spans.len());
     for (ns, ne, vs, ve) in spans.iter() {
         let raw = &head[ns as usize..ne as usize];
         let name = header_name(raw).map_err(|_| {

@@ -37,7 +37,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -528,6 +528,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
             push_field(w, b"connection", b"keep-alive");
         }
         w.extend_from_slice(b"\r\n");
+        // Written: the map's allocations go to the next head parsed on this thread.
+        crate::head::recycle(parts.headers);
 
         if no_body {
             write_all(&mut self.io, &mut [IoSlice::new(&self.wbuf)]).await?;
@@ -766,7 +768,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
     let method = Method::from_bytes(&slice(method)).map_err(|_| Reject::bad("invalid method"))?;
     let uri =
         Uri::from_maybe_shared(slice(path)).map_err(|_| Reject::bad("invalid request target"))?;
-    let mut headers = HeaderMap::with_capacity(n_fields);
+    let mut headers = crate::head::header_map(n_fields);
     for (ns, ne, vs, ve) in spans.iter() {
         let name = header_name(&head[ns as usize..ne as usize])
             .map_err(|_| Reject::bad("invalid header field name"))?;
