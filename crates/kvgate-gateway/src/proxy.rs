@@ -384,13 +384,13 @@ pub(crate) async fn prepare_read(
     // The routing policy's session headers, read where used (no guard held across an await).
     let policy = || app.decider.router().policy();
     let mut pinned = false;
+    // The session key is the request headers' alone (OpenAI, pass-through): found below with
+    // the flow key, under one load of the routing policy.
+    let mut header_key = false;
     let (pool, mut ri, spliced, max_tokens) = match ctx.endpoint.api().front {
         Front::OpenAi(_) => {
-            let (pool, mut ri, spliced, max_tokens) =
-                prepare_openai(app, ctx, &bytes, &fleet).await?;
-            ri.affinity =
-                session_key(&parts.headers, &policy().session_headers, None, None).or(ri.affinity);
-            (pool, ri, spliced, max_tokens)
+            header_key = true;
+            prepare_openai(app, ctx, &bytes, &fleet).await?
         }
         Front::Agent { parse, prefix } => {
             let agent = parse(&bytes).map_err(bad)?;
@@ -422,11 +422,8 @@ pub(crate) async fn prepare_read(
         Front::Passthrough => {
             let pool = passthrough_pool(&fleet, &bytes).map_err(bad)?;
             ctx.model = pool.model.clone();
-            let ri = RouteInput {
-                affinity: session_key(&parts.headers, &policy().session_headers, None, None),
-                ..RouteInput::default()
-            };
-            (pool, ri, None, None)
+            header_key = true;
+            (pool, RouteInput::default(), None, None)
         }
         Front::StoredResponse => {
             let id = crate::client_api::stored_response_id(parts.uri.path()).unwrap_or_default();
@@ -442,11 +439,15 @@ pub(crate) async fn prepare_read(
         }
     };
     ctx.strip_usage = spliced.is_some();
+    let rp = policy();
+    if header_key {
+        ri.affinity = session_key(&parts.headers, &rp.session_headers, None, None).or(ri.affinity);
+    }
     ri.flow = crate::flow::key(
         &app.decider.router().admission().policy(),
         &parts.headers,
         caller,
-        &policy().session_headers,
+        &rp.session_headers,
         &pool.model,
         ri.isl,
         max_tokens,
