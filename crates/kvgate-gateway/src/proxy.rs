@@ -699,7 +699,7 @@ pub(crate) async fn attempt_at(
     let deadline = sent_at + within;
     let head_by = deadline.min(sent_at + app.upstream.response_timeout);
     let sent = client::send(out, &app.upstream.client, conns);
-    let (resp, first) = match tokio::time::timeout_at(head_by, sent).await {
+    let mut resp = match tokio::time::timeout_at(head_by, sent).await {
         Err(_) => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
@@ -721,10 +721,13 @@ pub(crate) async fn attempt_at(
                 format!("worker {worker} failed before responding: {e}"),
             ))
         }
-        Ok(Ok(resp)) if stream && resp.status.is_success() => {
-            first_bytes(resp, deadline, within, worker).await?
-        }
-        Ok(Ok(resp)) => (resp, None),
+        Ok(Ok(resp)) => resp,
+    };
+    // The response stays where it is: read into, not moved through another future.
+    let first = if stream && resp.status.is_success() {
+        first_bytes(&mut resp, deadline, within, worker).await?
+    } else {
+        None
     };
     let answered = match &first {
         Some((_, at)) => *at,
@@ -742,11 +745,11 @@ pub(crate) async fn attempt_at(
 /// head but stays silent past `deadline` is a 504 that may be retried elsewhere (dropping the
 /// response closes its connection, which cancels the request on the worker).
 async fn first_bytes(
-    mut resp: client::Response,
+    resp: &mut client::Response,
     deadline: tokio::time::Instant,
     within: std::time::Duration,
     worker: &str,
-) -> Result<(client::Response, Option<(Bytes, Instant)>), GatewayError> {
+) -> Result<Option<(Bytes, Instant)>, GatewayError> {
     loop {
         match tokio::time::timeout_at(deadline, resp.body.frame()).await {
             Err(_) => {
@@ -755,7 +758,7 @@ async fn first_bytes(
                     format!("worker {worker} sent no first byte within {within:?}"),
                 ))
             }
-            Ok(None) => return Ok((resp, None)),
+            Ok(None) => return Ok(None),
             Ok(Some(Err(e))) => {
                 return Err(GatewayError::new(
                     ErrorKind::UpstreamIo,
@@ -764,9 +767,9 @@ async fn first_bytes(
             }
             Ok(Some(Ok(frame))) => match frame.into_data() {
                 Ok(d) if d.is_empty() => continue,
-                Ok(d) => return Ok((resp, Some((d, crate::clock::now())))),
+                Ok(d) => return Ok(Some((d, crate::clock::now()))),
                 // Trailers before any data: nothing for an SSE client; the body has ended.
-                Err(_) => return Ok((resp, None)),
+                Err(_) => return Ok(None),
             },
         }
     }
