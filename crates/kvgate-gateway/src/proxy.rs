@@ -698,9 +698,10 @@ pub(crate) async fn attempt_at(
     };
     let deadline = sent_at + within;
     let head_by = deadline.min(sent_at + app.upstream.response_timeout);
-    let sent = client::send(out, &app.upstream.client, conns);
-    let mut resp = match tokio::time::timeout_at(head_by, sent).await {
-        Err(_) => {
+    let sent = std::pin::pin!(client::send(out, &app.upstream.client, conns));
+    // The pool's timer, kept armed between requests (no timer registered and removed per try).
+    let mut resp = match conns.within(head_by, sent).await {
+        None => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
                 format!(
@@ -709,23 +710,23 @@ pub(crate) async fn attempt_at(
                 ),
             ))
         }
-        Ok(Err(e)) if e.is_connect() => {
+        Some(Err(e)) if e.is_connect() => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 format!("cannot connect to worker {worker}: {e}"),
             ))
         }
-        Ok(Err(e)) => {
+        Some(Err(e)) => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamIo,
                 format!("worker {worker} failed before responding: {e}"),
             ))
         }
-        Ok(Ok(resp)) => resp,
+        Some(Ok(resp)) => resp,
     };
     // The response stays where it is: read into, not moved through another future.
     let first = if stream && resp.status.is_success() {
-        first_bytes(&mut resp, deadline, within, worker).await?
+        first_bytes(conns, &mut resp, deadline, within, worker).await?
     } else {
         None
     };
@@ -745,27 +746,31 @@ pub(crate) async fn attempt_at(
 /// head but stays silent past `deadline` is a 504 that may be retried elsewhere (dropping the
 /// response closes its connection, which cancels the request on the worker).
 async fn first_bytes(
+    conns: &client::Pool,
     resp: &mut client::Response,
     deadline: tokio::time::Instant,
     within: std::time::Duration,
     worker: &str,
 ) -> Result<Option<(Bytes, Instant)>, GatewayError> {
     loop {
-        match tokio::time::timeout_at(deadline, resp.body.frame()).await {
-            Err(_) => {
+        match conns
+            .within(deadline, std::pin::pin!(resp.body.frame()))
+            .await
+        {
+            None => {
                 return Err(GatewayError::new(
                     ErrorKind::UpstreamTimeout,
                     format!("worker {worker} sent no first byte within {within:?}"),
                 ))
             }
-            Ok(None) => return Ok(None),
-            Ok(Some(Err(e))) => {
+            Some(None) => return Ok(None),
+            Some(Some(Err(e))) => {
                 return Err(GatewayError::new(
                     ErrorKind::UpstreamIo,
                     format!("worker {worker} failed before its first byte: {e}"),
                 ))
             }
-            Ok(Some(Ok(frame))) => match frame.into_data() {
+            Some(Some(Ok(frame))) => match frame.into_data() {
                 Ok(d) if d.is_empty() => continue,
                 Ok(d) => return Ok(Some((d, crate::clock::now()))),
                 // Trailers before any data: nothing for an SSE client; the body has ended.

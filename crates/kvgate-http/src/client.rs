@@ -45,7 +45,7 @@ use bytes::{Buf, Bytes, BytesMut};
 mod pool;
 
 use pool::Key;
-pub use pool::Pool;
+pub use pool::{Pool, Within};
 
 use crate::chunked::{Chunk, ChunkError, Decode, Step};
 use crate::head::{
