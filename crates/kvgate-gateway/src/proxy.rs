@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{header, Request, Response, StatusCode};
+use http::{header, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use kvgate_core::WorkerId;
 use kvgate_protocol::openai::splice_include_usage;
@@ -91,8 +91,10 @@ pub fn reject(mut ctx: Box<RequestCtx>, e: GatewayError) -> Response<GwBody> {
 }
 
 /// A request read, parsed and tokenized: everything the attempts need.
-pub(crate) struct Prepared {
-    pub(crate) parts: http::request::Parts,
+pub(crate) struct Prepared<'a> {
+    /// The client's request head, borrowed from the caller (moving it into each future level and
+    /// back out cost a copy of its ~250 bytes per level).
+    pub(crate) parts: &'a http::request::Parts,
     /// The client's body bytes, forwarded unchanged...
     pub(crate) bytes: Bytes,
     /// ...unless `stream_options.include_usage` was spliced in (then these go instead).
@@ -116,17 +118,18 @@ pub(crate) async fn route_and_forward(
     app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
-    req: Request<ReqBody>,
+    parts: &mut http::request::Parts,
+    body: ReqBody,
 ) -> Result<Routed, GatewayError> {
     if let Some(t) = &ctx.telemetry.tracer {
-        ctx.trace = t.begin(req.headers(), ctx.start);
+        ctx.trace = t.begin(&parts.headers, ctx.start);
     }
     let auth = app.auth.load();
-    let caller = auth.check(req.headers(), ctx.start)?;
+    let caller = auth.check(&parts.headers, ctx.start)?;
     // Read the body (client credentials dropped when auth is on), then what the picker shares:
     // parse, pool, tokens and hashes. Written out here rather than in a helper: one future
-    // level and one copy of the prepared request fewer per request.
-    let (mut parts, body) = req.into_parts();
+    // level and one copy of the prepared request fewer per request. The head stays with the
+    // caller (borrowed, not moved into this future).
     if auth.enabled() {
         for h in &CLIENT_CREDENTIALS {
             parts.headers.remove(h);
@@ -247,7 +250,7 @@ pub(crate) async fn route_and_forward(
             Some(b) => &*prio_body.insert(b),
             None => p.spliced.as_ref().unwrap_or(&p.bytes),
         };
-        let mut out = outgoing(&p.parts, &worker, body, auth.enabled());
+        let mut out = outgoing(p.parts, &worker, body, auth.enabled());
         out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
         let sent_at = tokio::time::Instant::from_std(now);
         let result = attempt_at(app, conns, ctx.stream, &worker.name, &out, sent_at).await;
@@ -289,9 +292,10 @@ pub(crate) async fn route_and_forward(
                 }
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
-                // Sent: the client's header map is reused for the next head on this thread.
-                kvgate_http::head::recycle(std::mem::take(&mut p.parts.headers));
+                // Sent: the client's header map and the hashes' buffer are reused for the next
+                // request on this thread.
                 crate::prompt::recycle_hashes(std::mem::take(&mut p.ri.hashes));
+                kvgate_http::head::recycle(std::mem::take(&mut parts.headers));
                 return Ok(Routed::Worker(fwd));
             }
             Err(e) => {
@@ -341,7 +345,7 @@ pub(crate) fn refused(r: crate::route::Refusal, pinned: bool) -> GatewayError {
 
 /// The stored response a request deletes (`DELETE /v1/responses/{id}`): its pin goes when the
 /// worker answers 2xx.
-pub(crate) fn deleted_pin(p: &Prepared) -> Option<&str> {
+pub(crate) fn deleted_pin<'a>(p: &Prepared<'a>) -> Option<&'a str> {
     (p.pinned && p.parts.method == http::Method::DELETE)
         .then(|| crate::client_api::stored_response_id(p.parts.uri.path()))
         .flatten()
@@ -368,13 +372,13 @@ pub(crate) fn prioritized(
 /// stored response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered
 /// through the chat template), the session affinity and the flow-control key (400 on a malformed
 /// flow header).
-pub(crate) async fn prepare_read(
+pub(crate) async fn prepare_read<'a>(
     app: &Arc<Proxy>,
     ctx: &mut RequestCtx,
-    parts: http::request::Parts,
+    parts: &'a http::request::Parts,
     bytes: Bytes,
     caller: Option<&crate::auth::Caller>,
-) -> Result<Prepared, GatewayError> {
+) -> Result<Prepared<'a>, GatewayError> {
     let t_decide = crate::clock::now();
     let bad = |e: kvgate_protocol::openai::RequestError| {
         let param = e.param();

@@ -53,7 +53,9 @@ pub async fn route(
             return method_not_allowed(&app, "POST");
         }
         let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);
-        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, req).await {
+        let (mut parts, body) = req.into_parts();
+        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, &mut parts, body).await
+        {
             Ok(fwd) => proxy::respond(&app.proxy, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),
         };
