@@ -88,6 +88,29 @@ enum Scan {
     },
 }
 
+thread_local! {
+    /// A JSON body's tail buffer, kept from one response to the next on this thread (one
+    /// allocation fewer per response).
+    static TAIL: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// An empty tail buffer: the one kept on this thread if any.
+fn take_tail() -> Vec<u8> {
+    TAIL.try_with(|t| t.take()).unwrap_or_default()
+}
+
+impl Drop for Scan {
+    fn drop(&mut self) {
+        if let Scan::Json { tail } = self {
+            if tail.capacity() <= TAIL_KEEP {
+                let mut t = std::mem::take(tail);
+                t.clear();
+                let _ = TAIL.try_with(|c| c.set(t));
+            }
+        }
+    }
+}
+
 /// Responses / Messages JSON bodies larger than this are read from their tail only.
 const AGENT_DOC_MAX: usize = 4 << 20;
 
@@ -110,7 +133,7 @@ impl Observation {
                 dialect,
                 tail_only: false,
             },
-            (false, None) => Scan::Json { tail: Vec::new() },
+            (false, None) => Scan::Json { tail: take_tail() },
             (false, Some(prefill)) => Scan::JsonPd {
                 doc: Vec::new(),
                 prefill,

@@ -99,6 +99,12 @@ pub struct Partner {
 /// Whether requests to `pool` are split: it has a dedicated prefill worker (configured, or
 /// detected for `role = "auto"`). From the pool's cached [`RoleSplit`]: no pass over the pool.
 pub fn applies(pool: &Pool) -> bool {
+    // Every request asks: read the cached split in place (no `Arc` taken) when it is current.
+    if let Some(s) = &*pool.roles.load() {
+        if s.generation == crate::registry::role_generation() {
+            return s.applies;
+        }
+    }
     roles(pool).applies
 }
 

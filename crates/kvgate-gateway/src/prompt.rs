@@ -59,6 +59,22 @@ pub fn parse_view(body: &[u8], endpoint: Endpoint) -> Result<RequestView<'_>, Re
     endpoint.parse(body)
 }
 
+thread_local! {
+    /// A request's block-hash buffer, given back when its request is sent ([`recycle_hashes`]):
+    /// the next request's hashes go there instead of a new allocation.
+    static HASHES: std::cell::Cell<Vec<kvgate_core::BlockHash>> =
+        const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Block hashes no longer needed: their buffer is kept for the next request on this thread
+/// (unless it is large).
+pub fn recycle_hashes(mut h: Vec<kvgate_core::BlockHash>) {
+    if h.capacity() > 0 && h.capacity() <= 4096 {
+        h.clear();
+        let _ = HASHES.try_with(|c| c.set(h));
+    }
+}
+
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
 /// Client errors (bad `messages`/`prompt`, a template that rejects the conversation) are returned.
 pub fn route_input(
@@ -71,7 +87,7 @@ pub fn route_input(
         /// The rendered prompt and its ids: buffers kept from request to request.
         static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
     }
-    let mut hashes = Vec::new();
+    let mut hashes = HASHES.try_with(|h| h.take()).unwrap_or_default();
     let mut isl = 0;
     match endpoint.api().prompt {
         PromptField::None => {}

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{header, Request, Response, StatusCode};
+use http::{header, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use kvgate_core::WorkerId;
 use kvgate_protocol::openai::splice_include_usage;
@@ -91,8 +91,10 @@ pub fn reject(mut ctx: Box<RequestCtx>, e: GatewayError) -> Response<GwBody> {
 }
 
 /// A request read, parsed and tokenized: everything the attempts need.
-pub(crate) struct Prepared {
-    pub(crate) parts: http::request::Parts,
+pub(crate) struct Prepared<'a> {
+    /// The client's request head, borrowed from the caller (moving it into each future level and
+    /// back out cost a copy of its ~250 bytes per level).
+    pub(crate) parts: &'a http::request::Parts,
     /// The client's body bytes, forwarded unchanged...
     pub(crate) bytes: Bytes,
     /// ...unless `stream_options.include_usage` was spliced in (then these go instead).
@@ -116,17 +118,18 @@ pub(crate) async fn route_and_forward(
     app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
-    req: Request<ReqBody>,
+    parts: &mut http::request::Parts,
+    body: ReqBody,
 ) -> Result<Routed, GatewayError> {
     if let Some(t) = &ctx.telemetry.tracer {
-        ctx.trace = t.begin(req.headers(), ctx.start);
+        ctx.trace = t.begin(&parts.headers, ctx.start);
     }
     let auth = app.auth.load();
-    let caller = auth.check(req.headers(), ctx.start)?;
+    let caller = auth.check(&parts.headers, ctx.start)?;
     // Read the body (client credentials dropped when auth is on), then what the picker shares:
     // parse, pool, tokens and hashes. Written out here rather than in a helper: one future
-    // level and one copy of the prepared request fewer per request.
-    let (mut parts, body) = req.into_parts();
+    // level and one copy of the prepared request fewer per request. The head stays with the
+    // caller (borrowed, not moved into this future).
     if auth.enabled() {
         for h in &CLIENT_CREDENTIALS {
             parts.headers.remove(h);
@@ -247,7 +250,7 @@ pub(crate) async fn route_and_forward(
             Some(b) => &*prio_body.insert(b),
             None => p.spliced.as_ref().unwrap_or(&p.bytes),
         };
-        let mut out = outgoing(&p.parts, &worker, body, auth.enabled());
+        let mut out = outgoing(p.parts, &worker, body, auth.enabled());
         out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
         let sent_at = tokio::time::Instant::from_std(now);
         let result = attempt_at(app, conns, ctx.stream, &worker.name, &out, sent_at).await;
@@ -289,6 +292,10 @@ pub(crate) async fn route_and_forward(
                 }
                 ctx.worker = Some(worker);
                 ctx.guard = Some(guard);
+                // Sent: the client's header map and the hashes' buffer are reused for the next
+                // request on this thread.
+                crate::prompt::recycle_hashes(std::mem::take(&mut p.ri.hashes));
+                kvgate_http::head::recycle(std::mem::take(&mut parts.headers));
                 return Ok(Routed::Worker(fwd));
             }
             Err(e) => {
@@ -338,7 +345,7 @@ pub(crate) fn refused(r: crate::route::Refusal, pinned: bool) -> GatewayError {
 
 /// The stored response a request deletes (`DELETE /v1/responses/{id}`): its pin goes when the
 /// worker answers 2xx.
-pub(crate) fn deleted_pin(p: &Prepared) -> Option<&str> {
+pub(crate) fn deleted_pin<'a>(p: &Prepared<'a>) -> Option<&'a str> {
     (p.pinned && p.parts.method == http::Method::DELETE)
         .then(|| crate::client_api::stored_response_id(p.parts.uri.path()))
         .flatten()
@@ -365,13 +372,13 @@ pub(crate) fn prioritized(
 /// stored response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered
 /// through the chat template), the session affinity and the flow-control key (400 on a malformed
 /// flow header).
-pub(crate) async fn prepare_read(
+pub(crate) async fn prepare_read<'a>(
     app: &Arc<Proxy>,
     ctx: &mut RequestCtx,
-    parts: http::request::Parts,
+    parts: &'a http::request::Parts,
     bytes: Bytes,
     caller: Option<&crate::auth::Caller>,
-) -> Result<Prepared, GatewayError> {
+) -> Result<Prepared<'a>, GatewayError> {
     let t_decide = crate::clock::now();
     let bad = |e: kvgate_protocol::openai::RequestError| {
         let param = e.param();
@@ -381,13 +388,13 @@ pub(crate) async fn prepare_read(
     // The routing policy's session headers, read where used (no guard held across an await).
     let policy = || app.decider.router().policy();
     let mut pinned = false;
+    // The session key is the request headers' alone (OpenAI, pass-through): found below with
+    // the flow key, under one load of the routing policy.
+    let mut header_key = false;
     let (pool, mut ri, spliced, max_tokens) = match ctx.endpoint.api().front {
         Front::OpenAi(_) => {
-            let (pool, mut ri, spliced, max_tokens) =
-                prepare_openai(app, ctx, &bytes, &fleet).await?;
-            ri.affinity =
-                session_key(&parts.headers, &policy().session_headers, None, None).or(ri.affinity);
-            (pool, ri, spliced, max_tokens)
+            header_key = true;
+            prepare_openai(app, ctx, &bytes, &fleet).await?
         }
         Front::Agent { parse, prefix } => {
             let agent = parse(&bytes).map_err(bad)?;
@@ -419,11 +426,8 @@ pub(crate) async fn prepare_read(
         Front::Passthrough => {
             let pool = passthrough_pool(&fleet, &bytes).map_err(bad)?;
             ctx.model = pool.model.clone();
-            let ri = RouteInput {
-                affinity: session_key(&parts.headers, &policy().session_headers, None, None),
-                ..RouteInput::default()
-            };
-            (pool, ri, None, None)
+            header_key = true;
+            (pool, RouteInput::default(), None, None)
         }
         Front::StoredResponse => {
             let id = crate::client_api::stored_response_id(parts.uri.path()).unwrap_or_default();
@@ -439,11 +443,15 @@ pub(crate) async fn prepare_read(
         }
     };
     ctx.strip_usage = spliced.is_some();
+    let rp = policy();
+    if header_key {
+        ri.affinity = session_key(&parts.headers, &rp.session_headers, None, None).or(ri.affinity);
+    }
     ri.flow = crate::flow::key(
         &app.decider.router().admission().policy(),
         &parts.headers,
         caller,
-        &policy().session_headers,
+        &rp.session_headers,
         &pool.model,
         ri.isl,
         max_tokens,
@@ -694,9 +702,10 @@ pub(crate) async fn attempt_at(
     };
     let deadline = sent_at + within;
     let head_by = deadline.min(sent_at + app.upstream.response_timeout);
-    let sent = client::send(out, &app.upstream.client, conns);
-    let (resp, first) = match tokio::time::timeout_at(head_by, sent).await {
-        Err(_) => {
+    let sent = std::pin::pin!(client::send(out, &app.upstream.client, conns));
+    // The pool's timer, kept armed between requests (no timer registered and removed per try).
+    let mut resp = match conns.within(head_by, sent).await {
+        None => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamTimeout,
                 format!(
@@ -705,22 +714,25 @@ pub(crate) async fn attempt_at(
                 ),
             ))
         }
-        Ok(Err(e)) if e.is_connect() => {
+        Some(Err(e)) if e.is_connect() => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamConnect,
                 format!("cannot connect to worker {worker}: {e}"),
             ))
         }
-        Ok(Err(e)) => {
+        Some(Err(e)) => {
             return Err(GatewayError::new(
                 ErrorKind::UpstreamIo,
                 format!("worker {worker} failed before responding: {e}"),
             ))
         }
-        Ok(Ok(resp)) if stream && resp.status.is_success() => {
-            first_bytes(resp, deadline, within, worker).await?
-        }
-        Ok(Ok(resp)) => (resp, None),
+        Some(Ok(resp)) => resp,
+    };
+    // The response stays where it is: read into, not moved through another future.
+    let first = if stream && resp.status.is_success() {
+        first_bytes(conns, &mut resp, deadline, within, worker).await?
+    } else {
+        None
     };
     let answered = match &first {
         Some((_, at)) => *at,
@@ -738,31 +750,35 @@ pub(crate) async fn attempt_at(
 /// head but stays silent past `deadline` is a 504 that may be retried elsewhere (dropping the
 /// response closes its connection, which cancels the request on the worker).
 async fn first_bytes(
-    mut resp: client::Response,
+    conns: &client::Pool,
+    resp: &mut client::Response,
     deadline: tokio::time::Instant,
     within: std::time::Duration,
     worker: &str,
-) -> Result<(client::Response, Option<(Bytes, Instant)>), GatewayError> {
+) -> Result<Option<(Bytes, Instant)>, GatewayError> {
     loop {
-        match tokio::time::timeout_at(deadline, resp.body.frame()).await {
-            Err(_) => {
+        match conns
+            .within(deadline, std::pin::pin!(resp.body.frame()))
+            .await
+        {
+            None => {
                 return Err(GatewayError::new(
                     ErrorKind::UpstreamTimeout,
                     format!("worker {worker} sent no first byte within {within:?}"),
                 ))
             }
-            Ok(None) => return Ok((resp, None)),
-            Ok(Some(Err(e))) => {
+            Some(None) => return Ok(None),
+            Some(Some(Err(e))) => {
                 return Err(GatewayError::new(
                     ErrorKind::UpstreamIo,
                     format!("worker {worker} failed before its first byte: {e}"),
                 ))
             }
-            Ok(Some(Ok(frame))) => match frame.into_data() {
+            Some(Some(Ok(frame))) => match frame.into_data() {
                 Ok(d) if d.is_empty() => continue,
-                Ok(d) => return Ok((resp, Some((d, crate::clock::now())))),
+                Ok(d) => return Ok(Some((d, crate::clock::now()))),
                 // Trailers before any data: nothing for an SSE client; the body has ended.
-                Err(_) => return Ok((resp, None)),
+                Err(_) => return Ok(None),
             },
         }
     }

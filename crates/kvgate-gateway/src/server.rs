@@ -53,7 +53,9 @@ pub async fn route(
             return method_not_allowed(&app, "POST");
         }
         let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);
-        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, req).await {
+        let (mut parts, body) = req.into_parts();
+        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, &mut parts, body).await
+        {
             Ok(fwd) => proxy::respond(&app.proxy, ctx, fwd),
             Err(e) => proxy::reject(ctx, e),
         };
@@ -434,10 +436,8 @@ fn spawn_conn<F, Fut>(
     Fut: Future<Output = Response<GwBody>> + Send + 'static,
 {
     let h = handler.clone();
-    let h1h = {
-        let h = h.clone();
-        move |req: Request<h1server::RequestBody>| h(req.map(ReqBody::from))
-    };
+    // kvgate's loop builds the request with `ReqBody` itself (no `map` per request).
+    let h1h = h.clone();
     let svc = {
         let h = h.clone();
         service_fn(move |req: Request<Incoming>| {

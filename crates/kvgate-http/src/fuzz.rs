@@ -61,7 +61,7 @@ pub fn request_head(data: &[u8]) {
     let used = data.len() - buf.len();
     assert!(used <= MAX_HEAD, "head of {used} bytes over the limit");
     assert_eq!(&buf[..], &data[used..], "bytes after the head changed");
-    let h = head.req.headers();
+    let h = &head.parts.headers;
     let te: Vec<_> = h.get_all(header::TRANSFER_ENCODING).iter().collect();
     let cl: Vec<_> = h.get_all(header::CONTENT_LENGTH).iter().collect();
     match head.framing {
@@ -84,7 +84,7 @@ pub fn request_head(data: &[u8]) {
             assert!(cl.iter().all(|v| parse_len(v.as_bytes()) == Some(0)));
         }
     }
-    if head.req.version() == http::Version::HTTP_11 {
+    if head.parts.version == http::Version::HTTP_11 {
         assert_eq!(
             h.get_all(header::HOST).iter().count(),
             1,
@@ -94,7 +94,7 @@ pub fn request_head(data: &[u8]) {
     assert!(!head.expect_continue || head.framing != Framing::None);
     assert!(
         !head.keep_alive
-            || head.req.version() == http::Version::HTTP_11
+            || head.parts.version == http::Version::HTTP_11
             || h.contains_key(header::CONNECTION)
     );
     // A proper prefix of a head is only ever "more bytes needed".

@@ -19,6 +19,46 @@ use http::header::{self, HeaderName};
 /// Most header fields in a head, requests and responses alike (hyper's default for requests).
 pub const MAX_HEADERS: usize = 100;
 
+/// Header maps kept per thread for the next head ([`header_map`], [`recycle`]): a map costs two
+/// allocations (its index and its entries), and a proxied request builds two (the client's
+/// request, the worker's response) that die before the next request's.
+const MAPS_KEPT: usize = 8;
+/// A map that grew past this many fields is not kept.
+const MAP_KEEP_CAPACITY: usize = 64;
+
+thread_local! {
+    static MAPS: std::cell::RefCell<Vec<header::HeaderMap>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty header map with room for `n` fields: one given back on this thread ([`recycle`]) if
+/// any, else a new one.
+pub fn header_map(n: usize) -> header::HeaderMap {
+    match MAPS.try_with(|m| m.borrow_mut().pop()).ok().flatten() {
+        Some(mut h) => {
+            h.reserve(n);
+            h
+        }
+        None => header::HeaderMap::with_capacity(n),
+    }
+}
+
+/// Gives a header map that is no longer needed back for [`header_map`] on this thread (emptied;
+/// its allocations kept). Too large a map, or one past the few kept, is dropped.
+pub fn recycle(mut h: header::HeaderMap) {
+    if h.capacity() == 0 || h.capacity() > MAP_KEEP_CAPACITY {
+        return;
+    }
+    h.clear();
+    let _ = MAPS.try_with(|m| {
+        if let Ok(mut m) = m.try_borrow_mut() {
+            if m.len() < MAPS_KEPT {
+                m.push(h);
+            }
+        }
+    });
+}
+
 /// Where one field lies in its head's buffer: name start and end, value start and end.
 pub(crate) type Span = (u32, u32, u32, u32);
 

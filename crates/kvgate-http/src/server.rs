@@ -37,7 +37,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
@@ -110,7 +110,10 @@ pub enum Ended<S> {
 }
 
 /// Serve the requests of one client connection until it closes, fails, or shutdown.
-pub async fn serve<S, F, Fut, B>(
+///
+/// The handler gets the body as its own type `RB` (made from [`RequestBody`]): the request is
+/// built once, with that body, instead of being taken apart and rebuilt by the caller.
+pub async fn serve<S, F, Fut, B, RB>(
     io: S,
     handler: &F,
     limits: &Limits,
@@ -118,7 +121,8 @@ pub async fn serve<S, F, Fut, B>(
 ) -> Ended<S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
-    F: Fn(Request<RequestBody>) -> Fut,
+    RB: From<RequestBody>,
+    F: Fn(Request<RB>) -> Fut,
     Fut: Future<Output = Response<B>>,
     B: Body<Data = Bytes> + Unpin,
 {
@@ -142,7 +146,7 @@ where
         };
         first = false;
         let Head {
-            req,
+            parts,
             framing,
             mut keep_alive,
             expect_continue,
@@ -157,10 +161,9 @@ where
         };
         let unread = matches!(body, RequestBody::TooLarge);
         keep_alive &= !unread;
-        let (parts, ()) = req.into_parts();
         let version = parts.version;
         let head_only = parts.method == Method::HEAD;
-        let req = Request::from_parts(parts, body);
+        let req = Request::from_parts(parts, RB::from(body));
         // Pinned where it is made: the handler's future is kilobytes, not worth moving.
         let fut = pin!(handler(req));
         let Some(resp) = c.watch(fut).await else {
@@ -199,7 +202,7 @@ enum HeadRead {
 
 /// A parsed request head.
 pub(crate) struct Head {
-    pub(crate) req: Request<()>,
+    pub(crate) parts: http::request::Parts,
     pub(crate) framing: Framing,
     pub(crate) keep_alive: bool,
     pub(crate) expect_continue: bool,
@@ -236,27 +239,46 @@ enum Out {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
-    /// Read from the client into `buf` until data arrives, EOF, `timer` fires or (when `idle`)
+    /// Read from the client into `buf` until data arrives, EOF, `due` passes or (when `idle`)
     /// shutdown starts.
+    ///
+    /// `timer` is moved only when it is armed later than `due`: a timer armed earlier (the last
+    /// request's deadline) is left where it is, and when it fires before `due` it is moved to
+    /// `due` then. Moving it for every request (take it out of the timer wheel, put it back)
+    /// cost more than the read.
     async fn fill(
         &mut self,
-        timer: Pin<&mut Sleep>,
+        mut timer: Pin<&mut Sleep>,
+        due: tokio::time::Instant,
         shutdown: Option<&CancellationToken>,
     ) -> io::Result<Fill> {
         if self.buf.capacity() - self.buf.len() < 1024 {
             self.buf.reserve(READ_CHUNK);
         }
-        let cancelled = async {
+        if timer.deadline() > due {
+            timer.as_mut().reset(due);
+        }
+        let mut cancelled = pin!(async {
             match shutdown {
                 Some(s) => s.cancelled().await,
                 None => std::future::pending().await,
             }
-        };
-        tokio::select! {
-            biased;
-            r = self.io.read_buf(&mut self.buf) => Ok(if r? == 0 { Fill::Eof } else { Fill::Data }),
-            _ = timer => Ok(Fill::Timeout),
-            _ = cancelled => Ok(Fill::Shutdown),
+        });
+        loop {
+            tokio::select! {
+                biased;
+                r = self.io.read_buf(&mut self.buf) => {
+                    return Ok(if r? == 0 { Fill::Eof } else { Fill::Data })
+                }
+                _ = timer.as_mut() => {
+                    if timer.deadline() >= due {
+                        return Ok(Fill::Timeout);
+                    }
+                    // Armed for an earlier request: not this one's deadline yet.
+                    timer.as_mut().reset(due);
+                }
+                _ = cancelled.as_mut() => return Ok(Fill::Shutdown),
+            }
         }
     }
 
@@ -266,7 +288,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
         shutdown: &CancellationToken,
         first: bool,
     ) -> Result<HeadRead, Reject> {
-        let mut armed = false;
+        let mut due = None;
         // Bytes known to hold no end of the head: a head trickled in byte by byte is parsed once
         // it is complete, not once per byte (which would cost its length squared).
         let mut scanned = 0;
@@ -289,14 +311,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
                     }
                 }
             }
-            if !armed {
-                let deadline = tokio::time::Instant::now() + self.limits.read_timeout;
-                timer.as_mut().reset(deadline);
-                armed = true;
-            }
+            let due =
+                *due.get_or_insert_with(|| tokio::time::Instant::now() + self.limits.read_timeout);
             // Shutdown closes a connection between requests, not one in the middle of a head.
             let idle = self.buf.is_empty();
-            match self.fill(timer.as_mut(), idle.then_some(shutdown)).await {
+            match self
+                .fill(timer.as_mut(), due, idle.then_some(shutdown))
+                .await
+            {
                 Ok(Fill::Data) => {}
                 Ok(Fill::Eof | Fill::Timeout | Fill::Shutdown) | Err(_) => {
                     return Ok(HeadRead::Closed)
@@ -361,14 +383,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
     /// body's `deadline` (past it: 408).
     async fn more_body(
         &mut self,
-        mut timer: Pin<&mut Sleep>,
+        timer: Pin<&mut Sleep>,
         deadline: tokio::time::Instant,
     ) -> Result<(), BodyFail> {
         let now = tokio::time::Instant::now();
-        timer
-            .as_mut()
-            .reset((now + self.limits.read_timeout).min(deadline));
-        match self.fill(timer, None).await {
+        let due = (now + self.limits.read_timeout).min(deadline);
+        match self.fill(timer, due, None).await {
             Ok(Fill::Data) => Ok(()),
             Ok(Fill::Timeout) if tokio::time::Instant::now() >= deadline => {
                 Err(BodyFail::Bad(Reject {
@@ -508,6 +528,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<'_, S> {
             push_field(w, b"connection", b"keep-alive");
         }
         w.extend_from_slice(b"\r\n");
+        // Written: the map's allocations go to the next head parsed on this thread.
+        crate::head::recycle(parts.headers);
 
         if no_body {
             write_all(&mut self.io, &mut [IoSlice::new(&self.wbuf)]).await?;
@@ -746,7 +768,7 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
     let method = Method::from_bytes(&slice(method)).map_err(|_| Reject::bad("invalid method"))?;
     let uri =
         Uri::from_maybe_shared(slice(path)).map_err(|_| Reject::bad("invalid request target"))?;
-    let mut headers = HeaderMap::with_capacity(n_fields);
+    let mut headers = crate::head::header_map(n_fields);
     for (ns, ne, vs, ve) in spans.iter() {
         let name = header_name(&head[ns as usize..ne as usize])
             .map_err(|_| Reject::bad("invalid header field name"))?;
@@ -754,17 +776,17 @@ pub(crate) fn parse_head(buf: &mut BytesMut, limits: &Limits) -> Result<Option<H
             .map_err(|_| Reject::bad("invalid header field value"))?;
         headers.append(name, value);
     }
-    let mut req = Request::new(());
-    *req.method_mut() = method;
-    *req.uri_mut() = uri;
-    *req.version_mut() = if minor == 0 {
+    let (mut parts, ()) = Request::new(()).into_parts();
+    parts.method = method;
+    parts.uri = uri;
+    parts.version = if minor == 0 {
         Version::HTTP_10
     } else {
         Version::HTTP_11
     };
-    *req.headers_mut() = headers;
+    parts.headers = headers;
     Ok(Some(Head {
-        req,
+        parts,
         framing,
         keep_alive,
         expect_continue,

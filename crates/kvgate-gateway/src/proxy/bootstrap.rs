@@ -75,7 +75,7 @@ pub(crate) async fn dual_dispatch(
     app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
-    p: &Prepared,
+    p: &Prepared<'_>,
     prefill: &Pool,
     body: &bytes::Bytes,
     auth_enabled: bool,
@@ -154,8 +154,8 @@ pub(crate) async fn dual_dispatch(
     // Each leg's `traceparent` names its own attempt span: each gets its own copy of the headers.
     let ptraced = ctx.trace.attempt_start(&pw.name, "prefill");
     let dtraced = ctx.trace.attempt_start(&dw.name, "decode");
-    let mut pout = outgoing(&p.parts, &pw, &both, auth_enabled);
-    let mut dout = outgoing(&p.parts, &dw, &both, auth_enabled);
+    let mut pout = outgoing(p.parts, &pw, &both, auth_enabled);
+    let mut dout = outgoing(p.parts, &dw, &both, auth_enabled);
     pout.traceparent = ptraced.as_ref().map(crate::trace::Attempt::traceparent);
     dout.traceparent = dtraced.as_ref().map(crate::trace::Attempt::traceparent);
     let started = crate::clock::now();

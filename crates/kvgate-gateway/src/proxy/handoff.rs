@@ -79,7 +79,7 @@ pub(crate) async fn prepare_handoff(
     app: &Arc<Proxy>,
     conns: &client::Pool,
     ctx: &mut RequestCtx,
-    p: &mut Prepared,
+    p: &mut Prepared<'_>,
     auth_enabled: bool,
 ) -> Result<Option<super::Routed>, GatewayError> {
     let settings = app.decider.pd();
@@ -277,7 +277,7 @@ fn strip_disaggregated_params(answer: Bytes) -> Bytes {
 async fn prefill_leg(
     app: &Proxy,
     conns: &client::Pool,
-    p: &Prepared,
+    p: &Prepared<'_>,
     worker: &crate::registry::Worker,
     body: &Bytes,
     auth_enabled: bool,
@@ -285,7 +285,7 @@ async fn prefill_leg(
     trtllm: bool,
     traceparent: Option<&[u8]>,
 ) -> LegResult {
-    let mut out = super::outgoing(&p.parts, worker, body, auth_enabled);
+    let mut out = super::outgoing(p.parts, worker, body, auth_enabled);
     out.traceparent = traceparent;
     let read = async {
         let fwd = attempt(app, conns, false, &worker.name, &out).await.ok()?;

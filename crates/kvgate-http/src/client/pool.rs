@@ -5,8 +5,13 @@ use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+
 use bytes::BytesMut;
 use http::uri::Authority;
+use tokio::time::Sleep;
 
 use super::{Conn, IdleState, StrayHook, STRAY_QUARANTINE};
 
@@ -48,6 +53,8 @@ struct Stacks {
     idle: HashMap<Key, Vec<Idle>, ahash::RandomState>,
     /// Workers caught writing after a response, and until when their connections are not reused.
     quarantined: HashMap<Key, Instant, ahash::RandomState>,
+    /// The timer of [`Pool::within`], kept between calls (still armed at its last deadline).
+    timer: Option<Pin<Box<Sleep>>>,
 }
 
 /// Idle keep-alive connections to workers, keyed by worker address, newest last (a few hot
@@ -65,6 +72,26 @@ impl Pool {
     fn stacks(&self) -> std::sync::MutexGuard<'_, Stacks> {
         // Nothing under the lock can panic half-way through an update.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `fut`'s output, or `None` once `deadline` has passed without it: `tokio::time::timeout_at`
+    /// (the future is polled first, then the timer), with the timer kept in the pool from one
+    /// call to the next. A timer still armed at an earlier call's deadline is left there and moved
+    /// to `deadline` only when it fires; one armed later is moved at once. A request's timeout
+    /// then costs no timer-wheel insertion and removal, only a poll. `fut` is borrowed pinned
+    /// where it is (a request's future is not moved into another one).
+    pub fn within<'a, F: Future + ?Sized>(
+        &'a self,
+        deadline: tokio::time::Instant,
+        fut: Pin<&'a mut F>,
+    ) -> Within<'a, F> {
+        Within {
+            pool: self,
+            deadline,
+            fut,
+            timer: None,
+            taken: false,
+        }
     }
 
     /// A live idle connection for `key`, newest first.
@@ -179,5 +206,60 @@ impl Pool {
         let p = self.stacks();
         let c = p.idle.get(key)?.last()?;
         Some((c.buf.is_empty(), c.buf.capacity()))
+    }
+}
+
+/// The future of [`Pool::within`]. It holds the pool's timer once the wrapped future was
+/// pending, and gives it back when it ends or is dropped (still registered; a second timer, from
+/// calls at once, is dropped).
+pub struct Within<'a, F: ?Sized> {
+    pool: &'a Pool,
+    deadline: tokio::time::Instant,
+    fut: Pin<&'a mut F>,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// The pool's timer was asked for (once per call).
+    taken: bool,
+}
+
+impl<F: Future + ?Sized> Future for Within<'_, F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Poll::Ready(v) = this.fut.as_mut().poll(cx) {
+            return Poll::Ready(Some(v));
+        }
+        let deadline = this.deadline;
+        if !this.taken {
+            this.taken = true;
+            this.timer = this.pool.stacks().timer.take();
+        }
+        let t = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if t.deadline() > deadline {
+            t.as_mut().reset(deadline);
+        }
+        loop {
+            if t.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            if t.deadline() >= deadline {
+                return Poll::Ready(None);
+            }
+            // Armed for an earlier call: not this deadline yet.
+            t.as_mut().reset(deadline);
+        }
+    }
+}
+
+impl<F: ?Sized> Drop for Within<'_, F> {
+    fn drop(&mut self) {
+        if let Some(t) = self.timer.take() {
+            let mut p = self.pool.stacks();
+            if p.timer.is_none() {
+                p.timer = Some(t);
+            }
+        }
     }
 }

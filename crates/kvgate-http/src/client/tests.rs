@@ -761,3 +761,44 @@ async fn https_workers_are_reached_over_tls_and_kept_alive() {
     assert!(Tls::load(Some(&fixture("key.pem"))).is_err());
     assert!(Tls::load(Some(std::path::Path::new("/nonexistent/ca.pem"))).is_err());
 }
+
+/// `Pool::within` is `timeout_at`: the output when it comes first, `None` at the deadline; and
+/// its timer, kept in the pool still armed at an earlier call's deadline, does not end a later
+/// call early, nor a later one late (paused time).
+#[tokio::test(start_paused = true)]
+async fn within_times_out_at_each_calls_own_deadline() {
+    use std::future::pending;
+    use std::pin::pin;
+    use tokio::time::{sleep_until, Instant as TInstant};
+    let pool = Pool::default();
+    let t0 = TInstant::now();
+    let step = Duration::from_millis(400);
+    // Ready at once: the timer is never armed.
+    assert_eq!(pool.within(t0 + step, pin!(async { 7 })).await, Some(7));
+    // Ready before the deadline.
+    let late = pin!(sleep_until(t0 + step / 2));
+    assert_eq!(pool.within(t0 + step, late).await, Some(()));
+    // Pending past the deadline: `None` exactly then (the timer is now armed at t0 + step).
+    assert_eq!(pool.within(t0 + step, pin!(pending::<()>())).await, None);
+    assert_eq!(TInstant::now(), t0 + step);
+    // Later calls with later deadlines: the kept timer (armed at or before t0 + step) is moved,
+    // not taken as their deadline.
+    let t1 = TInstant::now();
+    let slow = pin!(sleep_until(t1 + step * 2));
+    assert_eq!(pool.within(t1 + step * 3, slow).await, Some(()));
+    assert_eq!(TInstant::now(), t1 + step * 2);
+    assert_eq!(
+        pool.within(t1 + step * 5, pin!(pending::<()>())).await,
+        None
+    );
+    assert_eq!(TInstant::now(), t1 + step * 5);
+    // An earlier deadline than the kept timer's: moved back at once.
+    let t2 = TInstant::now();
+    let soon = pin!(sleep_until(t2 + step));
+    assert_eq!(pool.within(t2 + step * 10, soon).await, Some(()));
+    assert_eq!(
+        pool.within(t2 + step * 2, pin!(pending::<()>())).await,
+        None
+    );
+    assert_eq!(TInstant::now(), t2 + step * 2);
+}

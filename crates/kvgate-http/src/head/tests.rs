@@ -257,3 +257,43 @@ fn field_spans_keep_every_field_in_order() {
         assert_eq!(got, want, "{n}");
     }
 }
+
+/// A map given back comes out of `header_map` empty, with its allocation, and fills in order; a
+/// map too large to keep, or one past the few kept, is dropped.
+#[test]
+fn header_maps_are_recycled_empty() {
+    std::thread::spawn(|| {
+        let mut h = header_map(4);
+        for (n, v) in [("b", "1"), ("a", "2"), ("b", "3")] {
+            h.append(
+                header::HeaderName::from_static(n),
+                header::HeaderValue::from_static(v),
+            );
+        }
+        let cap = h.capacity();
+        recycle(h);
+        let mut h = header_map(2);
+        assert!(h.is_empty() && h.keys_len() == 0);
+        assert_eq!(h.capacity(), cap, "the recycled map");
+        h.append(header::HOST, header::HeaderValue::from_static("x"));
+        h.append(header::ACCEPT, header::HeaderValue::from_static("y"));
+        let got: Vec<_> = h
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect();
+        assert_eq!(got, [("host", "x"), ("accept", "y")]);
+        // Too large to keep.
+        recycle(header::HeaderMap::with_capacity(1000));
+        assert!(header_map(0).capacity() < 1000);
+        // At most MAPS_KEPT kept.
+        for _ in 0..MAPS_KEPT + 3 {
+            recycle(header::HeaderMap::with_capacity(8));
+        }
+        let kept = (0..MAPS_KEPT + 3)
+            .filter(|_| header_map(0).capacity() > 0)
+            .count();
+        assert_eq!(kept, MAPS_KEPT);
+    })
+    .join()
+    .unwrap();
+}

@@ -673,3 +673,54 @@ fn small_helpers() {
     assert!(head_ends_after(b"GET / HTTP/1.0\n\n", 14));
     assert!(!has_token(b"closed", b"close"));
 }
+
+/// The read timeout counts from each request's wait, not the first: the timer is left armed at
+/// an earlier request's deadline and moved only when that fires (paused time, in-memory pipe).
+#[tokio::test(start_paused = true)]
+async fn the_read_timeout_counts_from_the_last_request() {
+    let shared = Arc::new(Shared::default());
+    let lim = limits(&shared);
+    let timeout = lim.read_timeout;
+    let (client, io) = tokio::io::duplex(1 << 16);
+    let sd = CancellationToken::new();
+    let server = tokio::spawn(async move {
+        let h = move |req| handle(shared.clone(), req);
+        let _ = serve(io, &h, &lim, &sd).await;
+        tokio::time::Instant::now()
+    });
+    let (mut r, mut w) = tokio::io::split(client);
+    let mut got = Vec::new();
+    ask(&mut r, &mut w, &mut got, "/a").await;
+    // Each wait is under the timeout, together they pass the first request's deadline.
+    tokio::time::sleep(timeout * 3 / 4).await;
+    ask(&mut r, &mut w, &mut got, "/b").await;
+    tokio::time::sleep(timeout * 3 / 4).await;
+    ask(&mut r, &mut w, &mut got, "/c").await;
+    let last = tokio::time::Instant::now();
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await.unwrap();
+    let closed = server.await.unwrap();
+    assert_eq!(
+        closed - last,
+        timeout,
+        "closed one timeout after the last request"
+    );
+}
+
+/// Sends `GET path` on the pipe and reads until its answer arrived.
+async fn ask<R, W>(r: &mut R, w: &mut W, got: &mut Vec<u8>, path: &str)
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    w.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let want = format!("GET {path} ");
+    let mut b = [0u8; 1024];
+    while !String::from_utf8_lossy(got).contains(&want) {
+        let n = r.read(&mut b).await.unwrap();
+        assert!(n > 0, "closed before the answer to {path}");
+        got.extend_from_slice(&b[..n]);
+    }
+}

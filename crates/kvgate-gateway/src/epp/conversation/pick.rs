@@ -67,11 +67,12 @@ impl Conversation {
             Ok(None) => (body, None),
             Err(e) => return Err(self.reject(ctx, e)),
         };
-        let mut p =
-            match crate::proxy::prepare_read(proxy, &mut ctx, parts, body, caller.as_ref()).await {
-                Ok(p) => p,
-                Err(e) => return Err(self.reject(ctx, e)),
-            };
+        let mut p = match crate::proxy::prepare_read(proxy, &mut ctx, &parts, body, caller.as_ref())
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => return Err(self.reject(ctx, e)),
+        };
         if let Some(r) = &rewritten {
             proxy
                 .metrics
