@@ -70,7 +70,7 @@ pub use load::{ActiveSequences, LoadGuard, OrderWeights, WorkerLoad};
 pub use nohash::{FastBuild, FastHasher};
 pub use policy::{
     policy_by_name, CacheAwareConfig, ConsistentHashConfig, LatencyPolicyConfig, Policy,
-    PolicyConfig, UnknownPolicy, KV_TIME_REPLICATE, POLICY_NAMES,
+    PolicyConfig, UnknownPolicy, POLICY_NAMES,
 };
 pub use select::{
     all_busy, is_busy, pick_by_cost, pick_for_request, pick_with, pick_with_share,

@@ -79,15 +79,7 @@ pub struct PolicyConfig {
     pub consistent_hash: ConsistentHashConfig,
     /// The `latency` policy.
     pub latency: LatencyPolicyConfig,
-    /// The `kv` cost's replication weight ([`KvCostConfig::replicate`]) when set; `None` = each
-    /// policy's default: `kv` keeps `kv.replicate` (0 unless set), `kv_time` uses
-    /// [`KV_TIME_REPLICATE`].
-    pub kv_replicate: Option<f64>,
 }
-
-/// `kv_time`'s replication weight unless configured ([`KvCostConfig::replicate`]; docs/bench.md,
-/// "The default: `kv_time`").
-pub const KV_TIME_REPLICATE: f64 = 1.0;
 
 /// Every policy name [`policy_by_name`] accepts, default first.
 pub const POLICY_NAMES: [&str; 9] = [
@@ -123,21 +115,8 @@ impl std::error::Error for UnknownPolicy {}
 pub fn policy_by_name(name: &str, cfg: &PolicyConfig) -> Result<Box<dyn Policy>, UnknownPolicy> {
     let norm = name.trim().to_ascii_lowercase().replace('-', "_");
     Ok(match norm.as_str() {
-        "kv" => Box::new(KvPolicy::new(
-            KvCostConfig {
-                replicate: cfg.kv_replicate.unwrap_or(cfg.kv.replicate),
-                ..cfg.kv
-            },
-            cfg.busy,
-        )),
-        "kv_time" => Box::new(KvPolicy::time(
-            KvCostConfig {
-                replicate: cfg.kv_replicate.unwrap_or(KV_TIME_REPLICATE),
-                ..cfg.kv
-            },
-            cfg.latency.model,
-            cfg.busy,
-        )),
+        "kv" => Box::new(KvPolicy::new(cfg.kv, cfg.busy)),
+        "kv_time" => Box::new(KvPolicy::time(cfg.kv, cfg.latency.model, cfg.busy)),
         "latency" => Box::new(LatencyPolicy::new(cfg.latency, cfg.busy)),
         "round_robin" => Box::new(RoundRobin::new(cfg.busy)),
         "random" => Box::new(Random::new(cfg.busy)),

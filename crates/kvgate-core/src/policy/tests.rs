@@ -390,7 +390,7 @@ mod latency_policy {
 }
 
 #[test]
-fn kv_time_is_kv_with_the_queue_and_replication_terms_on() {
+fn kv_time_is_kv_with_the_queue_term_on() {
     let cfg = PolicyConfig::default();
     assert_eq!(cfg.kv.queue_time, None);
     let t = policy_by_name("kv-time", &cfg).unwrap();
@@ -399,26 +399,16 @@ fn kv_time_is_kv_with_the_queue_and_replication_terms_on() {
         .as_kv()
         .expect("kv_time is a kv policy (bounded walk, explanations)");
     assert_eq!(k.config().queue_time, Some(cfg.latency.model));
-    assert_eq!(k.config().replicate, KV_TIME_REPLICATE);
     assert_eq!(
         KvCostConfig {
             queue_time: None,
-            replicate: 0.0,
             ..*k.config()
         },
         cfg.kv
     );
-    // `kv` keeps its meaning: no queue or replication term unless configured.
+    // `kv` keeps its meaning: no queue term unless configured; replication off in both.
     let plain = policy_by_name("kv", &cfg).unwrap();
     assert_eq!(plain.as_kv().unwrap().config().queue_time, None);
     assert_eq!(plain.as_kv().unwrap().config().replicate, 0.0);
-    // `kv_replicate` sets either.
-    let set = PolicyConfig {
-        kv_replicate: Some(0.25),
-        ..cfg
-    };
-    for name in ["kv", "kv_time"] {
-        let p = policy_by_name(name, &set).unwrap();
-        assert_eq!(p.as_kv().unwrap().config().replicate, 0.25, "{name}");
-    }
+    assert_eq!(k.config().replicate, 0.0);
 }

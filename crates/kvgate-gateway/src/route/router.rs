@@ -133,13 +133,12 @@ impl RoutePolicy {
              to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
-        if let Some(r) = cfg.kv_replicate {
-            anyhow::ensure!(
-                r.is_finite() && r >= 0.0,
-                "routing.kv_replicate must be a finite number >= 0, got {r}"
-            );
-        }
-        pc.kv_replicate = cfg.kv_replicate;
+        anyhow::ensure!(
+            cfg.kv_replicate.is_finite() && cfg.kv_replicate >= 0.0,
+            "routing.kv_replicate must be a finite number >= 0, got {}",
+            cfg.kv_replicate
+        );
+        pc.kv.replicate = cfg.kv_replicate;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

@@ -646,7 +646,7 @@ fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
 }
 
 #[test]
-fn kv_replicate_defaults_per_policy_reaches_the_cost_and_bad_values_are_refused() {
+fn kv_replicate_reaches_the_cost_and_bad_values_are_refused() {
     let build = |toml: &str| {
         let cfg = Config::from_toml(toml).expect("config");
         RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
@@ -660,10 +660,10 @@ fn kv_replicate_defaults_per_policy_reaches_the_cost_and_bad_values_are_refused(
             .config()
             .replicate
     };
-    // Unset: on in the default kv_time, off in kv (which keeps its meaning).
-    assert_eq!(replicate(""), kvgate_core::KV_TIME_REPLICATE);
+    // Off unless set, in kv_time (the default) and kv alike.
+    assert_eq!(replicate(""), 0.0);
     assert_eq!(replicate("[routing]\npolicy = \"kv\"\n"), 0.0);
-    assert_eq!(replicate("[routing]\nkv_replicate = 0\n"), 0.0);
+    assert_eq!(replicate("[routing]\nkv_replicate = 4\n"), 4.0);
     assert_eq!(
         replicate("[routing]\npolicy = \"kv\"\nkv_replicate = 2.5\n"),
         2.5
