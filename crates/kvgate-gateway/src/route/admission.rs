@@ -18,7 +18,11 @@
 //! queue with its rank and passes the wake-up on to the next best waiter that has not yet tried
 //! this release ([`Admission::pass_on`]); once every waiter has tried, the wake-up ends. So one
 //! release causes at most one selection per waiter (the test
-//! `a_release_nobody_can_use_wakes_each_waiter_once` in `route.rs`).
+//! `a_release_nobody_can_use_wakes_each_waiter_once` in `route.rs`). A release made while a
+//! request's selection runs finds it outside the queue: the selection reads the release count
+//! first ([`Admission::generation`]) and, once queued, the best waiter that has not tried the
+//! missed release is woken for it ([`Admission::wait_observed`]; the test
+//! `a_release_during_the_selection_is_not_lost`), so freed capacity never idles beside a queue.
 //!
 //! When the queue is full, a newcomer of a higher class takes the place of the lowest-ranked
 //! waiter of a lower class (that one is shed); sheddable classes (priority < 0) queue only up to
