@@ -72,11 +72,19 @@ pub(crate) struct Forwarded {
 
 /// What the request path hands back: a worker's response to stream through, or (TensorRT-LLM: a
 /// context leg that finished the request) a whole answer already read.
-// Not boxed: `Worker` is every request's path, and a box would cost an allocation per request;
-// the enum is moved once, into `respond`.
+// Not boxed: `Worker` is every request's path, and a box would cost an allocation per request.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Routed {
     Worker(Forwarded),
+    Whole(Bytes),
+}
+
+/// What [`route_and_forward`] hands back: the worker's response was put in the caller's slot
+/// (written there once by the attempt instead of moved out through every future level, ~400
+/// bytes copied per level), or a whole answer already read.
+pub(crate) enum Answered {
+    /// In the slot passed to [`route_and_forward`].
+    Slot,
     Whole(Bytes),
 }
 
@@ -108,8 +116,8 @@ pub(crate) struct Prepared<'a> {
     pub(crate) pinned: bool,
 }
 
-/// Everything from auth to the worker's response head; the caller owns `ctx` and turns the result
-/// into the client's response ([`respond`] or [`reject`]). Called straight from the route table:
+/// Everything from auth to the worker's response head, which is put in `slot`; the caller owns
+/// `ctx` and turns the result into the client's response ([`respond`] or [`reject`]). Called straight from the route table:
 /// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
 ///
 /// The retry loop: pick a worker (queueing if all are busy), dispatch, one [`attempt`], and on a
@@ -120,7 +128,8 @@ pub(crate) async fn route_and_forward(
     ctx: &mut RequestCtx,
     parts: &mut http::request::Parts,
     body: ReqBody,
-) -> Result<Routed, GatewayError> {
+    slot: &mut Option<Forwarded>,
+) -> Result<Answered, GatewayError> {
     if let Some(t) = &ctx.telemetry.tracer {
         ctx.trace = t.begin(&parts.headers, ctx.start);
     }
@@ -151,10 +160,15 @@ pub(crate) async fn route_and_forward(
     }
     if api.splits && crate::pd::applies(&p.pool) {
         // Prefill/decode pool: the prefill leg runs there; this loop then serves the decode leg.
-        if let Some(r) = handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
+        match handoff::prepare_handoff(app, conns, ctx, &mut p, auth.enabled()).await? {
             // SGLang: both legs ran at once (the decode worker's answer); TensorRT-LLM: the
             // context leg finished the request.
-            return Ok(r);
+            Some(Routed::Worker(f)) => {
+                *slot = Some(f);
+                return Ok(Answered::Slot);
+            }
+            Some(Routed::Whole(b)) => return Ok(Answered::Whole(b)),
+            None => {}
         }
     }
     let max_attempts = if p.pinned {
@@ -253,8 +267,20 @@ pub(crate) async fn route_and_forward(
         let mut out = outgoing(p.parts, &worker, body, auth.enabled());
         out.traceparent = traced.as_ref().map(crate::trace::Attempt::traceparent);
         let sent_at = tokio::time::Instant::from_std(now);
-        let result = attempt_at(app, conns, ctx.stream, &worker.name, &out, sent_at).await;
-        ctx.trace.attempt_end(traced, ended(&result));
+        // The response goes straight into the caller's slot; only its status and arrival come
+        // back here.
+        let result = attempt_at(app, conns, ctx.stream, &worker.name, &out, sent_at, |f| {
+            let f = slot.insert(f);
+            (f.resp.status, f.answered)
+        })
+        .await;
+        ctx.trace.attempt_end(
+            traced,
+            match &result {
+                Ok((s, _)) => crate::trace::Ended::Status(s.as_u16()),
+                Err(e) => ended_err(e),
+            },
+        );
         let can_retry = |now: Instant| {
             n_tried < max_attempts
                 && p.pool
@@ -264,12 +290,11 @@ pub(crate) async fn route_and_forward(
                 && app.upstream.retry.try_retry(now)
         };
         let now = match &result {
-            Ok(fwd) => fwd.answered,
+            Ok((_, answered)) => *answered,
             Err(_) => crate::clock::now(),
         };
         match result {
-            Ok(fwd) => {
-                let s = fwd.resp.status;
+            Ok((s, _)) => {
                 let retryable = s == StatusCode::TOO_MANY_REQUESTS || s.is_server_error();
                 // A worker shedding load (429) is alive; 5xx counts against its breaker.
                 worker.state.record_outcome(!s.is_server_error(), now);
@@ -277,6 +302,8 @@ pub(crate) async fn route_and_forward(
                     handoff::decode_failed(app, ctx);
                 }
                 if retryable && can_retry(now) {
+                    // This worker's response is dropped here, as before the next try.
+                    *slot = None;
                     ctx.trace.retried(status_reason(s));
                     app.metrics
                         .retries
@@ -296,7 +323,7 @@ pub(crate) async fn route_and_forward(
                 // request on this thread.
                 crate::prompt::recycle_hashes(std::mem::take(&mut p.ri.hashes));
                 kvgate_http::head::recycle(std::mem::take(&mut parts.headers));
-                return Ok(Routed::Worker(fwd));
+                return Ok(Answered::Slot);
             }
             Err(e) => {
                 worker.state.record_outcome(false, now);
@@ -682,19 +709,30 @@ pub(crate) async fn attempt(
     worker: &str,
     out: &client::Outgoing<'_>,
 ) -> Result<Forwarded, GatewayError> {
-    attempt_at(app, conns, stream, worker, out, tokio::time::Instant::now()).await
+    attempt_at(
+        app,
+        conns,
+        stream,
+        worker,
+        out,
+        tokio::time::Instant::now(),
+        |f| f,
+    )
+    .await
 }
 
 /// [`attempt`] sent at `sent_at` (the front door's: the instant its reservation was made, read
-/// once for both).
-pub(crate) async fn attempt_at(
+/// once for both), its response handed to `put` (the front door's puts it in place in its slot
+/// and keeps what it decides on).
+pub(crate) async fn attempt_at<T>(
     app: &Proxy,
     conns: &client::Pool,
     stream: bool,
     worker: &str,
     out: &client::Outgoing<'_>,
     sent_at: tokio::time::Instant,
-) -> Result<Forwarded, GatewayError> {
+    put: impl FnOnce(Forwarded) -> T,
+) -> Result<T, GatewayError> {
     let within = if stream {
         app.upstream.first_byte_timeout
     } else {
@@ -738,12 +776,12 @@ pub(crate) async fn attempt_at(
         Some((_, at)) => *at,
         None => crate::clock::now(),
     };
-    Ok(Forwarded {
+    Ok(put(Forwarded {
         resp,
         first,
         body_deadline: (!stream).then_some(deadline),
         answered,
-    })
+    }))
 }
 
 /// A stream's first body bytes, read before anything goes to the client: a worker that sent its
@@ -784,12 +822,9 @@ async fn first_bytes(
     }
 }
 
-/// How an attempt ended, for its span.
-pub(crate) fn ended(r: &Result<Forwarded, GatewayError>) -> crate::trace::Ended<'_> {
-    match r {
-        Ok(f) => crate::trace::Ended::Status(f.resp.status.as_u16()),
-        Err(e) => crate::trace::Ended::Error(e.label().as_str(), &e.message),
-    }
+/// How a failed attempt ended, for its span.
+fn ended_err(e: &GatewayError) -> crate::trace::Ended<'_> {
+    crate::trace::Ended::Error(e.label().as_str(), &e.message)
 }
 
 /// The routing decision's span (only built when the request is traced).
@@ -909,11 +944,27 @@ async fn read_body(
     }
 }
 
-/// The client's response: a worker's through the observer, or a whole answer already read.
-pub(crate) fn respond(app: &Proxy, mut ctx: Box<RequestCtx>, routed: Routed) -> Response<GwBody> {
-    let fwd = match routed {
-        Routed::Worker(f) => f,
-        Routed::Whole(body) => {
+/// The client's response: a worker's (from `slot`) through the observer, or a whole answer
+/// already read.
+pub(crate) fn respond(
+    app: &Proxy,
+    mut ctx: Box<RequestCtx>,
+    answered: Answered,
+    slot: &mut Option<Forwarded>,
+) -> Response<GwBody> {
+    let fwd = match answered {
+        Answered::Slot => match slot.take() {
+            Some(f) => f,
+            // `route_and_forward` fills the slot whenever it answers `Slot`.
+            None => {
+                debug_assert!(false, "Answered::Slot with an empty slot");
+                return reject(
+                    ctx,
+                    GatewayError::new(ErrorKind::UpstreamIo, "the worker's response was lost"),
+                );
+            }
+        },
+        Answered::Whole(body) => {
             ctx.status = 200;
             ctx.usage = kvgate_protocol::usage::find_usage(&body);
             ctx.finish_reason = kvgate_protocol::finish::find_finish_reason(&body);

@@ -54,9 +54,14 @@ pub async fn route(
         }
         let mut ctx = RequestCtx::new(app.telemetry.clone(), ep, start);
         let (mut parts, body) = req.into_parts();
-        return match proxy::route_and_forward(&app.proxy, &conns, &mut ctx, &mut parts, body).await
+        // The worker's response is written here once, not moved out through each future level.
+        let mut slot = None;
+        return match proxy::route_and_forward(
+            &app.proxy, &conns, &mut ctx, &mut parts, body, &mut slot,
+        )
+        .await
         {
-            Ok(fwd) => proxy::respond(&app.proxy, ctx, fwd),
+            Ok(answered) => proxy::respond(&app.proxy, ctx, answered, &mut slot),
             Err(e) => proxy::reject(ctx, e),
         };
     }
