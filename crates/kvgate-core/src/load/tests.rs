@@ -328,6 +328,14 @@ fn idle_entries_are_swept_and_loads_stay_exact() {
     assert!(a.inverse().is_empty());
 }
 
+fn hot(blocks: u32, holders: u32, workers: u32) -> HotPrefix {
+    HotPrefix {
+        blocks,
+        holders,
+        workers,
+    }
+}
+
 /// The hot prefix: the prompt's leading blocks some request in flight holds, anywhere, and how
 /// many requests hold the last of them; back to none once they end.
 #[test]
@@ -338,60 +346,18 @@ fn hot_prefix_is_the_prefix_in_flight_and_its_holders() {
     assert_eq!(a.hot_prefix(&[]), HotPrefix::default());
     // Another session over the same 2-block prefix on worker 0: 2 blocks hot, one holder.
     let g1 = a.add(W0, 1, &seq(6, 2), 96, 0);
-    assert_eq!(
-        a.hot_prefix(&probe),
-        HotPrefix {
-            blocks: 2,
-            holders: 1,
-            workers: 1
-        }
-    );
+    assert_eq!(a.hot_prefix(&probe), hot(2, 1, 1));
     // The probe's own history (5 blocks) in flight on worker 3; a second request on it on worker 3
     // and one more on the shared prefix elsewhere.
     let g2 = a.add(WorkerId(3), 2, &probe[..5], 80, 0);
-    assert_eq!(
-        a.hot_prefix(&probe),
-        HotPrefix {
-            blocks: 5,
-            holders: 1,
-            workers: 1
-        }
-    );
+    assert_eq!(a.hot_prefix(&probe), hot(5, 1, 1));
     let g3 = a.add(WorkerId(3), 3, &probe[..5], 80, 0);
     let g4 = a.add(WorkerId(7), 4, &seq(3, 4), 48, 0);
-    assert_eq!(
-        a.hot_prefix(&probe),
-        HotPrefix {
-            blocks: 5,
-            holders: 2,
-            workers: 1
-        }
-    );
-    assert_eq!(
-        a.hot_prefix(&probe[..2]),
-        HotPrefix {
-            blocks: 2,
-            holders: 4,
-            workers: 3
-        }
-    );
-    assert_eq!(
-        a.hot_prefix(&seq(10, 9)),
-        HotPrefix {
-            blocks: 2,
-            holders: 4,
-            workers: 3
-        }
-    );
+    assert_eq!(a.hot_prefix(&probe), hot(5, 2, 1));
+    assert_eq!(a.hot_prefix(&probe[..2]), hot(2, 4, 3));
+    assert_eq!(a.hot_prefix(&seq(10, 9)), hot(2, 4, 3));
     drop((g2, g3));
-    assert_eq!(
-        a.hot_prefix(&probe),
-        HotPrefix {
-            blocks: 2,
-            holders: 2,
-            workers: 2
-        }
-    );
+    assert_eq!(a.hot_prefix(&probe), hot(2, 2, 2));
     drop((g1, g4));
     assert_eq!(a.hot_prefix(&probe), HotPrefix::default());
 }
