@@ -593,8 +593,9 @@ impl ActiveSequences {
         self.lock().new_blocks(worker, hashes)
     }
 
-    /// The prompt's leading blocks that requests in flight hold right now on any worker, and how
-    /// many requests hold the last of them (the `kv` cost's replication term,
+    /// The prompt's leading blocks that requests in flight hold right now on any worker, how many
+    /// requests hold the last of them and on how many workers (the `kv` cost's replication term,
+    /// this gateway's own requests only, not cluster peers';
     /// [`crate::KvCostConfig::replicate`]). Active blocks are unions of whole chained prefixes, so
     /// the blocks active somewhere are a prefix of the prompt: O(log n) lookups.
     pub fn hot_prefix(&self, hashes: &[BlockHash]) -> HotPrefix {

@@ -283,14 +283,15 @@ pub struct KvCostConfig {
     /// the latency estimate adds to the prefill, so an idle worker is preferred to a busy holder
     /// of a short cached prefix (`routing.kv_step_wait`; default off).
     pub step_wait: bool,
-    /// Replication of a prefix in use (`routing.kv_replicate`, 0..=1; 0 = off): on a worker
-    /// without them, the prompt's hot blocks ([`RouteRequest::hot`]: held by requests in flight
-    /// right now) are charged `1 − replicate · holders / (holders + 1)` of their prefill. Opening a
-    /// second holder of a prefix that concurrent requests share costs one miss and serves the next
-    /// ones, so the requests that only share that prefix (new sessions over a common system prompt)
-    /// spread by load instead of queueing behind its one holder; a session's own history is held by
-    /// no other request between its turns and keeps its full charge, so sessions stay where their
-    /// history is.
+    /// Replication of a prefix in use (`routing.kv_replicate`, ≥ 0; 0 = off, the default): on a
+    /// worker without them, the prompt's hot blocks ([`RouteRequest::hot`]: held by requests in
+    /// flight right now) are charged `1 − min(1, replicate · HotPrefix::waiver())` of their
+    /// prefill, the waiver growing as the prefix's concurrent users outnumber its replicas.
+    /// Opening another holder of a prefix that concurrent requests share costs one miss and serves
+    /// the next ones, so the requests that only share that prefix (new sessions over a common
+    /// system prompt) spread by load instead of queueing behind its holder; a session's own
+    /// history is held by no other request between its turns and keeps its full charge, so
+    /// sessions stay where their history is.
     pub replicate: f64,
 }
 
