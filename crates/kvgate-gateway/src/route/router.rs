@@ -67,6 +67,15 @@ pub fn kind_seed(kind: WorkerKind) -> Speed {
     }
 }
 
+/// A `[routing]` weight that must be a finite number >= 0 (`key` names it in the error).
+fn non_negative(key: &str, v: f64) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        v.is_finite() && v >= 0.0,
+        "routing.{key} must be a finite number >= 0, got {v}"
+    );
+    Ok(v)
+}
+
 impl RoutePolicy {
     pub fn from_config(
         cfg: &RoutingConfig,
@@ -113,18 +122,8 @@ impl RoutePolicy {
             pc.latency.slo_itl_ms = slo.itl_ms.max(0.0);
         }
         pc.kv.prefill_weight = cfg.prefill_weight;
-        anyhow::ensure!(
-            cfg.pending_prefill_weight.is_finite() && cfg.pending_prefill_weight >= 0.0,
-            "routing.pending_prefill_weight must be a finite number >= 0, got {}",
-            cfg.pending_prefill_weight
-        );
-        pc.kv.pending_weight = cfg.pending_prefill_weight;
-        anyhow::ensure!(
-            cfg.request_weight.is_finite() && cfg.request_weight >= 0.0,
-            "routing.request_weight must be a finite number >= 0, got {}",
-            cfg.request_weight
-        );
-        pc.kv.request_weight = cfg.request_weight;
+        pc.kv.pending_weight = non_negative("pending_prefill_weight", cfg.pending_prefill_weight)?;
+        pc.kv.request_weight = non_negative("request_weight", cfg.request_weight)?;
         pc.kv.queue_time = cfg.kv_queue_time.then_some(latency);
         let policy_name = cfg.policy.trim().to_ascii_lowercase().replace('-', "_");
         anyhow::ensure!(
@@ -133,12 +132,7 @@ impl RoutePolicy {
              to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
-        anyhow::ensure!(
-            cfg.kv_replicate.is_finite() && cfg.kv_replicate >= 0.0,
-            "routing.kv_replicate must be a finite number >= 0, got {}",
-            cfg.kv_replicate
-        );
-        pc.kv.replicate = cfg.kv_replicate;
+        pc.kv.replicate = non_negative("kv_replicate", cfg.kv_replicate)?;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

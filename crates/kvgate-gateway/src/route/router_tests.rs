@@ -5,7 +5,7 @@
 use super::*;
 use crate::config::{Config, WorkerConfig};
 use crate::registry::Registry;
-use kvgate_core::ScrapedLoad;
+use kvgate_core::{KvCostConfig, ScrapedLoad};
 use std::time::Duration;
 
 fn config(workers: usize, other: usize, policy: &str, rng: &mut fastrand::Rng) -> Arc<Config> {
@@ -580,11 +580,7 @@ fn a_round_robin_pick_explains_itself_by_name() {
 
 #[test]
 fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
-    let kv = |toml: &str| {
-        let cfg = Config::from_toml(toml).expect("config");
-        let p = RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd).expect("policy");
-        *p.policy.as_kv().expect("kv policy").config()
-    };
+    let kv = kv_cost_of;
     // Off by default under `kv`; always on under `kv_time`, the default policy.
     assert_eq!(kv("[routing]\npolicy = \"kv\"\n").queue_time, None);
     assert_eq!(kv("").queue_time, Some(LatencyConfig::default()));
@@ -618,20 +614,25 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
     assert!(err.to_string().contains("kv_queue_time"), "{err}");
 }
 
+/// The routing policy a config builds (its error when refused).
+fn policy_of(toml: &str) -> anyhow::Result<RoutePolicy> {
+    let cfg = Config::from_toml(toml).expect("config");
+    RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
+}
+
+/// The `kv` cost model of a config whose policy is `kv` or `kv_time`.
+fn kv_cost_of(toml: &str) -> KvCostConfig {
+    *policy_of(toml)
+        .expect("policy")
+        .policy
+        .as_kv()
+        .expect("kv")
+        .config()
+}
+
 #[test]
 fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
-    let build = |toml: &str| {
-        let cfg = Config::from_toml(toml).expect("config");
-        RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
-    };
-    let kv = |toml: &str| {
-        *build(toml)
-            .expect("policy")
-            .policy
-            .as_kv()
-            .expect("kv")
-            .config()
-    };
+    let (build, kv) = (policy_of, kv_cost_of);
     assert_eq!(kv("").request_weight, 0.0);
     assert_eq!(
         kv("[routing]\nrequest_weight = 24.5\n").request_weight,
@@ -647,19 +648,8 @@ fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
 
 #[test]
 fn kv_replicate_reaches_the_cost_and_bad_values_are_refused() {
-    let build = |toml: &str| {
-        let cfg = Config::from_toml(toml).expect("config");
-        RoutePolicy::from_config(&cfg.routing, &cfg.slo, &cfg.pd)
-    };
-    let replicate = |toml: &str| {
-        build(toml)
-            .expect("policy")
-            .policy
-            .as_kv()
-            .expect("kv")
-            .config()
-            .replicate
-    };
+    let build = policy_of;
+    let replicate = |toml: &str| kv_cost_of(toml).replicate;
     // Off unless set, in kv_time (the default) and kv alike.
     assert_eq!(replicate(""), 0.0);
     assert_eq!(replicate("[routing]\npolicy = \"kv\"\n"), 0.0);
