@@ -256,7 +256,13 @@ fn short_prompts_do_not_pile_onto_a_crowded_decode_worker() {
     // Slow decode workers, so streams stay in flight while the test looks.
     let (_d0, d0) = sim(&["--role", "decode", "--slowdown", "500"]);
     let (_d1, d1) = sim(&["--role", "decode", "--slowdown", "500"]);
-    let (_g, ga) = gateway("[pd]\nlocal_on_idle_decode = false\n", &[pa], &[d0, d1]);
+    // Replication off: with it (kv_time's default), the fourth request's pick itself would
+    // leave the crowded worker, and this test is about the plan's own check.
+    let (_g, ga) = gateway(
+        "[routing]\nkv_replicate = 0\n[pd]\nlocal_on_idle_decode = false\n",
+        &[pa],
+        &[d0, d1],
+    );
     let decisions = |path: &str, reason: &str| {
         metric(
             ga,

@@ -72,9 +72,16 @@ impl WorkerState {
     }
 
     /// Frees request `key` of worker `w` (this state), releasing its blocks in `active`.
-    fn free(&mut self, w: WorkerId, key: u64, pool: &mut Vec<Vec<BlockHash>>, active: &mut Active) {
+    /// Returns whether the request was there.
+    fn free(
+        &mut self,
+        w: WorkerId,
+        key: u64,
+        pool: &mut Vec<Vec<BlockHash>>,
+        active: &mut Active,
+    ) -> bool {
         let Some(mut e) = self.requests.remove(&key) else {
-            return;
+            return false;
         };
         self.pending_prefill_tokens -= e.prefill;
         for &h in &e.hashes {
@@ -86,6 +93,7 @@ impl WorkerState {
             e.hashes.clear();
             pool.push(e.hashes);
         }
+        true
     }
 }
 
@@ -207,6 +215,9 @@ pub(crate) struct Inner {
     seen: Vec<u64>,
     next_key: u64,
     pool: Vec<Vec<BlockHash>>,
+    /// Requests in flight over every worker, and the workers known (for [`HotPrefix`]).
+    inflight: u32,
+    known: u32,
 }
 
 impl Inner {
@@ -553,6 +564,10 @@ impl ActiveSequences {
         inner.grow(worker);
         let mut buf = inner.pool.pop().unwrap_or_default();
         buf.extend_from_slice(hashes);
+        if inner.workers[i].is_none() {
+            inner.known += 1;
+        }
+        inner.inflight += 1;
         let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
         for &h in hashes {
             if inner.active.acquire(h, worker) {
@@ -610,6 +625,8 @@ impl ActiveSequences {
             blocks: end as u32,
             holders,
             workers,
+            fleet_requests: g.inflight,
+            fleet_workers: g.known,
         }
     }
 
@@ -654,7 +671,9 @@ impl ActiveSequences {
                 .collect();
             for k in old {
                 expired.push(ws.requests[&k].request_id);
-                ws.free(WorkerId(i as u32), k, &mut inner.pool, &mut inner.active);
+                if ws.free(WorkerId(i as u32), k, &mut inner.pool, &mut inner.active) {
+                    inner.inflight -= 1;
+                }
             }
             let load = ws.load();
             for o in &mut inner.orders {
@@ -671,6 +690,8 @@ impl ActiveSequences {
         let inner = &mut *g;
         if let Some(slot) = inner.workers.get_mut(worker.index()) {
             if let Some(ws) = slot.take() {
+                inner.known -= 1;
+                inner.inflight -= ws.requests.len() as u32;
                 for e in ws.requests.values() {
                     for &h in &e.hashes {
                         inner.active.release(h, worker);
@@ -689,6 +710,7 @@ impl ActiveSequences {
         let mut g = self.lock();
         g.grow(worker);
         if g.workers[worker.index()].is_none() {
+            g.known += 1;
             g.workers[worker.index()] = Some(WorkerState::default());
             g.reorder(worker);
         }
@@ -728,7 +750,9 @@ impl ActiveSequences {
         let mut g = self.lock();
         let inner = &mut *g;
         if let Some(Some(ws)) = inner.workers.get_mut(worker.index()) {
-            ws.free(worker, key, &mut inner.pool, &mut inner.active);
+            if ws.free(worker, key, &mut inner.pool, &mut inner.active) {
+                inner.inflight -= 1;
+            }
             inner.active.maybe_sweep();
             inner.reorder(worker);
         }

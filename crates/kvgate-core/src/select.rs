@@ -128,18 +128,32 @@ pub struct HotPrefix {
     pub holders: u32,
     /// On how many workers they are in flight (the prefix's replicas in use).
     pub workers: u32,
+    /// Requests in flight over the whole fleet (this gateway's, every pool). With
+    /// `fleet_workers`, the fleet's mean load per worker: the share a replica may carry before
+    /// the prefix counts as crowded.
+    pub fleet_requests: u32,
+    /// Workers known to the load tracker (0 with `fleet_requests` 0 reads as a mean of one).
+    pub fleet_workers: u32,
 }
 
 impl HotPrefix {
     /// The share of a hot block's prefill the replication term waives on a worker without it,
-    /// before `replicate`: `max(0, holders − workers) / (holders + 1)`: 0 while the prefix has
-    /// no more concurrent users than replicas in use (one request on one worker: nothing to
-    /// relieve), rising towards 1 as its users outnumber its replicas (five requests on one
-    /// worker: ⅔; on two: ½).
+    /// before `replicate`: `max(0, holders − workers · fair) / (holders + 1)`, where `fair` is
+    /// the fleet's mean in-flight requests per worker, at least 1. So 0 while the prefix's
+    /// replicas carry no more than their share of the fleet's requests (one request on one
+    /// worker, or a prefix as busy as every other worker: nothing to relieve), rising towards 1
+    /// as its users outnumber what its replicas would carry at the fleet's mean (five requests on
+    /// one worker of an otherwise idle fleet: ⅔; on two: ½; five on one where every worker
+    /// carries three: ⅓).
     #[inline]
     pub fn waiver(&self) -> f64 {
         let k = f64::from(self.holders);
-        (k - f64::from(self.workers)).max(0.0) / (k + 1.0)
+        let fair = if self.fleet_workers == 0 {
+            1.0
+        } else {
+            (f64::from(self.fleet_requests) / f64::from(self.fleet_workers)).max(1.0)
+        };
+        (k - f64::from(self.workers) * fair).max(0.0) / (k + 1.0)
     }
 }
 
@@ -283,10 +297,12 @@ pub struct KvCostConfig {
     /// the latency estimate adds to the prefill, so an idle worker is preferred to a busy holder
     /// of a short cached prefix (`routing.kv_step_wait`; default off).
     pub step_wait: bool,
-    /// Replication of a prefix in use (`routing.kv_replicate`, ≥ 0; 0 = off, the default): on a
+    /// Replication of a prefix in use (`routing.kv_replicate`, ≥ 0; 0 = off, this type's
+    /// default; the gateway's `kv_time` uses 2 unless configured): on a
     /// worker without them, the prompt's hot blocks ([`RouteRequest::hot`]: held by requests in
     /// flight right now) are charged `1 − min(1, replicate · HotPrefix::waiver())` of their
-    /// prefill, the waiver growing as the prefix's concurrent users outnumber its replicas.
+    /// prefill, the waiver growing as the prefix's concurrent users outnumber what its replicas
+    /// carry at the fleet's mean load.
     /// Opening another holder of a prefix that concurrent requests share costs one miss and serves
     /// the next ones, so the requests that only share that prefix (new sessions over a common
     /// system prompt) spread by load instead of queueing behind its holder; a session's own

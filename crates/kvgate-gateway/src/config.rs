@@ -329,6 +329,10 @@ impl Default for ResponsePinsConfig {
     }
 }
 
+/// `routing.kv_replicate` when the key is absent and the policy is `kv_time` (the default
+/// policy); `kv` keeps 0 (docs/routing.md §4, docs/bench.md "Replicating a prefix in use").
+pub const KV_TIME_REPLICATE: f64 = 2.0;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoutingConfig {
@@ -387,12 +391,14 @@ pub struct RoutingConfig {
     /// longer than the request's own prefill step count too (all the latency estimate adds to
     /// the prefill), so an idle worker is preferred to a busy holder of a short cached prefix.
     pub kv_step_wait: bool,
-    /// `kv` / `kv_time`: replication of a prefix in use, a number >= 0 (0 = off, the default): on
-    /// a worker that lacks them, the prompt's leading blocks held by requests in flight right now
-    /// are charged `1 − min(1, kv_replicate · max(0, k − h) / (k + 1))` of their prefill (`k`
-    /// requests hold them on `h` workers), so new sessions over a shared system prompt spread by
-    /// load instead of queueing behind its holder (docs/routing.md §4).
-    pub kv_replicate: f64,
+    /// `kv` / `kv_time`: replication of a prefix in use, a number >= 0 (0 = off; absent:
+    /// [`KV_TIME_REPLICATE`] for `kv_time`, 0 for `kv`): on a worker that lacks them, the
+    /// prompt's leading blocks held by requests in flight right now are charged
+    /// `1 − min(1, kv_replicate · max(0, k − h · fair) / (k + 1))` of their prefill (`k`
+    /// requests hold them on `h` workers, `fair` = the fleet's mean in-flight requests per
+    /// worker, at least 1), so new sessions over a shared system prompt spread by load instead
+    /// of queueing behind its holder (docs/routing.md §4).
+    pub kv_replicate: Option<f64>,
     /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
     /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
     /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
@@ -439,7 +445,7 @@ impl Default for RoutingConfig {
             latency_kv_wait: true,
             kv_queue_time: false,
             kv_step_wait: false,
-            kv_replicate: 0.0,
+            kv_replicate: None,
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,

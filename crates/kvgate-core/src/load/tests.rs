@@ -328,11 +328,15 @@ fn idle_entries_are_swept_and_loads_stay_exact() {
     assert!(a.inverse().is_empty());
 }
 
-fn hot(blocks: u32, holders: u32, workers: u32) -> HotPrefix {
+/// A hot prefix of `blocks` held by `holders` requests on `workers` workers, in a fleet of
+/// `fleet.1` known workers carrying `fleet.0` requests.
+fn hot(blocks: u32, holders: u32, workers: u32, fleet: (u32, u32)) -> HotPrefix {
     HotPrefix {
         blocks,
         holders,
         workers,
+        fleet_requests: fleet.0,
+        fleet_workers: fleet.1,
     }
 }
 
@@ -346,18 +350,41 @@ fn hot_prefix_is_the_prefix_in_flight_and_its_holders() {
     assert_eq!(a.hot_prefix(&[]), HotPrefix::default());
     // Another session over the same 2-block prefix on worker 0: 2 blocks hot, one holder.
     let g1 = a.add(W0, 1, &seq(6, 2), 96, 0);
-    assert_eq!(a.hot_prefix(&probe), hot(2, 1, 1));
+    assert_eq!(a.hot_prefix(&probe), hot(2, 1, 1, (1, 1)));
     // The probe's own history (5 blocks) in flight on worker 3; a second request on it on worker 3
     // and one more on the shared prefix elsewhere.
     let g2 = a.add(WorkerId(3), 2, &probe[..5], 80, 0);
-    assert_eq!(a.hot_prefix(&probe), hot(5, 1, 1));
+    assert_eq!(a.hot_prefix(&probe), hot(5, 1, 1, (2, 2)));
     let g3 = a.add(WorkerId(3), 3, &probe[..5], 80, 0);
     let g4 = a.add(WorkerId(7), 4, &seq(3, 4), 48, 0);
-    assert_eq!(a.hot_prefix(&probe), hot(5, 2, 1));
-    assert_eq!(a.hot_prefix(&probe[..2]), hot(2, 4, 3));
-    assert_eq!(a.hot_prefix(&seq(10, 9)), hot(2, 4, 3));
+    assert_eq!(a.hot_prefix(&probe), hot(5, 2, 1, (4, 3)));
+    assert_eq!(a.hot_prefix(&probe[..2]), hot(2, 4, 3, (4, 3)));
+    assert_eq!(a.hot_prefix(&seq(10, 9)), hot(2, 4, 3, (4, 3)));
+    // A worker known without requests counts in the fleet; an idle one added twice, once.
+    a.add_worker(WorkerId(5));
+    a.add_worker(WorkerId(5));
+    a.add_worker(W0);
+    assert_eq!(a.hot_prefix(&probe), hot(5, 2, 1, (4, 4)));
     drop((g2, g3));
-    assert_eq!(a.hot_prefix(&probe), hot(2, 2, 2));
+    assert_eq!(a.hot_prefix(&probe), hot(2, 2, 2, (2, 4)));
     drop((g1, g4));
     assert_eq!(a.hot_prefix(&probe), HotPrefix::default());
+    // Removing a worker with requests takes them and the worker out of the fleet's figures;
+    // their guards free nothing twice.
+    let g5 = a.add(WorkerId(7), 5, &probe[..3], 48, 0);
+    let g6 = a.add(WorkerId(7), 6, &probe[..3], 48, 0);
+    let g7 = a.add(W0, 7, &probe[..2], 32, 0);
+    assert_eq!(a.hot_prefix(&probe), hot(3, 2, 1, (3, 4)));
+    a.remove_worker(WorkerId(7));
+    assert_eq!(a.hot_prefix(&probe), hot(2, 1, 1, (1, 3)));
+    drop((g5, g6));
+    assert_eq!(a.hot_prefix(&probe), hot(2, 1, 1, (1, 3)));
+    // Expired requests leave the fleet's count too.
+    let later = Instant::now() + Duration::from_secs(7200);
+    assert_eq!(a.expire_stale(later, Duration::from_secs(3600)), vec![7]);
+    drop(g7);
+    assert_eq!(a.hot_prefix(&probe), HotPrefix::default());
+    let g8 = a.add(WorkerId(3), 8, &probe[..1], 16, 0);
+    assert_eq!(a.hot_prefix(&probe), hot(1, 1, 1, (1, 3)));
+    drop(g8);
 }

@@ -532,6 +532,7 @@ fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
         blocks: 12,
         holders: 2,
         workers: 2,
+        ..HotPrefix::default()
     };
     assert_eq!(r.hot.waiver(), 0.0);
     assert_eq!(on(1.0).cost(&r, &cold), off.cost(&r, &cold));
@@ -540,8 +541,24 @@ fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
         blocks: 12,
         holders: 7,
         workers: 3,
+        ..HotPrefix::default()
     };
     assert_eq!(r.hot.waiver(), 0.5);
+    // The fleet's mean load is what a replica may carry: below one request per worker it is one
+    // (the same half), at two per worker the three replicas carry six of the seven (1/8), at
+    // three per worker the prefix is no busier than any worker (nothing).
+    for ((requests, workers), share) in [((7, 8), 0.5), ((16, 8), 0.125), ((24, 8), 0.0)] {
+        let fleet = HotPrefix {
+            fleet_requests: requests,
+            fleet_workers: workers,
+            ..r.hot
+        };
+        assert_eq!(
+            fleet.waiver(),
+            share,
+            "{requests} requests on {workers} workers"
+        );
+    }
     assert_eq!(on(1.0).cost(&r, &holder), off.cost(&r, &holder));
     assert_eq!(off.cost(&r, &cold), 4.0 * 20.0 + 20.0);
     assert_eq!(on(1.0).cost(&r, &cold), 4.0 * (20.0 - 6.0) + 20.0);

@@ -132,7 +132,11 @@ impl RoutePolicy {
              to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
-        pc.kv.replicate = non_negative("kv_replicate", cfg.kv_replicate)?;
+        pc.kv.replicate = match cfg.kv_replicate {
+            Some(v) => non_negative("kv_replicate", v)?,
+            None if policy_name == "kv_time" => crate::config::KV_TIME_REPLICATE,
+            None => 0.0,
+        };
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,

@@ -650,9 +650,15 @@ fn request_weight_reaches_the_kv_cost_and_bad_values_are_refused() {
 fn kv_replicate_reaches_the_cost_and_bad_values_are_refused() {
     let build = policy_of;
     let replicate = |toml: &str| kv_cost_of(toml).replicate;
-    // Off unless set, in kv_time (the default) and kv alike.
-    assert_eq!(replicate(""), 0.0);
+    // Unset: on in kv_time (the default policy), off in kv; set, the value in both.
+    assert_eq!(replicate(""), crate::config::KV_TIME_REPLICATE);
+    assert!(crate::config::KV_TIME_REPLICATE > 0.0);
+    assert_eq!(
+        replicate("[routing]\npolicy = \"kv_time\"\n"),
+        crate::config::KV_TIME_REPLICATE
+    );
     assert_eq!(replicate("[routing]\npolicy = \"kv\"\n"), 0.0);
+    assert_eq!(replicate("[routing]\nkv_replicate = 0\n"), 0.0);
     assert_eq!(replicate("[routing]\nkv_replicate = 4\n"), 4.0);
     assert_eq!(
         replicate("[routing]\npolicy = \"kv\"\nkv_replicate = 2.5\n"),
