@@ -652,7 +652,7 @@ fn kv_replicate_reaches_the_cost_and_bad_values_are_refused() {
     let replicate = |toml: &str| kv_cost_of(toml).replicate;
     // Unset: on in kv_time (the default policy), off in kv; set, the value in both.
     assert_eq!(replicate(""), crate::config::KV_TIME_REPLICATE);
-    assert!(crate::config::KV_TIME_REPLICATE > 0.0);
+    const { assert!(crate::config::KV_TIME_REPLICATE > 0.0) };
     assert_eq!(
         replicate("[routing]\npolicy = \"kv_time\"\n"),
         crate::config::KV_TIME_REPLICATE
