@@ -153,7 +153,10 @@ impl Active {
                 let s = *e.get();
                 let b = &mut self.blocks[s as usize];
                 if b.set.is_empty() {
+                    // An idle block (the common case at low concurrency): held once more.
                     self.empty -= 1;
+                    b.set = WorkerSet::one(w);
+                    return (s, true);
                 }
                 if b.set.insert(w) {
                     return (s, true);
@@ -192,6 +195,12 @@ impl Active {
     /// `w`. Releasing a block not held there (a worker already forgotten) changes nothing.
     fn release(&mut self, s: u32, w: WorkerId) -> bool {
         let b = &mut self.blocks[s as usize];
+        if b.extra.is_empty() && b.set.is_only(w) {
+            // Held once, by this request (the common case at low concurrency): idle now.
+            b.set = WorkerSet::default();
+            self.empty += 1;
+            return true;
+        }
         if let Some(i) = b.extra.iter().position(|(x, _)| *x == w.0) {
             b.extra[i].1 -= 1;
             if b.extra[i].1 == 0 {
