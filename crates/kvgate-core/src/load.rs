@@ -10,8 +10,8 @@
 //! free nothing).
 //!
 //! One map holds every active block: the set of workers where it is active, and per worker how
-//! many in-flight requests hold it (one hash lookup per block when a request starts and ends). The
-//! sets let [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt
+//! many in-flight requests hold it (one hash lookup per block when a request starts; a request
+//! keeps its blocks' places in that map, so ending it looks nothing up). The sets let [`ActiveSequences::fill_loads`] score every candidate in one walk over the prompt
 //! instead of one search per worker.
 //!
 //! A block no request holds any more keeps its entry (an empty worker set) until idle entries
@@ -44,7 +44,8 @@ pub struct WorkerLoad {
 #[derive(Debug)]
 struct Entry {
     request_id: u64,
-    hashes: Vec<BlockHash>,
+    /// Its blocks' places in [`Active::blocks`] (held there until this entry is freed).
+    blocks: Vec<u32>,
     /// Still-pending prefill tokens (0 once the first token arrived).
     prefill: u64,
     started: Instant,
@@ -77,21 +78,21 @@ impl WorkerState {
         &mut self,
         w: WorkerId,
         key: u64,
-        pool: &mut Vec<Vec<BlockHash>>,
+        pool: &mut Vec<Vec<u32>>,
         active: &mut Active,
     ) -> bool {
         let Some(mut e) = self.requests.remove(&key) else {
             return false;
         };
         self.pending_prefill_tokens -= e.prefill;
-        for &h in &e.hashes {
-            if active.release(h, w) {
+        for &s in &e.blocks {
+            if active.release(s, w) {
                 self.active_blocks -= 1;
             }
         }
         if pool.len() < POOL_MAX {
-            e.hashes.clear();
-            pool.push(e.hashes);
+            e.blocks.clear();
+            pool.push(e.blocks);
         }
         true
     }
@@ -100,6 +101,8 @@ impl WorkerState {
 /// One block of the active map.
 #[derive(Debug, Default)]
 struct Block {
+    /// Its router hash.
+    hash: BlockHash,
     /// Workers where the block is active.
     set: WorkerSet,
     /// `(worker, n)`: `n` more in-flight requests than the first hold the block on `worker` (only
@@ -109,21 +112,34 @@ struct Block {
 
 /// Router hash → where it is active and how many requests hold it there. Entries whose set became
 /// empty stay until swept.
+///
+/// The blocks live in a slab (`blocks`) and the map holds their places: a request keeps the places
+/// of its blocks ([`Entry::blocks`]) and releases them without a lookup. A place is reused only
+/// after its block was swept, and a block is swept only once its set is empty, so no request in
+/// flight holds it then.
 #[derive(Debug, Default)]
 struct Active {
-    sets: HashKeyed<Block>,
-    /// Entries of `sets` with an empty set.
+    /// Router hash → the block's place in `blocks`.
+    places: HashKeyed<u32>,
+    blocks: Vec<Block>,
+    /// Places of swept blocks, free for new ones.
+    vacant: Vec<u32>,
+    /// Entries of `places` whose block has an empty set.
     empty: usize,
 }
 
 impl Active {
+    fn block(&self, h: &BlockHash) -> Option<&Block> {
+        self.places.get(h).map(|&s| &self.blocks[s as usize])
+    }
+
     fn get(&self, h: &BlockHash) -> Option<&WorkerSet> {
-        self.sets.get(h).map(|b| &b.set).filter(|s| !s.is_empty())
+        self.block(h).map(|b| &b.set).filter(|s| !s.is_empty())
     }
 
     /// How many in-flight requests hold `h` (over every worker), and on how many workers.
     fn holders(&self, h: &BlockHash) -> (u32, u32) {
-        self.sets.get(h).map_or((0, 0), |b| {
+        self.block(h).map_or((0, 0), |b| {
             let workers = b.set.len() as u32;
             (
                 workers + b.extra.iter().map(|&(_, n)| n).sum::<u32>(),
@@ -133,40 +149,66 @@ impl Active {
     }
 
     fn is_active_on(&self, h: &BlockHash, w: WorkerId) -> bool {
-        self.sets.get(h).is_some_and(|b| b.set.contains(w))
+        self.block(h).is_some_and(|b| b.set.contains(w))
     }
 
-    /// One more request on `w` holds `h`; true if `h` was not active on `w` before.
-    fn acquire(&mut self, h: BlockHash, w: WorkerId) -> bool {
+    /// One more request on `w` holds `h`: returns the block's place and whether `h` was not
+    /// active on `w` before.
+    fn acquire(&mut self, h: BlockHash, w: WorkerId) -> (u32, bool) {
         use std::collections::hash_map::Entry;
-        match self.sets.entry(h) {
+        match self.places.entry(h) {
             Entry::Occupied(e) => {
-                let b = e.into_mut();
+                let s = *e.get();
+                let b = &mut self.blocks[s as usize];
                 if b.set.is_empty() {
+                    // An idle block (the common case at low concurrency): held once more.
                     self.empty -= 1;
+                    b.set = WorkerSet::one(w);
+                    return (s, true);
                 }
                 if b.set.insert(w) {
-                    return true;
+                    return (s, true);
                 }
                 match b.extra.iter_mut().find(|(x, _)| *x == w.0) {
                     Some((_, n)) => *n += 1,
                     None => b.extra.push((w.0, 1)),
                 }
-                false
+                (s, false)
             }
             Entry::Vacant(e) => {
-                e.insert(Block::default()).set.insert(w);
-                true
+                let s = match self.vacant.pop() {
+                    Some(s) => {
+                        // Swept with an empty set, so with no per-worker counts either.
+                        let b = &mut self.blocks[s as usize];
+                        debug_assert!(b.set.is_empty() && b.extra.is_empty());
+                        b.hash = h;
+                        s
+                    }
+                    None => {
+                        self.blocks.push(Block {
+                            hash: h,
+                            ..Block::default()
+                        });
+                        (self.blocks.len() - 1) as u32
+                    }
+                };
+                e.insert(s);
+                self.blocks[s as usize].set.insert(w);
+                (s, true)
             }
         }
     }
 
-    /// One request fewer on `w` holds `h`; true if `h` is no longer active on `w`. Releasing a
-    /// block not held there (a worker already forgotten) changes nothing.
-    fn release(&mut self, h: BlockHash, w: WorkerId) -> bool {
-        let Some(b) = self.sets.get_mut(&h) else {
-            return false;
-        };
+    /// One request fewer on `w` holds the block at place `s`; true if it is no longer active on
+    /// `w`. Releasing a block not held there (a worker already forgotten) changes nothing.
+    fn release(&mut self, s: u32, w: WorkerId) -> bool {
+        let b = &mut self.blocks[s as usize];
+        if b.extra.is_empty() && b.set.is_only(w) {
+            // Held once, by this request (the common case at low concurrency): idle now.
+            b.set = WorkerSet::default();
+            self.empty += 1;
+            return true;
+        }
         if let Some(i) = b.extra.iter().position(|(x, _)| *x == w.0) {
             b.extra[i].1 -= 1;
             if b.extra[i].1 == 0 {
@@ -184,10 +226,28 @@ impl Active {
     }
 
     fn maybe_sweep(&mut self) {
-        if self.empty > SWEEP_MIN.max(self.sets.len() - self.empty) {
-            self.sets.retain(|_, b| !b.set.is_empty());
+        if self.empty > SWEEP_MIN.max(self.places.len() - self.empty) {
+            let Active {
+                places,
+                blocks,
+                vacant,
+                ..
+            } = self;
+            places.retain(|_, &mut s| {
+                let live = !blocks[s as usize].set.is_empty();
+                if !live {
+                    vacant.push(s);
+                }
+                live
+            });
             self.empty = 0;
         }
+    }
+
+    /// The blocks in the map (idle ones included), with their hashes.
+    #[cfg(test)]
+    fn entries(&self) -> impl Iterator<Item = &Block> + '_ {
+        self.places.values().map(|&s| &self.blocks[s as usize])
     }
 }
 
@@ -214,7 +274,7 @@ pub(crate) struct Inner {
     /// Scratch of [`Inner::walk_two`]: the workers already passed to its callback.
     seen: Vec<u64>,
     next_key: u64,
-    pool: Vec<Vec<BlockHash>>,
+    pool: Vec<Vec<u32>>,
     /// Requests in flight over every worker, and the workers known (for [`HotPrefix`]).
     inflight: u32,
     known: u32,
@@ -563,23 +623,24 @@ impl ActiveSequences {
         let i = worker.index();
         inner.grow(worker);
         let mut buf = inner.pool.pop().unwrap_or_default();
-        buf.extend_from_slice(hashes);
         if inner.workers[i].is_none() {
             inner.known += 1;
         }
         inner.inflight += 1;
         let ws = inner.workers[i].get_or_insert_with(WorkerState::default);
-        for &h in hashes {
-            if inner.active.acquire(h, worker) {
-                ws.active_blocks += 1;
-            }
-        }
+        let active = &mut inner.active;
+        // One reservation for the places, no capacity check per block.
+        buf.extend(hashes.iter().map(|&h| {
+            let (s, new) = active.acquire(h, worker);
+            ws.active_blocks += u32::from(new);
+            s
+        }));
         ws.pending_prefill_tokens += prefill;
         ws.requests.insert(
             key,
             Entry {
                 request_id,
-                hashes: buf,
+                blocks: buf,
                 prefill,
                 started: now,
             },
@@ -693,8 +754,8 @@ impl ActiveSequences {
                 inner.known -= 1;
                 inner.inflight -= ws.requests.len() as u32;
                 for e in ws.requests.values() {
-                    for &h in &e.hashes {
-                        inner.active.release(h, worker);
+                    for &s in &e.blocks {
+                        inner.active.release(s, worker);
                     }
                 }
                 inner.active.maybe_sweep();
@@ -764,10 +825,9 @@ impl ActiveSequences {
     fn inverse(&self) -> std::collections::BTreeMap<BlockHash, std::collections::BTreeSet<u32>> {
         self.lock()
             .active
-            .sets
-            .iter()
-            .filter(|(_, b)| !b.set.is_empty())
-            .map(|(&h, b)| (h, b.set.iter().map(|w| w.0).collect()))
+            .entries()
+            .filter(|b| !b.set.is_empty())
+            .map(|b| (b.hash, b.set.iter().map(|w| w.0).collect()))
             .collect()
     }
 
@@ -780,7 +840,8 @@ impl ActiveSequences {
         let mut m = std::collections::BTreeMap::<_, std::collections::BTreeSet<u32>>::new();
         for (i, ws) in g.workers.iter().enumerate() {
             for e in ws.iter().flat_map(|ws| ws.requests.values()) {
-                for &h in &e.hashes {
+                for &s in &e.blocks {
+                    let h = g.active.blocks[s as usize].hash;
                     m.entry(h).or_default().insert(i as u32);
                 }
             }

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvgate_core::{block_hashes_into, hash_seed};
+use kvgate_core::{hash_seed, next_hash, BlockHash};
 use kvgate_protocol::openai::{RequestError, RequestView};
 use kvgate_tokenize::{ModelTokenizer, Scratch, TokenizeError};
 
@@ -75,6 +75,68 @@ pub fn recycle_hashes(mut h: Vec<kvgate_core::BlockHash>) {
     }
 }
 
+/// The last prompt's full blocks and their hashes, kept per thread: the next prompt's leading
+/// blocks equal to them (a shared system prompt, the earlier turns of a conversation) take their
+/// hashes instead of being hashed again. A block's chained hash depends only on the tokens up to
+/// its end and on the seed, so with the same seed and block size these are the hashes
+/// [`kvgate_core::block_hashes_into`] gives.
+#[derive(Debug, Default)]
+struct HashMemo {
+    seed: u64,
+    block_size: usize,
+    /// The remembered blocks' tokens (`hashes.len()` whole blocks).
+    tokens: Vec<u32>,
+    hashes: Vec<BlockHash>,
+}
+
+/// Tokens a [`HashMemo`] keeps at most (64 KiB per thread); blocks past them are hashed each time.
+const MEMO_TOKENS: usize = 16 << 10;
+
+impl HashMemo {
+    /// [`kvgate_core::block_hashes_into`]: the chained hashes of every full block of `tokens` into
+    /// `out` (cleared first); the leading blocks equal to the last call's are not hashed again.
+    fn block_hashes_into(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        seed: u64,
+        out: &mut Vec<BlockHash>,
+    ) {
+        out.clear();
+        if block_size == 0 {
+            return;
+        }
+        let full = tokens.len() / block_size;
+        let same = if seed == self.seed && block_size == self.block_size {
+            tokens
+                .chunks_exact(block_size)
+                .zip(self.tokens.chunks_exact(block_size))
+                .take_while(|(a, b)| a == b)
+                .count()
+        } else {
+            0
+        };
+        out.reserve(full);
+        out.extend_from_slice(&self.hashes[..same]);
+        let mut parent = out.last().copied();
+        for block in tokens[same * block_size..full * block_size].chunks_exact(block_size) {
+            let h = next_hash(parent, block, seed);
+            out.push(h);
+            parent = Some(h);
+        }
+        // This prompt's blocks, up to the bound: the shared ones are there already.
+        let keep = full.min(MEMO_TOKENS / block_size);
+        let kept = same.min(keep);
+        self.seed = seed;
+        self.block_size = block_size;
+        self.tokens.truncate(kept * block_size);
+        self.tokens
+            .extend_from_slice(&tokens[kept * block_size..keep * block_size]);
+        self.hashes.truncate(kept);
+        self.hashes.extend_from_slice(&out[kept..keep]);
+    }
+}
+
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
 /// Client errors (bad `messages`/`prompt`, a template that rejects the conversation) are returned.
 pub fn route_input(
@@ -86,6 +148,7 @@ pub fn route_input(
     thread_local! {
         /// The rendered prompt and its ids: buffers kept from request to request.
         static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+        static MEMO: RefCell<HashMemo> = RefCell::new(HashMemo::default());
     }
     let mut hashes = HASHES.try_with(|h| h.take()).unwrap_or_default();
     let mut isl = 0;
@@ -111,7 +174,9 @@ pub fn route_input(
             // pools are per model name already. cache_salt changes the worker's hashes, so it
             // changes ours.
             let seed = hash_seed(None, view.cache_salt.as_deref());
-            block_hashes_into(tokens, block_size as usize, seed, &mut hashes);
+            MEMO.with_borrow_mut(|m| {
+                m.block_hashes_into(tokens, block_size as usize, seed, &mut hashes)
+            });
             isl = tokens.len() as u64;
             scratch.trim();
             Ok(())
@@ -132,6 +197,55 @@ pub fn route_input(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// The memo gives `block_hashes`' hashes over any sequence of prompts: prefixes of one
+        /// text changed at one place and extended, with the seed and the block size changing
+        /// between calls.
+        #[test]
+        fn hash_memo_gives_block_hashes(
+            calls in proptest::collection::vec(
+                (0usize..300, 0usize..320, 0u32..3, proptest::collection::vec(0u32..5, 0..40), 0usize..3, proptest::bool::ANY),
+                1..10,
+            )
+        ) {
+            let base: Vec<u32> = (0..300u32).map(|t| t.wrapping_mul(2_654_435_761) % 1000).collect();
+            let mut memo = HashMemo::default();
+            let mut out = vec![9];
+            for (len, at, v, tail, bs, salted) in calls {
+                let mut t = base[..len].to_vec();
+                if at < t.len() {
+                    t[at] = 1000 + v;
+                }
+                t.extend(tail);
+                let bs = [1, 4, 16][bs];
+                let seed = if salted { 7 } else { kvgate_core::BASE_SEED };
+                memo.block_hashes_into(&t, bs, seed, &mut out);
+                proptest::prop_assert_eq!(&out, &kvgate_core::block_hashes(&t, bs, seed));
+                proptest::prop_assert_eq!(memo.tokens.len(), memo.hashes.len() * bs);
+            }
+        }
+    }
+
+    /// A prompt longer than the memo's bound: its blocks past the bound are hashed each time (and a
+    /// change there is seen), and the memo keeps the bound. Block size 0 gives no hashes.
+    #[test]
+    fn hash_memo_keeps_its_bound() {
+        let mut t: Vec<u32> = (0..MEMO_TOKENS as u32 + 100).collect();
+        let mut memo = HashMemo::default();
+        let mut out = Vec::new();
+        memo.block_hashes_into(&t, 16, 5, &mut out);
+        assert_eq!(out, kvgate_core::block_hashes(&t, 16, 5));
+        assert_eq!(memo.tokens.len(), MEMO_TOKENS);
+        t[MEMO_TOKENS + 20] = 0;
+        memo.block_hashes_into(&t, 16, 5, &mut out);
+        assert_eq!(out, kvgate_core::block_hashes(&t, 16, 5));
+        t[3] = 1;
+        memo.block_hashes_into(&t, 16, 5, &mut out);
+        assert_eq!(out, kvgate_core::block_hashes(&t, 16, 5));
+        memo.block_hashes_into(&t, 0, 5, &mut out);
+        assert!(out.is_empty());
+    }
 
     /// A long prompt is tokenized on the blocking pool: on a single-threaded runtime, a small
     /// request started after it finishes first. Deterministic: the small task is queued before the

@@ -13,6 +13,12 @@
 //! general-purpose hasher costs about a cycle per byte) and hold the text: a hit compares it
 //! whole, so a hash collision is only a miss.
 //!
+//! A segment found again (the same system prompt on every request) skips even the hash: a small
+//! direct-mapped memo remembers, under a fingerprint of the text (its length and three 8-byte
+//! samples), the key it was found under. The memo only proposes a key: the entry there is a hit
+//! only if its text is the segment's, compared whole, so the answer is the one the full lookup
+//! gives (an entry holds the text it was keyed by); otherwise the lookup runs as usual.
+//!
 //! Bounded by bytes (text + ids + a fixed per-entry overhead); when full, the least recently
 //! used half is dropped. Only segments of at least [`MIN_SEGMENT_BYTES`] are cached (shorter ones
 //! encode faster than they hash).
@@ -27,6 +33,10 @@ pub(crate) const MIN_SEGMENT_BYTES: usize = 64;
 pub(crate) const DEFAULT_BUDGET_BYTES: usize = 32 << 20;
 /// Per-entry bookkeeping counted against the budget (map slot, key and ids headers).
 const ENTRY_OVERHEAD: usize = 64;
+/// Slots of the memo of recently found segments (a power of two).
+const MEMO_SLOTS: usize = 16;
+/// Texts shorter than this are not memoised (the fingerprint reads three 8-byte samples).
+const MEMO_MIN_BYTES: usize = 16;
 
 /// Locks a shared cache. A panic while it was held cannot leave it inconsistent (entries are
 /// inserted whole), so a poisoned lock is taken over.
@@ -58,6 +68,8 @@ impl Hasher for KeyHasher {
 
 pub(crate) struct SegCache {
     map: HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>,
+    /// Recently found or stored segments: `(fingerprint, key)` in the slot of the fingerprint.
+    memo: [(u64, u64); MEMO_SLOTS],
     /// Per-cache seed of the key hash, so colliding texts cannot be prepared in advance.
     seed: u64,
     bytes: usize,
@@ -71,6 +83,7 @@ impl SegCache {
     pub(crate) fn new(budget: usize) -> Self {
         Self {
             map: HashMap::default(),
+            memo: [(0, 0); MEMO_SLOTS],
             seed: std::collections::hash_map::RandomState::new().hash_one(0u64),
             bytes: 0,
             budget,
@@ -91,7 +104,28 @@ impl SegCache {
     /// Appends the cached ids of `text` to `out`; false (nothing appended) on a miss.
     pub(crate) fn get_into(&mut self, text: &str, out: &mut Vec<u32>) -> bool {
         self.tick += 1;
+        let fp = fingerprint(text);
+        // The key the memo proposes, if any: a hit only with the same text there.
+        if let Some(fp) = fp {
+            let (f, key) = self.memo[memo_slot(fp)];
+            if f == fp && self.hit(key, text, out) {
+                return true;
+            }
+        }
         let key = self.key(text);
+        if self.hit(key, text, out) {
+            if let Some(fp) = fp {
+                self.memo[memo_slot(fp)] = (fp, key);
+            }
+            return true;
+        }
+        self.misses += 1;
+        false
+    }
+
+    /// The entry under `key` if it holds `text`: its ids appended to `out`, counted as a hit.
+    #[inline]
+    fn hit(&mut self, key: u64, text: &str, out: &mut Vec<u32>) -> bool {
         match self.map.get_mut(&key).filter(|e| *e.text == *text) {
             Some(e) => {
                 e.last_used = self.tick;
@@ -99,10 +133,7 @@ impl SegCache {
                 self.hits += 1;
                 true
             }
-            None => {
-                self.misses += 1;
-                false
-            }
+            None => false,
         }
     }
 
@@ -118,6 +149,9 @@ impl SegCache {
         }
         self.tick += 1;
         self.bytes += cost;
+        if let Some(fp) = fingerprint(text) {
+            self.memo[memo_slot(fp)] = (fp, key);
+        }
         self.map.insert(
             key,
             Entry {
@@ -176,6 +210,36 @@ impl SegCache {
     }
 }
 
+/// A cheap fingerprint of a segment (`None` below [`MEMO_MIN_BYTES`]): its length and its first,
+/// middle and last 8 bytes, mixed. It only picks a memo slot and a candidate key, so texts that
+/// share it cost a lookup, never a wrong answer.
+#[inline]
+fn fingerprint(text: &str) -> Option<u64> {
+    let b = text.as_bytes();
+    let n = b.len();
+    if n < MEMO_MIN_BYTES {
+        return None;
+    }
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(w)
+    };
+    let mix = |h: u64, w: u64| {
+        let m = u128::from(h ^ w) * 0x9e37_79b9_7f4a_7c15u128;
+        (m as u64) ^ ((m >> 64) as u64)
+    };
+    Some(mix(
+        mix(mix(n as u64, word(0)), word(n / 2 - 4)),
+        word(n - 8),
+    ))
+}
+
+#[inline]
+fn memo_slot(fp: u64) -> usize {
+    (fp >> (64 - MEMO_SLOTS.trailing_zeros())) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,6 +272,46 @@ mod tests {
         c.insert("the first text", &[3]);
         assert!(!c.get_into("the first text", &mut out));
         assert_eq!(&*c.map[&key].text, other);
+    }
+
+    /// The memo proposes keys; the text decides. Two texts with the same fingerprint (same
+    /// length and samples) each get their own ids however lookups interleave; a proposal pointing
+    /// at another entry, or at one evicted since, is only a lookup; counts are those of the plain
+    /// lookup.
+    #[test]
+    fn the_memo_never_answers_for_another_text() {
+        let mut c = SegCache::new(1 << 20);
+        let base = "system\nYou are a helpful assistant. ".repeat(4);
+        let (mut a, mut b) = (base.clone().into_bytes(), base.clone().into_bytes());
+        a[20] = b'X';
+        b[20] = b'Y';
+        let (a, b) = (String::from_utf8(a).unwrap(), String::from_utf8(b).unwrap());
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        c.insert(&a, &[1, 1]);
+        c.insert(&b, &[2, 2]);
+        for (text, want) in [(&a, [1, 1]), (&b, [2, 2]), (&b, [2, 2]), (&a, [1, 1])] {
+            let mut out = Vec::new();
+            assert!(c.get_into(text, &mut out));
+            assert_eq!(out, want);
+        }
+        // The slot now proposes `a`'s key for `b`'s fingerprint, and a missing text's.
+        let slot = memo_slot(fingerprint(&a).unwrap());
+        assert_eq!(c.memo[slot], (fingerprint(&a).unwrap(), c.key(&a)));
+        let mut out = Vec::new();
+        assert!(c.get_into(&b, &mut out));
+        assert_eq!(out, [2, 2]);
+        let mut c2 = base.clone().into_bytes();
+        c2[20] = b'Z';
+        let other = String::from_utf8(c2).unwrap();
+        assert!(!c.get_into(&other, &mut out));
+        assert_eq!(out, [2, 2]);
+        assert_eq!((c.hits, c.misses), (5, 1));
+        // Evicted: the memo still holds the key, the lookup misses and appends nothing.
+        assert!(c.memo.iter().any(|&(_, k)| k == c.key(&b)));
+        c.set_budget(0);
+        let mut out = Vec::new();
+        assert!(!c.get_into(&a, &mut out) && !c.get_into(&b, &mut out));
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -58,6 +58,15 @@ pub(crate) fn bits(k: usize, mut word: u64) -> impl Iterator<Item = WorkerId> {
 }
 
 impl WorkerSet {
+    /// The set of `w` alone.
+    #[inline]
+    pub(crate) fn one(w: WorkerId) -> Self {
+        WorkerSet::Inline {
+            len: 1,
+            ids: [w.0, 0, 0],
+        }
+    }
+
     /// Workers `64k..64k+63` of the set as a bit mask.
     #[inline]
     pub(crate) fn word(&self, k: usize) -> u64 {
@@ -81,6 +90,12 @@ impl WorkerSet {
             }
             WorkerSet::Bits(v) => v.get(k).copied().unwrap_or(0),
         }
+    }
+
+    /// Whether the set is `{w}`.
+    #[inline]
+    pub(crate) fn is_only(&self, w: WorkerId) -> bool {
+        matches!(self, WorkerSet::Inline { len: 1, ids } if ids[0] == w.0)
     }
 
     /// Whether the set holds every worker of `alive` (64 per word), given that `alive` is zero

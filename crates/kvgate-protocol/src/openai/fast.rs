@@ -74,25 +74,36 @@ struct Reader<'a> {
     controls: bool,
 }
 
-/// Any byte below 0x20 (not allowed raw in a JSON string). Fixed-size blocks without an early
-/// exit inside, so the compiler vectorises them: 64 bytes, then 16, then one at a time (64-byte
-/// blocks: less loop and test per byte; 477 instructions for the 1.3 KB bench body, 564 with 32).
+/// Any byte below 0x20 (not allowed raw in a JSON string). The body's least byte, taken over
+/// fixed-size blocks without an early exit inside so that the compiler vectorises them (a
+/// byte-wise minimum per 16 bytes): 256-byte blocks, each tested once; then the rest 16 bytes at a
+/// time into one running minimum, the last 16 bytes of the body (overlapping what was read
+/// already) covering the tail, tested once at the end. 279 instructions for the 1.1 KB bench
+/// body, against 528 with a test per 64-byte block and per 16-byte chunk (callgrind, standalone).
 #[inline]
 fn has_control(b: &[u8]) -> bool {
-    let any = |block: &[u8]| block.iter().fold(false, |any, &c| any | (c < 0x20));
-    let mut blocks = b.chunks_exact(64);
+    let least = |block: &[u8]| block.iter().fold(u8::MAX, |m, &c| m.min(c));
+    let mut blocks = b.chunks_exact(256);
     for block in &mut blocks {
-        if any(block) {
+        if least(block) < 0x20 {
             return true;
         }
     }
+    if b.len() < 16 {
+        return b.iter().any(|&c| c < 0x20);
+    }
+    let mut acc = [u8::MAX; 16];
+    let mut fold = |chunk: &[u8]| {
+        for (a, &c) in acc.iter_mut().zip(chunk) {
+            *a = (*a).min(c);
+        }
+    };
     let mut small = blocks.remainder().chunks_exact(16);
-    for block in &mut small {
-        if any(block) {
-            return true;
-        }
+    for chunk in &mut small {
+        fold(chunk);
     }
-    small.remainder().iter().any(|&c| c < 0x20)
+    fold(&b[b.len() - 16..]);
+    least(&acc) < 0x20
 }
 
 /// Where the first `"` or `\\` of `s` is. Most strings of a request (its keys, roles, model

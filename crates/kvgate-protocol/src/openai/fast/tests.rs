@@ -238,15 +238,21 @@ fn the_property_exercises_the_fast_path() {
 }
 
 /// The blocked control-byte check finds one control byte at any position of any length (every
-/// block size and remainder), and none in a body without one.
+/// block size and remainder: the 256-byte blocks, the 16-byte chunks after them and the
+/// overlapping last 16 bytes), and none in a body without one.
 #[test]
 fn has_control_finds_a_control_byte_anywhere() {
-    for len in 0..200 {
+    let lens = (0..200).chain([
+        255, 256, 257, 271, 272, 273, 287, 511, 512, 513, 527, 528, 529, 767, 768, 784, 800,
+    ]);
+    for len in lens {
         let clean = vec![b'a'; len];
         assert!(!has_control(&clean), "{len}");
-        // The bytes around the threshold: 0x1f is a control byte, 0x20 (space) and 0x7f are not.
-        assert!(!has_control(&vec![0x20; len]), "{len}");
-        assert!(!has_control(&vec![0x7f; len]), "{len}");
+        // The bytes around the threshold: 0x1f is a control byte, 0x20 (space), 0x7f and the
+        // bytes of multi-byte UTF-8 (0x80 and up) are not.
+        for c in [0x20, 0x7f, 0x80, 0xff] {
+            assert!(!has_control(&vec![c; len]), "{len} {c}");
+        }
         for at in 0..len {
             for c in [0u8, b'\n', 0x1f] {
                 let mut b = clean.clone();
@@ -254,6 +260,17 @@ fn has_control_finds_a_control_byte_anywhere() {
                 assert!(has_control(&b), "{len} {at} {c}");
             }
         }
+    }
+}
+
+proptest! {
+    /// Against the plain definition, over bodies of every length up to past four blocks, mostly
+    /// without a control byte (1 byte in 51 is one) so that the tail paths run.
+    #[test]
+    fn has_control_is_any_byte_below_0x20(
+        bytes in proptest::collection::vec(prop_oneof![50 => 0x20u8..=0xff, 1 => 0u8..0x20], 0..1100)
+    ) {
+        prop_assert_eq!(has_control(&bytes), bytes.iter().any(|&c| c < 0x20));
     }
 }
 
