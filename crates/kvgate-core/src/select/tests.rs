@@ -576,3 +576,92 @@ fn replication_waives_a_share_of_the_hot_prefix_on_workers_without_it() {
     blind.kv_scoring = false;
     assert_eq!(on(1.0).cost(&r, &blind), 4.0 * (20.0 - 6.0) + 48.0);
 }
+
+#[test]
+fn decode_weight_charges_the_decode_slowdown_a_long_prompt_inflicts() {
+    use crate::latency::{LatencyConfig, Speed};
+    use crate::select::ScrapedLoad;
+    // A cold 4,000-token prompt (250 blocks) and two workers that hold none of it: one with 6
+    // requests decoding at 30 % KV usage and few active blocks, one with 1 request but more
+    // active blocks (a long context).
+    let h = vec![0u64; 250];
+    let r = req(&h, 4000);
+    let scraped = |running| {
+        Some(ScrapedLoad {
+            kv_usage: 0.3,
+            waiting: 0,
+            running,
+        })
+    };
+    let mut crowded = Candidate::new(WorkerId(0));
+    crowded.new_blocks = 250;
+    crowded.active_blocks = 300;
+    crowded.inflight = 6;
+    crowded.scraped = scraped(6);
+    let mut long = Candidate::new(WorkerId(1));
+    long.new_blocks = 250;
+    long.active_blocks = 600;
+    long.inflight = 1;
+    long.scraped = scraped(1);
+    let lat = LatencyConfig::default();
+    let plain = KvCostConfig {
+        queue_time: Some(lat),
+        ..KvCostConfig::default()
+    };
+    let weighted = KvCostConfig {
+        decode_weight: 0.25,
+        ..plain
+    };
+    // Off by default and without queue_time.
+    assert_eq!(KvCostConfig::default().decode_weight, 0.0);
+    let no_queue = KvCostConfig {
+        decode_weight: 0.25,
+        ..KvCostConfig::default()
+    };
+    assert_eq!(
+        no_queue.cost(&r, &crowded),
+        KvCostConfig::default().cost(&r, &crowded)
+    );
+    // The term: inflight · (prefill of the uncached tokens − a decode step) in ms, over the
+    // curve's ms per block, times decode_weight and prefill_weight; the latency estimate's own
+    // inflicted figure.
+    let own = lat.curve.prefill_ms(4000.0);
+    let step = lat.curve.decode_ms(f64::from(0.3f32));
+    let ms = 6.0 * (own - step);
+    assert!((ms - lat.inflicted_ms(&lat.estimate(&r, &crowded), &crowded)).abs() < 1e-9);
+    let per_block = lat.curve.prefill[1] * 16.0;
+    assert!((lat.inflicted_blocks(&r, &crowded) - ms / per_block).abs() < 1e-9);
+    let extra = 4.0 * 0.25 * ms / per_block;
+    assert!((weighted.cost(&r, &crowded) - plain.cost(&r, &crowded) - extra).abs() < 1e-6);
+    // By blocks the crowded worker wins (fewer active blocks); with the term the long prompt
+    // goes where one request decodes.
+    let pick = |cfg: &KvCostConfig| {
+        pick_by_cost(
+            &[cfg.cost(&r, &crowded), cfg.cost(&r, &long)],
+            0.0,
+            &mut fastrand::Rng::with_seed(3),
+        )
+    };
+    assert_eq!(pick(&plain), Some(0));
+    assert_eq!(pick(&weighted), Some(1));
+    // A prompt cached there (a few blocks left to prefill, shorter than a decode step) inflicts
+    // nothing; neither does an idle worker.
+    let mut cached = crowded;
+    cached.overlap_blocks = 249;
+    cached.new_blocks = 1;
+    assert_eq!(lat.inflicted_blocks(&r, &cached), 0.0);
+    let idle = Candidate {
+        inflight: 0,
+        ..long
+    };
+    assert_eq!(lat.inflicted_blocks(&r, &idle), 0.0);
+    // A worker that prefills twice as fast inflicts the same time in half as many... blocks
+    // at its own rate: the exchange uses its speed, as the queue term does.
+    let mut fast = crowded;
+    fast.speed = Speed {
+        prefill: 0.5,
+        decode: 1.0,
+    };
+    let ms_fast = 6.0 * (0.5 * own - step);
+    assert!((lat.inflicted_blocks(&r, &fast) - ms_fast / (0.5 * per_block)).abs() < 1e-9);
+}
