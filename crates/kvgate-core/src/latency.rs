@@ -282,45 +282,22 @@ impl LatencyConfig {
         self.wait_blocks(req, c, false)
     }
 
-    /// The decode slowdown sending `req` to `c` inflicts on the requests in flight there
-    /// ([`LatencyConfig::inflicted_ms`] of the estimate), as prompt blocks `c` prefills in that
-    /// time (the exchange rate of [`LatencyConfig::wait_blocks`]): the `kv` cost's
-    /// [`crate::KvCostConfig::decode_weight`] term. 0 on an idle worker, when the prompt's own
-    /// prefill step is no longer than a decode step there, or when the curve has no positive
-    /// per-token term.
+    /// [`LatencyConfig::start_wait_blocks`] of [`LatencyConfig::unseen_wait_ms`]: with `step`,
+    /// the step in progress and a decode step longer than the prompt's own step count too.
     #[inline]
-    pub fn inflicted_blocks(&self, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
-        if c.inflight == 0 {
-            return 0.0;
-        }
-        let p = c.scraped.map_or(0.0, |s| f64::from(s.kv_usage));
-        let own = c.speed.prefill * self.curve.prefill_ms(Self::uncached_tokens(req, c));
-        let ms = f64::from(c.inflight) * (own - c.speed.decode * self.curve.decode_ms(p)).max(0.0);
-        self.ms_as_blocks(ms, req, c)
-    }
-
-    /// `ms` of prefill on `c` as `req.block_size` prompt blocks: over the curve's cost of one
-    /// more block at its linear term at `c`'s learned prefill speed; 0 without such a term.
-    #[inline]
-    fn ms_as_blocks(&self, ms: f64, req: &RouteRequest<'_>, c: &Candidate) -> f64 {
-        if ms <= 0.0 {
+    pub fn wait_blocks(&self, req: &RouteRequest<'_>, c: &Candidate, step: bool) -> f64 {
+        let wait = self.unseen_wait_ms(req, c, step);
+        if wait <= 0.0 {
             return 0.0;
         }
         let per_block =
             self.curve.prefill[1].max(0.0) * f64::from(req.block_size.max(1)) * c.speed.prefill;
         if per_block.is_finite() && per_block > 0.0 {
-            ms / per_block
+            wait / per_block
         } else {
             // A curve without a per-token term gives no exchange rate: no term.
             0.0
         }
-    }
-
-    /// [`LatencyConfig::start_wait_blocks`] of [`LatencyConfig::unseen_wait_ms`]: with `step`,
-    /// the step in progress and a decode step longer than the prompt's own step count too.
-    #[inline]
-    pub fn wait_blocks(&self, req: &RouteRequest<'_>, c: &Candidate, step: bool) -> f64 {
-        self.ms_as_blocks(self.unseen_wait_ms(req, c, step), req, c)
     }
 
     /// The part of the predicted TTFT on `c` that is not the prefill itself, in ms: the start

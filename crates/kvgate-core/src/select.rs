@@ -297,13 +297,6 @@ pub struct KvCostConfig {
     /// the latency estimate adds to the prefill, so an idle worker is preferred to a busy holder
     /// of a short cached prefix (`routing.kv_step_wait`; default off).
     pub step_wait: bool,
-    /// With `queue_time`: weight of the decode slowdown a prompt inflicts on the requests in
-    /// flight where it lands ([`crate::latency::LatencyConfig::inflicted_blocks`]: each of them
-    /// waits for the step carrying its uncached tokens instead of a decode step), in the same
-    /// prefill blocks as the queue term (`routing.kv_decode_weight`; default 0 = off). The
-    /// `latency` policy's `decode_weight` term in the `kv` cost: a long uncached prompt goes where
-    /// fewer requests decode, a cached one (little left to prefill) is not moved.
-    pub decode_weight: f64,
     /// Replication of a prefix in use (`routing.kv_replicate`, ≥ 0; 0 = off, this type's
     /// default; the gateway's `kv_time` uses 2 unless configured): on a
     /// worker without them, the prompt's hot blocks ([`RouteRequest::hot`]: held by requests in
@@ -327,7 +320,6 @@ impl Default for KvCostConfig {
             pending_weight: 1.0,
             queue_time: None,
             step_wait: false,
-            decode_weight: 0.0,
             replicate: 0.0,
         }
     }
@@ -343,14 +335,9 @@ impl KvCostConfig {
         let overlap = c.effective_overlap();
         let prefill = (raw - f64::from(overlap) - self.replicated(req, overlap)).max(0.0);
         let decode = f64::from(c.active_blocks) + f64::from(c.new_blocks);
-        let queued = self.queue_time.map_or(0.0, |l| {
-            let inflicted = if self.decode_weight > 0.0 {
-                self.decode_weight * l.inflicted_blocks(req, c)
-            } else {
-                0.0
-            };
-            l.wait_blocks(req, c, self.step_wait) + inflicted
-        });
+        let queued = self
+            .queue_time
+            .map_or(0.0, |l| l.wait_blocks(req, c, self.step_wait));
         self.prefill_weight * (prefill + queued)
             + decode
             + self.request_weight * f64::from(c.inflight)

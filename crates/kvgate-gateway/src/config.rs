@@ -391,11 +391,6 @@ pub struct RoutingConfig {
     /// longer than the request's own prefill step count too (all the latency estimate adds to
     /// the prefill), so an idle worker is preferred to a busy holder of a short cached prefix.
     pub kv_step_wait: bool,
-    /// `kv` policy with `kv_queue_time` (or `kv_time`): weight of the decode slowdown a prompt
-    /// inflicts on the requests in flight where it lands (each waits for the step carrying its
-    /// uncached tokens instead of a decode step), charged in the queue term's prefill blocks;
-    /// 0 = off (the `latency` policy's `latency_decode_weight` term in the `kv` cost).
-    pub kv_decode_weight: f64,
     /// `kv` / `kv_time`: replication of a prefix in use, a number >= 0 (0 = off; absent:
     /// [`KV_TIME_REPLICATE`] for `kv_time`, 0 for `kv`): on a worker that lacks them, the
     /// prompt's leading blocks held by requests in flight right now are charged
@@ -450,7 +445,6 @@ impl Default for RoutingConfig {
             latency_kv_wait: true,
             kv_queue_time: false,
             kv_step_wait: false,
-            kv_decode_weight: 0.0,
             kv_replicate: None,
             latency_relax_after: 8,
             latency_decode_coeffs: None,

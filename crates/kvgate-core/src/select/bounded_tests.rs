@@ -277,7 +277,7 @@ proptest! {
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
         // The replication term (off, half, full) with the prompt's hot prefix from the same load.
         let replicate = [0.0, 0.5, 1.0, 3.0][(seed % 4) as usize];
-        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, decode_weight: 0.0, replicate };
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, replicate };
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);
@@ -291,8 +291,7 @@ proptest! {
 
     /// The same for `kv` with the time-based queue term (`queue_time`): learned speeds, engine
     /// slots and KV capacities (so slot and KV-memory waits), two timing curves: a term that only
-    /// raises costs keeps the bounded walk exact; with and without the step wait and the decode
-    /// slowdown term (`decode_weight`).
+    /// raises costs keeps the bounded walk exact; with and without the step wait.
     #[test]
     fn kv_queue_time_bounded_matches_exhaustive(
         workers in 1..150usize,
@@ -301,20 +300,19 @@ proptest! {
         extra in prop::collection::vec(extra_strategy(), 150),
         fits in prop::collection::vec(fit_strategy(), 150),
         query in (0..8usize, 0..12usize),
-        knobs in (0..3usize, 0..2usize, any::<bool>(), any::<bool>(), any::<bool>(), 0..3usize),
+        knobs in (0..3usize, 0..2usize, any::<bool>(), any::<bool>(), any::<bool>()),
         busy in prop::option::of((2..30u32, 0..3u32)),
         seed in any::<u64>(),
     ) {
         let now = Instant::now();
         let (index, active, _guards) = fleet(workers, &held, &running, now);
-        let (pw, curve, slot_wait, kv_wait, step_wait, dw) = knobs;
+        let (pw, curve, slot_wait, kv_wait, step_wait) = knobs;
         let curve = [TimingCurve::default(), TimingCurve { prefill: [0.0, 0.02, 5.0], decode: [0.0, 10.0, 8.0] }][curve];
         let cfg = KvCostConfig {
             prefill_weight: [0.0, 1.0, 4.0][pw],
             pending_weight: 0.25,
             queue_time: Some(LatencyConfig { curve, pending_weight: 1.0, slot_wait, kv_wait }),
             step_wait,
-            decode_weight: [0.0, 0.25, 2.0][dw],
             ..KvCostConfig::default()
         };
         let busy = thresholds(busy);

@@ -132,12 +132,6 @@ impl RoutePolicy {
              to the queue term)"
         );
         pc.kv.step_wait = cfg.kv_step_wait;
-        pc.kv.decode_weight = non_negative("kv_decode_weight", cfg.kv_decode_weight)?;
-        anyhow::ensure!(
-            pc.kv.decode_weight == 0.0 || cfg.kv_queue_time || policy_name == "kv_time",
-            "routing.kv_decode_weight needs routing.kv_queue_time = true or policy kv_time (it \
-             adds to the queue term)"
-        );
         pc.kv.replicate = match cfg.kv_replicate {
             Some(v) => non_negative("kv_replicate", v)?,
             None if policy_name == "kv_time" => crate::config::KV_TIME_REPLICATE,

@@ -612,27 +612,6 @@ fn kv_queue_time_reaches_the_kv_cost_with_the_latency_models_waits() {
         .err()
         .expect("kv_step_wait without kv_queue_time accepted");
     assert!(err.to_string().contains("kv_queue_time"), "{err}");
-    // The decode-slowdown weight: 0 by default, set under kv_time or with the queue term,
-    // refused without it, negative or not a number.
-    assert_eq!(on.decode_weight, 0.0);
-    assert_eq!(
-        kv("[routing]\nkv_decode_weight = 0.25\n").decode_weight,
-        0.25
-    );
-    assert_eq!(
-        kv("[routing]\npolicy = \"kv\"\nkv_queue_time = true\nkv_decode_weight = 1\n")
-            .decode_weight,
-        1.0
-    );
-    let err = policy_of("[routing]\npolicy = \"kv\"\nkv_decode_weight = 0.5\n")
-        .err()
-        .expect("kv_decode_weight without kv_queue_time accepted");
-    assert!(err.to_string().contains("kv_queue_time"), "{err}");
-    let err = policy_of("[routing]\nkv_decode_weight = -1\n")
-        .err()
-        .expect("negative kv_decode_weight accepted");
-    assert!(err.to_string().contains("kv_decode_weight"), "{err}");
-    assert!(Config::from_toml("[routing]\nkv_decode_weight = \"x\"\n").is_err());
 }
 
 /// The routing policy a config builds (its error when refused).
