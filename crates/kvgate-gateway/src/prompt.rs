@@ -108,7 +108,11 @@ impl HashMemo {
         }
         let full = tokens.len() / block_size;
         let same = if seed == self.seed && block_size == self.block_size {
-            common_prefix(&tokens[..full * block_size], &self.tokens) / block_size
+            tokens
+                .chunks_exact(block_size)
+                .zip(self.tokens.chunks_exact(block_size))
+                .take_while(|(a, b)| a == b)
+                .count()
         } else {
             0
         };
@@ -131,27 +135,6 @@ impl HashMemo {
         self.hashes.truncate(kept);
         self.hashes.extend_from_slice(&out[kept..keep]);
     }
-}
-
-/// How many leading tokens `a` and `b` share: one scan, 16 tokens per step (a fixed-size compare
-/// the compiler inlines) rather than a `memcmp` call per block.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    const STEP: usize = 16;
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut i = 0;
-    for (x, y) in a.chunks_exact(STEP).zip(b.chunks_exact(STEP)) {
-        let (x, y): (&[u32; STEP], &[u32; STEP]) = (x.try_into().unwrap(), y.try_into().unwrap());
-        if x != y {
-            break;
-        }
-        i += STEP;
-    }
-    i + a[i..]
-        .iter()
-        .zip(&b[i..])
-        .take_while(|(x, y)| x == y)
-        .count()
 }
 
 /// Build the routing input. Embeddings are load-balanced only (no prefix cache to hit).
@@ -240,24 +223,6 @@ mod tests {
                 memo.block_hashes_into(&t, bs, seed, &mut out);
                 proptest::prop_assert_eq!(&out, &kvgate_core::block_hashes(&t, bs, seed));
                 proptest::prop_assert_eq!(memo.tokens.len(), memo.hashes.len() * bs);
-            }
-        }
-    }
-
-    #[test]
-    fn common_prefix_counts_every_shared_token() {
-        // A difference at each place of 0..=40 tokens (across the 16-token steps and the tail),
-        // with the other side as long, longer or shorter.
-        let a: Vec<u32> = (0..40).collect();
-        for len in 0..=40 {
-            for at in 0..=len {
-                let mut b = a[..len].to_vec();
-                if at < len {
-                    b[at] += 100;
-                }
-                assert_eq!(common_prefix(&a, &b), at, "{len} {at}");
-                assert_eq!(common_prefix(&b, &a), at, "{len} {at}");
-                assert_eq!(common_prefix(&a[..at], &b), at, "{len} {at}");
             }
         }
     }
