@@ -56,44 +56,25 @@ pub fn find_usage(buf: &[u8]) -> Option<Usage> {
 }
 
 /// Where the value of the last `"usage"` key of `buf` starts, and its first byte. The document's
-/// own `usage` is at its end, so the colons of the last `TAIL` bytes are checked first, right to
-/// left: a key is `"usage"` followed by whitespace and one of them (for a body ending with its
-/// usage that is a few colons, where a substring search costs about a thousand instructions).
-/// Keys whose colon is further back lie wholly before the tail and are left to [`last_key_before`].
+/// own `usage` is at its end, so the search runs forward (memchr's vectorised search; its reverse
+/// searcher has no such prefilter and cost ~4x more per response) over windows taken from the end
+/// backwards, stopping at the first window that has a key. Consecutive windows overlap by
+/// `KEY.len() - 1` bytes, so a key across a boundary is found once.
 fn last_usage_key(buf: &[u8]) -> Option<(usize, u8)> {
-    const TAIL: usize = 256;
-    let start = buf.len().saturating_sub(TAIL);
-    for colon in memchr::memrchr_iter(b':', &buf[start..]) {
-        let key_end = buf[..start + colon].trim_ascii_end().len();
-        if buf[..key_end].ends_with(USAGE_KEY) {
-            if let Some(found) = value_start(buf, key_end) {
-                return Some(found);
-            }
-        }
-    }
-    last_key_before(buf, start)
-}
-
-const USAGE_KEY: &[u8] = b"\"usage\"";
-
-/// The last `"usage"` key lying wholly in `buf[..end]` whose value starts somewhere in `buf`. The
-/// search runs forward (memchr's vectorised search; its reverse searcher has no such prefilter
-/// and cost ~4x more per response) over windows taken from `end` backwards, stopping at the first
-/// window that has a key. Consecutive windows overlap by `USAGE_KEY.len() - 1` bytes, so a key
-/// across a boundary is found once.
-fn last_key_before(buf: &[u8], mut end: usize) -> Option<(usize, u8)> {
+    const KEY: &[u8] = b"\"usage\"";
     const WINDOW: usize = 1024;
-    let f = finder!(Finder, USAGE_KEY);
+    let f = finder!(Finder, KEY);
+    let mut end = buf.len();
     loop {
         let start = end.saturating_sub(WINDOW);
         let found = f
             .find_iter(&buf[start..end])
-            .filter_map(|at| value_start(buf, start + at + USAGE_KEY.len()))
+            .filter_map(|at| value_start(buf, start + at + KEY.len()))
             .last();
         if found.is_some() || start == 0 {
             return found;
         }
-        end = start + USAGE_KEY.len() - 1;
+        end = start + KEY.len() - 1;
     }
 }
 

@@ -136,27 +136,13 @@ fn last_usage_key_naive(buf: &[u8]) -> Option<(usize, u8)> {
 
 #[test]
 fn a_key_across_a_window_boundary_is_found_once() {
-    // The last 1024-byte window (before the 256-byte tail scanned by colons) starts `shift` bytes
-    // into the 29-byte document head, so the key (bytes 1..8) is before, across or after the
-    // boundary.
+    // The last 1024-byte window starts `shift` bytes into the 29-byte document head, so the key
+    // (bytes 1..8) is before, across or after the boundary.
     for shift in 0..12 {
         let mut doc = br#"{"usage":{"prompt_tokens":9}}"#.to_vec();
-        doc.extend(std::iter::repeat_n(b' ', 1024 + 256 - 29 + shift));
+        doc.extend(std::iter::repeat_n(b' ', 1024 - 29 + shift));
         assert_eq!(last_usage_key(&doc), last_usage_key_naive(&doc), "{shift}");
         assert_eq!(key(find_usage(&doc)), Some((9, 0, None)), "{shift}");
-    }
-    // The same around the 256-byte tail that is scanned by colons: the key before, across or
-    // after its start, and a key whose colon is in the tail but whose value is not.
-    for pad in 220..262 {
-        let mut doc = br#"{"usage":{"prompt_tokens":7}}"#.to_vec();
-        doc.extend(std::iter::repeat_n(b' ', pad));
-        assert_eq!(last_usage_key(&doc), last_usage_key_naive(&doc), "{pad}");
-        assert_eq!(key(find_usage(&doc)), Some((7, 0, None)), "{pad}");
-        let mut doc = br#"{"usage":{"prompt_tokens":6},"u":""#.to_vec();
-        doc.extend(std::iter::repeat_n(b'x', pad));
-        doc.extend_from_slice(br#"","usage"  :  "#);
-        assert_eq!(last_usage_key(&doc), last_usage_key_naive(&doc), "{pad}");
-        assert_eq!(key(find_usage(&doc)), Some((6, 0, None)), "{pad}");
     }
     // Only a string value in the last window: the key further back decides.
     let mut doc = br#"{"usage":{"prompt_tokens":4},"t":""#.to_vec();
@@ -166,16 +152,15 @@ fn a_key_across_a_window_boundary_is_found_once() {
 }
 
 proptest::proptest! {
-    /// Over documents of up to a few windows, with keys, string values, key-like text and bare
-    /// colons at any place (the tail's colon scan and the windowed search before it, and keys
-    /// across the boundary between them), the search finds what a check of every position finds.
+    /// Over documents of up to a few windows, with keys, string values and key-like text at any
+    /// place, the windowed search finds what a check of every position finds.
     #[test]
     fn windowed_search_finds_the_last_key(
-        parts in proptest::collection::vec((0usize..9, 0usize..1500), 0..12),
+        parts in proptest::collection::vec((0usize..6, 0usize..1500), 0..12),
     ) {
-        const PIECES: [&str; 9] = [
+        const PIECES: [&str; 6] = [
             "\"usage\":{\"prompt_tokens\":1}", "\"usage\" : null", "\"usage\"", "\"usag",
-            "e\":{}", "\"usage\"\n:\n{\"completion_tokens\":2}", ":", " \t: ", "\"a\":1,\"b\":",
+            "e\":{}", "\"usage\"\n:\n{\"completion_tokens\":2}",
         ];
         let mut doc = Vec::new();
         for &(p, pad) in &parts {
