@@ -1034,7 +1034,8 @@ impl Router {
         });
         pick.worker.state.add_inflight();
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
-        self.speeds
+        let cell = self
+            .speeds
             .record_routed(pick.worker.id, pick.estimate.predicted_ms);
         DispatchGuard {
             core: Some(core),
@@ -1046,6 +1047,7 @@ impl Router {
             latency: LatencyFeed {
                 model: self.latency.clone(),
                 speeds: self.speeds.clone(),
+                cell,
                 estimate: pick.estimate,
                 dispatched: now,
                 first_token_seen: std::sync::atomic::AtomicBool::new(false),
@@ -1105,6 +1107,8 @@ const NONE: u64 = u64::MAX;
 struct LatencyFeed {
     model: Arc<Mutex<LatencyModel>>,
     speeds: Arc<SpeedBoard>,
+    /// The worker's cell on the speed board, when it had one at dispatch.
+    cell: Option<super::speeds::SpeedCell>,
     estimate: TtftEstimate,
     dispatched: Instant,
     first_token_seen: std::sync::atomic::AtomicBool,
@@ -1126,7 +1130,7 @@ impl LatencyFeed {
         if model.relaxations() != relaxed {
             self.speeds.publish_all(&model);
         } else {
-            self.speeds.publish(&model, w);
+            self.speeds.publish_at(&model, w, self.cell.as_ref());
         }
     }
 }
