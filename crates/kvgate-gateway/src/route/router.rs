@@ -180,7 +180,8 @@ impl RoutePolicy {
 /// The routing state and its locks, owned here: other modules go through the methods (the index
 /// and the peers' loads through short closures that cannot keep a lock past their call).
 pub struct Router {
-    policy: ArcSwap<RoutePolicy>,
+    /// Read through [`Router::policy`] (each thread keeps the last policy it read).
+    policy: Arc<ArcSwap<RoutePolicy>>,
     index: RwLock<KvIndex>,
     active: ActiveSequences,
     /// Each worker's learned speed (taken to learn only); shared with the dispatch guards that
@@ -437,7 +438,13 @@ impl Bounded {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// The routing policy this thread read last, and the router's cell it came from: while the
+    /// cell holds the same policy (one pointer compare) it is not loaded again. The cache keeps
+    /// the cell and that policy alive, so a pointer seen equal is that same live policy.
+    static POLICY: RefCell<Option<PolicyCache>> = const { RefCell::new(None) };
 }
+
+type PolicyCache = arc_swap::cache::Cache<Arc<ArcSwap<RoutePolicy>>, Arc<RoutePolicy>>;
 
 impl Router {
     pub fn new(policy: RoutePolicy, admission: Arc<Admission>) -> Self {
@@ -446,7 +453,7 @@ impl Router {
         Router {
             sessions,
             admission,
-            policy: ArcSwap::from_pointee(policy),
+            policy: Arc::new(ArcSwap::from_pointee(policy)),
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
             latency: Arc::new(Mutex::new(LatencyModel::new(learn))),
@@ -499,8 +506,20 @@ impl Router {
     }
 
     /// The current policy (and its busy bound and latency settings).
-    pub fn policy(&self) -> arc_swap::Guard<Arc<RoutePolicy>> {
-        self.policy.load()
+    /// Read through this thread's cache: a reload is seen at the next read, as with a load.
+    pub fn policy(&self) -> Arc<RoutePolicy> {
+        POLICY.with(|c| {
+            let mut c = c.borrow_mut();
+            match c.as_mut() {
+                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.policy) => {
+                    cache.load().clone()
+                }
+                _ => {
+                    let cache = c.insert(PolicyCache::new(self.policy.clone()));
+                    cache.load().clone()
+                }
+            }
+        })
     }
 
     /// A reloaded policy; the latency model keeps what it learned, with the new learning settings.
@@ -516,7 +535,7 @@ impl Router {
     /// (so their entry lives as long as ours).
     pub fn note_session(&self, key: Option<u64>, worker: &Worker, now: Instant) {
         let Some(k) = key else { return };
-        let rp = self.policy.load();
+        let rp = self.policy();
         if rp.session_blocks == 0 {
             return;
         }
@@ -698,7 +717,7 @@ impl Router {
         explain: u8,
     ) -> Result<Pick, NoPick> {
         let past_busy = lane == Lane::Priority;
-        let rp = self.policy.load();
+        let rp = self.policy();
         let busy_off = past_busy || rp.busy.is_off();
         let policy = match (leg, &rp.decode_policy) {
             (Leg::Decode, Some(p)) => p.as_ref(),
