@@ -48,8 +48,18 @@ fn set(a: &AtomicU64, v: f64) {
 /// [`SpeedBoard::publish_at`]. Cells are only ever added to the board, never replaced.
 pub struct SpeedCell(Arc<Cell>);
 
+thread_local! {
+    /// The cell vector this thread read last, and the board it came from: while the board holds
+    /// the same vector (one pointer compare) it is not loaded again. The cache keeps the board's
+    /// cell and that vector alive, so a pointer seen equal is that same live vector.
+    static CELLS: std::cell::RefCell<Option<CellsCache>> = const { std::cell::RefCell::new(None) };
+}
+
+type CellsCache = arc_swap::cache::Cache<Arc<ArcSwap<Vec<Arc<Cell>>>>, Arc<Vec<Arc<Cell>>>>;
+
 pub struct SpeedBoard {
-    cells: ArcSwap<Vec<Arc<Cell>>>,
+    /// The request path reads it through [`SpeedBoard::cells_now`].
+    cells: Arc<ArcSwap<Vec<Arc<Cell>>>>,
     floor: parking_lot::Mutex<Floor>,
     /// The floor (f64 bits; 0 = none: every worker is visited).
     floor_bits: AtomicU64,
@@ -129,8 +139,8 @@ impl Floor {
     }
 }
 
-/// A decision's view of the board (one atomic load of the vector for the whole decision).
-pub struct SpeedView(arc_swap::Guard<Arc<Vec<Arc<Cell>>>>);
+/// A decision's view of the board (one read of the vector for the whole decision).
+pub struct SpeedView(Arc<Vec<Arc<Cell>>>);
 
 impl SpeedView {
     /// Sets `speed` and `slots` of `c` as [`LatencyModel::fill`] would from the model.
@@ -164,7 +174,24 @@ impl SpeedView {
 
 impl SpeedBoard {
     pub fn view(&self) -> SpeedView {
-        SpeedView(self.cells.load())
+        SpeedView(self.cells_now())
+    }
+
+    /// The cell vector now, read through this thread's cache (a grown vector is seen at the
+    /// next read, as with a load).
+    fn cells_now(&self) -> Arc<Vec<Arc<Cell>>> {
+        CELLS.with(|c| {
+            let mut c = c.borrow_mut();
+            match c.as_mut() {
+                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.cells) => {
+                    cache.load().clone()
+                }
+                _ => {
+                    let cache = c.insert(CellsCache::new(self.cells.clone()));
+                    cache.load().clone()
+                }
+            }
+        })
     }
 
     /// `w`'s cell, the vector grown to hold it if needed (writers only; they hold the model's
@@ -294,7 +321,7 @@ impl SpeedBoard {
     /// A request predicted at `ms` was routed to `w` (no lock: a gauge's value). Returns `w`'s
     /// cell when it has one, for the request's end to publish to without looking it up again.
     pub fn record_routed(&self, w: WorkerId, ms: f64) -> Option<SpeedCell> {
-        let cells = self.cells.load();
+        let cells = self.cells_now();
         let c = cells.get(w.index())?;
         set(&c.last_predicted_ms, ms);
         Some(SpeedCell(c.clone()))
