@@ -1,6 +1,6 @@
 //! The proxy hop's settings: the client to workers, its time limits, the retry budget.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
