@@ -134,7 +134,7 @@ pub(crate) async fn route_and_forward(
     if let Some(t) = &ctx.telemetry.tracer {
         ctx.trace = t.begin(&parts.headers, ctx.start);
     }
-    let auth = app.auth.load();
+    let auth = crate::thread_cache::auth(&app.auth);
     let caller = auth.check(&parts.headers, ctx.start)?;
     // Read the body (client credentials dropped when auth is on), then what the picker shares:
     // parse, pool, tokens and hashes. Written out here rather than in a helper: one future

@@ -124,14 +124,7 @@ impl ClassClock {
     }
 }
 
-thread_local! {
-    /// The flow policy this thread read last, and the queue's cell it came from: while the cell
-    /// holds the same policy (one pointer compare) it is not loaded again. The cache keeps the
-    /// cell and that policy alive, so a pointer seen equal is that same live policy.
-    static POLICY: std::cell::RefCell<Option<PolicyCache>> = const { std::cell::RefCell::new(None) };
-}
-
-type PolicyCache = arc_swap::cache::Cache<Arc<ArcSwap<FlowPolicy>>, Arc<FlowPolicy>>;
+crate::thread_cache::cached_load!(fn cached_policy(FlowPolicy));
 
 pub struct Admission {
     queue: Mutex<Queue>,
@@ -383,18 +376,7 @@ impl Admission {
     /// The `[flow_control]` policy now in force, read through this thread's cache (a reload is
     /// seen at the next read, as with a load).
     pub fn policy(&self) -> Arc<FlowPolicy> {
-        POLICY.with(|c| {
-            let mut c = c.borrow_mut();
-            match c.as_mut() {
-                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.policy) => {
-                    cache.load().clone()
-                }
-                _ => {
-                    let cache = c.insert(PolicyCache::new(self.policy.clone()));
-                    cache.load().clone()
-                }
-            }
-        })
+        cached_policy(&self.policy)
     }
 
     pub fn len(&self) -> usize {

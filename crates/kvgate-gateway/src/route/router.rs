@@ -438,13 +438,9 @@ impl Bounded {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
-    /// The routing policy this thread read last, and the router's cell it came from: while the
-    /// cell holds the same policy (one pointer compare) it is not loaded again. The cache keeps
-    /// the cell and that policy alive, so a pointer seen equal is that same live policy.
-    static POLICY: RefCell<Option<PolicyCache>> = const { RefCell::new(None) };
 }
 
-type PolicyCache = arc_swap::cache::Cache<Arc<ArcSwap<RoutePolicy>>, Arc<RoutePolicy>>;
+crate::thread_cache::cached_load!(fn cached_policy(RoutePolicy));
 
 impl Router {
     pub fn new(policy: RoutePolicy, admission: Arc<Admission>) -> Self {
@@ -508,18 +504,7 @@ impl Router {
     /// The current policy (and its busy bound and latency settings).
     /// Read through this thread's cache: a reload is seen at the next read, as with a load.
     pub fn policy(&self) -> Arc<RoutePolicy> {
-        POLICY.with(|c| {
-            let mut c = c.borrow_mut();
-            match c.as_mut() {
-                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.policy) => {
-                    cache.load().clone()
-                }
-                _ => {
-                    let cache = c.insert(PolicyCache::new(self.policy.clone()));
-                    cache.load().clone()
-                }
-            }
-        })
+        cached_policy(&self.policy)
     }
 
     /// A reloaded policy; the latency model keeps what it learned, with the new learning settings.

@@ -48,14 +48,7 @@ fn set(a: &AtomicU64, v: f64) {
 /// [`SpeedBoard::publish_at`]. Cells are only ever added to the board, never replaced.
 pub struct SpeedCell(Arc<Cell>);
 
-thread_local! {
-    /// The cell vector this thread read last, and the board it came from: while the board holds
-    /// the same vector (one pointer compare) it is not loaded again. The cache keeps the board's
-    /// cell and that vector alive, so a pointer seen equal is that same live vector.
-    static CELLS: std::cell::RefCell<Option<CellsCache>> = const { std::cell::RefCell::new(None) };
-}
-
-type CellsCache = arc_swap::cache::Cache<Arc<ArcSwap<Vec<Arc<Cell>>>>, Arc<Vec<Arc<Cell>>>>;
+crate::thread_cache::cached_load!(fn cached_cells(Vec<Arc<Cell>>));
 
 pub struct SpeedBoard {
     /// The request path reads it through [`SpeedBoard::cells_now`].
@@ -180,18 +173,7 @@ impl SpeedBoard {
     /// The cell vector now, read through this thread's cache (a grown vector is seen at the
     /// next read, as with a load).
     fn cells_now(&self) -> Arc<Vec<Arc<Cell>>> {
-        CELLS.with(|c| {
-            let mut c = c.borrow_mut();
-            match c.as_mut() {
-                Some(cache) if std::ptr::eq(cache.arc_swap(), &*self.cells) => {
-                    cache.load().clone()
-                }
-                _ => {
-                    let cache = c.insert(CellsCache::new(self.cells.clone()));
-                    cache.load().clone()
-                }
-            }
-        })
+        cached_cells(&self.cells)
     }
 
     /// `w`'s cell, the vector grown to hold it if needed (writers only; they hold the model's
