@@ -33,6 +33,11 @@ pub struct Telemetry {
     no_worker: Lbl,
 }
 
+crate::thread_cache::cached_load!(
+    /// The SLO requests are judged by now (`[slo]`, reloadable).
+    fn cached_slo(SloConfig)
+);
+
 impl Telemetry {
     pub fn new(metrics: Arc<Metrics>, slo: &SloConfig, request_log: bool) -> Telemetry {
         Telemetry {
@@ -348,7 +353,7 @@ impl RequestCtx {
         }
         if ok && self.endpoint.generates() {
             h.slo_checked(m).inc();
-            let slo = &crate::thread_cache::slo(&tel.slo);
+            let slo = &cached_slo(&tel.slo);
             let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);
             let itl_ok = mean_itl.is_none_or(|i| i * 1000.0 <= slo.itl_ms);
             if ttft_ok && itl_ok {

@@ -117,6 +117,11 @@ pub(crate) struct Prepared<'a> {
     pub(crate) pinned: bool,
 }
 
+crate::thread_cache::cached_load!(
+    /// The auth settings now (`[auth]`, reloadable).
+    fn cached_auth(crate::auth::Auth)
+);
+
 /// Everything from auth to the worker's response head, which is put in `slot`; the caller owns
 /// `ctx` and turns the result into the client's response ([`respond`] or [`reject`]). Called straight from the route table:
 /// one async layer fewer, whose future (2.4 KB) was copied into place on every request.
@@ -134,7 +139,7 @@ pub(crate) async fn route_and_forward(
     if let Some(t) = &ctx.telemetry.tracer {
         ctx.trace = t.begin(&parts.headers, ctx.start);
     }
-    let auth = crate::thread_cache::auth(&app.auth);
+    let auth = cached_auth(&app.auth);
     let caller = auth.check(&parts.headers, ctx.start)?;
     // Read the body (client credentials dropped when auth is on), then what the picker shares:
     // parse, pool, tokens and hashes. Written out here rather than in a helper: one future

@@ -32,15 +32,6 @@ macro_rules! cached_load {
 }
 pub(crate) use cached_load;
 
-cached_load!(
-    /// The auth settings now (`[auth]`, reloadable).
-    pub(crate) fn auth(crate::auth::Auth)
-);
-cached_load!(
-    /// The SLO requests are judged by now (`[slo]`, reloadable).
-    pub(crate) fn slo(crate::config::SloConfig)
-);
-
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
