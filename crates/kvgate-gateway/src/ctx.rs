@@ -23,7 +23,8 @@ use crate::route::router::DispatchGuard;
 /// request accounting sees.
 pub struct Telemetry {
     pub metrics: Arc<Metrics>,
-    pub slo: ArcSwap<SloConfig>,
+    /// Read through `thread_cache::slo` on the request path.
+    pub slo: Arc<ArcSwap<SloConfig>>,
     pub request_log: bool,
     pub tokens_served: std::sync::atomic::AtomicU64,
     /// `[tracing]`: `None` when off (each request then costs one branch per hook).
@@ -32,11 +33,16 @@ pub struct Telemetry {
     no_worker: Lbl,
 }
 
+crate::thread_cache::cached_load!(
+    /// The SLO requests are judged by now (`[slo]`, reloadable).
+    fn cached_slo(SloConfig)
+);
+
 impl Telemetry {
     pub fn new(metrics: Arc<Metrics>, slo: &SloConfig, request_log: bool) -> Telemetry {
         Telemetry {
             metrics,
-            slo: ArcSwap::from_pointee(slo.clone()),
+            slo: Arc::new(ArcSwap::from_pointee(slo.clone())),
             request_log,
             tokens_served: std::sync::atomic::AtomicU64::new(0),
             tracer: None,
@@ -347,7 +353,7 @@ impl RequestCtx {
         }
         if ok && self.endpoint.generates() {
             h.slo_checked(m).inc();
-            let slo = &tel.slo.load();
+            let slo = &cached_slo(&tel.slo);
             let ttft_ok = ttft.is_some_and(|t| t.as_secs_f64() * 1000.0 <= slo.ttft_ms);
             let itl_ok = mean_itl.is_none_or(|i| i * 1000.0 <= slo.itl_ms);
             if ttft_ok && itl_ok {

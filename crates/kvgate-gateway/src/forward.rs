@@ -1,6 +1,6 @@
 //! The proxy hop's settings: the client to workers, its time limits, the retry budget.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,37 +80,33 @@ impl Upstream {
 /// Retries may add at most `ratio` × requests (plus `min` per window) over a 10 s window, so a
 /// failing fleet is not hit by a retry storm on top of the load.
 pub struct RetryBudget {
-    window_start_ms: AtomicU64,
+    /// When the current window ends: an `Instant` compared with the request's (no subtraction
+    /// per request); the lock is held for the comparison and, at a window's end, the reset.
+    window_end: parking_lot::Mutex<Instant>,
     requests: AtomicU32,
     retries: AtomicU32,
-    epoch: Instant,
     pub ratio_milli: AtomicU32,
     pub min: AtomicU32,
 }
 
-const WINDOW_MS: u64 = 10_000;
+const WINDOW: Duration = Duration::from_secs(10);
 
 impl RetryBudget {
     pub fn new(ratio: f64, min: u32) -> Self {
         RetryBudget {
-            window_start_ms: AtomicU64::new(0),
+            window_end: parking_lot::Mutex::new(crate::clock::now() + WINDOW),
             requests: AtomicU32::new(0),
             retries: AtomicU32::new(0),
-            epoch: crate::clock::now(),
             ratio_milli: AtomicU32::new((ratio * 1000.0) as u32),
             min: AtomicU32::new(min),
         }
     }
 
+    /// A new window starts at `now` once the current one is over.
     fn roll(&self, now: Instant) {
-        let ms = now.saturating_duration_since(self.epoch).as_millis() as u64;
-        let start = self.window_start_ms.load(Ordering::Relaxed);
-        if ms.saturating_sub(start) >= WINDOW_MS
-            && self
-                .window_start_ms
-                .compare_exchange(start, ms, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
+        let mut end = self.window_end.lock();
+        if now >= *end {
+            *end = now + WINDOW;
             self.requests.store(0, Ordering::Relaxed);
             self.retries.store(0, Ordering::Relaxed);
         }
@@ -154,6 +150,6 @@ mod tests {
         assert!(b.try_retry(t));
         assert!(b.try_retry(t));
         assert!(!b.try_retry(t), "4 requests × 0.5 + 1 = 3 retries");
-        assert!(b.try_retry(t + Duration::from_millis(WINDOW_MS + 1)));
+        assert!(b.try_retry(t + WINDOW + Duration::from_millis(1)));
     }
 }

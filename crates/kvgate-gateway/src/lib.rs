@@ -72,6 +72,7 @@ pub mod reload;
 pub mod route;
 pub mod server;
 pub mod state;
+mod thread_cache;
 pub mod tls;
 pub mod trace;
 pub mod ttl_map;

@@ -99,11 +99,11 @@ pub struct Partner {
 /// Whether requests to `pool` are split: it has a dedicated prefill worker (configured, or
 /// detected for `role = "auto"`). From the pool's cached [`RoleSplit`]: no pass over the pool.
 pub fn applies(pool: &Pool) -> bool {
-    // Every request asks: read the cached split in place (no `Arc` taken) when it is current.
-    if let Some(s) = &*pool.roles.load() {
-        if s.generation == crate::registry::role_generation() {
-            return s.applies;
-        }
+    // Every request asks: the cached answer (one atomic, not the split's `ArcSwap`) when it is
+    // of the current generation.
+    let at = pool.applies_at.load(Ordering::Acquire);
+    if at >> 1 == crate::registry::role_generation() {
+        return at & 1 == 1;
     }
     roles(pool).applies
 }
@@ -129,6 +129,8 @@ pub fn roles(pool: &Pool) -> Arc<RoleSplit> {
         Arc::new(sub_pool(pool, WorkerRole::can_prefill)),
     ));
     pool.roles.store(Some(s.clone()));
+    pool.applies_at
+        .store(generation << 1 | u64::from(s.applies), Ordering::Release);
     s
 }
 

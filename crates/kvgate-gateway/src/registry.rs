@@ -362,6 +362,9 @@ pub struct Pool {
     slots: Vec<u32>,
     /// Its workers by role, cached (`pd::roles` computes it).
     pub(crate) roles: arc_swap::ArcSwapOption<RoleSplit>,
+    /// `roles`' `applies` with its role generation, as `generation << 1 | applies`
+    /// ([`u64::MAX`]: none yet): what `pd::applies` reads on every request, one atomic load.
+    pub(crate) applies_at: AtomicU64,
 }
 
 impl Pool {
@@ -386,6 +389,7 @@ impl Pool {
             tokenizer,
             slots,
             roles: Default::default(),
+            applies_at: AtomicU64::new(u64::MAX),
         }
     }
 

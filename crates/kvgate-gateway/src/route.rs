@@ -512,9 +512,11 @@ async fn wait_for_pick<T>(
                 drop(p);
             }
             Ok(p) => {
-                let waited = now.saturating_duration_since(ticket.arrival);
-                let missed = objective
-                    .is_some_and(|o| waited.as_secs_f64() * 1000.0 + predicted_ms(&p) > o as f64);
+                // The wait so far is read only against an objective (none by default).
+                let missed = objective.is_some_and(|o| {
+                    let waited = now.saturating_duration_since(ticket.arrival);
+                    waited.as_secs_f64() * 1000.0 + predicted_ms(&p) > o as f64
+                });
                 count_wait(queued_at, queue_wait);
                 if missed && reject {
                     if let Some(g) = woken {

@@ -1,13 +1,16 @@
 //! Child processes (`kvgate sim`, `kvgate serve`) owned by guards: a child is killed when its guard
 //! drops, so an error, a panic or Ctrl-C in the comparison never leaves servers behind. Each
 //! child's stderr goes to a log file under the output directory, for the post-mortem.
+//!
+//! These are `std::process` children (stdout read on a thread of its own): tokio's `process`
+//! feature would make every park of every runtime in the binary check for orphans to reap,
+//! `kvgate serve`'s request path included (about 116 instructions per request).
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 
 use super::http;
@@ -50,35 +53,38 @@ impl ChildGuard {
                 std::env::var("KVGATE_BENCH_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
             )
             .envs(env.iter().copied())
-            .kill_on_drop(true)
             .spawn()
             .map_err(|e| {
                 anyhow::anyhow!("cannot start {} {}: {e}", exe.display(), args.join(" "))
             })?;
         // Printed so an operator (and the end-to-end test) can check no child outlives us.
-        eprintln!(
-            "started {name} (pid {}), log {}",
-            child.id().map_or_else(|| "?".into(), |p| p.to_string()),
-            log.display()
-        );
+        eprintln!("started {name} (pid {}), log {}", child.id(), log.display());
         let (tx, rx) = mpsc::unbounded_channel();
-        if let Some(out) = child.stdout.take() {
-            // Ends by itself when the child's stdout closes (the child exited or was killed).
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(out).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-        Ok(Self {
+        let out = child.stdout.take();
+        // From here on the guard owns the child: an error below still kills it.
+        let guard = Self {
             name: name.to_owned(),
             child,
             stdout: rx,
             log,
-        })
+        };
+        if let Some(out) = out {
+            // Ends by itself when the child's stdout closes (the child exited or was killed).
+            std::thread::Builder::new()
+                .name(format!("{name}-stdout"))
+                .spawn(move || {
+                    for line in BufReader::new(out).lines() {
+                        let Ok(line) = line else { break };
+                        if tx.send(line).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| {
+                    anyhow::anyhow!("cannot start a thread reading {name}'s stdout: {e}")
+                })?;
+        }
+        Ok(guard)
     }
 
     /// Fails if the child has already exited (with the tail of its log).
@@ -117,10 +123,24 @@ impl ChildGuard {
         }
     }
 
-    /// Kills the child and reaps it.
+    /// Kills the child and reaps it (polling for its exit for up to 5 s; the drop that follows
+    /// reaps it in any case).
     pub async fn stop(mut self) {
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+        let _ = self.child.kill();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while matches!(self.child.try_wait(), Ok(None)) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    /// Kills a child still running and reaps it (SIGKILL: it is gone a moment later).
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

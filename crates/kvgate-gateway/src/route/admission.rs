@@ -124,9 +124,13 @@ impl ClassClock {
     }
 }
 
+crate::thread_cache::cached_load!(fn cached_policy(FlowPolicy));
+
 pub struct Admission {
     queue: Mutex<Queue>,
-    policy: ArcSwap<FlowPolicy>,
+    /// Read through [`Admission::policy`] on the request path (each thread keeps the last
+    /// policy it read).
+    policy: Arc<ArcSwap<FlowPolicy>>,
     /// The policy forwards the priority to some worker kind (flow control on and
     /// `forward_priority` not empty): the requests of the default setup (off) skip loading the
     /// policy for the engine priority and the lanes.
@@ -286,7 +290,7 @@ impl Admission {
                 published: Vec::new(),
                 deferred: false,
             }),
-            policy: ArcSwap::from_pointee(FlowPolicy::default()),
+            policy: Arc::new(ArcSwap::from_pointee(FlowPolicy::default())),
             forwards: AtomicBool::new(false),
             next_ticket: AtomicU64::new(1),
             max_len: AtomicUsize::new(max_len),
@@ -369,9 +373,10 @@ impl Admission {
         self.eff(a).cmp(&self.eff(b))
     }
 
-    /// The `[flow_control]` policy now in force.
-    pub fn policy(&self) -> arc_swap::Guard<Arc<FlowPolicy>> {
-        self.policy.load()
+    /// The `[flow_control]` policy now in force, read through this thread's cache (a reload is
+    /// seen at the next read, as with a load).
+    pub fn policy(&self) -> Arc<FlowPolicy> {
+        cached_policy(&self.policy)
     }
 
     pub fn len(&self) -> usize {
@@ -406,7 +411,7 @@ impl Admission {
     /// A request arrives for pool `pool` (any stable id of the pool): its class, tag and rank.
     /// With flow control off every request is the same class and tenant: arrival order.
     pub fn admit(&self, key: &FlowKey, pool: u64, arrival: Instant) -> Ticket<'_> {
-        let policy = self.policy.load();
+        let policy = self.policy();
         let class = policy.class(key.priority).clone();
         let weight = policy.weight(key.tenant.as_deref());
         let objective_ms = policy.objective(key, &class);

@@ -180,7 +180,8 @@ impl RoutePolicy {
 /// The routing state and its locks, owned here: other modules go through the methods (the index
 /// and the peers' loads through short closures that cannot keep a lock past their call).
 pub struct Router {
-    policy: ArcSwap<RoutePolicy>,
+    /// Read through [`Router::policy`] (each thread keeps the last policy it read).
+    policy: Arc<ArcSwap<RoutePolicy>>,
     index: RwLock<KvIndex>,
     active: ActiveSequences,
     /// Each worker's learned speed (taken to learn only); shared with the dispatch guards that
@@ -439,6 +440,8 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+crate::thread_cache::cached_load!(fn cached_policy(RoutePolicy));
+
 impl Router {
     pub fn new(policy: RoutePolicy, admission: Arc<Admission>) -> Self {
         let learn = policy.learn;
@@ -446,7 +449,7 @@ impl Router {
         Router {
             sessions,
             admission,
-            policy: ArcSwap::from_pointee(policy),
+            policy: Arc::new(ArcSwap::from_pointee(policy)),
             index: RwLock::new(KvIndex::new()),
             active: ActiveSequences::new(),
             latency: Arc::new(Mutex::new(LatencyModel::new(learn))),
@@ -499,8 +502,9 @@ impl Router {
     }
 
     /// The current policy (and its busy bound and latency settings).
-    pub fn policy(&self) -> arc_swap::Guard<Arc<RoutePolicy>> {
-        self.policy.load()
+    /// Read through this thread's cache: a reload is seen at the next read, as with a load.
+    pub fn policy(&self) -> Arc<RoutePolicy> {
+        cached_policy(&self.policy)
     }
 
     /// A reloaded policy; the latency model keeps what it learned, with the new learning settings.
@@ -516,7 +520,7 @@ impl Router {
     /// (so their entry lives as long as ours).
     pub fn note_session(&self, key: Option<u64>, worker: &Worker, now: Instant) {
         let Some(k) = key else { return };
-        let rp = self.policy.load();
+        let rp = self.policy();
         if rp.session_blocks == 0 {
             return;
         }
@@ -698,7 +702,7 @@ impl Router {
         explain: u8,
     ) -> Result<Pick, NoPick> {
         let past_busy = lane == Lane::Priority;
-        let rp = self.policy.load();
+        let rp = self.policy();
         let busy_off = past_busy || rp.busy.is_off();
         let policy = match (leg, &rp.decode_policy) {
             (Leg::Decode, Some(p)) => p.as_ref(),
@@ -1034,7 +1038,8 @@ impl Router {
         });
         pick.worker.state.add_inflight();
         pick.worker.state.dispatched.fetch_add(1, Ordering::Relaxed);
-        self.speeds
+        let cell = self
+            .speeds
             .record_routed(pick.worker.id, pick.estimate.predicted_ms);
         DispatchGuard {
             core: Some(core),
@@ -1046,6 +1051,7 @@ impl Router {
             latency: LatencyFeed {
                 model: self.latency.clone(),
                 speeds: self.speeds.clone(),
+                cell,
                 estimate: pick.estimate,
                 dispatched: now,
                 first_token_seen: std::sync::atomic::AtomicBool::new(false),
@@ -1105,6 +1111,8 @@ const NONE: u64 = u64::MAX;
 struct LatencyFeed {
     model: Arc<Mutex<LatencyModel>>,
     speeds: Arc<SpeedBoard>,
+    /// The worker's cell on the speed board, when it had one at dispatch.
+    cell: Option<super::speeds::SpeedCell>,
     estimate: TtftEstimate,
     dispatched: Instant,
     first_token_seen: std::sync::atomic::AtomicBool,
@@ -1126,7 +1134,7 @@ impl LatencyFeed {
         if model.relaxations() != relaxed {
             self.speeds.publish_all(&model);
         } else {
-            self.speeds.publish(&model, w);
+            self.speeds.publish_at(&model, w, self.cell.as_ref());
         }
     }
 }

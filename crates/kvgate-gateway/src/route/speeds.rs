@@ -44,8 +44,15 @@ fn set(a: &AtomicU64, v: f64) {
 /// above the ceiling, maintained at each publication from multisets of the known workers' factors
 /// (O(log workers), no pass over the fleet). The bounded `latency` decision uses them to bound
 /// every unvisited worker's cost ([`SpeedBoard::bounds`]).
+/// One worker's published speeds, held by a routed request ([`SpeedBoard::record_routed`]) for
+/// [`SpeedBoard::publish_at`]. Cells are only ever added to the board, never replaced.
+pub struct SpeedCell(Arc<Cell>);
+
+crate::thread_cache::cached_load!(fn cached_cells(Vec<Arc<Cell>>));
+
 pub struct SpeedBoard {
-    cells: ArcSwap<Vec<Arc<Cell>>>,
+    /// The request path reads it through [`SpeedBoard::cells_now`].
+    cells: Arc<ArcSwap<Vec<Arc<Cell>>>>,
     floor: parking_lot::Mutex<Floor>,
     /// The floor (f64 bits; 0 = none: every worker is visited).
     floor_bits: AtomicU64,
@@ -125,8 +132,8 @@ impl Floor {
     }
 }
 
-/// A decision's view of the board (one atomic load of the vector for the whole decision).
-pub struct SpeedView(arc_swap::Guard<Arc<Vec<Arc<Cell>>>>);
+/// A decision's view of the board (one read of the vector for the whole decision).
+pub struct SpeedView(Arc<Vec<Arc<Cell>>>);
 
 impl SpeedView {
     /// Sets `speed` and `slots` of `c` as [`LatencyModel::fill`] would from the model.
@@ -160,7 +167,13 @@ impl SpeedView {
 
 impl SpeedBoard {
     pub fn view(&self) -> SpeedView {
-        SpeedView(self.cells.load())
+        SpeedView(self.cells_now())
+    }
+
+    /// The cell vector now, read through this thread's cache (a grown vector is seen at the
+    /// next read, as with a load).
+    fn cells_now(&self) -> Arc<Vec<Arc<Cell>>> {
+        cached_cells(&self.cells)
     }
 
     /// `w`'s cell, the vector grown to hold it if needed (writers only; they hold the model's
@@ -200,7 +213,19 @@ impl SpeedBoard {
     /// Copy `w`'s fit from `model` (or its absence). Call with the model's lock held, after any
     /// change to `w`.
     pub fn publish(&self, model: &LatencyModel, w: WorkerId) {
-        let cell = self.cell(w);
+        self.publish_to(model, w, &self.cell(w));
+    }
+
+    /// [`Self::publish`] with `w`'s cell in hand (a [`SpeedCell`] taken when the request was
+    /// routed there: a worker's cell is never replaced, so it is the one the board holds).
+    pub fn publish_at(&self, model: &LatencyModel, w: WorkerId, cell: Option<&SpeedCell>) {
+        match cell {
+            Some(c) => self.publish_to(model, w, &c.0),
+            None => self.publish(model, w),
+        }
+    }
+
+    fn publish_to(&self, model: &LatencyModel, w: WorkerId, cell: &Cell) {
         // The bounds move with the published factors: loosened before the cell changes,
         // tightened after, so a decision never reads a floor above (or a ceiling below) a factor
         // it may read.
@@ -215,7 +240,7 @@ impl SpeedBoard {
         });
         let bits = |s: Option<Speed>| s.map(|s| (s.prefill.to_bits(), s.decode.to_bits()));
         if bits(old) == bits(new) {
-            Self::publish_cell(&cell, fit);
+            Self::publish_cell(cell, fit);
             return;
         }
         let (before, after) = {
@@ -239,7 +264,7 @@ impl SpeedBoard {
         if looser_ceiling(after.1, before.1) {
             self.ceiling_bits.store(after.1.to_bits(), Ordering::SeqCst);
         }
-        Self::publish_cell(&cell, fit);
+        Self::publish_cell(cell, fit);
         self.floor_bits.store(after.0.to_bits(), Ordering::SeqCst);
         self.ceiling_bits.store(after.1.to_bits(), Ordering::SeqCst);
     }
@@ -275,11 +300,13 @@ impl SpeedBoard {
         }
     }
 
-    /// A request predicted at `ms` was routed to `w` (no lock: a gauge's value).
-    pub fn record_routed(&self, w: WorkerId, ms: f64) {
-        if let Some(c) = self.cells.load().get(w.index()) {
-            set(&c.last_predicted_ms, ms);
-        }
+    /// A request predicted at `ms` was routed to `w` (no lock: a gauge's value). Returns `w`'s
+    /// cell when it has one, for the request's end to publish to without looking it up again.
+    pub fn record_routed(&self, w: WorkerId, ms: f64) -> Option<SpeedCell> {
+        let cells = self.cells_now();
+        let c = cells.get(w.index())?;
+        set(&c.last_predicted_ms, ms);
+        Some(SpeedCell(c.clone()))
     }
 
     /// The predicted TTFT (ms) of the last request routed to `w` (0 before any).
