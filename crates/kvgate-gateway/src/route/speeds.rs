@@ -35,6 +35,12 @@ fn set(a: &AtomicU64, v: f64) {
     a.store(v.to_bits(), Ordering::Relaxed);
 }
 
+/// One worker's published speeds, held by a routed request ([`SpeedBoard::record_routed`]) for
+/// [`SpeedBoard::publish_at`]. Cells are only ever added to the board, never replaced.
+pub struct SpeedCell(Arc<Cell>);
+
+crate::thread_cache::cached_load!(fn cached_cells(Vec<Arc<Cell>>));
+
 /// Every worker's [`Cell`], by worker index. The vector is replaced (rarely: a worker id beyond
 /// its end) and its cells are shared between the old and the new one, so a reader holding the
 /// old vector still reads live values.
@@ -44,12 +50,6 @@ fn set(a: &AtomicU64, v: f64) {
 /// above the ceiling, maintained at each publication from multisets of the known workers' factors
 /// (O(log workers), no pass over the fleet). The bounded `latency` decision uses them to bound
 /// every unvisited worker's cost ([`SpeedBoard::bounds`]).
-/// One worker's published speeds, held by a routed request ([`SpeedBoard::record_routed`]) for
-/// [`SpeedBoard::publish_at`]. Cells are only ever added to the board, never replaced.
-pub struct SpeedCell(Arc<Cell>);
-
-crate::thread_cache::cached_load!(fn cached_cells(Vec<Arc<Cell>>));
-
 pub struct SpeedBoard {
     /// The request path reads it through [`SpeedBoard::cells_now`].
     cells: Arc<ArcSwap<Vec<Arc<Cell>>>>,
