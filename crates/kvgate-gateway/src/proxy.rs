@@ -109,8 +109,7 @@ pub(crate) struct Prepared<'a> {
     pub(crate) spliced: Option<Bytes>,
     pub(crate) pool: Arc<crate::registry::Pool>,
     pub(crate) ri: crate::prompt::RouteInput,
-    /// When the routing decision started (the body in hand: the request's start when the
-    /// connection read the body before the handler ran).
+    /// When the routing decision started (after the body was read).
     pub(crate) t_decide: Instant,
     /// The request uses a stored response: `pool` is its origin worker alone, and a failure there
     /// is the answer (another worker does not have the response).
@@ -150,21 +149,13 @@ pub(crate) async fn route_and_forward(
             parts.headers.remove(h);
         }
     }
-    // A body the connection read before the handler ran (`ReqBody::Full`: every HTTP/1 body) was
-    // in hand at the request's start, so the decision starts then: one clock read fewer.
-    let read_before = matches!(body, ReqBody::Full(_));
     let bytes = read_body(
         body,
         parts.headers.get(header::CONTENT_LENGTH),
         app.max_body,
     )
     .await?;
-    let t_decide = if read_before {
-        ctx.start
-    } else {
-        crate::clock::now()
-    };
-    let mut p = prepare_read(app, ctx, parts, bytes, caller.as_ref(), t_decide).await?;
+    let mut p = prepare_read(app, ctx, parts, bytes, caller.as_ref()).await?;
     app.upstream.retry.on_request(ctx.start);
     let api = ctx.endpoint.api();
     if !api.splits && api.generates && crate::pd::applies(&p.pool) {
@@ -412,15 +403,15 @@ pub(crate) fn prioritized(
 /// endpoint picker (`epp/conversation.rs`) share. The client API's parse (400), the pool (404; a
 /// stored response's origin worker alone), the prompt's tokens and hashes (agent APIs rendered
 /// through the chat template), the session affinity and the flow-control key (400 on a malformed
-/// flow header). `t_decide`: when the decision starts, the body being read.
+/// flow header).
 pub(crate) async fn prepare_read<'a>(
     app: &Arc<Proxy>,
     ctx: &mut RequestCtx,
     parts: &'a http::request::Parts,
     bytes: Bytes,
     caller: Option<&crate::auth::Caller>,
-    t_decide: Instant,
 ) -> Result<Prepared<'a>, GatewayError> {
+    let t_decide = crate::clock::now();
     let bad = |e: kvgate_protocol::openai::RequestError| {
         let param = e.param();
         GatewayError::new(ErrorKind::BadRequest { param }, e.to_string())

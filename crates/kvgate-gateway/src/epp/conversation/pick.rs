@@ -67,16 +67,8 @@ impl Conversation {
             Ok(None) => (body, None),
             Err(e) => return Err(self.reject(ctx, e)),
         };
-        let t_decide = crate::clock::now();
-        let mut p = match crate::proxy::prepare_read(
-            proxy,
-            &mut ctx,
-            &parts,
-            body,
-            caller.as_ref(),
-            t_decide,
-        )
-        .await
+        let mut p = match crate::proxy::prepare_read(proxy, &mut ctx, &parts, body, caller.as_ref())
+            .await
         {
             Ok(p) => p,
             Err(e) => return Err(self.reject(ctx, e)),
