@@ -309,6 +309,22 @@ pub struct KvCostConfig {
     /// history is held by no other request between its turns and keeps its full charge, so
     /// sessions stay where their history is.
     pub replicate: f64,
+    /// A cold prompt placed by predicted time in a fleet whose traffic reuses little
+    /// (`routing.kv_cold_latency`, a share of the prompt's blocks in `[0, 1]`; 0 = off, this
+    /// type's default; the gateway's `kv_time` uses 0.9 unless configured). Needs `queue_time`
+    /// (the latency model). While the fleet's recent reuse ([`KvPolicy`](crate::KvPolicy)'s
+    /// moving average of the best cached share of each prompt) is below `cold_reuse`, a request
+    /// no candidate holds more than this share of is picked by the `latency` policy's cost
+    /// ([`crate::LatencyPolicyConfig::cost`], with `cold_decode_weight`) instead of the block
+    /// cost: where caches are seldom reused, keeping a partly cached prompt's worker buys little
+    /// and its queue costs time.
+    pub cold_latency: f64,
+    /// With `cold_latency`: the recent reuse below which it applies (`routing.kv_cold_reuse`,
+    /// in `[0, 1]`, default 0.5).
+    pub cold_reuse: f64,
+    /// With `cold_latency`: the `latency` policy's `decode_weight` for those picks
+    /// (`routing.latency_decode_weight`, default 0.25).
+    pub cold_decode_weight: f64,
 }
 
 impl Default for KvCostConfig {
@@ -321,6 +337,9 @@ impl Default for KvCostConfig {
             queue_time: None,
             step_wait: false,
             replicate: 0.0,
+            cold_latency: 0.0,
+            cold_reuse: 0.5,
+            cold_decode_weight: 0.25,
         }
     }
 }

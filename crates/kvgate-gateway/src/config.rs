@@ -333,6 +333,10 @@ impl Default for ResponsePinsConfig {
 /// policy); `kv` keeps 0 (docs/routing.md §4, docs/bench.md "Replicating a prefix in use").
 pub const KV_TIME_REPLICATE: f64 = 2.0;
 
+/// `routing.kv_cold_latency` when the key is absent and the policy is `kv_time`; `kv` keeps 0
+/// (docs/routing.md §4, docs/bench.md "Cold prompts placed by time where reuse is low").
+pub const KV_TIME_COLD_LATENCY: f64 = 0.9;
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoutingConfig {
@@ -399,6 +403,14 @@ pub struct RoutingConfig {
     /// worker, at least 1), so new sessions over a shared system prompt spread by load instead
     /// of queueing behind its holder (docs/routing.md §4).
     pub kv_replicate: Option<f64>,
+    /// `kv_time` (or `kv` with `kv_queue_time`): while the fleet's recent reuse (a moving
+    /// average, over about the last 50 decisions, of the best cached share of each prompt) is
+    /// below `kv_cold_reuse`, a request no worker holds more than this share of (of its
+    /// prompt's blocks, in `[0, 1]`; 0 = off; absent: [`KV_TIME_COLD_LATENCY`] for `kv_time`,
+    /// 0 for `kv`) is placed by the `latency` policy's cost instead of the block cost.
+    pub kv_cold_latency: Option<f64>,
+    /// With `kv_cold_latency`: the recent reuse below which it applies (a share in `[0, 1]`).
+    pub kv_cold_reuse: f64,
     /// Latency model: the learned speed of a worker that none of the fleet's last `N × workers`
     /// first tokens came from (it gets no traffic) relaxes towards the fleet's, half the distance
     /// per further `N × workers`, so a worker avoided for being slow is tried again and seen
@@ -446,6 +458,8 @@ impl Default for RoutingConfig {
             kv_queue_time: false,
             kv_step_wait: false,
             kv_replicate: None,
+            kv_cold_latency: None,
+            kv_cold_reuse: 0.5,
             latency_relax_after: 8,
             latency_decode_coeffs: None,
             slo_routing: false,

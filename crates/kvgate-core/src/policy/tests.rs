@@ -412,3 +412,82 @@ fn kv_time_is_kv_with_the_queue_term_on() {
     assert_eq!(plain.as_kv().unwrap().config().replicate, 0.0);
     assert_eq!(k.config().replicate, 0.0);
 }
+
+/// `kv_time` with the cold rule: a prompt no worker holds more than `cold_latency` of goes where
+/// the latency cost says once the recent reuse is below `cold_reuse`, and where the block cost
+/// says otherwise (reuse high, the prompt cached beyond the share, or no latency model).
+#[test]
+fn kv_time_places_cold_prompts_by_latency_only_where_reuse_is_low() {
+    use crate::latency::LatencyConfig;
+    let h: Vec<u64> = (1..=64).collect(); // 1024 tokens
+    let cfg = KvCostConfig {
+        cold_latency: 0.8,
+        cold_reuse: 0.5,
+        ..Default::default()
+    };
+    let p = KvPolicy::time(cfg, LatencyConfig::default(), Default::default());
+    let mut rng = fastrand::Rng::with_seed(3);
+    // Worker 0 holds much decode memory but has no prompt work queued; worker 1 little memory
+    // and 4000 prompt tokens queued. Blocks: 0 costs 4·64 + 2000 = 2256, 1 costs
+    // 4·(0.25·4000/16 + 64) + 10 = 516. Time: 0 prefills 1024 tokens (~32 ms), 1 4064 (~85 ms).
+    let mut c = cands(2);
+    c[0].active_blocks = 2000;
+    c[0].inflight = 1;
+    c[1].active_blocks = 10;
+    c[1].inflight = 1;
+    c[1].pending_prefill_tokens = 4000;
+    let lat = LatencyPolicyConfig::default();
+    assert!(lat.cost(&req(&h), &c[0]).0 < lat.cost(&req(&h), &c[1]).0);
+    assert!(cfg.cost(&req(&h), &c[0]) > cfg.cost(&req(&h), &c[1]));
+    // A new policy starts at reuse 1: blocks.
+    assert_eq!(p.recent_reuse(), 1.0);
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    // About 35 prompts with nothing cached take the recent reuse below 0.5; then time decides.
+    let mut picks = Vec::new();
+    for _ in 0..40 {
+        picks.push(pick(&p, &req(&h), &c, &mut rng));
+    }
+    assert!(p.recent_reuse() < 0.5, "{}", p.recent_reuse());
+    assert_eq!(picks[..30], [1; 30]);
+    assert_eq!(picks[36..], [0; 4]);
+    let d = p.select(&req(&h), &c, &mut rng).unwrap();
+    assert_eq!(d.worker.0, 0);
+    assert_eq!(
+        d.cost,
+        lat.cost(&req(&h), &c[0]).0,
+        "the latency cost in ms"
+    );
+    // Cached beyond the share (60 of 64 blocks on worker 1): blocks, though time says 0.
+    let mut warm = c.clone();
+    warm[1].overlap_blocks = 60;
+    assert!(lat.cost(&req(&h), &warm[0]).0 < lat.cost(&req(&h), &warm[1]).0);
+    assert_eq!(pick(&p, &req(&h), &warm, &mut rng), 1);
+    // At the share (51 of 64 ≤ 0.8 · 64): still cold.
+    let mut edge = c.clone();
+    edge[1].overlap_blocks = 51;
+    assert_eq!(pick(&p, &req(&h), &edge, &mut rng), 0);
+    // Reuse back up (prompts cached whole): blocks again.
+    let mut whole = c.clone();
+    whole[1].overlap_blocks = 64;
+    for _ in 0..15 {
+        pick(&p, &req(&h), &whole, &mut rng);
+    }
+    assert!(p.recent_reuse() > 0.5, "{}", p.recent_reuse());
+    assert_eq!(pick(&p, &req(&h), &c, &mut rng), 1);
+    // `kv` without the latency model, and `kv_time` with the rule off: never.
+    for q in [
+        KvPolicy::new(cfg, Default::default()),
+        KvPolicy::time(
+            KvCostConfig {
+                cold_latency: 0.0,
+                ..cfg
+            },
+            LatencyConfig::default(),
+            Default::default(),
+        ),
+    ] {
+        for _ in 0..60 {
+            assert_eq!(pick(&q, &req(&h), &c, &mut rng), 1);
+        }
+    }
+}

@@ -105,7 +105,9 @@ pub fn select_kv_bounded(
         |key, _| base + key,
         |c| (busy.is_off() || !is_busy(c, busy)).then(|| cfg.cost(req, c)),
     );
-    policy.select(req, candidates, rng)
+    // The block cost's pick; the cold rule ([`KvPolicy::placed_by_latency`]) is the caller's,
+    // which then takes the bounded `latency` walk.
+    policy.select_blocks(req, candidates, rng)
 }
 
 /// Bounds of the speed factors every worker may have, for [`select_latency_bounded`]: no worker's

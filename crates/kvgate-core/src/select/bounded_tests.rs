@@ -277,7 +277,7 @@ proptest! {
         let (pw, rw, pend) = ([0.0, 1.0, 4.0][weights.0], [0.0, 0.5][weights.1], [1.0, 0.5][weights.2]);
         // The replication term (off, half, full) with the prompt's hot prefix from the same load.
         let replicate = [0.0, 0.5, 1.0, 3.0][(seed % 4) as usize];
-        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, replicate };
+        let cfg = KvCostConfig { prefill_weight: pw, request_weight: rw, pending_weight: pend, temperature: 0.0, queue_time: None, step_wait: false, replicate, ..KvCostConfig::default() };
         let busy = thresholds(busy);
         let policy = KvPolicy::new(cfg, busy);
         let h = block_hashes(&tokens(query.0, query.1), BS, BASE_SEED);

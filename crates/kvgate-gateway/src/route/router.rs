@@ -137,6 +137,30 @@ impl RoutePolicy {
             None if policy_name == "kv_time" => crate::config::KV_TIME_REPLICATE,
             None => 0.0,
         };
+        let cold = match cfg.kv_cold_latency {
+            Some(v) => {
+                anyhow::ensure!(
+                    (0.0..=1.0).contains(&v),
+                    "routing.kv_cold_latency must be a share of the prompt in [0, 1], got {v}"
+                );
+                anyhow::ensure!(
+                    v == 0.0 || cfg.kv_queue_time || policy_name == "kv_time",
+                    "routing.kv_cold_latency needs routing.kv_queue_time = true or policy kv_time \
+                     (the latency model places the cold prompts)"
+                );
+                v
+            }
+            None if policy_name == "kv_time" => crate::config::KV_TIME_COLD_LATENCY,
+            None => 0.0,
+        };
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&cfg.kv_cold_reuse),
+            "routing.kv_cold_reuse must be a share in [0, 1], got {}",
+            cfg.kv_cold_reuse
+        );
+        pc.kv.cold_latency = cold;
+        pc.kv.cold_reuse = cfg.kv_cold_reuse;
+        pc.kv.cold_decode_weight = cfg.latency_decode_weight;
         pc.kv.temperature = cfg.temperature;
         pc.busy = BusyThresholds {
             active_blocks: cfg.busy_active_blocks,
@@ -752,7 +776,7 @@ impl Router {
                     let index = self.index.read();
                     let mut remote = self.cluster.get().map(|_| self.remote.lock());
                     let speeds = self.speeds.view();
-                    let prepare = |c: &mut Candidate| {
+                    let mut prepare = |c: &mut Candidate| {
                         // The load order spans every pool: other pools' workers are skipped.
                         let Some(w) = pool.worker(c.worker) else {
                             return false;
@@ -773,17 +797,39 @@ impl Router {
                         true
                     };
                     match (kv, latency) {
-                        (Some(kv), _) => select_kv_bounded(
-                            kv,
-                            &index,
-                            &self.active,
-                            &req,
-                            now,
-                            scores,
-                            candidates,
-                            prepare,
-                            rng,
-                        ),
+                        (Some(kv), _) => {
+                            let blocks = select_kv_bounded(
+                                kv,
+                                &index,
+                                &self.active,
+                                &req,
+                                now,
+                                scores,
+                                candidates,
+                                &mut prepare,
+                                rng,
+                            );
+                            // The cold rule (`routing.kv_cold_latency`) over the holders just
+                            // visited, then the bounded `latency` walk (docs/routing.md §4).
+                            match blocks
+                                .as_ref()
+                                .and_then(|_| kv.placed_by_latency(&req, candidates))
+                            {
+                                Some(cold) => select_latency_bounded(
+                                    cold,
+                                    &index,
+                                    &self.active,
+                                    &req,
+                                    now,
+                                    speed_bounds,
+                                    scores,
+                                    candidates,
+                                    &mut prepare,
+                                    rng,
+                                ),
+                                None => blocks,
+                            }
+                        }
                         (None, Some(l)) => select_latency_bounded(
                             l,
                             &index,

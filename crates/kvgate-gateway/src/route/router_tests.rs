@@ -75,12 +75,32 @@ fn bounded_latency_selection_matches_the_exhaustive_scan() {
     check_bounded_selection("latency");
 }
 
+/// The same for `kv_time` with the cold rule open (`kv_cold_reuse = 1`: the recent reuse is
+/// below 1 from the first prompt not cached whole): cold prompts take the bounded `latency` walk.
+#[test]
+fn bounded_kv_time_cold_selection_matches_the_exhaustive_scan() {
+    check_bounded_selection("kv_time_cold");
+}
+
 fn check_bounded_selection(policy: &str) {
     let mut checked = 0;
     let mut unique = 0;
+    let (name, cold) = match policy {
+        "kv_time_cold" => ("kv_time", true),
+        p => (p, false),
+    };
+    let policy = name;
     for seed in 0..120u64 {
         let mut rng = fastrand::Rng::with_seed(seed);
-        let cfg = config(rng.usize(1..40), rng.usize(0..20), policy, &mut rng);
+        let mut cfg = config(rng.usize(1..40), rng.usize(0..20), policy, &mut rng);
+        if cold {
+            let c = Arc::make_mut(&mut cfg);
+            c.routing.kv_cold_latency = Some(0.5);
+            c.routing.kv_cold_reuse = 1.0;
+            // The replication term reads the router's hot prefix, which the tie count below
+            // does not rebuild.
+            c.routing.kv_replicate = Some(0.0);
+        }
         let (reg, _) = Registry::new(cfg.clone()).unwrap();
         let router = router(&cfg, &reg);
         let fleet = reg.snapshot();
@@ -89,6 +109,15 @@ fn check_bounded_selection(policy: &str) {
             .filter_map(|m| fleet.pool(m).cloned())
             .collect();
         let now = Instant::now();
+        if cold {
+            // Open the rule: one prompt cached nowhere takes the recent reuse below 1.
+            let fresh: Vec<u64> = (0..4).map(|_| rng.u64(1..u64::MAX)).collect();
+            router
+                .select(&pools[0], &fresh, 64, None, &[], now)
+                .expect("an idle pool picks");
+            let rp = router.policy();
+            assert!(rp.policy.as_kv().expect("kv_time").recent_reuse() < 1.0);
+        }
         let mut guards = Vec::new();
         for _ in 0..rng.usize(0..80) {
             let pool = &pools[rng.usize(0..pools.len())];
@@ -121,7 +150,7 @@ fn check_bounded_selection(policy: &str) {
                 }
             };
             let g = router.dispatch(&pick, &hashes, isl, 16, now);
-            if policy == "latency" && rng.bool() {
+            if (policy == "latency" || cold) && rng.bool() {
                 // Learned speeds differ per worker: the floor is the fastest's.
                 g.observe_first_token(now + Duration::from_millis(rng.u64(1..2000)));
                 router.observe_engine(pick.worker.id, rng.u32(0..6), rng.u32(0..3));
@@ -209,10 +238,6 @@ fn check_bounded_selection(policy: &str) {
                     // The exhaustive scan's candidates are still in the scratch: is its minimum
                     // unique among the workers the policy could choose?
                     let rp = router.policy();
-                    let cost_of = |req: &RouteRequest, c: &Candidate| match rp.policy.as_kv() {
-                        Some(kv) => kv.config().cost(req, c),
-                        None => rp.policy.as_latency().unwrap().config().cost(req, c).0,
-                    };
                     let req = RouteRequest {
                         hashes: &hashes,
                         isl_tokens: isl,
@@ -222,6 +247,20 @@ fn check_bounded_selection(policy: &str) {
                     };
                     let tied = SCRATCH.with(|s| {
                         let s = s.borrow();
+                        // A cold prompt was placed by the latency cost (the rule is open here).
+                        let by_latency = rp
+                            .policy
+                            .as_kv()
+                            .and_then(|kv| kv.placed_by_latency(&req, &s.candidates))
+                            .map(|l| *l.config());
+                        let cost_of = |req: &RouteRequest, c: &Candidate| match (
+                            by_latency,
+                            rp.policy.as_kv(),
+                        ) {
+                            (Some(l), _) => l.cost(req, c).0,
+                            (None, Some(kv)) => kv.config().cost(req, c),
+                            (None, None) => rp.policy.as_latency().unwrap().config().cost(req, c).0,
+                        };
                         s.candidates
                             .iter()
                             .filter(|c| rp.busy.is_off() || !kvgate_core::is_busy(c, &rp.busy))
@@ -671,4 +710,44 @@ fn kv_replicate_reaches_the_cost_and_bad_values_are_refused() {
         assert!(err.to_string().contains("routing.kv_replicate"), "{err}");
     }
     assert!(Config::from_toml("[routing]\nkv_replicate = \"high\"\n").is_err());
+}
+
+#[test]
+fn kv_cold_latency_reaches_the_cost_and_bad_values_are_refused() {
+    let build = policy_of;
+    let cold = |toml: &str| {
+        let c = kv_cost_of(toml);
+        (c.cold_latency, c.cold_reuse, c.cold_decode_weight)
+    };
+    // Unset: on in kv_time (the default policy), off in kv.
+    assert_eq!(cold(""), (crate::config::KV_TIME_COLD_LATENCY, 0.5, 0.25));
+    assert_eq!(cold("[routing]\npolicy = \"kv\"\n").0, 0.0);
+    assert_eq!(
+        cold("[routing]\nkv_cold_latency = 0.3\nkv_cold_reuse = 0.9\nlatency_decode_weight = 1\n"),
+        (0.3, 0.9, 1.0)
+    );
+    assert_eq!(cold("[routing]\nkv_cold_latency = 0\n").0, 0.0);
+    // `kv` has the latency model only with kv_queue_time.
+    assert_eq!(
+        cold("[routing]\npolicy = \"kv\"\nkv_queue_time = true\nkv_cold_latency = 0.5\n").0,
+        0.5
+    );
+    let err = build("[routing]\npolicy = \"kv\"\nkv_cold_latency = 0.5\n")
+        .err()
+        .expect("kv_cold_latency without the latency model accepted");
+    assert!(err.to_string().contains("routing.kv_cold_latency"), "{err}");
+    for (key, bad) in [
+        ("kv_cold_latency", "-0.1"),
+        ("kv_cold_latency", "1.5"),
+        ("kv_cold_latency", "nan"),
+        ("kv_cold_reuse", "-1"),
+        ("kv_cold_reuse", "2"),
+        ("kv_cold_reuse", "nan"),
+    ] {
+        let err = build(&format!("[routing]\n{key} = {bad}\n"))
+            .err()
+            .unwrap_or_else(|| panic!("{key} = {bad} accepted"));
+        assert!(err.to_string().contains(&format!("routing.{key}")), "{err}");
+    }
+    assert!(Config::from_toml("[routing]\nkv_cold_latency = \"high\"\n").is_err());
 }
