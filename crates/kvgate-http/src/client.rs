@@ -630,14 +630,12 @@ impl Conn {
             buf.reserve(READ_CHUNK);
         }
         match self {
-            // Straight into the buffer, no intermediate copy or zeroing.
-            Conn::Plain(io) => loop {
-                ready!(io.poll_read_ready(cx))?;
-                match io.try_read_buf(buf) {
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    r => return Poll::Ready(r),
-                }
-            },
+            // Straight into the buffer's spare capacity, no intermediate copy or zeroing. Through
+            // `AsyncRead` rather than `try_read_buf`: a read that fills less than the space offered
+            // has drained the socket, and tokio then forgets the socket's readiness, so the probe
+            // at the next checkout makes no system call (a `try_read` keeps the readiness until a
+            // read fails with `WouldBlock`: one more `recvfrom` per reused connection).
+            Conn::Plain(io) => tokio_util::io::poll_read_buf(Pin::new(io), cx, buf),
             Conn::Tls(io) => tokio_util::io::poll_read_buf(Pin::new(io), cx, buf),
         }
     }
@@ -646,7 +644,7 @@ impl Conn {
     /// Bytes that arrived while it sat idle belong to no request: the worker wrote after its
     /// response.
     /// (On a plain connection `try_read` makes no system call unless the reactor saw the socket
-    /// become readable.)
+    /// become readable since the last read drained it: see [`Conn::poll_read`].)
     fn probe(&mut self) -> IdleState {
         let mut probe = [0u8; 1];
         let read = match self {
