@@ -3,7 +3,8 @@
 # nginx, kvgate (kv policy with a real tokenizer if available, and round_robin) and sglang-router,
 # side by side in one run, driven by wrk with a 1.3 KB chat body (shared/tools/peers/chat.lua).
 # Reports per target and concurrency: requests/s, p50/p99 latency, latency added over direct, and
-# CPU µs per request of the proxy process(es) (utime+stime from /proc over the run / requests),
+# CPU µs per request of the proxy process(es) (utime+stime from /proc over the run / requests,
+# and the user-space part alone),
 # and that CPU over nginx's in the same round (median over rounds; use several rounds for it).
 #
 # Usage: benches/overhead.sh [seconds-per-point=5] [rounds=1]
@@ -47,7 +48,14 @@ HZ=$(getconf CLK_TCK)
 wait_port() { for _ in $(seq 1 200); do (echo > /dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 # CPU ticks of a process and all its descendants.
 tree_pids() { local p=$1; echo "$p"; for c in $(pgrep -P "$p" 2>/dev/null); do tree_pids "$c"; done; }
-cpu_ticks() { local t=0; for p in $(tree_pids "$1"); do [ -r /proc/$p/stat ] && t=$((t + $(awk '{print $14+$15}' /proc/$p/stat))); done; echo $t; }
+# Prints "total user": utime+stime and utime alone (kernel time is the difference), one read each.
+cpu_ticks() {
+  local t=0 u=0 s
+  for p in $(tree_pids "$1"); do
+    [ -r /proc/$p/stat ] && { read -r -a s <<<"$(awk '{print $14+$15, $14}' /proc/$p/stat)"; t=$((t + s[0])); u=$((u + s[1])); }
+  done
+  echo "$t $u"
+}
 
 # An unusual port, and a check that the mock is still alive once the port is open: another
 # process already listening there would otherwise be benchmarked in its place.
@@ -141,13 +149,13 @@ for t in "${TARGETS[@]}"; do wrk -t1 -c4 -d1s -s "$CHAT_LUA" "http://127.0.0.1:$
 
 to_us() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us$/,"",v); print v} else if (v ~ /ms$/) {sub(/ms$/,"",v); print v*1000} else if (v ~ /s$/) {sub(/s$/,"",v); print v*1000000} else print v }'; }
 
-declare -A P50 P99 RPS CPU N
+declare -A P50 P99 RPS CPU UCPU N
 for round in $(seq 1 "$ROUNDS"); do
   for c in 1 32; do
     for t in "${TARGETS[@]}"; do
-      pid=${PID[$t]}; before=0; [ -n "$pid" ] && before=$(cpu_ticks "$pid")
+      pid=${PID[$t]}; before=0; ubefore=0; [ -n "$pid" ] && read -r before ubefore <<<"$(cpu_ticks "$pid")"
       out=$(wrk -t1 -c$c -d${DUR}s --latency -s "$CHAT_LUA" "http://127.0.0.1:${PORT[$t]}")
-      after=0; [ -n "$pid" ] && after=$(cpu_ticks "$pid")
+      after=0; uafter=0; [ -n "$pid" ] && read -r after uafter <<<"$(cpu_ticks "$pid")"
       reqs=$(echo "$out" | awk '/requests in/{print $1}')
       non2xx=$(echo "$out" | awk '/Non-2xx/{print $NF}'); [ -n "$non2xx" ] && echo "WARN $t c=$c: $non2xx non-2xx responses" >&2
       k="$t|$c"
@@ -156,6 +164,7 @@ for round in $(seq 1 "$ROUNDS"); do
       RPS[$k]="${RPS[$k]:-} $(echo "$out" | awk '/Requests\/sec/{print $2}')"
       if [ -n "$pid" ] && [ "${reqs:-0}" -gt 0 ]; then
         CPU[$k]="${CPU[$k]:-} $(awk -v d=$((after-before)) -v hz=$HZ -v n=$reqs 'BEGIN{printf "%.1f", d/hz*1e6/n}')"
+        UCPU[$k]="${UCPU[$k]:-} $(awk -v d=$((uafter-ubefore)) -v hz=$HZ -v n=$reqs 'BEGIN{printf "%.1f", d/hz*1e6/n}')"
       fi
     done
   done
@@ -182,13 +191,13 @@ ratio() { # target c
     median "${r[@]}"
   fi
 }
-echo "| target | c | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs | proxy CPU µs/req | CPU ÷ nginx (rounds' range) |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| target | c | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs | proxy CPU µs/req | of it user µs/req | CPU ÷ nginx (rounds' range) |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for c in 1 32; do
   d50=$(median ${P50["direct|$c"]}); d99=$(median ${P99["direct|$c"]})
   for t in "${TARGETS[@]}"; do
     k="$t|$c"; p50=$(median ${P50[$k]}); p99=$(median ${P99[$k]})
     if [ "$t" = direct ]; then a50="-"; a99="-"; else a50=$(awk -v a=$p50 -v b=$d50 'BEGIN{printf "%.0f", a-b}'); a99=$(awk -v a=$p99 -v b=$d99 'BEGIN{printf "%.0f", a-b}'); fi
-    echo "| $t | $c | $(median ${RPS[$k]}) | $p50 | $p99 | $a50 | $a99 | $(median ${CPU[$k]:-}) | $(ratio "$t" "$c") |"
+    echo "| $t | $c | $(median ${RPS[$k]}) | $p50 | $p99 | $a50 | $a99 | $(median ${CPU[$k]:-}) | $(median ${UCPU[$k]:-}) | $(ratio "$t" "$c") |"
   done
 done
