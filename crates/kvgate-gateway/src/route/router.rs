@@ -796,8 +796,11 @@ impl Router {
                         speeds.fill_all(one);
                         true
                     };
-                    match (kv, latency) {
-                        (Some(kv), _) => {
+                    // Under `kv` the block walk first; the cold rule (`routing.kv_cold_latency`)
+                    // over the holders it visited may hand the pick to the bounded `latency`
+                    // walk (docs/routing.md §4), which `latency` itself always takes.
+                    let (blocks, by_latency) = match kv {
+                        Some(kv) => {
                             let blocks = select_kv_bounded(
                                 kv,
                                 &index,
@@ -809,28 +812,15 @@ impl Router {
                                 &mut prepare,
                                 rng,
                             );
-                            // The cold rule (`routing.kv_cold_latency`) over the holders just
-                            // visited, then the bounded `latency` walk (docs/routing.md §4).
-                            match blocks
+                            let cold = blocks
                                 .as_ref()
-                                .and_then(|_| kv.placed_by_latency(&req, candidates))
-                            {
-                                Some(cold) => select_latency_bounded(
-                                    cold,
-                                    &index,
-                                    &self.active,
-                                    &req,
-                                    now,
-                                    speed_bounds,
-                                    scores,
-                                    candidates,
-                                    &mut prepare,
-                                    rng,
-                                ),
-                                None => blocks,
-                            }
+                                .and_then(|_| kv.placed_by_latency(&req, candidates));
+                            (blocks, cold)
                         }
-                        (None, Some(l)) => select_latency_bounded(
+                        None => (None, latency),
+                    };
+                    match by_latency {
+                        Some(l) => select_latency_bounded(
                             l,
                             &index,
                             &self.active,
@@ -839,10 +829,10 @@ impl Router {
                             speed_bounds,
                             scores,
                             candidates,
-                            prepare,
+                            &mut prepare,
                             rng,
                         ),
-                        (None, None) => unreachable!("checked above"),
+                        None => blocks,
                     }
                 };
                 // No non-busy worker visited: the walk then visited every worker it knows, and the
